@@ -1,0 +1,54 @@
+# tandem — set-up, demo, tests. Every target installs what it uses, so a fresh clone works.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+TINY    := .tiny-models
+PYTEST  := $(BIN)/python -m pytest
+
+.PHONY: install demo test test-fast lint typecheck protos protos-check bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned to the CPU wheel that lies on CPU machines (GPU users install their own torch;
+# pyproject keeps torch as a range). Then the project with every extra and the dev tools.
+$(STAMP): $(BIN)/python pyproject.toml package.json
+	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+		if nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
+		else $(BIN)/pip install -q torch==2.13.0; fi; fi
+	$(BIN)/pip install -q -e ".[frontend,engine,triton,dev]"
+	@if [ -f package.json ]; then npm ci --no-audit --no-fund --loglevel=error || npm install --no-audit --no-fund --loglevel=error; fi
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/tandem make-tiny-model $(TINY)/demo --arch llama --num-layers 4 --hidden-size 128 --seed 0
+	$(BIN)/tandem offline --model $(TINY)/demo
+
+test: install
+	$(BIN)/python scripts/gen_protos.py --check
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(PYTEST) -q -m "slow or not slow" -p no:cacheprovider
+
+test-fast: install
+	$(PYTEST) -q -m "not slow" -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+protos: install
+	$(BIN)/python scripts/gen_protos.py
+
+protos-check: install
+	$(BIN)/python scripts/gen_protos.py --check
+
+bench: install
+	$(BIN)/python bench/offline.py
+
+clean:
+	rm -rf $(VENV) $(TINY) node_modules build *.egg-info

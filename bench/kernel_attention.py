@@ -1,0 +1,131 @@
+"""Decode-attention bandwidth benchmark: the Triton paged kernel vs torch SDPA on contiguous K/V.
+
+Usage (GPU only): python bench/kernel_attention.py [--contexts 1024 4096 16384] [--batches 1 4 16 64 128 256]
+
+1. Measures achievable HBM bandwidth with a large device-to-device copy (bytes read + written / time).
+2. For each context length and batch size: decode (q_len 1), bf16, 8 KV heads, GQA 2 (16 query heads),
+   head_dim 128, block_size 16, every request's blocks scattered through a shuffled cache. Reports time,
+   effective bandwidth = (K + V of all contexts + q) / time, and its share of the measured HBM bandwidth,
+   for the paged Triton kernel and for SDPA over the same data laid out contiguously [B, Hkv, L, D].
+   The two outputs are compared (max abs diff) so a wrong kernel cannot post a good number.
+Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 8, 2, 128, 16
+DTYPE = torch.bfloat16
+
+
+def measure_hbm_bandwidth(do_bench, num_bytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy of `num_bytes` (counted as read + write)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    return 2 * num_bytes / (ms * 1e-3)
+
+
+def make_decode_batch(batch: int, context: int) -> dict[str, torch.Tensor]:
+    """Paged cache (shuffled blocks), block table, query, and per-request lengths for a decode step."""
+    blocks_per_req = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_req
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    table = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_req).to(torch.int32)
+    query = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM, dtype=DTYPE, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return dict(cache=cache, table=table, query=query, qsl=qsl, seq_lens=seq_lens)
+
+
+def contiguous_kv(data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same contexts gathered into [B, Hkv, L, D] (what SDPA reads)."""
+    batch, blocks = data["table"].shape
+    shape = (batch, blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    index = data["table"].long()
+    k = data["cache"][0, index].reshape(shape).transpose(1, 2).contiguous()  # one at a time: peak memory
+    v = data["cache"][1, index].reshape(shape).transpose(1, 2).contiguous()
+    return k, v
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    parser.add_argument("--tile-size", type=int, default=None, help="keys per inner step (default: kernel's)")
+    parser.add_argument(
+        "--splits", type=int, default=None, help="KV splits (default: the kernel's heuristic)"
+    )
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        sys.exit(
+            "bench/kernel_attention.py needs a CUDA GPU (none found); the kernels' CPU tests are "
+            "tests/kernels (TRITON_INTERPRET=1)."
+        )
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        sys.exit("triton is not installed: pip install 'tandem[triton]'")
+    from kernels.paged_attention import _auto_num_splits, unified_paged_attention
+
+    hbm = measure_hbm_bandwidth(do_bench)
+    print(
+        f"device: {torch.cuda.get_device_name()}; measured HBM bandwidth (D2D copy): {hbm / 1e9:.0f} GB/s\n"
+    )
+    print(
+        "| context | batch | splits | triton us | triton GB/s | % HBM | SDPA us | SDPA GB/s | % HBM | max abs diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    scale = HEAD_DIM**-0.5
+    for context in args.contexts:
+        for batch in args.batches:
+            data = make_decode_batch(batch, context)
+            k, v = contiguous_kv(data)
+            q4 = data["query"].view(batch, KV_HEADS * GROUP, 1, HEAD_DIM)
+
+            def triton_fn(data=data, context=context):
+                return unified_paged_attention(
+                    data["query"],
+                    data["cache"],
+                    data["qsl"],
+                    data["seq_lens"],
+                    data["table"],
+                    scale,
+                    1,
+                    context,
+                    num_kv_splits=args.splits,
+                    tile_size=args.tile_size,
+                )
+
+            def sdpa_fn(q4=q4, k=k, v=v):
+                return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+
+            diff = (triton_fn().float() - sdpa_fn().view(batch, -1, HEAD_DIM).float()).abs().max().item()
+            num_bytes = (
+                2 * k.numel() * k.element_size() + data["query"].numel() * data["query"].element_size()
+            )
+            t_ms = do_bench(triton_fn, warmup=25, rep=200)
+            s_ms = do_bench(sdpa_fn, warmup=25, rep=200)
+            tile = args.tile_size or BLOCK_SIZE
+            splits = args.splits or _auto_num_splits(data["query"].device, batch * KV_HEADS, context, tile)
+            t_bw, s_bw = num_bytes / (t_ms * 1e-3), num_bytes / (s_ms * 1e-3)
+            print(
+                f"| {context} | {batch} | {splits} | {t_ms * 1e3:.1f} | {t_bw / 1e9:.0f} | {100 * t_bw / hbm:.0f}% "
+                f"| {s_ms * 1e3:.1f} | {s_bw / 1e9:.0f} | {100 * s_bw / hbm:.0f}% | {diff:.2e} |",
+                flush=True,
+            )
+            del data, k, v, q4, triton_fn, sdpa_fn
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

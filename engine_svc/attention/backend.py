@@ -1,0 +1,60 @@
+"""The seam between the model and the attention implementation.
+
+KV cache layout, per layer: `kv_cache` is a tensor of shape
+    [2, num_blocks, block_size, num_kv_heads, head_dim]
+where index 0 holds keys and 1 holds values. Token slot `s` lives at block `s // block_size`,
+offset `s % block_size`.
+
+A batch is ragged: requests are laid out one after another in the flattened token dimension. Request
+`i` owns query tokens `query_start_loc[i] : query_start_loc[i+1]`; its context after this step has
+`seq_lens[i]` tokens, whose K/V are in the blocks `block_table[i, :ceil(seq_lens[i]/block_size)]`. The
+query tokens are the *last* `q_len_i` positions of that context (positions seq_len - q_len .. seq_len-1),
+and attention is causal within that frame. A decode is simply q_len == 1; a prefill chunk after a prefix
+hit has q_len < seq_len.
+
+A backend's `forward` first writes the new K/V into the cache through `slot_mapping` (one slot per
+query token), then attends over the cache. Backends must not depend on anything beyond this metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each query token's K/V
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_reqs] int32: context length including this step's tokens
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    max_query_len: int
+    max_seq_len: int
+    # Host-side copies, so a CPU backend can plan without device syncs.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # Requests [0, num_decodes) all have q_len == 1 (the runner orders decodes first).
+    num_decodes: int = 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """One instance per engine; stateless between calls."""
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...

@@ -1,0 +1,195 @@
+"""The EngineCore busy loop: one thread that owns the core and talks to the gRPC side through queues.
+
+Inputs arrive on `inbox` (a thread-safe queue) as small tuples; outputs leave through `deliver(stream_id,
+EngineCoreOutputs)`, called once per step for every stream that owns a request with something to report.
+Serialization to protobuf happens on the receiving (asyncio) side, not here.
+
+Invariants:
+- Every request added through `add` ends exactly once on the stream that added it: finished, aborted,
+  rejected, drained or failed. When a stream closes, all of its requests are aborted in the core.
+- Request ids are unique per engine while live; a duplicate is rejected on the stream that sent it.
+- After a fatal error the loop stops stepping, ends every live request with UNAVAILABLE, and calls
+  `on_fatal`; it never hangs the gRPC side.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+from engine_svc.core import EngineCore
+from engine_svc.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineError,
+    ErrorCode,
+    FinishReason,
+    SchedulerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+Deliver = Callable[[int, EngineCoreOutputs], None]
+
+
+def _error_output(request_id: str, code: ErrorCode, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id=request_id, finish_reason=FinishReason.ERROR,
+                            error=EngineError(code=code, message=message))
+
+
+class BusyLoop(threading.Thread):
+    def __init__(self, make_core: Callable[[], EngineCore], deliver: Deliver, *,
+                 max_waiting: int | None = None,
+                 on_ready: Callable[[EngineCore], None] = lambda core: None,
+                 on_fatal: Callable[[BaseException], None] = lambda exc: None,
+                 on_drained: Callable[[], None] = lambda: None) -> None:
+        super().__init__(name="engine-busy-loop", daemon=True)
+        self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._make_core = make_core
+        self._deliver = deliver
+        self._max_waiting = max_waiting
+        self._on_ready, self._on_fatal, self._on_drained = on_ready, on_fatal, on_drained
+        self.core: EngineCore | None = None
+        self.stats = SchedulerStats()  # the latest; read by GetLoad from other threads
+        self._owner: dict[str, int] = {}  # live request id -> stream id
+        self._draining = False
+        self._drain_deadline = float("inf")
+        self._stopped = False
+
+    # ---- called from other threads --------------------------------------------------------
+    def add(self, stream_id: int, request: EngineCoreRequest) -> None:
+        self.inbox.put(("add", stream_id, request))
+
+    def abort(self, stream_id: int, request_ids: list[str]) -> None:
+        self.inbox.put(("abort", stream_id, request_ids))
+
+    def close_stream(self, stream_id: int) -> None:
+        self.inbox.put(("close", stream_id, None))
+
+    def drain(self, grace_s: float) -> None:
+        self.inbox.put(("drain", 0, grace_s))
+
+    def stop(self) -> None:
+        self.inbox.put(("stop", 0, None))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self.core = self._make_core()
+            self.stats = self.core.get_stats()
+        except BaseException as exc:
+            logger.exception("engine failed to start")
+            self._on_fatal(exc)
+            return
+        self._on_ready(self.core)
+        try:
+            self._loop(self.core)
+        except BaseException as exc:
+            logger.exception("engine step failed; failing every live request")
+            self._fail_all(f"engine failed: {type(exc).__name__}: {exc}")
+            self._on_fatal(exc)
+
+    def _loop(self, core: EngineCore) -> None:
+        while not self._stopped:
+            self._process_inbox(core, block=not core.has_unfinished_requests())
+            if self._stopped:
+                return
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self.stats = outputs.scheduler_stats or self.stats
+                self._route(outputs)
+            if self._draining:
+                self._check_drain(core)
+
+    def _process_inbox(self, core: EngineCore, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=self._idle_timeout()) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(core, *item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _idle_timeout(self) -> float | None:
+        if not self._draining:
+            return None
+        return max(0.0, min(0.05, self._drain_deadline - time.monotonic()))
+
+    def _handle(self, core: EngineCore, kind: str, stream_id: int, payload: object) -> None:
+        if kind == "add":
+            self._add(core, stream_id, payload)  # type: ignore[arg-type]
+        elif kind == "abort":
+            ids = [r for r in payload if self._owner.get(r) == stream_id]  # type: ignore[attr-defined]
+            core.abort_requests(ids)
+        elif kind == "close":
+            ids = [r for r, s in self._owner.items() if s == stream_id]
+            core.abort_requests(ids)
+        elif kind == "drain":
+            self._draining = True
+            self._drain_deadline = time.monotonic() + float(payload)  # type: ignore[arg-type]
+        elif kind == "stop":
+            self._stopped = True
+
+    def _add(self, core: EngineCore, stream_id: int, request: EngineCoreRequest) -> None:
+        rid = request.request_id
+        error = None
+        if self._draining:
+            error = (ErrorCode.UNAVAILABLE, "engine is draining; send the request to another engine")
+        elif rid in self._owner:
+            error = (ErrorCode.INVALID_ARGUMENT, f"duplicate request id {rid!r}: ids must be unique per engine")
+        elif self._max_waiting is not None and core.scheduler.num_waiting >= self._max_waiting:
+            error = (ErrorCode.RESOURCE_EXHAUSTED,
+                     f"engine admission queue is full ({self._max_waiting} waiting); retry later")
+        if error is not None:
+            self._deliver(stream_id, EngineCoreOutputs(outputs=[_error_output(rid, *error)],
+                                                       scheduler_stats=self.stats, timestamp=time.time()))
+            return
+        self._owner[rid] = stream_id
+        core.add_request(request)
+
+    def _route(self, outputs: EngineCoreOutputs) -> None:
+        if not outputs.outputs:
+            return
+        by_stream: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        owner = self._owner
+        for out in outputs.outputs:
+            sid = owner.get(out.request_id)
+            if sid is None:
+                continue  # its stream is gone
+            if out.finish_reason:
+                del owner[out.request_id]
+            by_stream[sid].append(out)
+        for sid, outs in by_stream.items():
+            self._deliver(sid, EngineCoreOutputs(outputs=outs, scheduler_stats=outputs.scheduler_stats,
+                                                 timestamp=outputs.timestamp))
+
+    def _check_drain(self, core: EngineCore) -> None:
+        if not core.has_unfinished_requests():
+            self._draining = False
+            self._on_drained()
+            return
+        if time.monotonic() >= self._drain_deadline:
+            self._fail_all("engine drained: the grace period ended before this request finished",
+                           abort_in=core)
+
+    def _fail_all(self, message: str, abort_in: EngineCore | None = None) -> None:
+        """End every live request with UNAVAILABLE (so a client can retry elsewhere)."""
+        by_stream: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        for rid, sid in self._owner.items():
+            by_stream[sid].append(_error_output(rid, ErrorCode.UNAVAILABLE, message))
+        ids = list(self._owner)
+        self._owner.clear()
+        if abort_in is not None:
+            abort_in.abort_requests(ids)
+            while abort_in.has_unfinished_requests():  # flush the aborts so every block is freed
+                abort_in.step()
+        for sid, outs in by_stream.items():
+            self._deliver(sid, EngineCoreOutputs(outputs=outs, scheduler_stats=self.stats, timestamp=time.time()))

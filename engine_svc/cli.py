@@ -1,0 +1,38 @@
+"""`tandem`: the umbrella command (make-tiny-model, offline, and the service commands)."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: tandem COMMAND [ARGS...]
+
+commands:
+  make-tiny-model DIR [...]   build a random-weight HF model dir with a locally trained tokenizer
+  offline --model DIR [...]   run prompts through the in-process engine (the offline LLM API)
+  serve --model DIR [...]     run an engine and a frontend locally (public API on :50050)
+  generate "PROMPT" [...]     stream a completion from a frontend (--server HOST:PORT)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "make-tiny-model":
+        from engine_svc.tiny_model import main as run
+    elif command == "offline":
+        from engine_svc.offline_cli import main as run
+    elif command == "serve":
+        from engine_svc.serve_cli import main as run
+    elif command == "generate":
+        from frontend_svc.generate_cli import main as run
+    else:
+        print(f"tandem: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return int(run(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Engine configuration: one frozen dataclass with vLLM's argument names, validated at construction.
+
+Every check raises `ConfigError` with what is wrong and what to do about it. Values that depend on the
+model (max_model_len) are resolved by `EngineConfig.create`, which reads the model's config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and how to fix it."""
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def read_hf_config(model: str) -> dict[str, Any]:
+    path = Path(model)
+    if not path.is_dir():
+        raise ConfigError(f"--model {model!r} is not a directory: pass a Hugging Face model directory "
+                          "(make one with `tandem make-tiny-model DIR`)")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise ConfigError(f"--model {model!r} has no config.json: it must be a Hugging Face model directory "
+                          "(config.json + *.safetensors + tokenizer files)")
+    with cfg.open() as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def _check_architecture(hf_config: dict[str, Any], model: str) -> str:
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise ConfigError(f"{model}/config.json lists no 'architectures'; expected one of "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = str(archs[0])
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"unsupported architecture {arch!r} in {model}/config.json; tandem serves "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(8192, max_model_len) capped sensibly
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+    served_model_name: str | None = None
+    # Resolved by create(); not user arguments.
+    architecture: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_sizes()
+
+    def _check_choices(self) -> None:
+        for name, value, allowed in (
+            ("dtype", self.dtype, DTYPES),
+            ("device", self.device, DEVICES),
+            ("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES),
+            ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r} is not supported; "
+                                  f"choose one of {', '.join(allowed)}")
+
+    def _check_sizes(self) -> None:
+        if not _is_power_of_two(self.block_size):
+            raise ConfigError(f"--block-size {self.block_size} must be a power of two (e.g. 16)")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ConfigError("--max-num-seqs must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
+            raise ConfigError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is smaller than "
+                              f"--block-size {self.block_size}; raise it (a step must fit at least one block)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("--max-model-len must be >= 2")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError("--kv-cache-memory-bytes must be positive")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError("--num-gpu-blocks-override must be >= 1")
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> EngineConfig:
+        """Validate the arguments against the model directory and fill model-dependent defaults."""
+        known = {f.name for f in fields(cls)} - {"architecture"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
+        model = kwargs.get("model")
+        if not model:
+            raise ConfigError("--model is required: a Hugging Face model directory")
+        hf_config = read_hf_config(str(model))
+        arch = _check_architecture(hf_config, str(model))
+        model_max = int(hf_config.get("max_position_embeddings") or 2048)
+        max_model_len = kwargs.get("max_model_len") or model_max
+        if max_model_len > model_max:
+            raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                              f"{model_max}; lower it")
+        kwargs["max_model_len"] = max_model_len
+        if kwargs.get("max_num_batched_tokens") is None:
+            kwargs["max_num_batched_tokens"] = max(8192, min(max_model_len, 16384))
+        if kwargs.get("device", "auto") == "auto":
+            kwargs["device"] = _auto_device()
+        return cls(architecture=arch, **kwargs)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """float32 on CPU by default (exactness, speed of CPU kernels); bfloat16 on CUDA."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device == "cuda" else "torch"
+
+
+def _auto_device() -> str:
+    if os.environ.get("TANDEM_DEVICE"):
+        return os.environ["TANDEM_DEVICE"]
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - the engine always has torch
+        return "cpu"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's CLI flags, named as vLLM names them."""
+    a = parser.add_argument
+    a("--model", required=True, help="Hugging Face model directory")
+    a("--served-model-name", default=None, help="name reported to clients (default: the directory name)")
+    a("--dtype", default="auto", choices=DTYPES)
+    a("--device", default="auto", choices=DEVICES)
+    a("--tensor-parallel-size", "-tp", type=int, default=1)
+    a("--block-size", type=int, default=16)
+    a("--max-num-seqs", type=int, default=256)
+    a("--max-num-batched-tokens", type=int, default=None)
+    a("--max-model-len", type=int, default=None)
+    a("--gpu-memory-utilization", type=float, default=0.9)
+    a("--kv-cache-memory-bytes", type=int, default=None)
+    a("--num-gpu-blocks-override", type=int, default=None)
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    a("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
+    a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    a("--enforce-eager", action="store_true")
+    a("--seed", type=int, default=0)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)} - {"architecture"}
+    return EngineConfig.create(**{k: v for k, v in vars(args).items() if k in names})

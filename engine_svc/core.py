@@ -1,0 +1,106 @@
+"""EngineCore: token ids in, token ids out, one scheduler step at a time.
+
+`step()` is schedule -> execute -> update. It returns one `EngineCoreOutputs` per call carrying every
+request that produced something (tokens, a finish, an error), and the scheduler's stats. The core is
+single-threaded: the gRPC server drives it from its own busy-loop thread; the offline `LLM` calls it
+directly.
+
+Invariant: every request passed to `add_request` ends exactly once in some step's outputs (finished,
+aborted, or rejected with an error), and its KV blocks are back in the pool when it does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine_svc.config import EngineConfig
+from engine_svc.executor.base import Executor, make_executor
+from engine_svc.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineError,
+    ErrorCode,
+    FinishReason,
+    SchedulerStats,
+)
+from engine_svc.request import Request, RequestStatus
+from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_NOTHING_RAN = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        self.executor = executor or make_executor(config)
+        self.num_blocks = self.executor.initialize()
+        self.vocab_size = self.executor.vocab_size
+        max_model_len = int(config.max_model_len or 0)
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=int(config.max_num_batched_tokens or max_model_len),
+            max_model_len=max_model_len,
+            block_size=config.block_size,
+            num_blocks=self.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.scheduling_policy,
+        )
+        self._rejected: list[EngineCoreOutput] = []
+        self._log_capacity()
+
+    def _log_capacity(self) -> None:
+        cfg = self.config
+        tokens = self.num_blocks * cfg.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at max_model_len=%d: %.2fx",
+            self.num_blocks, cfg.block_size, tokens,
+            self.num_blocks * self.executor.kv_block_bytes / 2**20,
+            cfg.max_model_len, tokens / max(1, int(cfg.max_model_len or 1)),
+        )
+
+    # ---- inputs ------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            self._reject(req.request_id, f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            return
+        self.scheduler.add_request(Request(req, int(self.config.max_model_len or 0)))
+
+    def _reject(self, request_id: str, message: str, code: ErrorCode = ErrorCode.INVALID_ARGUMENT) -> None:
+        self._rejected.append(EngineCoreOutput(
+            request_id=request_id, finish_reason=FinishReason.ERROR,
+            error=EngineError(code=code, message=message),
+        ))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self._execute(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._rejected:
+            outputs.outputs.extend(self._rejected)
+            self._rejected = []
+        outputs.timestamp = time.time()
+        return outputs
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if so.total_num_scheduled_tokens == 0 and not so.finished_req_ids and not so.preempted_req_ids:
+            return _NOTHING_RAN
+        return self.executor.execute_model(so)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,91 @@
+"""The executor <-> worker wire format: one op byte, then a msgpack body (msgspec, no pickle).
+
+Commands (engine -> every worker, through the broadcast queue):
+    LOAD_MODEL   no body      load the model, size the KV cache; rank 0 answers with `WorkerInfo`
+    INIT_CACHE   int          allocate that many KV blocks; rank 0 answers with an empty ack
+    EXECUTE      SchedulerOutput                         rank 0 answers with `ModelRunnerOutput`
+    SHUTDOWN     no body      leave the busy loop (no answer)
+
+Responses (rank 0 -> engine) carry no op byte: the engine knows which command it is waiting for.
+Decoders accept any buffer (bytes or a memoryview into shared memory); decoded objects own their data.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+
+
+class Op(IntEnum):
+    LOAD_MODEL = 1
+    INIT_CACHE = 2
+    EXECUTE = 3
+    SHUTDOWN = 4
+
+
+class WorkerInfo(msgspec.Struct, array_like=True):
+    """Rank 0's answer to LOAD_MODEL: num_blocks is already the minimum over all ranks."""
+
+    num_blocks: int
+    vocab_size: int
+    kv_block_bytes: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_so_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+_int_decoder = msgspec.msgpack.Decoder(int)
+_out_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+_info_decoder = msgspec.msgpack.Decoder(WorkerInfo)
+_BODY_DECODERS: dict[Op, msgspec.msgpack.Decoder | None] = {
+    Op.LOAD_MODEL: None,
+    Op.INIT_CACHE: _int_decoder,
+    Op.EXECUTE: _so_decoder,
+    Op.SHUTDOWN: None,
+}
+
+
+def encode_command(op: Op, body: object = None) -> bytearray:
+    """op byte + msgpack(body); body must be None exactly when the op takes none."""
+    if (_BODY_DECODERS[op] is None) != (body is None):
+        raise ValueError(f"{op.name} {'takes no' if body is not None else 'needs a'} body")
+    buf = bytearray((int(op),))
+    if body is not None:
+        _encoder.encode_into(body, buf, 1)
+    return buf
+
+
+def decode_command(buf: bytes | bytearray | memoryview) -> tuple[Op, object]:
+    view = memoryview(buf)
+    op = Op(view[0])
+    decoder = _BODY_DECODERS[op]
+    return op, (decoder.decode(view[1:]) if decoder is not None else None)
+
+
+def encode_scheduler_output(so: SchedulerOutput) -> bytes:
+    return _encoder.encode(so)
+
+
+def decode_scheduler_output(buf: bytes | bytearray | memoryview) -> SchedulerOutput:
+    return _so_decoder.decode(buf)
+
+
+def encode_runner_output(out: ModelRunnerOutput) -> bytes:
+    return _encoder.encode(out)
+
+
+def decode_runner_output(buf: bytes | bytearray | memoryview) -> ModelRunnerOutput:
+    return _out_decoder.decode(buf)
+
+
+def encode_worker_info(info: WorkerInfo) -> bytes:
+    return _encoder.encode(info)
+
+
+def decode_worker_info(buf: bytes | bytearray | memoryview) -> WorkerInfo:
+    return _info_decoder.decode(buf)
+
+
+ACK = b""  # rank 0's answer to INIT_CACHE

@@ -1,0 +1,256 @@
+"""TP > 1: one worker process per rank, fed through a shared-memory broadcast queue.
+
+    engine process                                  worker processes (spawn), rank 0 .. N-1
+    MultiprocExecutor --commands (shm, N readers)--> busy loop: decode -> Worker -> (rank 0) answer
+                      <--------answers (pipe)-------- rank 0 only
+
+Answers take a pipe rather than a second shm queue: the engine then blocks in
+`multiprocessing.connection.wait` on the pipe and every worker's sentinel, so it wakes the moment the
+answer arrives or any worker dies, and burns no CPU polling during the forward pass (bench/shm_queue.py
+measures both: equal back to back, the pipe ahead once a forward pass separates the two messages).
+
+`__init__` only spawns the workers (they import torch and rendezvous meanwhile), so the engine server
+can create the executor before starting gRPC (gRPC core is not fork-safe; spawn is safe either way).
+`initialize()` then has them load the model and size the KV cache.
+
+Failure model: a worker that dies (killed, or exited after an exception, see worker_proc) makes the
+next or current `execute_model` / `initialize` / `check_health` raise `WorkerDiedError` within about
+`liveness_interval` seconds; the executor shuts itself down first, so no worker processes or /dev/shm
+segments outlive the failure. `shutdown()` is idempotent and also runs at interpreter exit, when the
+executor is garbage-collected, and on SIGTERM (a handler installed when created on the main thread,
+which chains to the previous handler or re-raises the default action).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from engine_svc.config import EngineConfig
+from engine_svc.executor.base import Executor
+from engine_svc.executor.codec import (
+    Op,
+    WorkerInfo,
+    decode_runner_output,
+    decode_worker_info,
+    encode_command,
+)
+from engine_svc.executor.shm_queue import PeerDiedError, ShmBroadcastQueue
+from engine_svc.executor.worker_proc import DEFAULT_WORKER_CLS, WorkerArgs, worker_main
+from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+COMMAND_CHUNKS, COMMAND_CHUNK_BYTES = 4, 4 << 20  # bigger SchedulerOutputs go through the overflow pipes
+_JOIN_TIMEOUT_S = 3.0
+
+_live_executors: weakref.WeakSet[MultiprocExecutor] = weakref.WeakSet()
+_sigterm_installed = False
+
+
+class WorkerDiedError(RuntimeError):
+    """A TP worker process died or failed; the executor is shut down and cannot be used again."""
+
+
+def free_tcp_port() -> int:
+    """A port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MultiprocExecutor(Executor):
+    def __init__(
+        self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, liveness_interval: float = 0.05
+    ) -> None:
+        super().__init__(config)
+        self.world_size = config.tensor_parallel_size
+        self._info: WorkerInfo | None = None
+        self._failure: str | None = None
+        self._commands = ShmBroadcastQueue.create(
+            self.world_size, COMMAND_CHUNKS, COMMAND_CHUNK_BYTES, liveness_interval=liveness_interval)
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []  # answer pipe, then each rank's status pipe
+        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._conns, self._commands)
+        self._spawn(worker_cls)
+        _live_executors.add(self)
+        _install_sigterm_cleanup()
+
+    def _spawn(self, worker_cls: str) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self._answers, answer_send = ctx.Pipe(duplex=False)
+        self._conns.append(self._answers)
+        self._status: list[Connection] = []
+        for rank in range(self.world_size):
+            status_recv, status_send = ctx.Pipe(duplex=False)
+            args = WorkerArgs(
+                config=self.config, rank=rank, dist_init_method=init_method,
+                commands=self._commands.reader_handle(rank), responses=answer_send if rank == 0 else None,
+                status=status_send, parent_pid=os.getpid(), worker_cls=worker_cls,
+            )
+            proc = ctx.Process(target=worker_main, args=(args,), name=f"tandem-tp-worker-{rank}", daemon=True)
+            proc.start()
+            status_send.close()
+            self._procs.append(proc)
+            self._status.append(status_recv)
+        self._conns.extend(self._status)
+        answer_send.close()
+        self._commands.release_peer_ends()
+
+    # ---- the Executor interface --------------------------------------------------------------------
+    def initialize(self) -> int:
+        self._call(encode_command(Op.LOAD_MODEL))
+        self._info = self._call_and_wait(decode_worker_info)  # type: ignore[assignment]
+        assert self._info is not None
+        self._call(encode_command(Op.INIT_CACHE, self._info.num_blocks))
+        self._call_and_wait(None)
+        return self._info.num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._call(encode_command(Op.EXECUTE, scheduler_output))
+        return self._call_and_wait(decode_runner_output)  # type: ignore[return-value]
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise WorkerDiedError(self._failure)
+        if not self._all_alive():
+            self._fail()
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @property
+    def vocab_size(self) -> int:
+        assert self._info is not None, "initialize() first"
+        return self._info.vocab_size
+
+    @property
+    def kv_block_bytes(self) -> int:
+        assert self._info is not None, "initialize() first"
+        return self._info.kv_block_bytes
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def shm_names(self) -> list[str]:
+        """Names of this executor's /dev/shm segments (for diagnostics and leak checks)."""
+        return [self._commands.spec.shm_name]
+
+    # ---- plumbing ----------------------------------------------------------------------------------
+    def _all_alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def _call(self, message: bytes | bytearray) -> None:
+        self.check_health()
+        try:
+            self._commands.enqueue(message, is_alive=self._all_alive)
+        except (PeerDiedError, BrokenPipeError):
+            self._fail()
+
+    def _call_and_wait(self, decode: Callable[[bytes], Any] | None) -> object:
+        """Block until rank 0 answers (returned, decoded) or any worker dies (WorkerDiedError)."""
+        ready = wait([self._answers, *(p.sentinel for p in self._procs)])
+        if self._answers in ready:
+            try:
+                data = self._answers.recv_bytes()
+            except (EOFError, OSError):
+                self._fail()
+            return decode(data) if decode is not None else data
+        self._fail()
+
+    def _fail(self) -> None:
+        """Find out which workers died and why, shut everything down, raise WorkerDiedError."""
+        dead = self._collect_deaths()
+        self.shutdown()
+        reasons = []
+        for rank in sorted(dead, key=lambda r: dead[r][0]):  # in the order they died
+            proc, message = self._procs[rank], dead[rank][1]
+            reasons.append(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                           + (f": {message}" if message else ""))
+        self._failure = "TP worker died: " + ("; ".join(reasons) or "unknown")
+        logger.error("%s", self._failure)
+        raise WorkerDiedError(self._failure)
+
+    def _collect_deaths(self, first_wait_s: float = 1.0, grace_s: float = 0.2) -> dict[int, tuple[float, str]]:
+        """rank -> (when its death was seen, its traceback or ""), for ranks whose status pipe reports
+        a failure or closes (the process is gone) within `first_wait_s`, plus `grace_s` after the first
+        (a peer failing in a collective a moment later is reported too, after the root cause)."""
+        pending = {conn: rank for rank, conn in enumerate(self._status)}
+        dead: dict[int, tuple[float, str]] = {}
+        deadline = time.monotonic() + first_wait_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for conn in wait(list(pending), timeout=left):
+                rank = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    message = str(conn.recv())  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    message = ""
+                dead[rank] = (time.monotonic(), message)
+            if dead:
+                deadline = min(deadline, min(t for t, _ in dead.values()) + grace_s)
+        return dead
+
+
+def _teardown(procs: list[BaseProcess], conns: list[Connection], commands: ShmBroadcastQueue) -> None:
+    """Stop the workers (politely, then SIGTERM, then SIGKILL) and unlink the shared memory.
+
+    Holds no reference to the executor so it can run as its weakref finalizer.
+    """
+    if procs and all(p.is_alive() for p in procs):
+        try:
+            commands.enqueue(encode_command(Op.SHUTDOWN), timeout=0.5,
+                             is_alive=lambda: all(p.is_alive() for p in procs))
+            for proc in procs:
+                proc.join(_JOIN_TIMEOUT_S)
+        except (TimeoutError, PeerDiedError, OSError, ValueError, TypeError):
+            pass  # a worker is stuck or the queue is already closed: stop them below
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(_JOIN_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+    commands.close()
+
+
+def _shutdown_live_executors() -> None:
+    for executor in list(_live_executors):
+        executor.shutdown()
+
+
+def _install_sigterm_cleanup() -> None:
+    """On SIGTERM, shut every live executor down, then behave as the previous handler would."""
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        _shutdown_live_executors()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    _sigterm_installed = True

@@ -1,0 +1,158 @@
+"""The body of one tensor-parallel worker process (started by MultiprocExecutor with spawn).
+
+Startup: build the Worker (binds the device), join the TP group over torch.distributed (gloo on CPU,
+nccl on CUDA) so the model's parallel layers shard at load time, attach to the command queue, then run
+the busy loop until SHUTDOWN. Rank 0 answers through a pipe to the engine (see multiproc for why).
+
+Invariants:
+  * Every rank executes every command in the same order (they all read the same broadcast queue), so
+    the collectives inside the forward pass line up.
+  * Only rank 0 answers; every answer is for the command just read.
+  * Any exception ends the process with exit code 1 after sending its traceback on the status pipe;
+    the executor notices the death (process sentinel) and fails the engine. The process also exits
+    (code 0) when its parent dies, so no worker outlives the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine_svc.config import EngineConfig
+from engine_svc.executor.codec import (
+    ACK,
+    Op,
+    WorkerInfo,
+    decode_command,
+    encode_runner_output,
+    encode_worker_info,
+)
+from engine_svc.executor.shm_queue import PeerDiedError, ReaderHandle, ShmBroadcastQueue
+
+FAULT_ENV = "TANDEM_FAULT_INJECT"
+DEFAULT_WORKER_CLS = "engine_svc.worker.worker:Worker"
+
+
+@dataclass
+class WorkerArgs:
+    """Everything a worker process gets from the executor (pickled by spawn)."""
+
+    config: EngineConfig
+    rank: int
+    dist_init_method: str
+    commands: ReaderHandle
+    responses: Connection | None  # rank 0 only: send end of the answer pipe
+    status: Connection  # send end: the traceback of a fatal error
+    parent_pid: int
+    worker_cls: str = DEFAULT_WORKER_CLS  # "module:Class" taking (config, rank)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the fault-injection hook (tests only)."""
+
+
+def parse_fault(spec: str | None, rank: int) -> int | None:
+    """`TANDEM_FAULT_INJECT="rank=1,step=3"`: the 1-based EXECUTE step at which `rank` raises, or None."""
+    if not spec:
+        return None
+    fields = dict(part.split("=", 1) for part in spec.split(",") if part)
+    if int(fields.get("rank", -1)) != rank:
+        return None
+    return int(fields["step"])
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """Process entry point. Never returns normally into multiprocessing with an exception."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when workers stop
+    try:
+        code = _run(args)
+    except PeerDiedError:
+        code = 0  # the engine is gone: nothing left to report to
+    except BaseException:  # noqa: BLE001 - every failure must reach the engine
+        text = f"TP worker rank {args.rank} failed:\n{traceback.format_exc()}"
+        sys.stderr.write(text)
+        try:
+            args.status.send(text)
+        except OSError:
+            pass
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: torch/gloo threads can hang at exit
+
+
+def _make_worker(args: WorkerArgs) -> Any:
+    module, _, name = args.worker_cls.partition(":")
+    return getattr(importlib.import_module(module), name)(args.config, args.rank)
+
+
+def _run(args: WorkerArgs) -> int:
+    from engine_svc.distributed.parallel_state import destroy_tp_group, init_tp_group
+
+    def parent_alive() -> bool:
+        return os.getppid() == args.parent_pid
+
+    if args.config.device != "cuda":
+        _share_cpu_threads(args.config.tensor_parallel_size)
+    worker = _make_worker(args)
+    backend = "nccl" if args.config.device == "cuda" else "gloo"
+    init_tp_group(args.rank, args.config.tensor_parallel_size, backend, args.dist_init_method)
+    commands = ShmBroadcastQueue.attach_reader(args.commands)
+    try:
+        _busy_loop(worker, args, commands, args.responses, parent_alive)
+    finally:
+        commands.close()
+        destroy_tp_group()
+    return 0
+
+
+def _busy_loop(
+    worker: Any, args: WorkerArgs, commands: ShmBroadcastQueue, responses: Connection | None,
+    parent_alive: Any,
+) -> None:
+    fault_step = parse_fault(os.environ.get(FAULT_ENV), args.rank)
+    step = 0
+    while True:
+        op, body = commands.dequeue(is_alive=parent_alive, decode=decode_command)  # type: ignore[misc]
+        if op is Op.EXECUTE:
+            step += 1
+            if step == fault_step:
+                raise InjectedFault(f"{FAULT_ENV}: rank {args.rank} fails at step {step}")
+            out = worker.execute_model(body)
+            answer: bytes = encode_runner_output(out) if responses is not None else b""
+        elif op is Op.LOAD_MODEL:
+            worker.load_model()
+            num_blocks = _min_over_ranks(worker.determine_num_blocks(), worker)
+            answer = encode_worker_info(WorkerInfo(num_blocks, int(worker.model.vocab_size), worker.kv_block_bytes))
+        elif op is Op.INIT_CACHE:
+            worker.initialize_cache(body)
+            answer = ACK
+        else:  # SHUTDOWN
+            return
+        if responses is not None:
+            responses.send_bytes(answer)
+
+
+def _min_over_ranks(value: int, worker: Any) -> int:
+    """The minimum of `value` over the TP group (every rank must size its cache alike)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=getattr(worker, "device", "cpu"))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _share_cpu_threads(world_size: int) -> None:
+    """On CPU the ranks share the host's cores: give each its share of intra-op threads, or the ranks
+    oversubscribe the cores and every collective waits on a descheduled peer."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

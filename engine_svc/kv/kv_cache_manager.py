@@ -1,0 +1,145 @@
+"""Per-request block tables on top of the block pool, with prefix caching.
+
+Each request owns a block table: block `i` holds the K/V of tokens `[i*block_size, (i+1)*block_size)`.
+
+Prefix caching (when enabled):
+- `request.block_hashes` holds the chained hashes of the full blocks of `all_token_ids`; it is extended
+  lazily here (`hash_blocks`) whenever the manager looks at a request, so it always covers every full block.
+- A block is put in the cache map as soon as it is allocated for tokens that fill it: its K/V is written
+  in the step that the allocation is for, before any attention reads it (backends write K/V, then attend),
+  so a request admitted in the same step may already share it. If that step is undone for the request
+  (preempted in the same `schedule()`), `free` drops those entries again.
+- Lookup (`get_computed_blocks`) walks the hash chain and stops at the first miss; each hit must also hold
+  exactly the request's tokens (guards against hash collisions). The hit is capped at `num_tokens - 1`
+  tokens, rounded down to whole blocks: a prompt whose every block is cached recomputes its whole last
+  block, so the model always runs at least one token and produces the next token's logits.
+- Requests that ask for prompt logprobs skip the lookup (those logprobs need every prompt position run);
+  their full blocks are still cached for others.
+- Counters (in tokens, like vLLM): at each successful admission (first schedule, and again at each resume
+  after a preemption) `prefix_cache_queries += num_tokens` and `prefix_cache_hits += hit tokens`. A request
+  whose lookup is skipped counts nothing. With prefix caching off both stay 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine_svc.kv.block_hash import extend_block_hashes
+from engine_svc.kv.block_pool import BlockPool, KVCacheBlock
+from engine_svc.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[KVCacheBlock]] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Blocks in use (ref_cnt > 0) / total blocks."""
+        return self.pool.usage
+
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block table from index `start` on ([] for an unknown request)."""
+        return [b.block_id for b in self._tables.get(request_id, ())[start:]]
+
+    def hash_blocks(self, request: Request) -> None:
+        """Bring `request.block_hashes` up to date with its tokens (no-op when prefix caching is off)."""
+        if self.enable_prefix_caching:
+            extend_block_hashes(request, self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request, as (blocks, num_tokens). Pure lookup: takes no
+        references; pass the blocks to `allocate_slots` to claim them."""
+        if not self._uses_lookup(request):
+            return [], 0
+        self.hash_blocks(request)
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        tokens = request.all_token_ids
+        hits: list[KVCacheBlock] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            block = self.pool.get_cached_block(block_hash, tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] | None = None
+    ) -> list[int] | None:
+        """Grow the request's table to hold `num_computed_tokens + hits + num_new_tokens` tokens.
+
+        `new_computed_blocks` (the hits from `get_computed_blocks`) may only be given at admission, i.e.
+        while the request has no table; `request.num_computed_tokens` must not include them yet.
+        Returns the block ids appended to the table (hits first), or None when there are not enough free
+        blocks, in which case nothing changed.
+        """
+        computed = list(new_computed_blocks or ())
+        table = self._tables.get(request.request_id)
+        if computed and table is not None:
+            raise ValueError(f"{request.request_id}: computed blocks can only be added at admission")
+        bs = self.block_size
+        num_held = len(table or ()) + len(computed)
+        num_computed = request.num_computed_tokens + len(computed) * bs
+        num_tokens = num_computed + num_new_tokens
+        num_new_blocks = max(0, -(-num_tokens // bs) - num_held)
+        num_hits_in_free_queue = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_hits_in_free_queue:
+            return None
+
+        self.pool.touch(computed)
+        added = computed + self.pool.get_new_blocks(num_new_blocks)
+        if table is None:
+            table = self._tables[request.request_id] = []
+            self._count_prefix_query(request, len(computed) * bs)
+        table.extend(added)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, table, num_computed // bs, num_tokens // bs)
+        return [b.block_id for b in added]
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first (so its prefix is evicted last).
+
+        Blocks past `request.num_computed_tokens` that only this request holds lose their cache entry:
+        they were cached at allocation for a step that will not run for this request (a request preempted
+        in the very step that allocated them), so their K/V is never written.
+        """
+        table = self._tables.pop(request.request_id, None)
+        if not table:
+            return
+        for block in table[request.num_computed_tokens // self.block_size :]:
+            if block.ref_cnt == 1:
+                self.pool.uncache(block)
+        self.pool.free_blocks(reversed(table))
+
+    def _uses_lookup(self, request: Request) -> bool:
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
+    def _count_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        if self._uses_lookup(request):
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def _cache_full_blocks(self, request: Request, table: list[KVCacheBlock], start: int, end: int) -> None:
+        """Cache table[start:end]: blocks that this allocation fills. Earlier ones were cached by earlier
+        allocations (or are hits); a block whose hash another block already holds stays uncached."""
+        self.hash_blocks(request)
+        bs = self.block_size
+        hashes, tokens = request.block_hashes, request.all_token_ids
+        for i in range(start, min(end, len(hashes))):
+            self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs])

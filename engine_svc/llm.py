@@ -1,0 +1,131 @@
+"""The offline, in-process API: `LLM(model=DIR).generate(prompts, SamplingParams(...))`.
+
+This is the only engine module that composes frontend_svc's processing (tokenize, validate,
+detokenize, stop strings) with an in-process EngineCore. The loop is exactly what the split does over
+gRPC: prepared requests -> EngineCoreRequest -> step() -> EngineCoreOutputs -> output processor,
+with stop-string matches turned into engine aborts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from engine_svc.config import EngineConfig
+from engine_svc.core import EngineCore
+from engine_svc.protocol import EngineCoreRequest, EngineSamplingParams
+from frontend_svc.output_processor import OutputProcessor
+from frontend_svc.outputs import RequestOutput, RequestOutputAccumulator
+from frontend_svc.processor import PreparedRequest, Processor
+from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+def to_engine_request(fields: dict[str, Any]) -> EngineCoreRequest:
+    fields = dict(fields)
+    fields["sampling_params"] = EngineSamplingParams(**fields["sampling_params"])
+    return EngineCoreRequest(**fields)
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.config = EngineConfig.create(model=model, **engine_args)
+        self.tokenizer = Tokenizer.from_pretrained(model)
+        self.engine = EngineCore(self.config)
+        self.processor = Processor(self.tokenizer, max_model_len=int(self.config.max_model_len or 0),
+                                   vocab_size=self.engine.vocab_size, model_name=self.config.model_name)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in input order.
+
+        `priority` (one per prompt, lower runs first) matters under scheduling_policy="priority".
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        params = self._as_params_list(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        order: list[str] = []
+        acc = RequestOutputAccumulator()
+        for prompt, p, prio in zip(prompt_list, params, priorities, strict=True):
+            prepared = self._add(prompt, p, prio)
+            acc.add_request(prepared, prompt if isinstance(prompt, str) else None)
+            order.append(prepared.request_id)
+        self._run(acc, len(order), use_tqdm)
+        return [acc.get(rid) for rid in order]
+
+    def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if prompts and isinstance(prompts, list) and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # type: ignore[list-item]
+        return list(prompts)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts; pass one, or one per prompt")
+        return list(sp)
+
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> PreparedRequest:
+        request_id = str(self._counter)
+        self._counter += 1
+        prepared = self.processor.process(prompt, params, request_id=request_id, priority=priority)
+        self.output_processor.add_request(prepared)
+        for fields in self.processor.engine_requests(prepared):
+            self.engine.add_request(to_engine_request(fields))
+        return prepared
+
+    def _run(self, acc: RequestOutputAccumulator, num_requests: int, use_tqdm: bool) -> None:
+        bar = _ProgressBar(num_requests) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            processed = self.output_processor.process_outputs(self.engine.step())
+            if processed.reqs_to_abort:
+                self.engine.abort_requests(processed.reqs_to_abort)
+            for delta in processed.deltas:
+                done = acc.add_delta(delta)
+                if bar is not None:
+                    bar.update(delta, done)
+        if bar is not None:
+            bar.close()
+
+
+class _ProgressBar:
+    """vLLM-style progress: finished requests, with input and output tokens/s in the postfix."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.start = time.perf_counter()
+        self.in_tokens = 0
+        self.out_tokens = 0
+
+    def update(self, delta: Any, request_done: bool) -> None:
+        self.out_tokens += len(delta.token_ids)
+        if delta.usage is not None:
+            self.in_tokens += delta.usage.prompt_tokens
+        if request_done:
+            elapsed = time.perf_counter() - self.start
+            self.bar.postfix = (f"est. speed input: {self.in_tokens / elapsed:.2f} toks/s, "
+                                f"output: {self.out_tokens / elapsed:.2f} toks/s")
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

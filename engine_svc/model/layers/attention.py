@@ -1,0 +1,33 @@
+"""The model-side attention layer: shapes in, shapes out, the paged work done by a backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_svc.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D], through `backend` over this layer's KV cache."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

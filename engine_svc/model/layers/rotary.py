@@ -1,0 +1,91 @@
+"""Rotary position embedding (GPT-NeoX / HF "rotate half" style), from a precomputed cache.
+
+The cache holds, per position p, `cos(p * f)` and a *signed* sine `[-sin(p * f), sin(p * f)]` over the
+full head_dim (frequencies repeated for both halves), so that
+
+    rope(x) = x * cos + roll(x, head_dim / 2) * signed_sin
+
+equals HF's `x * cos + rotate_half(x) * sin` in three ops per call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def read_rope_config(hf_config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, rope parameters) from either transformers 5.x `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` attributes. The returned dict always has a "rope_type"."""
+    params = dict(
+        getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    )
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return float(theta), params
+
+
+def _inverse_frequencies(head_dim: int, theta: float, params: dict[str, Any]) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, params)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    interpolation in between."""
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin cache of shape [max_position, 2, head_dim] in the model dtype (computed in float32)."""
+
+    cos_sin_cache: torch.Tensor
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        rope_theta: float = 10000.0,
+        rope_params: dict[str, Any] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        params = dict(rope_params or {})
+        params.setdefault("rope_type", "default")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        self.head_dim = head_dim
+        inv_freq = _inverse_frequencies(head_dim, rope_theta, params)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        cache = torch.stack((cos, sin), dim=1).to(dtype or torch.get_default_dtype())
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, signed_sin), each [T, 1, head_dim], broadcastable over heads."""
+        both = self.cos_sin_cache.index_select(0, positions)
+        return both[:, 0:1], both[:, 1:2]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, head_dim] with (cos, signed_sin) from `RotaryEmbedding.cos_sin` -> rotated copy of x."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

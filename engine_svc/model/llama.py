@@ -1,0 +1,206 @@
+"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim).
+
+Pre-norm decoder layers; the residual stream is carried beside the activations so each RMSNorm also
+does the preceding residual add. Module and parameter names follow the HF checkpoints, except for
+the fused ones listed in `LlamaForCausalLM.packed_modules`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
+
+import torch
+from torch import nn
+
+from engine_svc.attention.backend import AttentionBackend, AttentionMetadata
+from engine_svc.model.layers.activation import GatedActivation
+from engine_svc.model.layers.attention import Attention
+from engine_svc.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine_svc.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine_svc.model.layers.norm import QKNorm, RMSNorm
+from engine_svc.model.layers.rotary import RotaryEmbedding, apply_rotary, read_rope_config
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    """What distinguishes the supported architectures from plain Llama."""
+
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def head_dim_of(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, variant.qkv_bias, dtype
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, variant.o_proj_bias, dtype
+        )
+        self.qk_norm = (
+            QKNorm(self.num_heads, self.num_kv_heads, head_dim, config.rms_norm_eps, dtype)
+            if variant.qk_norm
+            else None
+        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)
+        num_qk = self.num_heads + self.num_kv_heads
+        qk = qkv[:, :num_qk]
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        qk = apply_rotary(qk, cos, sin)
+        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:], kv_cache, meta)
+        projected: torch.Tensor = self.o_proj(out)
+        return projected
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, variant: DecoderVariant, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], variant.mlp_bias, dtype
+        )
+        self.act = GatedActivation(config.hidden_act)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, variant.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, variant, backend, dtype)
+        self.mlp = LlamaMLP(config, variant, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer input, residual stream) -> (MLP output, residual stream); their sum is the layer output."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, variant, backend, dtype) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        theta, rope_params = read_rope_config(config)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim_of(config), config.max_position_embeddings, theta, rope_params, dtype
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_meta)
+        normed: torch.Tensor = self.norm(hidden, residual)[0]
+        return normed
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head.
+
+    `forward(input_ids [T], positions [T], kv_caches (one per layer), attn_meta) -> hidden [T, hidden]`;
+    `compute_logits(hidden [N, hidden]) -> float32 [N, vocab]`.
+    """
+
+    # fused parameter -> (checkpoint module name, shard_id) for each of its parts
+    packed_modules: ClassVar[dict[str, tuple[tuple[str, Any], ...]]] = {
+        "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+        "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+        "qk_norm": (("q_norm", "q"), ("k_norm", "k")),
+    }
+
+    def __init__(
+        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, variant, backend, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        if getattr(config, "tie_word_embeddings", False):
+            self.tie_lm_head()
+        attn = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = attn.num_kv_heads  # per TP rank
+        self.head_dim = attn.head_dim
+        self.vocab_size = config.vocab_size
+        self.dtype = dtype
+        # Not applied by the attention backends: the engine must cap max_model_len at this when set.
+        self.sliding_window: int | None = getattr(config, "sliding_window", None)
+
+    @property
+    def is_tied(self) -> bool:
+        return self.lm_head.weight is self.model.embed_tokens.weight
+
+    def tie_lm_head(self) -> None:
+        """Use the input embedding as the output projection (both are sharded the same way)."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, attn_meta)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)

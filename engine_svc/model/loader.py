@@ -1,0 +1,107 @@
+"""Load a Hugging Face model directory (config.json + *.safetensors) into a tandem model.
+
+Each checkpoint tensor is handed, whole, to its parameter's `weight_loader`, which copies this TP
+rank's shard. Fused parameters (see `packed_modules` on the model) receive several checkpoint
+tensors, one per shard_id. Every parameter shard must be loaded exactly once or loading fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine_svc.attention.backend import AttentionBackend
+from engine_svc.model.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_config(model_dir: str | Path) -> Any:
+    """The transformers config of a local model directory (never touches the network)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    attn_backend: AttentionBackend,
+) -> nn.Module:
+    """Build the model named by `model_dir/config.json` on `device` and load its weights."""
+    model = build_model(load_config(model_dir), dtype, device, attn_backend)
+    load_weights(model, model_dir)
+    return model
+
+
+def _checkpoint_to_param(packed: dict[str, tuple[tuple[str, Any], ...]]) -> dict[str, tuple[str, Any]]:
+    """checkpoint module name -> (fused module name, shard_id)."""
+    return {part: (fused, shard) for fused, parts in packed.items() for part, shard in parts}
+
+
+def _expected_shards(
+    model: nn.Module, packed: dict[str, tuple[tuple[str, Any], ...]]
+) -> dict[tuple[str, Any], str]:
+    """(param name, shard_id) -> checkpoint tensor name, for every tensor the checkpoint must hold."""
+    expected = {}
+    for name, _ in model.named_parameters():
+        *prefix, module, leaf = name.split(".")
+        for part, shard in packed.get(module, ((module, None),)):
+            expected[(name, shard)] = ".".join([*prefix, part, leaf])
+    return expected
+
+
+def _map_name(name: str, table: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    *prefix, module, leaf = name.split(".")
+    if module in table:
+        fused, shard = table[module]
+        return ".".join([*prefix, fused, leaf]), shard
+    return name, None
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill every parameter of `model` from `model_dir/*.safetensors`.
+
+    Raises FileNotFoundError without safetensors files and ValueError naming the checkpoint tensors
+    that are missing. Without `lm_head.weight` in the checkpoint the LM head is tied to the embedding.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    packed = getattr(model, "packed_modules", {})
+    table = _checkpoint_to_param(packed)
+    params = dict(model.named_parameters())
+    expected = _expected_shards(model, packed)
+    loaded: set[tuple[str, Any]] = set()
+    ignored: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                target, shard = _map_name(name, table)
+                if name.endswith(_SKIPPED_SUFFIXES) or target not in params:
+                    ignored.append(name)
+                    continue
+                param = params[target]
+                param.weight_loader(param, f.get_tensor(name), shard)  # type: ignore[attr-defined]
+                loaded.add((target, shard))
+    if ("lm_head.weight", None) in expected and ("lm_head.weight", None) not in loaded:
+        model.tie_lm_head()  # type: ignore[operator]
+        del expected[("lm_head.weight", None)]
+    missing = sorted(ckpt for key, ckpt in expected.items() if key not in loaded)
+    if missing:
+        raise ValueError(
+            f"checkpoint in {model_dir} lacks {len(missing)} weight(s): {', '.join(missing[:10])}"
+        )
+    unexpected = [n for n in ignored if not n.endswith(_SKIPPED_SUFFIXES) and n != "lm_head.weight"]
+    if unexpected:
+        logger.warning(
+            "ignored %d unexpected checkpoint tensor(s): %s", len(unexpected), ", ".join(unexpected[:10])
+        )

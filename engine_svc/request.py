@@ -1,0 +1,108 @@
+"""A request's state inside the engine.
+
+There is no prefill or decode phase: a request has `num_tokens` known tokens (prompt + output so far)
+of which `num_computed_tokens` have K/V in the cache. Each step the scheduler hands it up to
+`num_tokens - num_computed_tokens` tokens; chunked prefill, prefix hits and decode all fall out of that.
+Preemption (recompute) resets `num_computed_tokens` to 0 and keeps the output tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine_svc.protocol import (
+    EngineCoreRequest,
+    EngineSamplingParams,
+    EventType,
+    FinishReason,
+    RequestEvent,
+    TokenLogprobs,
+)
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again, after its blocks were taken back
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler (engine process only)."""
+
+    def __init__(self, req: EngineCoreRequest, max_model_len: int) -> None:
+        self.request_id: str = req.request_id
+        self.prompt_token_ids: list[int] = list(req.prompt_token_ids)
+        self.sampling_params: EngineSamplingParams = req.sampling_params
+        self.eos_token_ids: frozenset[int] = frozenset(req.eos_token_ids)
+        self.arrival_time: float = req.arrival_time or time.time()
+        self.priority: int = req.priority
+        self.trace_headers: dict[str, str] = dict(req.trace_headers)
+
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens: int = 0
+        self.num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until then
+        self.status: RequestStatus = RequestStatus.WAITING
+        self.num_preemptions: int = 0
+        self.stop_token_id: int | None = None
+        # Largest total length this request may reach: prompt + max_tokens, capped by the context.
+        max_tokens = req.sampling_params.max_tokens
+        limit = max_model_len if max_tokens is None else len(self.prompt_token_ids) + max_tokens
+        self.max_total_tokens: int = min(limit, max_model_len)
+
+        # Chained block hashes of the full blocks of all_token_ids (filled by the KV cache manager).
+        self.block_hashes: list[bytes] = []
+        # Things to report in the next EngineCoreOutput for this request.
+        self.pending_events: list[RequestEvent] = [RequestEvent(EventType.QUEUED, self.arrival_time)]
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.first_token_sent: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return _FINISH_REASON.get(self.status, FinishReason.UNSPECIFIED)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def record_event(self, kind: EventType, timestamp: float | None = None) -> None:
+        self.pending_events.append(RequestEvent(kind, time.time() if timestamp is None else timestamp))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

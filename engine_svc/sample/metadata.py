@@ -1,0 +1,263 @@
+"""Per-request sampling state and the per-step batch metadata built from it.
+
+`RequestSamplingState` lives as long as its request in the worker. It precomputes everything that does
+not change between steps (which features the request uses, the ids min_tokens holds back, a seeded
+generator) so that `build_sampling_metadata` is a few attribute reads per row, and a single pass with
+no tensor built at all when every row is plain greedy (the common benchmark case).
+
+Invariants:
+- `output_token_ids` is append-only: the worker appends each sampled token and never rewrites it.
+- A seeded, non-greedy request draws exactly one `[V]` exponential sample from its generator for each
+  token it samples, so its random stream is a function of (seed, number of tokens sampled) only. A
+  state constructed on resume with `output_token_ids=...` replays the draws it owes before its first
+  new one (see `RequestSamplingState.draw_exponential`), so preemption does not change its tokens
+  (given the same logits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine_svc.protocol import EngineSamplingParams
+
+# Temperatures below this are greedy (division by such a small number is numerically meaningless).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+_NEVER = math.inf
+
+
+class RequestSamplingState:
+    """The sampler's view of one request, kept by the worker for the request's lifetime."""
+
+    def __init__(
+        self,
+        params: EngineSamplingParams,
+        prompt_token_ids: list[int],
+        eos_token_ids: list[int],
+        vocab_size: int,
+        output_token_ids: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
+        self.vocab_size = vocab_size
+        self.output_token_ids: list[int] = list(output_token_ids) if output_token_ids else []
+
+        self.is_greedy = params.temperature < GREEDY_TEMPERATURE_EPS
+        self.has_penalties = (
+            params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
+        self.has_repetition_penalty = params.repetition_penalty != 1.0
+        # min_tokens holds back EOS and the stop ids (even with ignore_eos) until it is reached.
+        held = set(eos_token_ids) | set(params.stop_token_ids)
+        self.min_tokens_held_ids = sorted(t for t in held if 0 <= t < vocab_size)
+        self.min_tokens = params.min_tokens if self.min_tokens_held_ids else 0
+        # The row is "plain" (argmax of the raw logits is the whole job) once it has this many outputs.
+        plain_ever = self.is_greedy and not self.has_penalties and params.logprobs is None
+        self.plain_after: float = self.min_tokens if plain_ever else _NEVER
+
+        self.generator: torch.Generator | None = None
+        self._stream_draws = 0  # draws the request's random stream has made (notionally, on resume)
+        self._generator_draws = 0  # draws made by `self.generator` itself
+        if params.seed is not None and not self.is_greedy:
+            self.generator = _seeded_generator(params.seed, torch.device(device))
+            self._stream_draws = len(self.output_token_ids)
+
+        # Output ids mirrored into a growing int64 buffer, synced incrementally (penalties only).
+        self._out_buf = torch.empty(0, dtype=torch.int64)
+        self._out_synced = 0
+        self._prompt_ids_tensor: torch.Tensor | None = None
+
+    def draw_exponential(self, size: int, device: torch.device) -> torch.Tensor:
+        """The next Exp(1) sample of `size` from this request's seeded stream, on `device`.
+
+        The stream's k-th draw is the same whatever happened before: a generator that is behind it
+        (fresh after a resume, or re-created because it lived on another device) replays first.
+        """
+        g = self.generator
+        assert g is not None and self.params.seed is not None, "only seeded random requests draw"
+        if not _same_device(g.device, device):
+            g = self.generator = _seeded_generator(self.params.seed, device)
+            self._generator_draws = 0
+        while self._generator_draws < self._stream_draws:
+            torch.empty(size, device=device).exponential_(generator=g)
+            self._generator_draws += 1
+        self._stream_draws += 1
+        self._generator_draws += 1
+        return torch.empty(size, device=device).exponential_(generator=g)
+
+    def output_ids_tensor(self) -> torch.Tensor:
+        """`output_token_ids` as a CPU int64 tensor, copying only the ids appended since last call."""
+        n = len(self.output_token_ids)
+        if n > self._out_synced:
+            if n > self._out_buf.numel():
+                grown = torch.empty(max(n, 2 * self._out_buf.numel(), 64), dtype=torch.int64)
+                grown[: self._out_synced] = self._out_buf[: self._out_synced]
+                self._out_buf = grown
+            new = self.output_token_ids[self._out_synced : n]
+            self._out_buf[self._out_synced : n] = torch.tensor(new, dtype=torch.int64)
+            self._out_synced = n
+        return self._out_buf[:n]
+
+    def prompt_ids_tensor(self) -> torch.Tensor:
+        """The prompt ids as a CPU int64 tensor, built once."""
+        if self._prompt_ids_tensor is None:
+            self._prompt_ids_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.int64)
+        return self._prompt_ids_tensor
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Equal devices, reading a missing accelerator index as 0 ("cuda" == "cuda:0")."""
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def _seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class PenaltyMetadata:
+    """Penalties for the subset of rows that use any. Token occurrences are given sparsely, as
+    (row, token) pairs with `row` indexing into `rows`; the sampler densifies them to [len(rows), V]."""
+
+    rows: torch.Tensor  # [R] int64, batch rows with penalties
+    presence: torch.Tensor  # [R] float32
+    frequency: torch.Tensor  # [R] float32
+    repetition: torch.Tensor | None  # [R] float32, None when no row has a repetition penalty
+    output_rows: torch.Tensor  # [T] int64 in [0, R)
+    output_tokens: torch.Tensor  # [T] int64, one entry per output token (repeats count)
+    prompt_rows: torch.Tensor | None  # [P] int64 in [0, R), rows with a repetition penalty only
+    prompt_tokens: torch.Tensor | None  # [P] int64
+
+
+@dataclass
+class SamplingMetadata:
+    """Everything the sampler needs for one step, one row per request in batch order.
+
+    Optional fields are None when no row uses the feature, so the sampler skips it entirely.
+    """
+
+    all_greedy: bool
+    temperature: torch.Tensor | None = None  # [B] float32; greedy rows hold 1.0; None if all greedy
+    greedy_rows: torch.Tensor | None = None  # [B] bool; None unless greedy and random rows are mixed
+    top_k: torch.Tensor | None = None  # [B] int64; disabled rows hold 0
+    top_k_max: int = 0  # max of top_k, known on the host (no device sync to size a topk)
+    top_p: torch.Tensor | None = None  # [B] float32; disabled rows hold 1.0
+    min_p: torch.Tensor | None = None  # [B] float32; disabled rows hold 0.0
+    seeded: list[tuple[int, RequestSamplingState]] | None = None  # (row, state), random rows only
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to set -inf
+    penalties: PenaltyMetadata | None = None
+    num_logprobs: list[int | None] | None = None  # per row: top-N asked for, None = not asked
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """True when argmax over the raw logits is the whole job."""
+        return (
+            self.all_greedy
+            and self.min_tokens_mask is None
+            and self.penalties is None
+            and self.num_logprobs is None
+        )
+
+
+_PLAIN_GREEDY = SamplingMetadata(all_greedy=True)
+
+
+def build_sampling_metadata(states: list[RequestSamplingState], device: torch.device) -> SamplingMetadata:
+    """Gather the batch's sampling knobs into tensors on `device` (row i = states[i]).
+
+    Pass only the rows that sample this step (a seeded row advances its stream when sampled).
+    The returned object is read-only: the all-plain-greedy case returns one shared instance.
+
+    Cost when every row is plain greedy: one comparison per row, no tensors.
+    """
+    if all(len(s.output_token_ids) >= s.plain_after for s in states):
+        return _PLAIN_GREEDY
+
+    greedy = [s.is_greedy for s in states]
+    all_greedy = all(greedy)
+    meta = SamplingMetadata(all_greedy=all_greedy)
+    if not all_greedy:
+        _add_random_sampling(meta, states, greedy, device)
+    meta.min_tokens_mask = _min_tokens_mask(states, device)
+    meta.penalties = _penalty_metadata(states, device)
+    if any(s.params.logprobs is not None for s in states):
+        meta.num_logprobs = [s.params.logprobs for s in states]
+    return meta
+
+
+def _add_random_sampling(
+    meta: SamplingMetadata, states: list[RequestSamplingState], greedy: list[bool], device: torch.device
+) -> None:
+    params = [s.params for s in states]
+    temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+    meta.temperature = torch.tensor(temps, dtype=torch.float32, device=device)
+    if any(greedy):
+        meta.greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=device)
+    top_k = [p.top_k if 0 < p.top_k < s.vocab_size else 0 for p, s in zip(params, states)]
+    if any(top_k):
+        meta.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+        meta.top_k_max = max(top_k)
+    if any(p.top_p < 1.0 for p in params):
+        meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    if any(p.min_p > 0.0 for p in params):
+        meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    seeded = [(i, s) for i, s in enumerate(states) if s.generator is not None]
+    meta.seeded = seeded or None
+
+
+def _min_tokens_mask(
+    states: list[RequestSamplingState], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(states):
+        if len(s.output_token_ids) < s.min_tokens:
+            rows.extend([i] * len(s.min_tokens_held_ids))
+            cols.extend(s.min_tokens_held_ids)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(cols, dtype=torch.int64, device=device),
+    )
+
+
+def _penalty_metadata(states: list[RequestSamplingState], device: torch.device) -> PenaltyMetadata | None:
+    rows = [i for i, s in enumerate(states) if s.has_penalties]
+    if not rows:
+        return None
+    pen = [states[i] for i in rows]
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    out_ids = [s.output_ids_tensor() for s in pen]
+    out_lens = torch.tensor([t.numel() for t in out_ids], dtype=torch.int64)
+    meta = PenaltyMetadata(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        presence=floats([s.params.presence_penalty for s in pen]),
+        frequency=floats([s.params.frequency_penalty for s in pen]),
+        repetition=None,
+        output_rows=torch.repeat_interleave(torch.arange(len(pen)), out_lens).to(device),
+        output_tokens=torch.cat(out_ids).to(device),
+        prompt_rows=None,
+        prompt_tokens=None,
+    )
+    rep = [j for j, s in enumerate(pen) if s.has_repetition_penalty]
+    if rep:
+        meta.repetition = floats([s.params.repetition_penalty for s in pen])
+        prompt_ids = [pen[j].prompt_ids_tensor() for j in rep]
+        prompt_lens = torch.tensor([t.numel() for t in prompt_ids], dtype=torch.int64)
+        meta.prompt_rows = torch.repeat_interleave(torch.tensor(rep, dtype=torch.int64), prompt_lens).to(
+            device
+        )
+        meta.prompt_tokens = torch.cat(prompt_ids).to(device)
+    return meta

@@ -1,0 +1,94 @@
+"""The batched sampler: raw logits [B, V] in, one token per row out.
+
+Pipeline (vLLM V1 semantics):
+  1. logprobs, when asked, are taken from the raw logits (see logprobs.py);
+  2. min_tokens masks EOS / stop ids, then repetition, frequency and presence penalties (penalties.py);
+  3. greedy rows: argmax (ties -> lowest index);
+  4. random rows: divide by temperature, min-p, top-k, top-p (filters.py), then sample with the
+     exponential race: argmax(probs / q), q ~ Exp(1) i.i.d. — which picks token t with probability
+     probs[t]. Seeded rows draw q from their own generator, one [V] draw per sampled token, so their
+     tokens depend only on (seed, logits), never on the rest of the batch or their row.
+
+When every row is plain greedy (no penalties, min_tokens or logprobs) the call is a single argmax.
+The caller's logits tensor is never modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_svc.sample.filters import apply_min_p, apply_top_k_only, apply_top_k_top_p
+from engine_svc.sample.logprobs import LogprobsTensors, SampleLogprob, sampled_logprobs
+from engine_svc.sample.metadata import SamplingMetadata
+from engine_svc.sample.penalties import apply_min_tokens, apply_penalties
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: LogprobsTensors | None = None  # None when no row asked
+
+    def logprobs_lists(self) -> list[SampleLogprob | None] | None:
+        """Per row (logprob, rank, top ids, top lps) or None for rows that did not ask; None if none did."""
+        return None if self.logprobs is None else self.logprobs.to_lists()
+
+
+class Sampler:
+    """Stateless; per-request state lives in RequestSamplingState, per-step state in SamplingMetadata."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if meta.is_plain_greedy:
+            return SamplerOutput(logits.argmax(dim=-1))
+        raw_logits = logits
+        logits = logits.to(torch.float32, copy=True)
+        if meta.min_tokens_mask is not None:
+            apply_min_tokens(logits, meta.min_tokens_mask)
+        if meta.penalties is not None:
+            apply_penalties(logits, meta.penalties)
+        sampled = logits.argmax(dim=-1) if meta.all_greedy else _sample_random(logits, meta)
+        lp = None
+        if meta.num_logprobs is not None:
+            lp = sampled_logprobs(raw_logits, sampled, meta.num_logprobs)
+        return SamplerOutput(sampled, lp)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Sample every row (greedy rows, if any, take their argmax). Modifies `logits`."""
+    greedy_tokens = logits.argmax(dim=-1) if meta.greedy_rows is not None else None
+    probs = torch.softmax(scale_and_filter(logits, meta), dim=-1)
+    q = _exponential_noise(probs, meta)
+    sampled = probs.div_(q).argmax(dim=-1)
+    if greedy_tokens is not None:
+        assert meta.greedy_rows is not None
+        sampled = torch.where(meta.greedy_rows, greedy_tokens, sampled)
+    return sampled
+
+
+def scale_and_filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, then min-p, top-k, top-p: the logits random rows sample from (-inf = excluded).
+    May modify `logits` and return it."""
+    assert meta.temperature is not None
+    logits.div_(meta.temperature.unsqueeze(1))
+    if meta.min_p is not None:
+        apply_min_p(logits, meta.min_p)
+    if meta.top_p is not None:
+        return apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    if meta.top_k is not None:
+        apply_top_k_only(logits, meta.top_k, meta.top_k_max)
+    return logits
+
+
+def _exponential_noise(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Exp(1) noise shaped like `probs`: one batched draw for unseeded rows, per-request generators for
+    seeded ones. Clamped away from 0 so that a zero probability never divides into NaN."""
+    batch, vocab = probs.shape
+    seeded = meta.seeded or []
+    if len(seeded) == batch:
+        q = torch.stack([state.draw_exponential(vocab, probs.device) for _, state in seeded])
+    else:
+        q = torch.empty_like(probs).exponential_()
+        for row, state in seeded:
+            q[row] = state.draw_exponential(vocab, probs.device)
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)

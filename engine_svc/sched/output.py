@@ -1,0 +1,65 @@
+"""What the scheduler tells the workers each step.
+
+A request is sent in full once (`NewRequestData`) when it is first scheduled, and again in full when it
+resumes after a preemption (the worker dropped it). Every later step carries only a diff
+(`CachedRequestData`): the tokens appended since its last schedule and the blocks added to its table.
+Workers keep a persistent batch and rebuild their inputs from these diffs alone; ids listed in
+`finished_req_ids` / `preempted_req_ids` must be dropped from that batch before the step runs.
+
+These are msgspec structs so the multiproc executor can broadcast them without pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine_svc.protocol import EngineSamplingParams
+
+
+class NewRequestData(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    req_id: str
+    token_ids: list[int]  # every known token: prompt + outputs so far (non-empty outputs after resume)
+    num_prompt_tokens: int
+    sampling_params: EngineSamplingParams
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # tokens already in the cache (prefix hits) before this step
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    req_id: str
+    new_token_ids: list[int]  # tokens appended to the request since it was last scheduled
+    new_block_ids: list[int]  # blocks appended to its block table
+    num_computed_tokens: int  # tokens in the cache before this step
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # Tokens to run for each scheduled request this step (new and cached alike), in schedule order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that ended (finished or aborted) or were preempted since the previous step.
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    """What rank 0's worker returns for one step.
+
+    `sampled_token_ids[i]` belongs to `req_ids[i]`; it is -1 for a request whose scheduled tokens did
+    not reach the end of its known tokens (a partial prefill chunk), which samples nothing.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    # Per request in req_ids: (logprob, rank, top ids, top logprobs) of its sampled token, when asked.
+    logprobs: list[tuple[float, int, list[int], list[float]] | None] | None = None
+    # Prompt logprobs computed this step, per request: rows for the positions of this chunk.
+    prompt_logprobs: dict[str, list[tuple[int, float, int, list[int], list[float]]]] = msgspec.field(
+        default_factory=dict
+    )

@@ -1,0 +1,402 @@
+"""The V1 scheduler: one token budget, no prefill/decode phases.
+
+Each step (`schedule`):
+1. Running requests, in order, get `min(num_tokens - num_computed_tokens, budget left)` tokens. When the
+   KV cache cannot hold them, the scheduler preempts (recompute) a victim - the tail of `running`, or under
+   `priority` the running request with the worst (priority, arrival_time) - and retries; if the victim is the
+   request being scheduled, the running pass stops.
+2. Only if nothing was preempted, waiting requests are admitted in policy order while the budget,
+   `max_num_seqs` and the free blocks allow, each after a prefix-cache lookup; a long prompt gets a chunk.
+3. The output sends a request in full on its first schedule and on resume after a preemption, otherwise
+   only what the workers have not seen (appended tokens and blocks).
+4. `num_computed_tokens` advances by the scheduled count right away: the K/V of the scheduled tokens is
+   considered written once the step runs.
+
+`update_from_output` appends sampled tokens, applies the stop conditions, frees finished requests and
+builds the step's `EngineCoreOutputs`.
+
+Invariants:
+- Every request given to `add_request` appears exactly once in an output with a finish reason (stopped,
+  length, aborted, or rejected with an error); its blocks are back in the pool by then.
+- `running` holds only RUNNING requests and `len(running) <= max_num_seqs`; `waiting` holds WAITING and
+  PREEMPTED ones. Requests in neither are unknown to the scheduler.
+- A live request never has more than `min(max_model_len, num_blocks * block_size)` tokens: on add its
+  `max_total_tokens` is capped by the KV capacity too, so a request alone in the engine always fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine_svc.kv.kv_cache_manager import KVCacheManager
+from engine_svc.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineError,
+    ErrorCode,
+    EventType,
+    SchedulerStats,
+    TokenLogprobs,
+)
+from engine_svc.request import Request, RequestStatus
+from engine_svc.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine_svc.sched.request_queue import make_request_queue
+
+SampledLogprobs = tuple[float, int, list[int], list[float]]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.policy = policy
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.waiting = make_request_queue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every waiting or running request
+        self.num_preemptions = 0  # cumulative
+        # For the next SchedulerOutput: requests that ended / were preempted since the last one.
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        # For the next EngineCoreOutputs: aborted and rejected requests.
+        self._terminal_outputs: list[EngineCoreOutput] = []
+        # What the workers hold of each request: tokens and blocks sent so far. Absent = send in full.
+        self._num_tokens_sent: dict[str, int] = {}
+        self._num_blocks_sent: dict[str, int] = {}
+        self._last_step = (0, 0, 0)  # scheduled, prompt, sampled tokens in the last updated step
+
+    # ---- inputs ------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or finish it right away with an INVALID_ARGUMENT error if it can never run
+        (the error output comes with the next `update_from_output`)."""
+        problem = self._why_unservable(request)
+        if problem is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._emit_terminal(request, EngineError(code=ErrorCode.INVALID_ARGUMENT, message=problem))
+            return
+        request.max_total_tokens = min(request.max_total_tokens, self.kv.num_blocks * self.block_size)
+        self.kv.hash_blocks(request)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """End waiting or running requests (abort); unknown ids are ignored. Each gets a terminal output
+        with the next `update_from_output`."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            self._emit_terminal(request)
+
+    # ---- scheduling ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens (running first, then admissions); see the module docstring."""
+        scheduled: dict[str, int] = {}  # request id -> tokens this step, in schedule order
+        budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens)
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+        output = self._make_output(scheduled)
+        for request_id, num_tokens in scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        return output
+
+    def _schedule_running(self, scheduled: dict[str, int], budget: int) -> tuple[int, bool]:
+        """Returns (budget left, whether anything was preempted)."""
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(min(request.num_tokens, self.max_model_len) - request.num_computed_tokens, budget)
+            if n <= 0:  # nothing to run (the model sampled nothing last step): never send 0 tokens
+                i += 1
+                continue
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self._pick_victim()
+                preempted = True
+                if self.running.index(victim) < i:  # already scheduled this step: undo that
+                    budget += scheduled.pop(victim.request_id)
+                    i -= 1
+                self._preempt(victim)
+                if victim is request:
+                    return budget, True
+            scheduled[request.request_id] = n
+            budget -= n
+            i += 1
+        return budget, preempted
+
+    def _schedule_waiting(self, scheduled: dict[str, int], budget: int) -> None:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(request, n, hit_blocks) is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            request.record_event(EventType.SCHEDULED)
+            self.running.append(request)
+            scheduled[request.request_id] = n
+            budget -= n
+
+    def _pick_victim(self) -> Request:
+        if self.policy != "priority":
+            return self.running[-1]
+        worst = max(
+            range(len(self.running)),
+            key=lambda i: (self.running[i].priority, self.running[i].arrival_time, i),
+        )
+        return self.running[worst]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-preemption: give back the blocks and requeue at the head (fcfs) / by key."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.record_event(EventType.PREEMPTED)
+        if not request.first_token_sent:
+            request.prompt_logprobs.clear()  # the prompt will be run (and its logprobs sent) again
+        self.num_preemptions += 1
+        self._forget_sent(request.request_id)
+        self._preempted_ids.append(request.request_id)
+        self.waiting.prepend(request)
+
+    def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        for request_id in scheduled:
+            request = self.requests[request_id]
+            tokens_sent = self._num_tokens_sent.get(request_id)
+            if tokens_sent is None:
+                new_reqs.append(self._new_request_data(request))
+                self._num_blocks_sent[request_id] = len(new_reqs[-1].block_ids)
+            else:
+                blocks_sent = self._num_blocks_sent[request_id]
+                new_blocks = self.kv.get_block_ids(request_id, blocks_sent)
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=request_id,
+                        new_token_ids=request.all_token_ids[tokens_sent:],
+                        new_block_ids=new_blocks,
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+                self._num_blocks_sent[request_id] = blocks_sent + len(new_blocks)
+            self._num_tokens_sent[request_id] = request.num_tokens
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=self._preempted_ids,
+        )
+        self._finished_ids, self._preempted_ids = [], []
+        return output
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+            eos_token_ids=sorted(request.eos_token_ids),
+        )
+
+    # ---- results -------------------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Apply one step's results. Also works with an empty SchedulerOutput and ModelRunnerOutput, to
+        emit pending abort / rejection outputs when nothing ran."""
+        outputs, self._terminal_outputs = self._terminal_outputs, []
+        num_prompt_tokens = self._count_prompt_tokens(scheduler_output)
+        for request_id, rows in model_runner_output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None and not request.first_token_sent:
+                request.prompt_logprobs.extend(_token_logprobs(row[0], row[1:]) for row in rows)
+
+        num_sampled = 0
+        any_finished = False
+        logprobs = model_runner_output.logprobs
+        for i, (request_id, token) in enumerate(
+            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
+        ):
+            request = self.requests.get(request_id)
+            if token < 0 or request is None or request.status != RequestStatus.RUNNING:
+                continue  # a partial prefill chunk, or aborted since it was scheduled
+            num_sampled += 1
+            outputs.append(self._on_sampled(request, token, logprobs[i] if logprobs else None))
+            any_finished = any_finished or request.is_finished
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+
+        self._last_step = (scheduler_output.total_num_scheduled_tokens, num_prompt_tokens, num_sampled)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.get_stats())
+
+    def _on_sampled(self, request: Request, token: int, logprobs: SampledLogprobs | None) -> EngineCoreOutput:
+        request.append_output_token(token)
+        self.kv.hash_blocks(request)
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+        if logprobs is not None:
+            output.new_logprobs = [_token_logprobs(token, logprobs)]
+        if not request.first_token_sent:
+            request.first_token_sent = True
+            request.record_event(EventType.FIRST_TOKEN)
+            output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        if self._check_stop(request, token):
+            self._release(request)
+            request.record_event(EventType.FINISHED)
+            output.finish_reason = request.finish_reason
+            output.stop_token_id = request.stop_token_id
+        output.events, request.pending_events = request.pending_events, []
+        return output
+
+    @staticmethod
+    def _check_stop(request: Request, token: int) -> bool:
+        """EOS / stop token (not before min_tokens outputs), then the length limit. Sets the status."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens and (
+            (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        ):
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_token_id = token
+            return True
+        if request.num_tokens >= request.max_total_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _count_prompt_tokens(self, scheduler_output: SchedulerOutput) -> int:
+        """Prompt tokens among this step's scheduled tokens (num_computed_tokens already advanced)."""
+        total = 0
+        for request_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                start = request.num_computed_tokens - n
+                total += max(0, min(request.num_prompt_tokens - start, n))
+        return total
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+    def _release(self, request: Request) -> None:
+        """Forget a request that has just finished (its status is already final) and free its blocks."""
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.waiting.forget(request.request_id)
+        self._forget_sent(request.request_id)
+        self._finished_ids.append(request.request_id)
+
+    def _forget_sent(self, request_id: str) -> None:
+        self._num_tokens_sent.pop(request_id, None)
+        self._num_blocks_sent.pop(request_id, None)
+
+    def _emit_terminal(self, request: Request, error: EngineError | None = None) -> None:
+        request.record_event(EventType.FINISHED)
+        events, request.pending_events = request.pending_events, []
+        self._terminal_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                finish_reason=request.finish_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                events=events,
+                error=error,
+            )
+        )
+
+    def _why_unservable(self, request: Request) -> str | None:
+        n = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            return f"request id {request.request_id!r} is already in use"
+        if n == 0:
+            return "the prompt is empty"
+        if n > self.max_model_len:
+            return f"the prompt has {n} tokens, more than max_model_len ({self.max_model_len})"
+        blocks = -(-n // self.block_size)
+        if blocks > self.kv.num_blocks:
+            return (
+                f"the prompt needs {blocks} KV-cache blocks of {self.block_size} tokens, more than the "
+                f"whole cache ({self.kv.num_blocks} blocks)"
+            )
+        return None
+
+    # ---- state -----------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        """True while anything is waiting, running, or an abort / rejection output is still to be sent."""
+        return bool(self.running) or len(self.waiting) > 0 or bool(self._terminal_outputs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        """Current load and cumulative counters; the per-step token counts are those of the step last
+        passed to `update_from_output`."""
+        num_scheduled, num_prompt, num_generated = self._last_step
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_scheduled_tokens=num_scheduled,
+            num_prompt_tokens=num_prompt,
+            num_generation_tokens=num_generated,
+        )
+
+
+def _token_logprobs(token_id: int, row: tuple[float, int, list[int], list[float]]) -> TokenLogprobs:
+    logprob, rank, top_ids, top_logprobs = row
+    return TokenLogprobs(
+        token_id=token_id, logprob=logprob, rank=rank, top_token_ids=top_ids, top_logprobs=top_logprobs
+    )

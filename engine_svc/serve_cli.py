@@ -1,0 +1,136 @@
+"""`tandem serve`: run an engine and a frontend together on this machine (the embedded default).
+
+  tandem serve --model DIR [engine flags...] [--port 50050] [--engine-port 50051]
+
+Starts `tandem-engine` (on 127.0.0.1:--engine-port, with every flag this command does not know) and
+`tandem-frontend` (on --host:--port) as two child processes, waits until the frontend's health is
+SERVING, prints the address, and then waits. SIGINT/SIGTERM are forwarded to both (each drains and
+exits); a second signal is forwarded too (immediate exit). If either child dies, the other is stopped
+and the exit status is non-zero. Children die with this process (PR_SET_PDEATHSIG on Linux), so none
+is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import signal
+import subprocess
+import sys
+import time
+
+STOP_TIMEOUT_S = 60.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="the frontend's bind address")
+    p.add_argument("--port", type=int, default=50050, help="the frontend's port (the public API)")
+    p.add_argument("--engine-port", type=int, default=50051, help="the engine's port, on 127.0.0.1")
+    p.add_argument("--max-concurrent-requests", type=int, default=None)
+    p.add_argument("--routing", default=None)
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for SERVING")
+    return p
+
+
+def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[list[str], list[str]]:
+    """(engine argv, frontend argv), both run with this interpreter."""
+    engine = [sys.executable, "-m", "engine_svc.server_cli", "--model", args.model,
+              "--host", "127.0.0.1", "--port", str(args.engine_port), *engine_args]
+    frontend = [sys.executable, "-m", "frontend_svc.cli", "--model", args.model,
+                "--engine", f"127.0.0.1:{args.engine_port}", "--host", args.host, "--port", str(args.port)]
+    if args.max_concurrent_requests is not None:
+        frontend += ["--max-concurrent-requests", str(args.max_concurrent_requests)]
+    if args.routing is not None:
+        frontend += ["--routing", args.routing]
+    return engine, frontend
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies (Linux); elsewhere a no-op."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+    # Own session: a terminal's Ctrl-C reaches only this process, which forwards it exactly once.
+    return subprocess.Popen(argv, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+
+def wait_serving(address: str, children: list[subprocess.Popen[bytes]], timeout: float,
+                 stopping: list[int]) -> bool:
+    """Poll the frontend's health until SERVING; False if a child died, a signal came or time ran out."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and not stopping:
+            if any(c.poll() is not None for c in children):
+                return False
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, engine_args = build_parser().parse_known_args(argv)
+    engine_cmd, frontend_cmd = child_commands(args, engine_args)
+    signals: list[int] = []
+    children: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, frame: object) -> None:
+        signals.append(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM if len(signals) == 1 else signal.SIGINT)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    children.append(spawn(engine_cmd))
+    children.append(spawn(frontend_cmd))
+    address = f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    failed = False
+    if wait_serving(address, children, args.startup_timeout, signals):
+        print(f"tandem is serving tandem.v1.GenerationService on {args.host}:{args.port} "
+              f"(engine on 127.0.0.1:{args.engine_port}); Ctrl-C stops it", flush=True)
+    elif not signals:
+        print("tandem serve: the services did not become ready; stopping", file=sys.stderr)
+        failed = True
+        forward(signal.SIGTERM, None)
+    while not signals and all(c.poll() is None for c in children):
+        time.sleep(0.2)
+    if not signals:  # a child died on its own: stop the other
+        print("tandem serve: a service exited unexpectedly; stopping the other", file=sys.stderr)
+        failed = True
+        forward(signal.SIGTERM, None)
+    return _reap(children, failed)
+
+
+def _reap(children: list[subprocess.Popen[bytes]], failed: bool) -> int:
+    """Wait for both children (killing stragglers); 0 only if both exited cleanly and none failed."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    codes = []
+    for child in children:
+        try:
+            codes.append(child.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            codes.append(child.wait())
+    if failed:
+        return next((c for c in codes if c), 1)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""`tandem.engine.v1.EngineCoreService` on grpc.aio, in front of the busy-loop thread.
+
+Each `Connect` stream gets an id and an asyncio queue. The busy loop delivers one `EngineCoreOutputs`
+per step per stream (thread-safe hand-off onto the event loop); the stream's writer converts it to
+protobuf here, off the busy loop, and coalesces steps that queued up while it was writing.
+
+Health (`grpc.health.v1`): "" and `tandem.engine.v1.EngineCoreService` are NOT_SERVING until the model is
+loaded and the KV cache allocated, and again while draining; `liveness` stays SERVING until the process
+exits (so a Kubernetes liveness probe never kills a draining pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tandem.engine.v1 import engine_core_pb2 as pb
+from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
+
+from engine_svc import wire
+from engine_svc.busy_loop import BusyLoop
+from engine_svc.config import EngineConfig
+from engine_svc.core import EngineCore
+from engine_svc.protocol import EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCoreService"].full_name
+LIVENESS = "liveness"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Long-lived streams between frontend and engine sit idle for long stretches: keep them alive with
+# pings, and let clients ping without data (their keepalive settings mirror these).
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[EngineCoreOutputs | None]
+
+
+class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.loop = loop
+        self.engine_id = uuid.uuid4().hex[:12]
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count(1)
+        self.busy: BusyLoop | None = None
+        self.core: EngineCore | None = None
+
+    # Called from the busy-loop thread.
+    def deliver(self, stream_id: int, outputs: EngineCoreOutputs) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            self.loop.call_soon_threadsafe(stream.queue.put_nowait, outputs)
+
+    async def Connect(self, request_iterator: AsyncIterator[pb.EngineCoreInput],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EngineCoreOutputs]:
+        busy = self.busy
+        if busy is None or self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
+        sid = next(self._ids)
+        stream = _Stream(asyncio.Queue())
+        self._streams[sid] = stream
+        reader = asyncio.create_task(self._read_inputs(sid, request_iterator))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is None:
+                    return
+                yield wire.outputs_to_pb(self._coalesce(item, stream.queue))
+        finally:
+            reader.cancel()
+            self._streams.pop(sid, None)
+            busy.close_stream(sid)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _coalesce(first: EngineCoreOutputs, q: asyncio.Queue[EngineCoreOutputs | None]) -> EngineCoreOutputs:
+        """Merge steps that queued while the previous message was being written (order preserved)."""
+        if q.empty():
+            return first
+        outs = list(first.outputs)
+        last = first
+        while not q.empty():
+            nxt = q.get_nowait()
+            if nxt is None:
+                q.put_nowait(None)
+                break
+            outs.extend(nxt.outputs)
+            last = nxt
+        return EngineCoreOutputs(outputs=outs, scheduler_stats=last.scheduler_stats, timestamp=last.timestamp)
+
+    async def _read_inputs(self, sid: int, request_iterator: AsyncIterator[pb.EngineCoreInput]) -> None:
+        busy = self.busy
+        assert busy is not None
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "add":
+                    busy.add(sid, wire.request_from_pb(msg.add))
+                elif kind == "abort":
+                    busy.abort(sid, list(msg.abort.request_ids))
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb.EngineInfo:
+        core = self.core
+        if core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
+        cfg = self.config
+        return pb.EngineInfo(
+            model_name=cfg.model_name, max_model_len=int(cfg.max_model_len or 0),
+            vocab_size=core.vocab_size, block_size=cfg.block_size, num_blocks=core.num_blocks,  # type: ignore[union-attr]
+            tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.torch_dtype_name,
+            enable_prefix_caching=cfg.enable_prefix_caching, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=int(cfg.max_num_batched_tokens or 0),
+            scheduling_policy=cfg.scheduling_policy, device=cfg.device, engine_id=self.engine_id,
+        )
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:
+        return wire.stats_to_load_pb(self.busy.stats if self.busy else None)
+
+    def end_all_streams(self) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(None)
+
+
+class EngineServer:
+    """Owns the gRPC server, the busy loop and the health states; `run()` returns the exit code."""
+
+    def __init__(self, config: EngineConfig, *, host: str = "0.0.0.0", port: int = 50051,
+                 max_waiting: int | None = None, drain_grace_s: float = 45.0,
+                 executor: object | None = None) -> None:
+        self.config = config
+        self.address = f"{host}:{port}"
+        self.max_waiting = max_waiting
+        self.drain_grace_s = drain_grace_s
+        self.executor = executor
+        self.exit_code = 0
+        self.bound_port = 0
+
+    async def run(self, ready: asyncio.Event | None = None) -> int:
+        loop = asyncio.get_running_loop()
+        self._done = asyncio.Event()
+        self._tasks: set[asyncio.Future[None]] = set()
+        self.health = health.aio.HealthServicer()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, NOT_SERVING)
+        await self.health.set(LIVENESS, SERVING)
+        self.servicer = EngineCoreServicer(self.config, loop)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        self.bound_port = server.add_insecure_port(self.address)
+        await server.start()
+        logger.info("engine gRPC listening on %s (loading model...)", self.address)
+        if ready is not None:
+            ready.set()
+
+        def threadsafe(fn, *args):
+            return lambda *a: loop.call_soon_threadsafe(fn, *args, *a)
+
+        busy = BusyLoop(self._make_core, self.servicer.deliver, max_waiting=self.max_waiting,
+                        on_ready=threadsafe(self._on_ready), on_fatal=threadsafe(self._on_fatal),
+                        on_drained=threadsafe(self._done.set))
+        self.servicer.busy = busy
+        busy.start()
+        await self._done.wait()
+        await self._shutdown(server, busy)
+        return self.exit_code
+
+    def _make_core(self) -> EngineCore:
+        return EngineCore(self.config, executor=self.executor)  # type: ignore[arg-type]
+
+    def _set_serving(self, serving: bool) -> None:
+        """Readiness ("" and the service name); `liveness` is left SERVING until exit."""
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            task = asyncio.ensure_future(self.health.set(name, status))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _on_ready(self, core: EngineCore) -> None:
+        self.servicer.core = core
+        logger.info("engine ready: %d KV blocks", core.num_blocks)
+        self._set_serving(True)
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        self.exit_code = 1
+        self._set_serving(False)
+        self._done.set()
+
+    def begin_drain(self) -> None:
+        """SIGTERM: stop taking requests, let in-flight ones finish within the grace period, then exit."""
+        if self.servicer.busy is None or self.servicer.core is None:
+            self._done.set()
+            return
+        logger.info("draining (grace %.0fs)", self.drain_grace_s)
+        self._set_serving(False)
+        self.servicer.busy.drain(self.drain_grace_s)
+
+    async def _shutdown(self, server: grpc.aio.Server, busy: BusyLoop) -> None:
+        busy.stop()
+        await asyncio.sleep(0.05)  # let the last deliveries reach their streams
+        self.servicer.end_all_streams()
+        await server.stop(grace=1.0)
+        await asyncio.get_running_loop().run_in_executor(None, busy.join, 5.0)
+        if busy.core is not None:
+            busy.core.shutdown()
+

@@ -1,0 +1,289 @@
+"""CUDA graphs for decode steps: capture the model forward once per batch size, replay it every step.
+
+Why: a decode step of a small model is a few hundred short kernels, and launching them one by one from
+Python costs more than running them. A captured graph launches them all at once (seed 003, vLLM's
+CUDAGraphRunner).
+
+What is captured:
+- the model forward only (input ids -> final hidden states); logits and sampling run eagerly on the
+  rows of real requests;
+- decode-only steps: every scheduled request has q_len == 1. A step with any prefill chunk, or with
+  more requests than the largest captured size, runs eagerly (`graph_batch_size`);
+- batch sizes `capture_sizes(max_num_seqs)`, largest first, all graphs sharing one memory pool; a batch
+  of n requests replays the smallest captured size B >= n.
+
+Padding: rows n..B-1 of a replay are dummy requests: token 0 at position 0, cache slot -1 (the KV
+write kernel skips negative slots, so dummies never touch the KV cache), seq_len 1 and a block-table
+row of zeros (attention reads one key of block 0 and the result is thrown away). Nothing leaks into
+real rows: apart from attention, which reads only the cache, every op of the model is row-wise.
+
+Static buffers (`DecodeBuffers`): a graph reads fixed device tensors sized for the largest batch;
+`replay` copies the step's padded inputs into their first B rows. `query_start_loc` of a decode-only
+batch is always 0, 1, ..., B, so it is written once.
+
+Host values: a graph cannot see host values that change between replays. The triton backend reads two
+host ints: max_query_len (1 for every decode-only step: it selects the decode path) and max_seq_len
+(it only tunes how many KV splits the kernel uses), for which the graph bakes in the upper bound
+max_blocks_per_req * block_size. `seq_lens_cpu` / `query_lens_cpu` in the captured metadata are
+placeholders that the triton backend never reads; the torch backend plans attention from those host
+lists, which is why graphs need the triton backend.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine_svc.attention.backend import AttentionMetadata
+from engine_svc.worker.input_batch import StepInputs
+
+if TYPE_CHECKING:
+    from engine_svc.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+PAD_SLOT = -1  # the KV write kernel skips negative slots
+
+
+# ---- pure planning (no device) ----------------------------------------------------------------
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Ascending batch sizes to capture: 1, 2, 4, 8, then multiples of 8 up to 256 and multiples of 16
+    beyond, none above max_num_seqs, and max_num_seqs itself, so that every decode batch fits a graph."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    candidates = [1, 2, 4, *range(8, 257, 8), *range(272, max_num_seqs + 1, 16)]
+    sizes = [s for s in candidates if s <= max_num_seqs]
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+def padded_batch_size(num_reqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of `sizes` (ascending) that is >= num_reqs, or None when num_reqs exceeds them all."""
+    i = bisect.bisect_left(sizes, num_reqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def graph_batch_size(num_reqs: int, num_decodes: int, sizes: Sequence[int]) -> int | None:
+    """The captured size a step replays, or None when the step must run eagerly.
+
+    Eager when the step is empty, when any request has q_len != 1 (num_decodes < num_reqs: a prefill
+    chunk is in the batch), or when num_reqs is larger than every captured size.
+    """
+    if num_reqs == 0 or num_decodes != num_reqs:
+        return None
+    return padded_batch_size(num_reqs, sizes)
+
+
+def graphs_off_reason(
+    *, device_type: str, attention_backend: str, enforce_eager: bool, tensor_parallel_size: int
+) -> str | None:
+    """Why decode CUDA graphs cannot be used with these settings, or None when they can."""
+    if device_type != "cuda":
+        return "not running on CUDA"
+    if enforce_eager:
+        return "--enforce-eager was given"
+    if attention_backend != "triton":
+        return (f"the {attention_backend} attention backend plans attention from host lists, which a "
+                "graph cannot capture; use --attention-backend triton")
+    if tensor_parallel_size > 1:
+        return "tensor parallelism > 1 (collectives inside captured graphs are not supported yet)"
+    return None
+
+
+# ---- host-side padding ------------------------------------------------------------------------
+@dataclass
+class PaddedDecodeInputs:
+    """A decode-only step's inputs padded to a captured size B; rows n..B-1 are dummy requests."""
+
+    input_ids: np.ndarray  # [B] int64; 0 for padding
+    positions: np.ndarray  # [B] int64; 0 for padding
+    slot_mapping: np.ndarray  # [B] int64; PAD_SLOT for padding
+    seq_lens: np.ndarray  # [B] int32; 1 for padding
+    block_table: np.ndarray  # [B, W] int32, W = the step's block-table width (>= 1); zeros for padding
+
+
+def _padded(values: np.ndarray, size: int, fill: int, dtype: type) -> np.ndarray:
+    out = np.full(size, fill, dtype=dtype)
+    out[: len(values)] = values
+    return out
+
+
+def pad_decode_inputs(inputs: StepInputs, size: int) -> PaddedDecodeInputs:
+    """Pad a decode-only step (one token per request, so token i belongs to request i) to `size` rows."""
+    n = len(inputs.req_ids)
+    if inputs.num_decodes != n or len(inputs.input_ids) != n:
+        raise ValueError("pad_decode_inputs needs a decode-only step (every q_len == 1)")
+    if n > size:
+        raise ValueError(f"a batch of {n} requests does not fit a graph of size {size}")
+    width = inputs.block_table.shape[1]
+    table = np.zeros((size, max(width, 1)), dtype=np.int32)
+    table[:n, :width] = inputs.block_table
+    return PaddedDecodeInputs(
+        input_ids=_padded(inputs.input_ids, size, 0, np.int64),
+        positions=_padded(inputs.positions, size, 0, np.int64),
+        slot_mapping=_padded(inputs.slot_mapping, size, PAD_SLOT, np.int64),
+        seq_lens=_padded(inputs.seq_lens, size, 1, np.int32),
+        block_table=table,
+    )
+
+
+# ---- static device buffers --------------------------------------------------------------------
+class DecodeBuffers:
+    """The device tensors captured graphs read their inputs from, sized for the largest batch.
+
+    Invariants: every row starts as a dummy request (see the module docstring); `load` overwrites rows
+    [0, B) of a B-row step (block table: columns [0, W) of the step's width), and a graph of size B reads
+    nothing else, except block-table columns past W, which attention never reads because it only looks
+    up the blocks of the first seq_len positions. `query_start_loc` is 0..max_batch for good.
+    """
+
+    def __init__(self, max_batch: int, max_blocks_per_req: int, device: torch.device) -> None:
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(max_batch, dtype=torch.int64)
+        self.positions = zeros(max_batch, dtype=torch.int64)
+        self.slot_mapping = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.block_table = zeros(max_batch, max_blocks_per_req, dtype=torch.int32)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+
+    def load(self, step: PaddedDecodeInputs) -> None:
+        """Copy a padded step into the first rows (asynchronous: numpy sources are pageable memory,
+        which CUDA stages before the call returns, so they may be dropped right after)."""
+        size, width = step.block_table.shape
+        self.input_ids[:size].copy_(torch.from_numpy(step.input_ids), non_blocking=True)
+        self.positions[:size].copy_(torch.from_numpy(step.positions), non_blocking=True)
+        self.slot_mapping[:size].copy_(torch.from_numpy(step.slot_mapping), non_blocking=True)
+        self.seq_lens[:size].copy_(torch.from_numpy(step.seq_lens), non_blocking=True)
+        self.block_table[:size, :width].copy_(torch.from_numpy(step.block_table), non_blocking=True)
+
+    def metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
+        """Metadata over the first `size` rows; host fields are bounds / placeholders (see module doc)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[max_seq_len] * size,
+            num_decodes=size,
+        )
+
+
+# ---- capture and replay -----------------------------------------------------------------------
+class DecodeCudaGraphs:
+    """One captured model forward per decode batch size, replayed by the model runner.
+
+    `size_for(inputs)` says whether (and at which size) a step can replay; `replay(inputs, size)` returns
+    the hidden states of the step's real requests, a view into the graph's output that stays valid until
+    the next replay.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        *,
+        sizes: Sequence[int],
+        max_blocks_per_req: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = sorted(sizes)
+        self.device = device
+        self.max_seq_len = max_blocks_per_req * block_size
+        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks_per_req, device)
+        self.num_replays = 0
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def size_for(self, inputs: StepInputs) -> int | None:
+        return graph_batch_size(len(inputs.req_ids), inputs.num_decodes, self.sizes)
+
+    def forward_static(self, size: int) -> torch.Tensor:
+        """The model over the first `size` rows of the buffers: exactly what a graph captures."""
+        b = self.buffers
+        meta = b.metadata(size, self.max_seq_len)
+        return self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, meta)  # type: ignore[no-any-return]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, into one shared memory pool (needs the KV cache allocated).
+
+        Each size first runs once eagerly, so Triton compiles that size's kernel variants outside the
+        capture. The buffers hold dummy requests only, so capturing writes nothing to the KV cache.
+        """
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self.forward_static(size)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self.forward_static(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "CUDA graphs: captured %d decode batch sizes (%d..%d) in %.2f s, graph memory %.1f MiB",
+            len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start, used / 2**20,
+        )
+
+    def replay(self, inputs: StepInputs, size: int) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode-only step of n <= size requests."""
+        self.buffers.load(pad_decode_inputs(inputs, size))
+        out = self._run(size)
+        self.num_replays += 1
+        return out[: len(inputs.req_ids)]
+
+    def _run(self, size: int) -> torch.Tensor:
+        self._graphs[size].replay()
+        return self._outputs[size]
+
+
+def maybe_capture_decode_graphs(
+    config: EngineConfig,
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    *,
+    device: torch.device,
+    max_blocks_per_req: int,
+) -> DecodeCudaGraphs | None:
+    """Capture decode graphs when the settings allow (`graphs_off_reason`), else None.
+
+    Call after the KV cache is allocated. Says why graphs are off when on CUDA; silent on CPU.
+    """
+    reason = graphs_off_reason(
+        device_type=device.type,
+        attention_backend=config.resolved_attention_backend,
+        enforce_eager=config.enforce_eager,
+        tensor_parallel_size=config.tensor_parallel_size,
+    )
+    if reason is not None:
+        if device.type == "cuda":
+            logger.info("CUDA graphs off: %s", reason)
+        return None
+    graphs = DecodeCudaGraphs(
+        model,
+        kv_caches,
+        sizes=capture_sizes(config.max_num_seqs),
+        max_blocks_per_req=max_blocks_per_req,
+        block_size=config.block_size,
+        device=device,
+    )
+    graphs.capture()
+    return graphs

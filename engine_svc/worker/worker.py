@@ -1,0 +1,113 @@
+"""One worker per device: loads its shard of the model, owns the KV cache, runs steps.
+
+Lifecycle (driven by an executor): `load_model()` -> `determine_num_blocks()` -> `initialize_cache(n)`
+(the executor passes the minimum over all ranks) -> `execute_model(so)` per step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine_svc.config import EngineConfig
+from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.worker.cuda_graphs import maybe_capture_decode_graphs
+from engine_svc.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def make_attention_backend(name: str) -> object:
+    if name == "torch":
+        from engine_svc.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    from engine_svc.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = self._init_device()
+        self.dtype = _DTYPES[config.torch_dtype_name]
+        self.model: torch.nn.Module | None = None
+        self.runner: ModelRunner | None = None
+
+    def _init_device(self) -> torch.device:
+        if self.config.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("--device cuda was asked for but CUDA is not available on this machine; "
+                                   "use --device cpu")
+            torch.cuda.set_device(self.rank)
+            return torch.device("cuda", self.rank)
+        return torch.device("cpu")
+
+    def load_model(self) -> None:
+        from engine_svc.model.loader import load_model
+
+        torch.manual_seed(self.config.seed)
+        backend = make_attention_backend(self.config.resolved_attention_backend)
+        self.model = load_model(self.config.model, dtype=self.dtype, device=self.device, attn_backend=backend)
+        self.runner = ModelRunner(
+            self.model,
+            device=self.device,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=int(self.config.max_model_len or 0),
+            block_size=self.config.block_size,
+            vocab_size=self.model.vocab_size,
+        )
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block across all layers on this rank (K and V)."""
+        m = self.model
+        assert m is not None
+        per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return per_token * self.config.block_size
+
+    def determine_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_free_memory()
+        else:
+            from engine_svc.config import DEFAULT_CPU_KV_CACHE_BYTES
+
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        return max(0, budget // self.kv_block_bytes)
+
+    def _profile_free_memory(self) -> int:
+        """GPU: total * utilisation - peak memory of a max-size forward (seed 003)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        assert self.runner is not None
+        self.runner.profile_run(self.config.max_num_batched_tokens or 8192)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        total = torch.cuda.mem_get_info()[1]
+        return int(total * self.config.gpu_memory_utilization - peak)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        m, runner = self.model, self.runner
+        assert m is not None and runner is not None
+        shape = (2, num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
+        runner.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                            for _ in range(m.num_layers)]
+        # -- CUDA graphs hook: capture decode graphs now that the cache exists (None when off) --
+        runner.cuda_graphs = maybe_capture_decode_graphs(
+            self.config, m, runner.kv_caches, device=self.device,
+            max_blocks_per_req=runner.batch.block_table.shape[1],
+        )
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.runner is not None
+        return self.runner.execute_model(so)

@@ -1,0 +1,205 @@
+"""The output processor: engine outputs (token ids) -> per-completion text deltas.
+
+It consumes `EngineCoreOutputs`-shaped objects by attribute name, so the in-process msgspec structs
+(`engine_svc.protocol`) and the `tandem.engine.v1` protobuf messages both work. For each live engine
+request it detokenizes incrementally, checks stop strings and reports finishes. Invariants:
+- Each completion gets exactly one finished delta (its last); afterwards its engine id is forgotten and
+  any later engine output for it (e.g. the acknowledgement of an abort) is ignored.
+- A stop-string match finishes the completion here at once and puts its engine id in `reqs_to_abort`
+  (unless the engine finished it in the same step); the caller must abort it in the engine.
+- When the engine stops on a stop token (EOS or a stop id), that token's text is left out of the
+  output unless `include_stop_str_in_output` (as vLLM V1 does); the id is reported as `stop_reason`.
+- A request is forgotten once all n completions finished.
+Nothing here formats strings or logs per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend_svc.detokenizer import IncrementalDetokenizer
+from frontend_svc.outputs import CompletionDelta, CompletionError, TokenLogprob, Usage
+from frontend_svc.processor import PreparedRequest
+from frontend_svc.stop import StopChecker
+
+# Indexed by the wire FinishReason number (0 = unspecified, 1 stop, 2 length, 3 abort, 4 error).
+_FINISH_NAMES: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")
+
+
+@dataclass
+class ProcessedOutputs:
+    deltas: list[CompletionDelta] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)  # engine ids finished by a stop string
+
+
+class _Request:
+    """One client request: its n completions and how many are still running."""
+
+    __slots__ = ("num_unfinished", "prepared")
+
+    def __init__(self, prepared: PreparedRequest) -> None:
+        self.prepared = prepared
+        self.num_unfinished = len(prepared.engine_request_ids)
+
+
+class _Completion:
+    """Per engine request state: detokenizer, stop checker, counters."""
+
+    __slots__ = ("detokenizer", "engine_id", "index", "num_cached", "num_tokens", "request",
+                 "sent_first", "stop_checker")
+
+    def __init__(self, request: _Request, index: int, backend: Any) -> None:
+        params = request.prepared.params
+        stops = params.stop_strings
+        self.request = request
+        self.index = index
+        self.engine_id = request.prepared.engine_request_ids[index]
+        self.detokenizer = IncrementalDetokenizer(
+            backend, request.prepared.prompt_token_ids, params.skip_special_tokens)
+        self.stop_checker = StopChecker(stops, params.include_stop_str_in_output) if stops else None
+        self.num_tokens = 0
+        self.num_cached = 0
+        self.sent_first = False
+
+
+class OutputProcessor:
+    """Turns engine outputs into `CompletionDelta`s for every request added with `add_request`."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        """`tokenizer`: the frontend `Tokenizer` (its `.backend` is the `tokenizers.Tokenizer`)."""
+        self._backend = getattr(tokenizer, "backend", tokenizer)
+        self._completions: dict[str, _Completion] = {}  # engine id -> unfinished completion
+        self._requests: dict[str, list[_Request]] = {}  # client id -> live requests with that id
+
+    def add_request(self, prepared: PreparedRequest) -> None:
+        request = _Request(prepared)
+        for index in range(len(prepared.engine_request_ids)):
+            completion = _Completion(request, index, self._backend)
+            self._completions[completion.engine_id] = completion
+        self._requests.setdefault(prepared.request_id, []).append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._completions)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(len(requests) for requests in self._requests.values())
+
+    def abort_request(self, request: str | PreparedRequest) -> list[str]:
+        """Finish a request's unfinished completions here; return their engine ids (to abort there).
+
+        A `str` is a client request id and aborts every live request with that id; a
+        `PreparedRequest` aborts exactly that request.
+        """
+        if isinstance(request, str):
+            targets = list(self._requests.get(request, ()))
+        else:
+            targets = [r for r in self._requests.get(request.request_id, ()) if r.prepared is request]
+        engine_ids: list[str] = []
+        for target in targets:
+            for engine_id in target.prepared.engine_request_ids:
+                completion = self._completions.get(engine_id)
+                if completion is not None:
+                    self._finish(completion)
+                    engine_ids.append(engine_id)
+        return engine_ids
+
+    def process_outputs(self, engine_core_outputs: Any) -> ProcessedOutputs:
+        """Process one step's `EngineCoreOutputs`; outputs for unknown/finished ids are ignored."""
+        result = ProcessedOutputs()
+        for output in engine_core_outputs.outputs:
+            completion = self._completions.get(output.request_id)
+            if completion is None:
+                continue
+            delta = self._process_one(completion, output, result.reqs_to_abort)
+            if delta is not None:
+                result.deltas.append(delta)
+        return result
+
+    def _process_one(self, c: _Completion, output: Any, to_abort: list[str]) -> CompletionDelta | None:
+        params = c.request.prepared.params
+        new_ids = list(output.new_token_ids)
+        c.num_tokens += len(new_ids)
+        if output.num_cached_tokens:
+            c.num_cached = output.num_cached_tokens
+        finish = _finish_name(output.finish_reason)
+        error = _error_of(output)
+        if error is not None:
+            finish = "error"
+        stop_reason: str | int | None = None
+        text_ids = new_ids
+        if finish == "stop":
+            stop_reason = _optional_field(output, "stop_token_id")
+            if (stop_reason is not None and not params.include_stop_str_in_output
+                    and new_ids and new_ids[-1] == stop_reason):
+                text_ids = new_ids[:-1]
+        text = c.detokenizer.add(text_ids) if text_ids else ""
+        if c.stop_checker is not None:
+            text, matched = c.stop_checker.feed(text, c.num_tokens > params.min_tokens)
+            if matched is not None and error is None:
+                if finish is None:
+                    to_abort.append(c.engine_id)
+                finish, stop_reason = "stop", matched
+            elif finish is not None:
+                text += c.stop_checker.flush()
+        prompt_logprobs = None if c.sent_first else _logprob_list(output.prompt_logprobs, None)
+        if not (text or new_ids or finish or prompt_logprobs):
+            return None
+        c.sent_first = True
+        delta = CompletionDelta(c.request.prepared.request_id, c.index, text, new_ids, c.engine_id)
+        if params.logprobs is not None:
+            delta.logprobs = _logprob_list(output.new_logprobs, self._backend) or []
+        delta.prompt_logprobs = prompt_logprobs
+        if finish is not None:
+            delta.finish_reason, delta.stop_reason, delta.error = finish, stop_reason, error
+            delta.usage = Usage(len(c.request.prepared.prompt_token_ids), c.num_tokens, c.num_cached)
+            self._finish(c)
+        return delta
+
+    def _finish(self, c: _Completion) -> None:
+        """Forget a finished completion, and its request once all of its completions are done."""
+        del self._completions[c.engine_id]
+        request = c.request
+        request.num_unfinished -= 1
+        if request.num_unfinished == 0:
+            client_id = request.prepared.request_id
+            live = self._requests[client_id]
+            live.remove(request)
+            if not live:
+                del self._requests[client_id]
+
+
+def _finish_name(reason: int) -> str | None:
+    reason = int(reason)
+    return _FINISH_NAMES[reason] if 0 <= reason < len(_FINISH_NAMES) else "error"
+
+
+def _optional_field(message: Any, name: str) -> Any:
+    """The field's value or None when unset, for msgspec structs (None) and protobuf (HasField)."""
+    has_field = getattr(message, "HasField", None)
+    if has_field is not None:
+        return getattr(message, name) if has_field(name) else None
+    return getattr(message, name, None)
+
+
+def _error_of(output: Any) -> CompletionError | None:
+    error = _optional_field(output, "error")
+    if error is None:
+        return None
+    return CompletionError(int(error.code), str(error.message))
+
+
+def _logprob_list(entries: Any, backend: Any) -> list[TokenLogprob] | None:
+    """Engine logprob entries as `TokenLogprob`s (with the token's text when `backend` is given)."""
+    if not entries:
+        return None
+    return [
+        TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            rank=e.rank,
+            top=list(zip(e.top_token_ids, e.top_logprobs)),
+            text=backend.decode([e.token_id], skip_special_tokens=False) if backend is not None else None,
+        )
+        for e in entries
+    ]

@@ -1,0 +1,189 @@
+"""The request processor: prompt (text, token ids or chat) + SamplingParams -> validated token ids.
+
+`Processor.process()` tokenizes and validates one client request and returns a `PreparedRequest`;
+`Processor.engine_requests()` expands it into the n EngineCoreRequest field dicts the engine needs
+(the engine only knows n = 1). Invariants:
+- Validation collects every violation before raising one `ValidationError`; each violation's field is
+  the dot path in the public proto (`text`, `token_ids.ids`, `chat.messages`, `sampling_params.*`).
+- A `PreparedRequest` has a non-empty prompt, every id in [0, vocab_size), and leaves room for
+  `max_tokens` (or at least one token) within `max_model_len`.
+- Engine request ids are unique within this process (a per-process random tag plus a counter), even
+  when clients reuse their `request_id`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend_svc.errors import FieldViolation, ValidationError
+from frontend_svc.sampling_params import SamplingParams
+
+_UINT64_LIMIT = 1 << 64
+_PROCESS_TAG = secrets.token_hex(4)
+_request_counter = itertools.count()
+
+
+@dataclass
+class ChatPrompt:
+    """A chat prompt: `messages` are {"role": ..., "content": ...} dicts, rendered by the chat template."""
+
+    messages: list[dict[str, str]]
+    add_generation_prompt: bool = True
+
+
+Prompt = str | Sequence[int] | ChatPrompt
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready to be split into n engine requests."""
+
+    request_id: str  # the client's id (assigned when the client gave none); may repeat across requests
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+    engine_request_ids: list[str] = field(default_factory=list)  # one per completion, process-unique
+    prompt: str | None = None  # the prompt text when the client sent text
+
+
+class Processor:
+    """Tokenizes and validates requests for one model."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.model_name = model_name
+
+    def process(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> PreparedRequest:
+        """Tokenize and validate; raise `ValidationError` listing every problem found."""
+        violations: list[FieldViolation] = []
+        prompt_field, prompt_ids = self._tokenize(prompt, violations)
+        violations.extend(v.with_prefix("sampling_params") for v in params.violations())
+        if prompt_ids:
+            self._check_lengths(prompt_field, prompt_ids, params, violations)
+        if violations:
+            raise ValidationError(violations)
+        request_id = request_id or uuid.uuid4().hex
+        return PreparedRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            eos_token_ids=list(self.tokenizer.eos_token_ids),
+            arrival_time=time.time(),
+            priority=priority,
+            engine_request_ids=_engine_request_ids(request_id, params.n),
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+
+    def engine_requests(self, prepared: PreparedRequest) -> list[dict[str, Any]]:
+        """The fields of one EngineCoreRequest per completion (seeded completions get seed + index)."""
+        base = prepared.params.engine_fields()
+        requests = []
+        for index, engine_id in enumerate(prepared.engine_request_ids):
+            sampling = dict(base, stop_token_ids=list(base["stop_token_ids"]))
+            if base["seed"] is not None:
+                sampling["seed"] = (base["seed"] + index) % _UINT64_LIMIT
+            requests.append({
+                "request_id": engine_id,
+                "prompt_token_ids": list(prepared.prompt_token_ids),
+                "sampling_params": sampling,
+                "eos_token_ids": list(prepared.eos_token_ids),
+                "arrival_time": prepared.arrival_time,
+                "priority": prepared.priority,
+                "trace_headers": {},
+            })
+        return requests
+
+    def _tokenize(self, prompt: Prompt, violations: list[FieldViolation]) -> tuple[str, list[int]]:
+        """(the prompt's field path, its token ids); appends violations and returns [] when bad."""
+        if isinstance(prompt, str):
+            return "text", self._tokenize_text(prompt, violations)
+        if isinstance(prompt, ChatPrompt):
+            return "chat.messages", self._tokenize_chat(prompt, violations)
+        return "token_ids.ids", self._check_ids(prompt, violations)
+
+    def _tokenize_text(self, text: str, violations: list[FieldViolation]) -> list[int]:
+        if not text:
+            violations.append(FieldViolation("text", "the prompt must not be empty"))
+            return []
+        ids = list(self.tokenizer.encode(text))
+        if not ids:
+            violations.append(FieldViolation("text", "the prompt encodes to no tokens"))
+        return ids
+
+    def _tokenize_chat(self, chat: ChatPrompt, violations: list[FieldViolation]) -> list[int]:
+        bad = _chat_violation(chat.messages)
+        if bad is not None:
+            violations.append(FieldViolation("chat.messages", bad))
+            return []
+        try:
+            ids = list(self.tokenizer.apply_chat_template(
+                chat.messages, add_generation_prompt=chat.add_generation_prompt))
+        except Exception as exc:  # a template error is the client's input being wrong
+            violations.append(FieldViolation("chat.messages", f"the chat template failed: {exc}"))
+            return []
+        if not ids:
+            violations.append(FieldViolation("chat.messages", "the chat renders to no tokens"))
+        return ids
+
+    def _check_ids(self, ids: Sequence[int], violations: list[FieldViolation]) -> list[int]:
+        ids = list(ids)
+        if not ids:
+            violations.append(FieldViolation("token_ids.ids", "the prompt must not be empty"))
+            return []
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            violations.append(FieldViolation(
+                "token_ids.ids", f"every token id must be an integer in [0, {self.vocab_size})"))
+            return []
+        return ids
+
+    def _check_lengths(
+        self, prompt_field: str, ids: list[int], params: SamplingParams, violations: list[FieldViolation]
+    ) -> None:
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            violations.append(FieldViolation(
+                prompt_field, f"the prompt has {len(ids)} tokens; it must be shorter than "
+                              f"max_model_len ({limit})"))
+            return
+        max_tokens = params.max_tokens
+        if isinstance(max_tokens, int) and max_tokens >= 1 and len(ids) + max_tokens > limit:
+            violations.append(FieldViolation(
+                "sampling_params.max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({limit})"))
+
+
+def _chat_violation(messages: Sequence[Any]) -> str | None:
+    """Why `messages` cannot be rendered, or None when they look fine."""
+    if not messages:
+        return "the chat must have at least one message"
+    for message in messages:
+        if not isinstance(message, dict):
+            return "every message must be a {role, content} mapping"
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            return "every message needs a non-empty role"
+        if not isinstance(message.get("content"), str):
+            return "every message needs a string content"
+    return None
+
+
+def _engine_request_ids(request_id: str, n: int) -> list[str]:
+    """n ids for the engine, unique in this process: client id, completion index, process tag + counter."""
+    tag = f"{_PROCESS_TAG}{next(_request_counter):x}"
+    return [f"{request_id}-{i}-{tag}" for i in range(n)]

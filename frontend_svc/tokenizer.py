@@ -1,0 +1,100 @@
+"""The frontend's tokenizer: a thin, torch-free wrapper over a Hugging Face fast tokenizer.
+
+It loads ``tokenizer.json`` exactly as written (transformers' ``PreTrainedTokenizerFast``, never a
+model-specific class that might rebuild the pipeline), reads the chat template and special tokens from
+``tokenizer_config.json`` and the extra EOS ids from ``generation_config.json``.
+
+Invariants:
+  * ``encode``/``decode`` go straight to the Rust ``tokenizers.Tokenizer`` (``backend``), the same object
+    the incremental detokenizer streams with, so prompt and output text agree.
+  * ``eos_token_ids`` is the tokenizer's EOS id followed by generation_config's, without duplicates.
+  * Importing this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+
+# transformers' placeholder for "no limit given" is int(1e30); anything this large means unknown.
+_NO_MAX_LENGTH = 10**12
+
+
+class ChatTemplateError(ValueError):
+    """The model cannot render chat messages (it ships no chat template)."""
+
+
+class Tokenizer:
+    """Text <-> token ids and chat rendering for one model."""
+
+    def __init__(self, hf_tokenizer: Any, generation_eos_ids: Iterable[int] = ()) -> None:
+        """``hf_tokenizer``: a transformers fast tokenizer; ``generation_eos_ids``: extra EOS ids."""
+        self._hf = hf_tokenizer
+        self.backend = hf_tokenizer.backend_tokenizer
+        """The ``tokenizers.Tokenizer`` (for ``tokenizers.decoders.DecodeStream``)."""
+        self.vocab_size: int = len(hf_tokenizer)
+        """Number of ids, added tokens included."""
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.eos_token_ids: list[int] = _dedupe([hf_tokenizer.eos_token_id, *generation_eos_ids])
+        self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
+        max_len = hf_tokenizer.model_max_length
+        self.model_max_length: int | None = int(max_len) if max_len and max_len < _NO_MAX_LENGTH else None
+        """From tokenizer_config.json; None when the model does not say."""
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+        """Load the tokenizer of a local HF model directory (it must hold ``tokenizer.json``)."""
+        path = Path(model_dir)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
+        hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+        return cls(hf_tokenizer, _generation_eos_ids(path / "generation_config.json"))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` applies the model's template (e.g. BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (invalid UTF-8 from a cut multi-byte character decodes to U+FFFD)."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._hf.chat_template)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages`` (dicts with ``role`` and ``content``), as text."""
+        if not self.has_chat_template:
+            raise ChatTemplateError("this model has no chat template; send a text or token_ids prompt")
+        return self._hf.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat; the template supplies any BOS, so none is added."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    """``eos_token_id`` of a generation_config.json (an int or a list); [] when absent."""
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+def _dedupe(ids: Iterable[int | None]) -> list[int]:
+    """``ids`` in first-seen order, without None or repeats."""
+    seen: dict[int, None] = {}
+    for i in ids:
+        if i is not None:
+            seen.setdefault(int(i), None)
+    return list(seen)

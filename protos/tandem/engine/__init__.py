@@ -1,0 +1,1 @@
+"""`tandem.engine`: the internal contract between frontends and engines."""

@@ -1,0 +1,276 @@
+"""The split end to end: a real engine process and a real frontend process over loopback gRPC.
+
+The oracle is the offline, in-process API (`engine_svc.LLM`): greedy (and seeded) outputs through
+the split must equal it token for token. Then streaming semantics, cancellation (the engine's
+`GetLoad` must return to idle with an empty KV cache), crashes of either process, bad input,
+admission limits, health and reflection. The engine runs with --max-num-seqs 4 --max-waiting 4 and
+the frontend with --max-concurrent-requests 8 (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+from tandem.engine.v1 import engine_core_pb2 as epb
+from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
+from tandem.v1 import generation_pb2 as pb
+
+from frontend_svc.client import TandemClient, collect
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole",
+    "1 2 3 4 5",
+]
+GREEDY_TOKENS = 24
+ENDLESS = dict(ignore_eos=True, max_tokens=1500)  # runs until cancelled
+
+
+@pytest.fixture(scope="module")
+def llm(split: Any) -> Any:
+    from engine_svc.llm import LLM
+
+    return LLM(str(split.model), dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=split.kv_cache_bytes)
+
+
+@pytest.fixture(scope="module")
+def second_frontend(split: Any) -> Iterator[Any]:
+    """A second frontend on the same engine (used to push past the engine's limit, then killed)."""
+    service = split.start_frontend()
+    try:
+        yield service.wait_serving()
+    finally:
+        service.stop()
+
+
+@pytest.fixture()
+def client(split: Any) -> Iterator[TandemClient]:
+    with TandemClient(split.frontend.address) as c:
+        yield c
+
+
+def engine_load(split: Any) -> epb.EngineLoad:
+    with grpc.insecure_channel(split.engine.address) as channel:
+        return epb_grpc.EngineCoreServiceStub(channel).GetLoad(epb.GetLoadRequest(), timeout=5)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.05)
+
+
+def engine_idle(split: Any) -> bool:
+    load = engine_load(split)
+    return load.num_running == 0 and load.num_waiting == 0 and load.kv_cache_usage == 0
+
+
+def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+def details(error: grpc.RpcError) -> tuple[list[str], str]:
+    """(BadRequest field paths, ErrorInfo reason) of an error's google.rpc.Status details."""
+    status = rpc_status.from_call(error)
+    assert status is not None, f"no status details on {error.code()}: {error.details()}"
+    fields, reason = [], ""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            fields += [v.field for v in bad.field_violations]
+        elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason = info.reason
+    return fields, reason
+
+
+# ---- exactness and streaming -----------------------------------------------------------------------------
+
+
+def test_greedy_concurrent_streams_equal_the_offline_api(client: TandemClient, llm: Any) -> None:
+    from frontend_svc.sampling_params import SamplingParams
+
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS), use_tqdm=False)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streamed = list(pool.map(
+            lambda p: list(client.generate(p, temperature=0, max_tokens=GREEDY_TOKENS)), PROMPTS))
+    for responses, want in zip(streamed, expected):
+        completion = want.outputs[0]
+        assert [t for r in responses for t in r.token_ids] == completion.token_ids
+        assert "".join(r.text for r in responses) == completion.text
+        if "\ufffd" not in completion.text:  # a split multi-byte character never shows as U+FFFD
+            assert not any("\ufffd" in r.text for r in responses)
+        assert len(responses) > 1  # streamed step by step, not in one piece
+        last = responses[-1]
+        assert last.finish_reason == (pb.FINISH_REASON_LENGTH if completion.finish_reason == "length"
+                                      else pb.FINISH_REASON_STOP)
+        assert last.usage.completion_tokens == len(completion.token_ids)
+        assert last.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_seeded_n_completions_equal_the_offline_api(client: TandemClient, llm: Any) -> None:
+    from frontend_svc.sampling_params import SamplingParams
+
+    params = dict(n=3, seed=5, temperature=1.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate([PROMPTS[0]], SamplingParams(**params), use_tqdm=False)[0]
+    out = collect(client.generate(PROMPTS[0], **params))
+    assert sorted(out) == [0, 1, 2]
+    for index, completion in enumerate(want.outputs):
+        assert out[index]["token_ids"] == completion.token_ids
+        assert out[index]["text"] == completion.text
+        assert out[index]["finish_reason"] == pb.FINISH_REASON_LENGTH
+
+
+def test_stop_string_is_never_sent_in_part(client: TandemClient) -> None:
+    full = collect(client.generate(PROMPTS[2], temperature=0, max_tokens=GREEDY_TOKENS))[0]["text"]
+    middle = len(full) // 2
+    stop = full[middle:middle + 3]
+    assert stop.strip(), f"need a visible stop string in {full!r}"
+    cut = full.index(stop)
+    responses = list(client.generate(PROMPTS[2], temperature=0, max_tokens=GREEDY_TOKENS, stop=[stop]))
+    assert "".join(r.text for r in responses) == full[:cut]
+    assert responses[-1].finish_reason == pb.FINISH_REASON_STOP and responses[-1].stop_string == stop
+    included = collect(client.generate(PROMPTS[2], temperature=0, max_tokens=GREEDY_TOKENS, stop=[stop],
+                                       include_stop_str_in_output=True))[0]
+    assert included["text"] == full[:cut] + stop
+
+
+# ---- cancellation ------------------------------------------------------------------------------------------
+
+
+def test_client_cancel_frees_the_engine(client: TandemClient, split: Any) -> None:
+    stream = client.generate(PROMPTS[0], n=2, **ENDLESS)
+    next(stream)
+    assert engine_load(split).num_running == 2
+    stream.cancel()
+    wait_until(lambda: engine_idle(split), what="engine idle after cancel")
+
+
+def test_deadline_frees_the_engine(client: TandemClient, split: Any) -> None:
+    error = rpc_error(lambda: list(client.generate(PROMPTS[1], timeout=0.5, **ENDLESS)))
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: engine_idle(split), what="engine idle after deadline")
+
+
+# ---- bad input and limits ---------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    (dict(prompt=""), ["text"]),
+    (dict(token_ids=[1, 100_000]), ["token_ids.ids"]),
+    (dict(prompt="hi", temperature=float("nan")), ["sampling_params.temperature"]),
+    (dict(prompt="hi", top_p=0.0), ["sampling_params.top_p"]),
+    (dict(prompt="hi", max_tokens=2048), ["sampling_params.max_tokens"]),  # prompt + 2048 > max_model_len
+    (dict(prompt="", top_k=-5), ["text", "sampling_params.top_k"]),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "fields"), BAD_REQUESTS)
+def test_bad_input_is_invalid_argument(client: TandemClient, kwargs: dict[str, Any], fields: list[str]) -> None:
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", None)
+    error = rpc_error(lambda: list(client.generate(prompt, **kwargs)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert sorted(details(error)[0]) == sorted(fields)
+
+
+def test_oversize_message_is_resource_exhausted(client: TandemClient) -> None:
+    error = rpc_error(lambda: list(client.generate("a" * (5 * 1024 * 1024), max_tokens=1)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert collect(client.generate(PROMPTS[0], max_tokens=2))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH
+
+
+def test_admission_limits(client: TandemClient, split: Any, second_frontend: Any) -> None:
+    # 8 calls fill the frontend (limit 8) and the engine (4 running + 4 waiting). The engine counts a
+    # burst as waiting until its next step, so the calls go in two rounds.
+    streams = [client.generate(PROMPTS[i % len(PROMPTS)], **ENDLESS) for i in range(4)]
+    try:
+        for stream in streams:
+            next(stream)
+        streams += [client.generate(PROMPTS[i % len(PROMPTS)], **ENDLESS) for i in range(4)]
+        wait_until(lambda: (engine_load(split).num_running, engine_load(split).num_waiting) == (4, 4),
+                   what="4 running + 4 waiting")
+        error = rpc_error(lambda: list(client.generate(PROMPTS[0], max_tokens=2)))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert details(error)[1] == "TOO_MANY_REQUESTS"
+        with TandemClient(second_frontend.address) as other:
+            error = rpc_error(lambda: list(other.generate(PROMPTS[0], max_tokens=2)))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # the engine's --max-waiting
+        assert details(error)[1] == "ENGINE_ERROR"
+    finally:
+        for stream in streams:
+            stream.cancel()
+    wait_until(lambda: engine_idle(split), what="engine idle")
+    assert collect(client.generate(PROMPTS[0], max_tokens=2))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH
+
+
+# ---- health, reflection, other RPCs -------------------------------------------------------------------------
+
+
+def test_health_reflection_and_model_info(client: TandemClient, split: Any, llm: Any) -> None:
+    with grpc.insecure_channel(split.frontend.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "tandem.v1.GenerationService", "liveness"):
+            answer = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        error = rpc_error(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5))
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answer = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"tandem.v1.GenerationService", "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    info = client.model_info()
+    assert info.max_model_len == llm.config.max_model_len and info.num_ready_engines == 1
+    assert info.vocab_size == llm.engine.vocab_size
+    ids = client.tokenize(PROMPTS[1])
+    assert client.detokenize(ids) == PROMPTS[1]
+
+
+# ---- crashes (last: they restart processes) -------------------------------------------------------------
+
+
+def test_killing_a_frontend_frees_its_requests_in_the_engine(split: Any, second_frontend: Any) -> None:
+    with TandemClient(second_frontend.address) as other:
+        stream = other.generate(PROMPTS[0], n=2, **ENDLESS)
+        next(stream)
+        assert engine_load(split).num_running == 2
+        second_frontend.kill()
+        wait_until(lambda: engine_idle(split), what="engine idle after the frontend died")
+        stream.cancel()
+
+
+def test_killing_the_engine_fails_open_streams_and_the_frontend_recovers(client: TandemClient,
+                                                                         split: Any) -> None:
+    streams = [client.generate(p, **ENDLESS) for p in PROMPTS[:3]]
+    for stream in streams:
+        next(stream)
+    split.engine.kill()
+    started = time.monotonic()
+    for stream in streams:
+        error = rpc_error(lambda s=stream: list(s))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started < 5
+    error = rpc_error(lambda: list(client.generate(PROMPTS[0], max_tokens=2)))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE  # no engine is ready
+    split.restart_engine()
+    split.engine.wait_serving()
+    split.frontend.wait_serving(timeout=30)
+    assert collect(client.generate(PROMPTS[0], max_tokens=3))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH

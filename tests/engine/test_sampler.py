@@ -1,0 +1,407 @@
+"""Tests for engine_svc/sample: filters, penalties, min_tokens, seeds, greedy, logprobs, temperature."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from engine_svc.protocol import EngineSamplingParams
+from engine_svc.sample.logprobs import compute_prompt_logprobs
+from engine_svc.sample.metadata import RequestSamplingState, build_sampling_metadata
+from engine_svc.sample.penalties import apply_penalties
+from engine_svc.sample.sampler import Sampler, scale_and_filter
+
+CPU = torch.device("cpu")
+SETTINGS = settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.filter_too_much]
+)
+sampler = Sampler()
+
+
+def state(
+    vocab: int,
+    prompt: list[int] | None = None,
+    eos: list[int] | None = None,
+    outputs: list[int] | None = None,
+    **params,
+) -> RequestSamplingState:
+    return RequestSamplingState(
+        EngineSamplingParams(**params), prompt or [0], eos or [], vocab, output_token_ids=outputs
+    )
+
+
+def sample(states: list[RequestSamplingState], logits: torch.Tensor):
+    return sampler(logits, build_sampling_metadata(states, CPU))
+
+
+# ---------------------------------------------------------------- filters (min-p, top-k, top-p)
+
+
+def reference_allowed(
+    logits: list[float], temperature: float, min_p: float, top_k: int, top_p: float
+) -> tuple[set[int], float]:
+    """The tokens the filters keep, in float64 with plain loops, and the smallest distance of any
+    threshold comparison from its boundary (so ambiguous cases can be skipped)."""
+    v = len(logits)
+    scaled = [x / temperature for x in logits]
+    top = max(scaled)
+    probs = [math.exp(x - top) for x in scaled]  # unnormalised; ratios are what matter
+    margin = math.inf
+    keep = set(range(v))
+    if min_p > 0:
+        ratios = [p / max(probs) for p in probs]
+        margin = min(margin, *(abs(r - min_p) for r in ratios))
+        keep = {t for t in keep if ratios[t] >= min_p}
+    if 0 < top_k < v and top_k < len(keep):
+        by_value = sorted(keep, key=lambda t: -scaled[t])
+        keep = set(by_value[:top_k])  # the test's logits are distinct, so no boundary ties
+    if top_p < 1.0:
+        total = sum(probs[t] for t in keep)
+        ordered = sorted(keep, key=lambda t: -probs[t])
+        mass_before, kept = 0.0, set()
+        for t in ordered:
+            margin = min(margin, abs(mass_before - top_p))
+            if mass_before < top_p:
+                kept.add(t)
+            mass_before += probs[t] / total
+        keep = kept
+    return keep, margin
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    vocab=st.integers(2, 40),
+    temperature=st.floats(0.2, 3.0),
+    min_p=st.sampled_from([0.0, 0.0, 0.01, 0.1, 0.3, 0.7]),
+    top_p=st.sampled_from([1.0, 1.0, 0.05, 0.3, 0.6, 0.9, 0.99]),
+)
+def test_filters_keep_exactly_the_reference_set_and_never_sample_outside(
+    data, vocab, temperature, min_p, top_p
+):
+    grid = data.draw(st.lists(st.integers(-40, 40), min_size=vocab, max_size=vocab, unique=True))
+    logits_row = [g * 0.25 for g in grid]
+    top_k = data.draw(st.integers(0, vocab + 1))
+    allowed, margin = reference_allowed(logits_row, temperature, min_p, top_k, top_p)
+    assume(margin > 1e-4)
+
+    rows = 48
+    states = [
+        state(vocab, temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p) for _ in range(rows)
+    ]
+    logits = torch.tensor([logits_row] * rows, dtype=torch.float32)
+    meta = build_sampling_metadata(states, CPU)
+    kept = torch.isfinite(scale_and_filter(logits.clone(), meta))
+    for r in (0, rows - 1):
+        assert set(kept[r].nonzero().flatten().tolist()) == allowed
+    torch.manual_seed(len(grid))
+    drawn = set(sampler(logits, meta).sampled_token_ids.tolist())
+    assert drawn <= allowed
+
+
+def test_top_k_keeps_ties_at_the_boundary():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    meta = build_sampling_metadata([state(5, top_k=2)], CPU)
+    kept = torch.isfinite(scale_and_filter(logits.clone(), meta))[0]
+    assert kept.tolist() == [True, False, True, True, False]
+
+
+def test_disabled_filters_keep_every_token_even_tiny_ones():
+    logits = torch.tensor([[0.0, -30.0, -60.0, 5.0]])
+    meta = build_sampling_metadata([state(4, top_k=4, top_p=1.0, min_p=0.0), state(4, top_p=0.99)], CPU)
+    assert meta.top_k is None and meta.min_p is None
+    kept = torch.isfinite(scale_and_filter(logits.repeat(2, 1), meta))
+    assert kept[0].all()
+    assert kept[1].tolist() == [False, False, False, True]
+
+
+# ---------------------------------------------------------------- penalties and min_tokens
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    vocab=st.integers(2, 30),
+    num_rows=st.integers(1, 4),
+)
+def test_penalties_match_the_per_element_formula(data, vocab, num_rows):
+    tokens = st.lists(st.integers(0, vocab - 1), max_size=12)
+    penalty = st.sampled_from([0.0, 0.0, 0.5, -0.7, 1.3])
+    rep_penalty = st.sampled_from([1.0, 1.0, 1.2, 0.8, 2.0])
+    states, refs = [], []
+    torch.manual_seed(vocab * 7 + num_rows)
+    logits = torch.randn(num_rows, vocab) * 3
+    logits[0, 0] = 0.0  # the logit == 0 case
+    for _ in range(num_rows):
+        prompt = data.draw(tokens.filter(bool))
+        outputs = data.draw(tokens)
+        pres, freq, rep = data.draw(penalty), data.draw(penalty), data.draw(rep_penalty)
+        states.append(
+            state(
+                vocab,
+                prompt=prompt,
+                outputs=outputs,
+                temperature=0.0,
+                presence_penalty=pres,
+                frequency_penalty=freq,
+                repetition_penalty=rep,
+            )
+        )
+        refs.append((prompt, outputs, pres, freq, rep))
+
+    expected = logits.clone().double()
+    for row, (prompt, outputs, pres, freq, rep) in enumerate(refs):
+        for t in range(vocab):
+            x = float(logits[row, t])
+            count = outputs.count(t)
+            if t in prompt or count:
+                x = x / rep if x > 0 else x * rep
+            expected[row, t] = x - freq * count - pres * (count > 0)
+
+    meta = build_sampling_metadata(states, CPU)
+    got = logits.clone()
+    if meta.penalties is not None:
+        apply_penalties(got, meta.penalties)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    out = sampler(logits, meta).sampled_token_ids
+    assert out.tolist() == got.argmax(dim=1).tolist()
+
+
+def test_penalty_output_buffer_tracks_appended_tokens():
+    s = state(6, prompt=[1], frequency_penalty=1.0, temperature=0.0)
+    logits = torch.zeros(1, 6)
+    for step in range(70):  # crosses the buffer's growth point
+        s.output_token_ids.append(step % 6)
+        meta = build_sampling_metadata([s], CPU)
+        got = logits.clone()
+        apply_penalties(got, meta.penalties)
+        counts = [s.output_token_ids.count(t) for t in range(6)]
+        assert got[0].tolist() == [-float(c) for c in counts]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_holds_back_eos_and_stop_ids_then_releases_them(temperature):
+    vocab, eos, stop = 10, 5, 7
+    s = state(
+        vocab,
+        eos=[eos],
+        min_tokens=3,
+        stop_token_ids=[stop],
+        ignore_eos=True,
+        temperature=temperature,
+        top_k=2,
+    )
+    logits = torch.full((1, vocab), -5.0)
+    logits[0, eos], logits[0, stop], logits[0, 2] = 20.0, 19.0, 0.0
+    torch.manual_seed(0)
+    produced = []
+    for _ in range(5):
+        token = sample([s], logits).sampled_token_ids.item()
+        produced.append(token)
+        s.output_token_ids.append(token)
+    assert all(t not in (eos, stop) for t in produced[:3])
+    assert produced[3] in (eos, stop)
+    if temperature == 0.0:
+        assert produced[3:] == [eos, eos]
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def _step_logits(request: int, step: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * request + step)
+    return torch.randn(vocab, generator=g) * 2
+
+
+def _run_batch(
+    specs: dict[int, dict],
+    order: list[int],
+    steps: int,
+    vocab: int,
+    resumed: dict[int, list[int]] | None = None,
+) -> dict[int, list[int]]:
+    states = {r: state(vocab, outputs=(resumed or {}).get(r), **specs[r]) for r in order}
+    for _ in range(steps):
+        logits = torch.stack([_step_logits(r, len(states[r].output_token_ids), vocab) for r in order])
+        tokens = sample([states[r] for r in order], logits).sampled_token_ids.tolist()
+        for r, t in zip(order, tokens):
+            states[r].output_token_ids.append(t)
+    return {r: states[r].output_token_ids for r in order}
+
+
+def test_seeded_requests_ignore_batch_composition_and_row_order():
+    vocab, steps = 50, 8
+    specs = {
+        0: dict(seed=1234, temperature=0.9, top_p=0.95),
+        1: dict(temperature=1.0),  # unseeded
+        2: dict(seed=99, temperature=1.5, top_k=10, frequency_penalty=0.3),
+        3: dict(temperature=0.0),  # greedy
+        4: dict(seed=7, temperature=0.7, min_p=0.05, logprobs=2),
+    }
+    alone = {r: _run_batch(specs, [r], steps, vocab)[r] for r in (0, 2, 4)}
+    torch.manual_seed(5)
+    mixed = _run_batch(specs, [1, 4, 3, 0, 2], steps, vocab)
+    torch.manual_seed(6)
+    reordered = _run_batch(specs, [2, 0, 4], steps, vocab)
+    for r in (0, 2, 4):
+        assert mixed[r] == alone[r]
+        assert reordered[r] == alone[r]
+    # A different seed gives a different stream (the seed is actually used).
+    other = _run_batch({0: dict(specs[0], seed=4321)}, [0], steps, vocab)[0]
+    assert other != alone[0]
+
+
+def test_seeded_request_resumed_after_preemption_continues_its_stream():
+    vocab = 40
+    specs = {0: dict(seed=2024, temperature=1.2)}
+    full = _run_batch(specs, [0], 9, vocab)[0]
+    resumed = _run_batch(specs, [0], 5, vocab, resumed={0: full[:4]})[0]
+    assert resumed == full
+
+
+# ---------------------------------------------------------------- greedy and fast path
+
+
+def test_all_greedy_is_a_plain_argmax_with_lowest_index_ties():
+    states = [state(6, temperature=0.0) for _ in range(3)]
+    meta = build_sampling_metadata(states, CPU)
+    assert meta.is_plain_greedy and meta.temperature is None and meta.penalties is None
+    logits = torch.tensor(
+        [[1.0, 3.0, 3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [-1.0, -2.0, -3.0, -4.0, -5.0, -0.5]]
+    )
+    out = sampler(logits, meta)
+    assert out.sampled_token_ids.tolist() == [1, 0, 5]
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert out.logprobs is None and out.logprobs_lists() is None
+
+
+def test_greedy_rows_inside_a_random_batch_take_the_argmax():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 100)
+    states = [state(100, temperature=0.0 if i % 2 == 0 else 1.0) for i in range(6)]
+    meta = build_sampling_metadata(states, CPU)
+    assert not meta.all_greedy and meta.greedy_rows is not None
+    out = sampler(logits, meta).sampled_token_ids
+    assert out[0::2].tolist() == logits[0::2].argmax(dim=1).tolist()
+
+
+def test_min_tokens_row_becomes_plain_once_released():
+    s = state(8, eos=[2], min_tokens=2, temperature=0.0)
+    assert not build_sampling_metadata([s], CPU).is_plain_greedy
+    s.output_token_ids += [0, 1]
+    assert build_sampling_metadata([s], CPU).is_plain_greedy
+
+
+def test_callers_logits_are_not_modified():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20)
+    before = logits.clone()
+    states = [
+        state(
+            20,
+            prompt=[1, 2],
+            temperature=0.8,
+            top_p=0.5,
+            top_k=5,
+            min_p=0.1,
+            repetition_penalty=1.5,
+            outputs=[3],
+            min_tokens=4,
+            logprobs=1,
+            eos=[4],
+        )
+    ] * 3
+    sample(states, logits)
+    assert torch.equal(logits, before)
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks_and_ordered_top_n():
+    torch.manual_seed(11)
+    vocab = 30
+    logits = torch.randn(4, vocab) * 2
+    logits[2, 5] = logits[2, 6] = logits[2].max() + 1.0  # a tie at the top
+    states = [
+        state(vocab, temperature=0.0),  # does not ask
+        state(vocab, temperature=0.7, logprobs=0, repetition_penalty=2.0, prompt=[1, 2, 3]),
+        state(vocab, temperature=0.0, logprobs=3, presence_penalty=5.0, outputs=[5]),
+        state(vocab, temperature=1.3, logprobs=5, top_k=3),
+    ]
+    out = sample(states, logits)
+    lists = out.logprobs_lists()
+    assert lists is not None and lists[0] is None
+    raw = torch.log_softmax(logits.double(), dim=1)
+    sampled = out.sampled_token_ids.tolist()
+    assert sampled[2] == 6  # the presence penalty on token 5 broke the tie
+    for row, n in ((1, 0), (2, 3), (3, 5)):
+        lp, rank, top_ids, top_lps = lists[row]
+        tok = sampled[row]
+        assert lp == pytest.approx(raw[row, tok].item(), abs=1e-6)
+        assert rank == 1 + int((raw[row] > raw[row, tok] + 1e-9).sum())
+        assert len(top_ids) == len(top_lps) == n
+        assert top_lps == sorted(top_lps, reverse=True)
+        expected_top = raw[row].sort(descending=True).values[:n].tolist()
+        assert top_lps == pytest.approx(expected_top, abs=1e-6)
+        assert [raw[row, t].item() for t in top_ids] == pytest.approx(top_lps, abs=1e-6)
+    assert lists[2][1] == 1  # tied for the top: rank 1
+    assert set(lists[2][2][:2]) == {5, 6}
+
+
+def test_prompt_logprobs_small_case_by_hand():
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]]))
+    targets = torch.tensor([2, 1, 0])
+    rows = compute_prompt_logprobs(logits, targets, num_top=2)
+    ln = math.log
+    expected = [
+        (2, ln(0.3), 2, [1, 2], [ln(0.6), ln(0.3)]),
+        (1, ln(0.2), 3, [0, 2], [ln(0.5), ln(0.3)]),
+        (0, ln(0.2), 2, [2], [ln(0.6)]),  # rank 2: the tie with token 1 is not strictly larger
+    ]
+    for got, want in zip(rows, expected):
+        assert got[0] == want[0] and got[2] == want[2]
+        assert got[1] == pytest.approx(want[1], abs=1e-6)
+        assert got[3][: len(want[3])] == want[3]
+        assert got[4][: len(want[4])] == pytest.approx(want[4], abs=1e-6)
+    assert all(len(r[3]) == 2 for r in rows)
+    assert compute_prompt_logprobs(logits, targets, num_top=0)[1][3] == []
+
+
+# ---------------------------------------------------------------- temperature
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_reshapes_the_sampled_distribution(temperature):
+    logits_row = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    draws = 6000
+    states = [state(4, temperature=temperature)] * draws
+    torch.manual_seed(42)
+    tokens = sample(states, logits_row.repeat(draws, 1)).sampled_token_ids
+    freq = torch.bincount(tokens, minlength=4).double() / draws
+    target = torch.softmax(logits_row.double() / temperature, dim=0)
+    untempered = torch.softmax(logits_row.double(), dim=0)
+    chi2 = float((draws * (freq - target) ** 2 / target).sum())
+    assert chi2 < 16.3  # p = 0.001 with 3 degrees of freedom
+    assert (freq - target).abs().max() < 0.03
+    assert (freq - untempered).abs().max() > 0.1
+
+
+def test_prompt_logprobs_over_several_chunks_match_a_direct_computation():
+    torch.manual_seed(8)
+    logits = torch.randn(1100, 7)  # more rows than one internal chunk
+    targets = torch.randint(0, 7, (1100,))
+    rows = compute_prompt_logprobs(logits, targets, num_top=3)
+    lp = torch.log_softmax(logits, dim=1)
+    assert len(rows) == 1100
+    for p in (0, 511, 512, 1099):
+        token, logprob, rank, top_ids, top_lps = rows[p]
+        assert top_lps == pytest.approx(lp[p].topk(3).values.tolist(), abs=1e-6)
+        assert token == targets[p].item()
+        assert logprob == pytest.approx(lp[p, token].item(), abs=1e-6)
+        assert rank == 1 + int((lp[p] > lp[p, token]).sum())
+        assert top_ids == lp[p].topk(3).indices.tolist()

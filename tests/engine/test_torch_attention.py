@@ -1,0 +1,118 @@
+"""TorchAttentionBackend against a dense per-request reference attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_svc.attention.backend import AttentionMetadata
+from engine_svc.attention.torch_backend import TorchAttentionBackend
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+HEAD_DIM = 8
+NUM_HEADS = 4
+SCALE = HEAD_DIM**-0.5
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [Q, H, D] are the last Q positions of a context k/v [S, Hkv, D]; causal; GQA by repetition."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    allowed = torch.arange(seq_len)[None, :] <= torch.arange(q_len)[:, None] + (seq_len - q_len)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+class Batch:
+    """A ragged batch: each request (q_len, seq_len) with random full-context K/V, its earlier tokens
+    already in a NaN-filled cache (so reading any unwritten slot poisons the result)."""
+
+    def __init__(
+        self, shape: list[tuple[int, int]], num_kv_heads: int, seed: int, value_seed: int = 0
+    ) -> None:
+        perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+        gen = torch.Generator().manual_seed(value_seed)
+        self.cache = torch.full((2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM), float("nan"))
+        flat = self.cache.view(2, -1, num_kv_heads, HEAD_DIM)
+        self.reqs, tables, slots = [], [], []
+        for q_len, seq_len in shape:
+            num_blocks = -(-seq_len // BLOCK_SIZE)
+            blocks, perm = perm[:num_blocks], perm[num_blocks:]
+            req_slots = torch.tensor(
+                [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)]
+            )
+            k, v = (torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen) for _ in range(2))
+            q = torch.randn(q_len, NUM_HEADS, HEAD_DIM, generator=gen)
+            old = req_slots[: seq_len - q_len]
+            flat[0, old], flat[1, old] = k[: seq_len - q_len], v[: seq_len - q_len]
+            self.reqs.append((q, k, v))
+            tables.append(blocks)
+            slots.append(req_slots[seq_len - q_len :])
+        width = max(len(t) for t in tables)
+        q_lens = [q for q, _ in shape]
+        seq_lens = [s for _, s in shape]
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots),
+            query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=seq_lens,
+            num_decodes=next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens)),
+        )
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.cat([q for q, _, _ in self.reqs])
+        k = torch.cat([k[k.shape[0] - q.shape[0] :] for q, k, _ in self.reqs])
+        v = torch.cat([v[v.shape[0] - q.shape[0] :] for q, _, v in self.reqs])
+        return q, k, v
+
+    def expected(self) -> torch.Tensor:
+        return torch.cat([_reference(q, k, v) for q, k, v in self.reqs])
+
+
+SHAPES = {
+    "decodes_only": [(1, 1), (1, 7), (1, 13)],
+    "prefill_only": [(9, 9)],
+    "prefill_after_context": [(5, 12)],
+    "mixed": [(1, 6), (1, 17), (1, 4), (5, 12), (6, 6), (3, 3), (2, 9)],
+}
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_matches_dense_reference(shape, num_kv_heads):
+    batch = Batch(SHAPES[shape], num_kv_heads, seed=len(shape) + num_kv_heads)
+    out = TorchAttentionBackend().forward(*batch.inputs(), batch.cache, batch.meta, SCALE)
+    assert out.shape == (sum(q for q, _ in SHAPES[shape]), NUM_HEADS, HEAD_DIM)
+    torch.testing.assert_close(out, batch.expected(), atol=1e-5, rtol=1e-5)
+
+
+def test_writes_new_kv_through_slot_mapping_only():
+    batch = Batch(SHAPES["mixed"], num_kv_heads=2, seed=3)
+    before = batch.cache.clone()
+    _, k, v = batch.inputs()
+    TorchAttentionBackend().forward(*batch.inputs(), batch.cache, batch.meta, SCALE)
+    flat, flat_before = batch.cache.view(2, -1, 2, HEAD_DIM), before.view(2, -1, 2, HEAD_DIM)
+    slots = batch.meta.slot_mapping
+    assert torch.equal(flat[0, slots], k) and torch.equal(flat[1, slots], v)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    torch.testing.assert_close(flat[:, untouched], flat_before[:, untouched], equal_nan=True)
+
+
+def test_one_metadata_serves_every_layer():
+    """The per-step plan is memoised on the metadata; a second layer with its own cache must still
+    get its own (correct) attention."""
+    shape = SHAPES["mixed"]
+    layer0, layer1 = Batch(shape, 2, seed=5, value_seed=1), Batch(shape, 2, seed=5, value_seed=2)
+    backend = TorchAttentionBackend()
+    backend.forward(*layer0.inputs(), layer0.cache, layer0.meta, SCALE)
+    out = backend.forward(*layer1.inputs(), layer1.cache, layer0.meta, SCALE)
+    assert not torch.allclose(out, layer0.expected())
+    torch.testing.assert_close(out, layer1.expected(), atol=1e-5, rtol=1e-5)

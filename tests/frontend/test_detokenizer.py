@@ -1,0 +1,93 @@
+"""IncrementalDetokenizer: split multi-byte characters, prompt context, special tokens, chunking."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from frontend_svc.detokenizer import IncrementalDetokenizer, prompt_context
+
+REPLACEMENT = "\ufffd"
+MULTIBYTE_CANDIDATES = ["日本語のテキスト", "🙂🚀 emoji", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "Ωμέγα ça va", "你好，世界"]
+
+
+def stream(backend, prompt_ids, ids, skip_special_tokens=True, chunk=1):
+    detok = IncrementalDetokenizer(backend, prompt_ids, skip_special_tokens)
+    return [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+
+
+@pytest.fixture(scope="module")
+def split_char_text(encode, backend):
+    """A text some of whose tokens hold only part of a UTF-8 character."""
+    for text in MULTIBYTE_CANDIDATES:
+        ids = encode(text)
+        if any(REPLACEMENT in backend.decode([t]) for t in ids):
+            return text
+    pytest.fail("no candidate text splits a character across tokens")
+
+
+def test_split_characters_are_withheld_until_complete(encode, encode_prompt, backend, split_char_text):
+    prompt = encode_prompt("The harbour was quiet.")
+    ids = encode(split_char_text)
+    deltas = stream(backend, prompt, ids)
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert "" in deltas  # at least one token completed no character
+    assert "".join(deltas) == backend.decode(ids) == split_char_text
+
+
+def test_output_decodes_in_the_context_of_the_prompt(encode, encode_prompt, backend):
+    prompt = encode_prompt("Mara walked along the")
+    ids = encode(" pier with a thermos")
+    text = "".join(stream(backend, prompt, ids))
+    assert text == " pier with a thermos"
+    assert backend.decode(prompt + ids) == backend.decode(prompt) + text
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 100])
+def test_several_ids_per_step_give_the_same_text(encode, encode_prompt, backend, split_char_text, chunk):
+    prompt = encode_prompt("hello")
+    ids = encode(split_char_text + " and the boats")
+    deltas = stream(backend, prompt, ids, chunk=chunk)
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert "".join(deltas) == split_char_text + " and the boats"
+
+
+def test_skip_special_tokens_both_ways(encode, encode_prompt, backend):
+    prompt = encode_prompt("hi")
+    words = encode(" the boats")
+    im_start, eos = 3, 1
+    ids = [*words, im_start, *words, eos]
+    assert "".join(stream(backend, prompt, ids, skip_special_tokens=True)) == " the boats the boats"
+    shown = "".join(stream(backend, prompt, ids, skip_special_tokens=False))
+    assert shown == " the boats<|im_start|> the boats<|eos|>"
+
+
+def test_random_texts_and_chunkings_roundtrip(encode, encode_prompt, backend):
+    rng = random.Random(1234)
+    alphabet = list("abc xyz.,\n") + list("éüß日本語🙂🚀ΩЖ")
+    for _ in range(40):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        ids = encode(text)
+        detok = IncrementalDetokenizer(backend, encode_prompt("start"), True)
+        out, i = [], 0
+        while i < len(ids):
+            step = rng.randint(1, 4)
+            out.append(detok.add(ids[i : i + step]))
+            i += step
+        assert all(REPLACEMENT not in d for d in out)
+        assert "".join(out) == text
+
+
+def test_prompt_context_is_short_and_starts_on_a_character(encode, encode_prompt, backend, split_char_text):
+    prompt = encode_prompt("word " * 50 + split_char_text * 3)
+    context = prompt_context(backend, prompt)
+    assert 4 <= len(context) <= 24
+    assert context == prompt[-len(context) :]
+    assert REPLACEMENT not in backend.decode(context)
+    assert prompt_context(backend, prompt[:3]) == prompt[:3]
+
+
+def test_empty_step_returns_empty_text(encode, encode_prompt, backend):
+    detok = IncrementalDetokenizer(backend, encode_prompt("x"), True)
+    assert detok.add([]) == ""

@@ -1,0 +1,239 @@
+"""OutputProcessor + RequestOutputAccumulator over EngineCoreOutputs-shaped input."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_svc import protocol as p
+from frontend_svc.output_processor import OutputProcessor
+from frontend_svc.outputs import RequestOutputAccumulator
+from frontend_svc.processor import Processor
+from frontend_svc.sampling_params import SamplingParams
+
+EOS = 1  # <|eos|>, a special token in the tiny tokenizer
+GEN = " the boats rocked against their ropes"
+
+
+@pytest.fixture
+def processor(tokenizer):
+    return Processor(tokenizer, max_model_len=256, vocab_size=tokenizer.vocab_size, model_name="tiny")
+
+
+@pytest.fixture
+def op(tokenizer):
+    return OutputProcessor(tokenizer)
+
+
+def out(rid, ids=(), finish=p.FinishReason.UNSPECIFIED, **kwargs):
+    return p.EngineCoreOutput(request_id=rid, new_token_ids=list(ids), finish_reason=finish, **kwargs)
+
+
+def step(op, *outputs):
+    return op.process_outputs(p.EngineCoreOutputs(outputs=list(outputs)))
+
+
+def add(op, processor, params, prompt="Mara walked", request_id=None):
+    prepared = processor.process(prompt, params, request_id=request_id)
+    op.add_request(prepared)
+    return prepared
+
+
+def stream_tokens(op, rid, ids, last_finish=p.FinishReason.LENGTH, **last_kwargs):
+    """One token per step, the last output finishing; returns (all deltas, all reqs_to_abort)."""
+    deltas, aborts = [], []
+    for i, token in enumerate(ids):
+        final = i == len(ids) - 1
+        result = step(op, out(rid, [token], last_finish if final else 0, **(last_kwargs if final else {})))
+        deltas += result.deltas
+        aborts += result.reqs_to_abort
+    return deltas, aborts
+
+
+def test_streaming_text_finish_and_usage_on_the_last_delta(op, processor, encode):
+    prepared = add(op, processor, SamplingParams(max_tokens=50))
+    rid = prepared.engine_request_ids[0]
+    ids = encode(GEN)
+    step(op, out(rid, [], num_cached_tokens=0))  # nothing new: no delta
+    deltas, aborts = stream_tokens(op, rid, ids, num_cached_tokens=16)
+    assert aborts == [] and len(deltas) == len(ids)
+    assert "".join(d.text for d in deltas) == GEN
+    assert [t for d in deltas for t in d.token_ids] == ids
+    assert [d.finish_reason for d in deltas] == [None] * (len(ids) - 1) + ["length"]
+    assert all(d.usage is None for d in deltas[:-1])
+    usage = deltas[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (
+        len(prepared.prompt_token_ids), len(ids), 16)
+    assert {d.request_id for d in deltas} == {prepared.request_id}
+    assert not op.has_unfinished_requests()
+    assert step(op, out(rid, [5])).deltas == []  # finished ids are forgotten
+
+
+def test_n_completions_fan_in(op, processor, encode):
+    prepared = add(op, processor, SamplingParams(n=2, max_tokens=50), request_id="client")
+    acc = RequestOutputAccumulator()
+    acc.add_request(prepared)
+    first, second = prepared.engine_request_ids
+    a, b = encode(" the boats"), encode(" a radio played")
+    assert len(a) < len(b)
+    done = []
+    for i in range(max(len(a), len(b))):
+        outputs = []
+        if i < len(a):
+            outputs.append(out(first, [a[i]], p.FinishReason.LENGTH if i == len(a) - 1 else 0))
+        if i < len(b):
+            outputs.append(out(second, [b[i]], p.FinishReason.STOP if i == len(b) - 1 else 0))
+        for delta in step(op, *outputs).deltas:
+            done.append(acc.add_delta(delta))
+        if i == len(a) - 1:  # index 0 finished, index 1 still running
+            assert op.has_unfinished_requests() and op.get_num_unfinished_requests() == 1
+    assert done.count(True) == 1 and done[-1] is True
+    result = acc.get("client")
+    assert result.finished and result.prompt == "Mara walked"
+    assert result.prompt_token_ids == prepared.prompt_token_ids
+    assert [(o.index, o.text, o.finish_reason) for o in result.outputs] == [
+        (0, " the boats", "length"), (1, " a radio played", "stop")]
+    assert result.outputs[1].token_ids == b
+    assert not op.has_unfinished_requests() and op.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.parametrize(("include", "expected"), [(False, " the "), (True, " the boats")])
+def test_stop_string_finishes_here_and_asks_the_engine_to_abort(op, processor, encode, include, expected):
+    prepared = add(op, processor, SamplingParams(max_tokens=50, stop=["boats"],
+                                                 include_stop_str_in_output=include))
+    rid = prepared.engine_request_ids[0]
+    ids = encode(GEN)
+    deltas, aborts = [], []
+    for token in ids:
+        result = step(op, out(rid, [token]))
+        deltas += result.deltas
+        aborts += result.reqs_to_abort
+    assert aborts == [rid]
+    assert "".join(d.text for d in deltas) == expected
+    last = deltas[-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", "boats")
+    assert sum(d.finished for d in deltas) == 1
+    assert last.usage.completion_tokens == len(encode(" the boats"))  # later tokens were ignored
+    assert step(op, out(rid, [], p.FinishReason.ABORT)).deltas == []  # the abort's acknowledgement
+    assert not op.has_unfinished_requests()
+
+
+def test_stop_string_in_the_first_token_and_with_an_engine_finish(op, processor, encode):
+    prepared = add(op, processor, SamplingParams(stop=["the"]))
+    rid = prepared.engine_request_ids[0]
+    result = step(op, out(rid, encode(" the boats"), p.FinishReason.LENGTH))
+    assert result.reqs_to_abort == []  # the engine already finished it
+    (delta,) = result.deltas
+    assert (delta.text, delta.finish_reason, delta.stop_reason) == (" ", "stop", "the")
+
+
+def test_other_finish_flushes_held_back_text(op, processor, encode):
+    prepared = add(op, processor, SamplingParams(max_tokens=50, stop=["boats!!"]))
+    deltas, _ = stream_tokens(op, prepared.engine_request_ids[0], encode(" the boats"))
+    assert "".join(d.text for d in deltas) == " the boats"
+    assert "boat" not in "".join(d.text for d in deltas[:-1])  # held: it could become "boats!!"
+    assert deltas[-1].finish_reason == "length" and deltas[-1].stop_reason is None
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_eos_text_is_left_out_and_reported_as_stop_reason(op, processor, encode, skip_special):
+    prepared = add(op, processor, SamplingParams(max_tokens=50, skip_special_tokens=skip_special))
+    ids = [*encode(" the boats"), EOS]
+    deltas, _ = stream_tokens(op, prepared.engine_request_ids[0], ids, p.FinishReason.STOP, stop_token_id=EOS)
+    assert "".join(d.text for d in deltas) == " the boats"
+    assert [t for d in deltas for t in d.token_ids] == ids
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", EOS)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_id_text_follows_include_stop_str(op, processor, tokenizer, encode, include):
+    ids = encode(" the boats")
+    stop = ids[-1]  # an ordinary (not special) token
+    prepared = add(op, processor, SamplingParams(stop_token_ids=[stop], include_stop_str_in_output=include))
+    deltas, _ = stream_tokens(op, prepared.engine_request_ids[0], ids, p.FinishReason.STOP,
+                              stop_token_id=stop)
+    expected = " the boats" if include else tokenizer.decode(ids[:-1])
+    assert expected != " the boats" or include
+    assert "".join(d.text for d in deltas) == expected
+    assert deltas[-1].stop_reason == stop
+
+
+def test_engine_errors_and_aborts_finish_the_completion(op, processor, encode):
+    failed = add(op, processor, SamplingParams(n=2))
+    first, second = failed.engine_request_ids
+    error = p.EngineError(code=p.ErrorCode.INTERNAL, message="worker died")
+    result = step(op, out(first, [], p.FinishReason.ERROR, error=error), out(second, encode(" the"),
+                                                                              p.FinishReason.ABORT))
+    by_index = {d.index: d for d in result.deltas}
+    assert by_index[0].finish_reason == "error"
+    assert (by_index[0].error.code, by_index[0].error.message) == (13, "worker died")
+    assert by_index[0].usage.completion_tokens == 0
+    assert (by_index[1].finish_reason, by_index[1].text, by_index[1].error) == ("abort", " the", None)
+    assert not op.has_unfinished_requests()
+
+
+def test_abort_request_by_client_id_and_by_prepared_request(op, processor, encode):
+    one = add(op, processor, SamplingParams(n=2), request_id="dup")
+    two = add(op, processor, SamplingParams(), request_id="dup")
+    step(op, out(one.engine_request_ids[0], encode(" the"), p.FinishReason.LENGTH))
+    assert op.abort_request(two) == two.engine_request_ids
+    assert op.abort_request("dup") == [one.engine_request_ids[1]]  # index 0 had already finished
+    assert op.abort_request("dup") == [] and op.abort_request("unknown") == []
+    assert not op.has_unfinished_requests()
+    late = step(op, *(out(rid, [5], p.FinishReason.ABORT) for rid in one.engine_request_ids))
+    assert late.deltas == []
+
+
+def test_min_tokens_delays_stop_strings(op, processor, encode):
+    prepared = add(op, processor, SamplingParams(max_tokens=50, min_tokens=2, stop=["the"]))
+    ids = encode(" the boats the ropes")
+    deltas = []
+    for token in ids:
+        deltas += step(op, out(prepared.engine_request_ids[0], [token])).deltas
+    assert "".join(d.text for d in deltas) == " the boats "
+    assert deltas[-1].stop_reason == "the"
+
+
+def test_logprobs_and_prompt_logprobs(op, processor, encode, tokenizer):
+    prepared = add(op, processor, SamplingParams(logprobs=2, prompt_logprobs=1))
+    acc = RequestOutputAccumulator()
+    acc.add_request(prepared)
+    rid = prepared.engine_request_ids[0]
+    ids = encode(" the boats")
+    prompt_lp = [p.TokenLogprobs(token_id=t, logprob=-1.0, rank=3, top_token_ids=[7], top_logprobs=[-0.5])
+                 for t in prepared.prompt_token_ids[1:]]
+    for i, token in enumerate(ids):
+        entry = p.TokenLogprobs(token_id=token, logprob=-0.25 * (i + 1), rank=1,
+                                top_token_ids=[token, 9], top_logprobs=[-0.25 * (i + 1), -3.0])
+        output = out(rid, [token], p.FinishReason.LENGTH if i == len(ids) - 1 else 0, new_logprobs=[entry],
+                     prompt_logprobs=prompt_lp if i == 0 else [])
+        (delta,) = step(op, output).deltas
+        assert (delta.prompt_logprobs is not None) == (i == 0)
+        (lp,) = delta.logprobs
+        assert (lp.token_id, lp.rank, lp.top) == (token, 1, [(token, -0.25 * (i + 1)), (9, -3.0)])
+        assert lp.text == tokenizer.decode([token])
+        acc.add_delta(delta)
+    result = acc.get(prepared.request_id)
+    assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(prepared.prompt_token_ids)
+    assert result.outputs[0].cumulative_logprob == pytest.approx(sum(-0.25 * (i + 1) for i in range(len(ids))))
+    assert len(result.outputs[0].logprobs) == len(ids)
+
+
+def test_without_logprobs_deltas_carry_none(op, processor, encode):
+    prepared = add(op, processor, SamplingParams())
+    (delta,) = step(op, out(prepared.engine_request_ids[0], encode(" the"), p.FinishReason.LENGTH)).deltas
+    assert delta.logprobs is None and delta.prompt_logprobs is None
+
+
+def test_protobuf_outputs_work_too(op, processor, encode):
+    pb = pytest.importorskip("tandem.engine.v1.engine_core_pb2")
+    prepared = add(op, processor, SamplingParams(n=2))
+    first, second = prepared.engine_request_ids
+    ids = encode(" the boats")
+    message = pb.EngineCoreOutputs(outputs=[
+        pb.EngineCoreOutput(request_id=first, new_token_ids=[*ids, EOS], finish_reason=1, stop_token_id=EOS),
+        pb.EngineCoreOutput(request_id=second, new_token_ids=ids, finish_reason=2),
+    ])
+    wire = pb.EngineCoreOutputs.FromString(message.SerializeToString())
+    deltas = {d.index: d for d in op.process_outputs(wire).deltas}
+    assert (deltas[0].text, deltas[0].stop_reason, deltas[0].error) == (" the boats", EOS, None)
+    assert (deltas[1].text, deltas[1].finish_reason, deltas[1].stop_reason) == (" the boats", "length", None)

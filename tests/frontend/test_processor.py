@@ -1,0 +1,135 @@
+"""Processor: tokenization of text / ids / chat, the validation table, ids, engine request fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend_svc.errors import ValidationError
+from frontend_svc.processor import ChatPrompt, Processor
+from frontend_svc.sampling_params import SamplingParams
+
+MAX_LEN = 64
+CHAT = ChatPrompt([{"role": "user", "content": "Where are the boats?"}])
+
+
+@pytest.fixture(scope="module")
+def processor(tokenizer):
+    return Processor(tokenizer, max_model_len=MAX_LEN, vocab_size=tokenizer.vocab_size, model_name="tiny")
+
+
+def test_text_prompt(processor, tokenizer):
+    prepared = processor.process("The gulls had not started", SamplingParams(max_tokens=5), priority=2)
+    assert prepared.prompt_token_ids == list(tokenizer.encode("The gulls had not started"))
+    assert prepared.eos_token_ids == list(tokenizer.eos_token_ids) and prepared.eos_token_ids
+    assert prepared.prompt == "The gulls had not started"
+    assert prepared.priority == 2 and prepared.arrival_time > 0
+    assert len(prepared.request_id) == 32 and int(prepared.request_id, 16) >= 0  # uuid4 hex
+    assert len(prepared.engine_request_ids) == 1
+
+
+def test_token_ids_prompt_is_kept_as_is(processor):
+    prepared = processor.process([0, 5, 6, 7], SamplingParams(), request_id="mine")
+    assert prepared.prompt_token_ids == [0, 5, 6, 7]
+    assert prepared.request_id == "mine" and prepared.prompt is None
+
+
+def test_chat_prompt_uses_the_chat_template(processor, tokenizer):
+    prepared = processor.process(CHAT, SamplingParams())
+    expected = tokenizer.apply_chat_template(CHAT.messages, add_generation_prompt=True)
+    if isinstance(expected, str):
+        expected = tokenizer.encode(expected, add_special_tokens=False)
+    assert prepared.prompt_token_ids == list(expected)
+    without = processor.process(ChatPrompt(CHAT.messages, add_generation_prompt=False), SamplingParams())
+    assert len(without.prompt_token_ids) < len(prepared.prompt_token_ids)
+
+
+def test_engine_ids_are_unique_even_when_client_ids_repeat(processor):
+    first = processor.process("hi", SamplingParams(n=3), request_id="same")
+    second = processor.process("hi", SamplingParams(n=3), request_id="same")
+    ids = first.engine_request_ids + second.engine_request_ids
+    assert len(ids) == len(set(ids)) == 6
+    assert all(i.startswith("same-") for i in ids)
+
+
+def violation_fields(processor, prompt, params=None):
+    with pytest.raises(ValidationError) as info:
+        processor.process(prompt, params or SamplingParams(max_tokens=4))
+    return info.value.fields
+
+
+BAD_PROMPTS = [
+    ("", "text"),
+    ([], "token_ids.ids"),
+    (ChatPrompt([]), "chat.messages"),
+    (ChatPrompt([{"role": "user"}]), "chat.messages"),
+    (ChatPrompt([{"role": "", "content": "x"}]), "chat.messages"),
+    ([1, 2, 10**6], "token_ids.ids"),
+    ([1, -1], "token_ids.ids"),
+    ([5] * MAX_LEN, "token_ids.ids"),  # no room for even one token
+    ("word " * (2 * MAX_LEN), "text"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "field"), BAD_PROMPTS)
+def test_bad_prompt_names_its_field(processor, prompt, field):
+    assert violation_fields(processor, prompt) == [field]
+
+
+def test_vocab_boundary(processor, tokenizer):
+    assert processor.process([tokenizer.vocab_size - 1], SamplingParams())
+    assert violation_fields(processor, [tokenizer.vocab_size]) == ["token_ids.ids"]
+
+
+def test_prompt_plus_max_tokens_must_fit(processor):
+    assert processor.process([5] * 60, SamplingParams(max_tokens=4))  # exactly MAX_LEN
+    assert violation_fields(processor, [5] * 60, SamplingParams(max_tokens=5)) == [
+        "sampling_params.max_tokens"]
+    assert processor.process([5] * 63, SamplingParams(max_tokens=None))  # fill the context
+
+
+def test_all_violations_are_reported_together(processor):
+    params = SamplingParams()
+    params.top_p, params.temperature = 0.0, float("nan")  # bypass __post_init__ to reach the processor
+    assert violation_fields(processor, [], params) == [
+        "token_ids.ids", "sampling_params.temperature", "sampling_params.top_p"]
+    params = SamplingParams(max_tokens=MAX_LEN)
+    params.n = 0
+    assert violation_fields(processor, [5] * 8, params) == ["sampling_params.n", "sampling_params.max_tokens"]
+
+
+def test_engine_requests_fan_out_with_distinct_seeds(processor):
+    protocol = pytest.importorskip("engine_svc.protocol")
+    prepared = processor.process([0, 5, 6], SamplingParams(n=3, seed=41, stop="x", stop_token_ids=[9]))
+    requests = processor.engine_requests(prepared)
+    assert [r["request_id"] for r in requests] == prepared.engine_request_ids
+    assert [r["sampling_params"]["seed"] for r in requests] == [41, 42, 43]
+    for fields in requests:
+        assert set(fields) == set(protocol.EngineCoreRequest.__struct_fields__)
+        assert fields["prompt_token_ids"] == [0, 5, 6] and fields["trace_headers"] == {}
+        assert fields["eos_token_ids"] == prepared.eos_token_ids
+        sampling = protocol.EngineSamplingParams(**fields["sampling_params"])
+        protocol.EngineCoreRequest(**{**fields, "sampling_params": sampling})
+    requests[0]["sampling_params"]["stop_token_ids"].append(1)
+    assert requests[1]["sampling_params"]["stop_token_ids"] == [9]  # no shared lists
+
+
+def test_unseeded_and_wrapping_seeds(processor):
+    unseeded = processor.engine_requests(processor.process([5], SamplingParams(n=2)))
+    assert [r["sampling_params"]["seed"] for r in unseeded] == [None, None]
+    top = (1 << 64) - 1
+    wrapped = processor.engine_requests(processor.process([5], SamplingParams(n=2, seed=top)))
+    assert [r["sampling_params"]["seed"] for r in wrapped] == [top, 0]
+
+
+def test_processing_modules_import_neither_torch_nor_the_engine():
+    import subprocess
+    import sys
+
+    modules = ["errors", "sampling_params", "processor", "detokenizer", "stop", "outputs", "output_processor"]
+    code = (
+        "import sys\n"
+        + "".join(f"import frontend_svc.{m}\n" for m in modules)
+        + "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'engine_svc')]\n"
+        + "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

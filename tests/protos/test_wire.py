@@ -1,0 +1,334 @@
+"""engine_svc.wire: struct <-> protobuf conversion of the EngineCore contract.
+
+Float values are chosen to be exact in float32 where the wire carries float32 (logprobs, kv_cache_usage).
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tandem.engine.v1 import engine_core_pb2 as pb
+from tandem.v1 import generation_pb2 as public_pb
+
+from engine_svc import protocol as p
+from engine_svc import wire
+
+
+def _over_the_wire(message):  # type: ignore[no-untyped-def]
+    """Serialize and parse again, as gRPC would."""
+    return type(message).FromString(message.SerializeToString())
+
+
+# ---- enums and field names -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("struct_enum", "pb_enum", "prefix"),
+    [
+        (p.FinishReason, pb.FinishReason, "FINISH_REASON_"),
+        (p.EventType, pb.RequestEventType, "REQUEST_EVENT_TYPE_"),
+        (p.ErrorCode, pb.ErrorCode, "ERROR_CODE_"),
+    ],
+)
+def test_enum_numbers_match(struct_enum, pb_enum, prefix) -> None:  # type: ignore[no-untyped-def]
+    assert {prefix + m.name: int(m) for m in struct_enum} == dict(pb_enum.items())
+
+
+def test_public_finish_reason_numbers_match_the_struct() -> None:
+    for name, number in public_pb.FinishReason.items():
+        assert p.FinishReason[name.removeprefix("FINISH_REASON_")] == number
+
+
+@pytest.mark.parametrize(
+    ("struct", "message"),
+    [
+        (p.EngineSamplingParams, pb.EngineSamplingParams),
+        (p.EngineCoreRequest, pb.EngineCoreRequest),
+        (p.TokenLogprobs, pb.TokenLogprobs),
+        (p.RequestEvent, pb.RequestEvent),
+        (p.EngineError, pb.EngineError),
+        (p.EngineCoreOutput, pb.EngineCoreOutput),
+        (p.SchedulerStats, pb.SchedulerStats),
+        (p.EngineCoreOutputs, pb.EngineCoreOutputs),
+    ],
+    ids=lambda x: x.__name__,
+)
+def test_messages_mirror_the_structs_field_for_field(struct, message) -> None:  # type: ignore[no-untyped-def]
+    assert set(struct.__struct_fields__) == set(message.DESCRIPTOR.fields_by_name)
+
+
+def test_optional_fields_are_the_structs_nullable_ones() -> None:
+    nullable = {"seed", "max_tokens", "logprobs", "prompt_logprobs"}
+    defaults_not_zero = {"temperature", "top_p", "repetition_penalty"}
+    presence = {f.name for f in pb.EngineSamplingParams.DESCRIPTOR.fields if f.has_presence}
+    assert presence == nullable | defaults_not_zero
+    output_presence = {f.name for f in pb.EngineCoreOutput.DESCRIPTOR.fields if f.has_presence}
+    assert output_presence == {"stop_token_id", "error"}
+
+
+# ---- requests ------------------------------------------------------------------------------------------
+
+
+def _full_request() -> p.EngineCoreRequest:
+    return p.EngineCoreRequest(
+        request_id="req-7",
+        prompt_token_ids=[1, 15, 2**32 - 1],
+        sampling_params=p.EngineSamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.05,
+            seed=2**63 + 5,
+            max_tokens=128,
+            min_tokens=3,
+            stop_token_ids=[7, 8],
+            ignore_eos=True,
+            presence_penalty=-0.3,
+            frequency_penalty=1.1,
+            repetition_penalty=1.2,
+            logprobs=0,
+            prompt_logprobs=5,
+        ),
+        eos_token_ids=[2, 32000],
+        arrival_time=1_700_000_000.123456,
+        priority=-3,
+        trace_headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+    )
+
+
+def test_request_round_trip_keeps_every_field_exactly() -> None:
+    request = _full_request()
+    message = _over_the_wire(wire.request_to_pb(request))
+    assert wire.request_from_pb(message) == request
+
+
+def test_request_round_trip_of_defaults_keeps_none_and_explicit_zero_apart() -> None:
+    request = p.EngineCoreRequest(
+        request_id="r", prompt_token_ids=[5], sampling_params=p.EngineSamplingParams(logprobs=0)
+    )
+    message = _over_the_wire(wire.request_to_pb(request))
+    params = message.sampling_params
+    assert params.HasField("logprobs") and params.logprobs == 0
+    assert not params.HasField("prompt_logprobs") and not params.HasField("seed")
+    assert not params.HasField("max_tokens")
+    back = wire.request_from_pb(message)
+    assert back == request
+    assert back.sampling_params.logprobs == 0 and back.sampling_params.prompt_logprobs is None
+
+
+def test_unset_sampling_params_read_as_struct_defaults_not_proto_zeros() -> None:
+    message = pb.EngineCoreRequest(request_id="r", prompt_token_ids=[1])
+    request = wire.request_from_pb(message)
+    assert request.sampling_params == p.EngineSamplingParams()
+    assert request.sampling_params.temperature == 1.0 and request.sampling_params.top_p == 1.0
+    assert request.sampling_params.repetition_penalty == 1.0
+
+
+def test_greedy_temperature_zero_survives() -> None:
+    params = p.EngineSamplingParams(temperature=0.0)
+    message = _over_the_wire(wire.sampling_params_to_pb(params))
+    assert message.HasField("temperature")
+    assert wire.sampling_params_from_pb(message).temperature == 0.0
+
+
+def test_add_and_abort_inputs() -> None:
+    add = _over_the_wire(wire.add_to_pb(_full_request()))
+    assert add.WhichOneof("kind") == "add"
+    assert wire.request_from_pb(add.add) == _full_request()
+    abort = _over_the_wire(wire.abort_to_pb(iter(["a", "b"])))
+    assert abort.WhichOneof("kind") == "abort"
+    assert list(abort.abort.request_ids) == ["a", "b"]
+
+
+# ---- outputs -------------------------------------------------------------------------------------------
+
+
+def _logprobs(token_id: int, n_top: int) -> p.TokenLogprobs:
+    return p.TokenLogprobs(
+        token_id=token_id,
+        logprob=-0.25 * token_id,
+        rank=token_id % 3 + 1,
+        top_token_ids=list(range(n_top)),
+        top_logprobs=[-0.5 * i for i in range(n_top)],
+    )
+
+
+def _full_outputs() -> p.EngineCoreOutputs:
+    return p.EngineCoreOutputs(
+        outputs=[
+            p.EngineCoreOutput(
+                request_id="first",
+                new_token_ids=[11],
+                new_logprobs=[_logprobs(11, 2)],
+                prompt_logprobs=[_logprobs(3, 0), _logprobs(4, 2)],
+                num_cached_tokens=16,
+                events=[
+                    p.RequestEvent(p.EventType.QUEUED, 1_700_000_000.5),
+                    p.RequestEvent(p.EventType.SCHEDULED, 1_700_000_000.75),
+                    p.RequestEvent(p.EventType.FIRST_TOKEN, 1_700_000_001.0),
+                ],
+            ),
+            p.EngineCoreOutput(
+                request_id="stopped",
+                new_token_ids=[0],
+                finish_reason=p.FinishReason.STOP,
+                stop_token_id=0,  # explicit zero: not the same as None
+                events=[p.RequestEvent(p.EventType.FINISHED, 1_700_000_002.0)],
+            ),
+            p.EngineCoreOutput(request_id="long", new_token_ids=[5, 6], finish_reason=p.FinishReason.LENGTH),
+            p.EngineCoreOutput(request_id="aborted", finish_reason=p.FinishReason.ABORT),
+            p.EngineCoreOutput(
+                request_id="failed",
+                finish_reason=p.FinishReason.ERROR,
+                error=p.EngineError(code=p.ErrorCode.INVALID_ARGUMENT, message="token id 99999 >= vocab"),
+            ),
+        ],
+        scheduler_stats=p.SchedulerStats(
+            num_running=3,
+            num_waiting=2,
+            kv_cache_usage=0.375,
+            num_free_blocks=50,
+            num_total_blocks=80,
+            prefix_cache_queries=2**40,
+            prefix_cache_hits=1024,
+            num_preemptions=1,
+            num_scheduled_tokens=37,
+            num_prompt_tokens=33,
+            num_generation_tokens=4,
+        ),
+        timestamp=1_700_000_002.25,
+    )
+
+
+def test_outputs_round_trip_keeps_every_field() -> None:
+    outputs = _full_outputs()
+    back = wire.outputs_from_pb(_over_the_wire(wire.outputs_to_pb(outputs)))
+    assert back == outputs
+    assert isinstance(back.outputs[1].finish_reason, p.FinishReason)
+    assert isinstance(back.outputs[0].events[0].type, p.EventType)
+    assert isinstance(back.outputs[4].error.code, p.ErrorCode)
+
+
+def test_outputs_pb_reads_like_the_struct_by_attribute_name() -> None:
+    message = wire.outputs_to_pb(_full_outputs())
+    stopped = message.outputs[1]
+    assert stopped.finish_reason == p.FinishReason.STOP == pb.FINISH_REASON_STOP
+    assert stopped.HasField("stop_token_id") and stopped.stop_token_id == 0
+    assert not message.outputs[2].HasField("stop_token_id")
+    assert message.outputs[4].error.code == p.ErrorCode.INVALID_ARGUMENT
+    assert not message.outputs[0].HasField("error")
+    assert list(message.outputs[0].new_logprobs[0].top_token_ids) == [0, 1]
+    assert message.scheduler_stats.num_running == 3
+
+
+def test_outputs_without_stats_round_trip_to_none() -> None:
+    outputs = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput(request_id="x", new_token_ids=[1])])
+    message = _over_the_wire(wire.outputs_to_pb(outputs))
+    assert not message.HasField("scheduler_stats")
+    assert wire.outputs_from_pb(message) == outputs
+
+
+def test_default_fields_are_not_written() -> None:
+    """A plain one-token output costs only its id and token on the wire."""
+    outputs = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput(request_id="abc", new_token_ids=[300])])
+    expected = pb.EngineCoreOutputs(outputs=[pb.EngineCoreOutput(request_id="abc", new_token_ids=[300])])
+    assert wire.outputs_to_pb(outputs).SerializeToString() == expected.SerializeToString()
+
+
+def test_float32_fields_round_to_float32() -> None:
+    outputs = p.EngineCoreOutputs(
+        outputs=[
+            p.EngineCoreOutput(
+                request_id="x", new_logprobs=[p.TokenLogprobs(token_id=1, logprob=-0.1, rank=1)]
+            )
+        ],
+        scheduler_stats=p.SchedulerStats(kv_cache_usage=0.1),
+    )
+    back = wire.outputs_from_pb(_over_the_wire(wire.outputs_to_pb(outputs)))
+    assert back.outputs[0].new_logprobs[0].logprob == pytest.approx(-0.1, rel=1e-7)
+    assert back.scheduler_stats is not None
+    assert back.scheduler_stats.kv_cache_usage == pytest.approx(0.1, rel=1e-7)
+
+
+_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+_u32 = st.integers(0, 2**32 - 1)
+_token_logprobs = st.builds(
+    p.TokenLogprobs,
+    token_id=_u32,
+    logprob=_f32,
+    rank=_u32,
+    top_token_ids=st.lists(_u32, max_size=3),
+    top_logprobs=st.lists(_f32, max_size=3),
+)
+_error = st.builds(p.EngineError, code=st.sampled_from(p.ErrorCode), message=st.text(max_size=8))
+_output = st.builds(
+    p.EngineCoreOutput,
+    request_id=st.text(max_size=8),
+    new_token_ids=st.lists(_u32, max_size=3),
+    new_logprobs=st.lists(_token_logprobs, max_size=2),
+    prompt_logprobs=st.lists(_token_logprobs, max_size=2),
+    finish_reason=st.sampled_from(p.FinishReason),
+    stop_token_id=st.none() | _u32,
+    num_cached_tokens=_u32,
+    events=st.lists(st.builds(p.RequestEvent, st.sampled_from(p.EventType), st.floats(0, 2e9)), max_size=3),
+    error=st.none() | _error,
+)
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(outputs=st.lists(_output, max_size=4), timestamp=st.floats(0, 2e9))
+def test_outputs_round_trip_property(outputs: list[p.EngineCoreOutput], timestamp: float) -> None:
+    struct = p.EngineCoreOutputs(outputs=outputs, timestamp=timestamp)
+    assert wire.outputs_from_pb(_over_the_wire(wire.outputs_to_pb(struct))) == struct
+
+
+# ---- load ----------------------------------------------------------------------------------------------
+
+
+def test_stats_to_load_pb() -> None:
+    stats = _full_outputs().scheduler_stats
+    assert stats is not None
+    load = _over_the_wire(wire.stats_to_load_pb(stats))
+    assert load == pb.EngineLoad(
+        num_running=3,
+        num_waiting=2,
+        kv_cache_usage=0.375,
+        num_free_blocks=50,
+        num_total_blocks=80,
+        prefix_cache_queries=2**40,
+        prefix_cache_hits=1024,
+    )
+    assert wire.stats_to_load_pb(None) == pb.EngineLoad()
+
+
+def test_stats_round_trip() -> None:
+    stats = _full_outputs().scheduler_stats
+    assert stats is not None
+    assert wire.stats_from_pb(_over_the_wire(wire.stats_to_pb(stats))) == stats
+    assert msgspec.structs.asdict(wire.stats_from_pb(pb.SchedulerStats())) == msgspec.structs.asdict(
+        p.SchedulerStats()
+    )
+
+
+# ---- cost ----------------------------------------------------------------------------------------------
+
+
+def test_outputs_to_pb_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    """Prints the per-step cost of converting a 64-request decode step (no assertion on time)."""
+    outputs = p.EngineCoreOutputs(
+        outputs=[p.EngineCoreOutput(request_id=f"req-{i}", new_token_ids=[1000 + i]) for i in range(64)],
+        scheduler_stats=_full_outputs().scheduler_stats,
+        timestamp=1.0,
+    )
+    rounds = 300
+    start = time.perf_counter()
+    for _ in range(rounds):
+        message = wire.outputs_to_pb(outputs)
+    per_step_us = (time.perf_counter() - start) / rounds * 1e6
+    assert len(message.outputs) == 64 and message.outputs[63].new_token_ids[0] == 1063
+    with capsys.disabled():
+        print(f"\n[wire] outputs_to_pb, 64 requests x 1 token: {per_step_us:.1f} us/step")
