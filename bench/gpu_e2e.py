@@ -147,6 +147,7 @@ class Engine:
         self.core = EngineCore(config)
         worker = self.core.executor.worker  # type: ignore[attr-defined]
         self.graphs_on = worker.runner.cuda_graphs is not None
+        self.attention_backend = config.resolved_attention_backend
         self.weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
         self.kv_bytes_per_token = worker.kv_block_bytes // config.block_size
         self._stats: list[StepStat] = []
@@ -220,7 +221,8 @@ def run_tandem(model_dir: Path, work: list[tuple[list[int], int]], args: argpars
         "steps": len(main_run.steps), "decode_steps": len(decode),
         "decode_seconds": sum(s.seconds for s in decode),
         "tpot": sum(s.seconds for s in single_decode) / max(1, len(single_decode)),
-        "graphs_on": engine.graphs_on, "weight_bytes": engine.weight_bytes,
+        "graphs_on": engine.graphs_on, "attention_backend": engine.attention_backend,
+        "weight_bytes": engine.weight_bytes,
     }
     if bandwidth is not None:
         result["decode_floor"] = engine.floor_seconds(decode, bandwidth)
@@ -266,7 +268,7 @@ def markdown_report(device_name: str, args: argparse.Namespace, t: dict[str, Any
         "",
         f"Random-weight Qwen3-0.6B shapes, bf16 ({t['weight_bytes'] / 1e9:.2f} GB of weights); "
         f"{args.num_seqs} seqs, prompt and output lengths U[100, 1024] (nano-vllm workload, seed {args.seed}), "
-        f"ignore_eos, temperature {TEMPERATURE}; tandem {mode}, triton attention; "
+        f"ignore_eos, temperature {TEMPERATURE}; tandem {mode}, {t['attention_backend']} attention; "
         f"torch {torch.__version__}.",
         "",
         "| metric | value |",

@@ -28,19 +28,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_svc.executor import codec  # noqa: E402
-from engine_svc.executor.shm_queue import ShmBroadcastQueue  # noqa: E402
-from engine_svc.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput  # noqa: E402
+from engine_svc.executor import codec
+from engine_svc.executor.shm_queue import ShmBroadcastQueue
+from engine_svc.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 MODES = ("shm+msgspec", "shm+msgspec/pipe", "shm+pickle", "pipe+pickle")
 
 
 def decode_step(num_reqs: int = 64, step: int = 0) -> SchedulerOutput:
-    cached = [CachedRequestData(req_id=f"req-{i:05d}", new_token_ids=[1000 + step + i],
-                                new_block_ids=[step * num_reqs + i] if (step + i) % 16 == 0 else [],
-                                num_computed_tokens=200 + step) for i in range(num_reqs)]
-    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={c.req_id: 1 for c in cached}, total_num_scheduled_tokens=num_reqs)
+    cached = [
+        CachedRequestData(
+            req_id=f"req-{i:05d}",
+            new_token_ids=[1000 + step + i],
+            new_block_ids=[step * num_reqs + i] if (step + i) % 16 == 0 else [],
+            num_computed_tokens=200 + step,
+        )
+        for i in range(num_reqs)
+    ]
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={c.req_id: 1 for c in cached},
+        total_num_scheduled_tokens=num_reqs,
+    )
 
 
 def answer_for(so: SchedulerOutput) -> ModelRunnerOutput:
@@ -48,7 +58,7 @@ def answer_for(so: SchedulerOutput) -> ModelRunnerOutput:
     return ModelRunnerOutput(req_ids=ids, sampled_token_ids=list(range(len(ids))))
 
 
-def reader_main(mode: str, rank: int, cmd, resp, steps: int, work_s: float) -> None:  # noqa: ANN001
+def reader_main(mode: str, rank: int, cmd, resp, steps: int, work_s: float) -> None:
     use_pickle = "pickle" in mode
     if mode.startswith("shm"):
         cmd_q = ShmBroadcastQueue.attach_reader(cmd)
@@ -88,9 +98,12 @@ def run_mode(mode: str, n_readers: int, steps: int, warmup: int, work_s: float) 
         resp_handle = resp_q.writer_handle()
     else:
         resp_recv, resp_handle = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=reader_main, args=(mode, r, cmd_handles[r], resp_handle if r == 0 else None, total,
-                                                       work_s))
-             for r in range(n_readers)]
+    procs = [
+        ctx.Process(
+            target=reader_main, args=(mode, r, cmd_handles[r], resp_handle if r == 0 else None, total, work_s)
+        )
+        for r in range(n_readers)
+    ]
     for p in procs:
         p.start()
     if cmd_q is not None:
@@ -103,9 +116,11 @@ def run_mode(mode: str, n_readers: int, steps: int, warmup: int, work_s: float) 
     if cmd_q is not None:
         broadcast = cmd_q.enqueue
     else:
+
         def broadcast(data: bytes) -> None:
             for _, send_end in pipes:
                 send_end.send_bytes(data)
+
     if resp_q is not None:
         receive = lambda: resp_q.dequeue(decode=codec.decode_runner_output)  # noqa: E731
     elif use_pickle:
@@ -136,11 +151,13 @@ def codec_costs(n: int = 2000) -> dict[str, float]:
     so = decode_step()
     enc_m = codec.encode_scheduler_output(so)
     enc_p = pickle.dumps(so, protocol=5)
-    def per_call(fn) -> float:  # noqa: ANN001
+
+    def per_call(fn) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
         return (time.perf_counter() - t0) / n * 1e6
+
     return {
         "msgspec encode": per_call(lambda: codec.encode_scheduler_output(so)),
         "msgspec decode": per_call(lambda: codec.decode_scheduler_output(enc_m)),
@@ -152,28 +169,41 @@ def codec_costs(n: int = 2000) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--readers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--work-us", type=float, nargs="+", default=[0, 2000],
-                        help="simulated forward time per step (reported latency excludes it)")
+    parser.add_argument(
+        "--work-us",
+        type=float,
+        nargs="+",
+        default=[0, 2000],
+        help="simulated forward time per step (reported latency excludes it)",
+    )
     args = parser.parse_args()
 
     costs = codec_costs()
-    print("SchedulerOutput, 64 decode requests: "
-          + ", ".join(f"{k} {v:.0f}" + ("" if "bytes" in k else " us") for k, v in costs.items()))
+    print(
+        "SchedulerOutput, 64 decode requests: "
+        + ", ".join(f"{k} {v:.0f}" + ("" if "bytes" in k else " us") for k, v in costs.items())
+    )
     print("latency per step in us, excluding the simulated forward time")
     print(f"{'transport':<18}{'readers':>8}{'fwd us':>8}{'p50':>9}{'p90':>9}{'p99':>9}{'mean':>9}")
     for work_us in args.work_us:
         steps = args.steps if work_us == 0 else max(100, min(args.steps, int(2e6 / work_us)))
         for n_readers in args.readers:
             for mode in args.modes:
-                t = sorted(x - work_us for x in run_mode(mode, n_readers, steps, args.warmup // 4, work_us / 1e6))
-                q = lambda f: t[min(len(t) - 1, int(f * len(t)))]  # noqa: E731
-                print(f"{mode:<18}{n_readers:>8}{work_us:>8.0f}{q(0.5):>9.1f}{q(0.9):>9.1f}{q(0.99):>9.1f}"
-                      f"{statistics.fmean(t):>9.1f}")
+                t = sorted(
+                    x - work_us for x in run_mode(mode, n_readers, steps, args.warmup // 4, work_us / 1e6)
+                )
+                p50, p90, p99 = (t[min(len(t) - 1, int(f * len(t)))] for f in (0.5, 0.9, 0.99))
+                print(
+                    f"{mode:<18}{n_readers:>8}{work_us:>8.0f}{p50:>9.1f}{p90:>9.1f}{p99:>9.1f}"
+                    f"{statistics.fmean(t):>9.1f}"
+                )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from engine_svc.protocol import (
 logger = logging.getLogger(__name__)
 
 Deliver = Callable[[int, EngineCoreOutputs], None]
+HEALTH_CHECK_INTERVAL_S = 1.0  # how often an idle loop checks that its workers are alive
 
 
 def _error_output(request_id: str, code: ErrorCode, message: str) -> EngineCoreOutput:
@@ -96,7 +97,8 @@ class BusyLoop(threading.Thread):
 
     def _loop(self, core: EngineCore) -> None:
         while not self._stopped:
-            self._process_inbox(core, block=not core.has_unfinished_requests())
+            if not self._process_inbox(core, block=not core.has_unfinished_requests()):
+                core.executor.check_health()  # idle: notice a dead worker without waiting for a step
             if self._stopped:
                 return
             if core.has_unfinished_requests():
@@ -106,21 +108,22 @@ class BusyLoop(threading.Thread):
             if self._draining:
                 self._check_drain(core)
 
-    def _process_inbox(self, core: EngineCore, block: bool) -> None:
+    def _process_inbox(self, core: EngineCore, block: bool) -> bool:
+        """Handle every queued input; when `block`, wait (bounded) for the first. False if none came."""
         try:
             item = self.inbox.get(timeout=self._idle_timeout()) if block else self.inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             self._handle(core, *item)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
 
-    def _idle_timeout(self) -> float | None:
+    def _idle_timeout(self) -> float:
         if not self._draining:
-            return None
+            return HEALTH_CHECK_INTERVAL_S
         return max(0.0, min(0.05, self._drain_deadline - time.monotonic()))
 
     def _handle(self, core: EngineCore, kind: str, stream_id: int, payload: object) -> None:

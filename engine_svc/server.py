@@ -226,4 +226,6 @@ class EngineServer:
         await asyncio.get_running_loop().run_in_executor(None, busy.join, 5.0)
         if busy.core is not None:
             busy.core.shutdown()
+        elif self.executor is not None:  # the core never came up: still stop the TP workers
+            self.executor.shutdown()  # type: ignore[attr-defined]
 

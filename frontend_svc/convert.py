@@ -41,7 +41,7 @@ def prompt_from_pb(request: pb.GenerateRequest) -> Prompt:
     """The prompt oneof as the processor's `Prompt` (text, token ids or ChatPrompt)."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        return request.text
+        return str(request.text)
     if kind == "token_ids":
         return list(request.token_ids.ids)
     if kind == "chat":

@@ -6,8 +6,9 @@ engine, and feeds every `EngineCoreOutputs` an engine sends through the shared `
 per-request asyncio queues (`RequestHandle.queue`).
 
 Invariants:
-- An engine is *ready* (routable) only while its `Connect` stream is open and its `GetEngineInfo`
-  vocab_size equals the frontend's model vocabulary; otherwise it gets no requests.
+- An engine is *ready* (routable) only while its `Connect` stream is open, its `GetEngineInfo`
+  vocab_size equals the frontend's model vocabulary, and its health (watched, when it serves
+  grpc.health.v1) is not NOT_SERVING: a draining engine gets no new requests but finishes its own.
 - All n completions of one client request go to the same engine (they share the prompt's KV blocks).
 - Every request handed out by `submit` ends exactly once: each completion's finished delta, or one
   `StreamError` (UNAVAILABLE when its engine's stream broke, or what `fail_all` says).
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
@@ -41,6 +43,7 @@ from frontend_svc.router import Router
 logger = logging.getLogger(__name__)
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+ENGINE_SERVICE = epb.DESCRIPTOR.services_by_name["EngineCoreService"].full_name
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 2.0
 INFO_TIMEOUT_S = 5.0
@@ -114,11 +117,12 @@ class EngineConnection:
         self._task: asyncio.Task[None] | None = None
         self._retiring = False
         self._was_ready = False
+        self._health_ok = True  # the engine's own health says SERVING (or it has no health service)
 
     # ---- what the router and client read ----------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.state is State.READY and not self._retiring
+        return self.state is State.READY and self._health_ok and not self._retiring
 
     @property
     def load(self) -> int:
@@ -199,16 +203,19 @@ class EngineConnection:
             self.info, self._outbox, self._call = info, outbox, call
             self.state, self._was_ready = State.READY, True
             self._reported_load = self._sent_since_report = 0
+            self._health_ok = True
             logger.info("engine %s ready (engine_id %s, max_model_len %d)",
                         self.address, info.engine_id, info.max_model_len)
             self._client.connection_changed()
-            poller = asyncio.get_running_loop().create_task(self._poll_load(stub))
+            loop = asyncio.get_running_loop()
+            helpers = [loop.create_task(self._poll_load(stub)), loop.create_task(self._watch_health(channel))]
             try:
                 on_outputs = self._client.on_outputs
                 async for message in call:
                     on_outputs(self, message)
             finally:
-                poller.cancel()
+                for helper in helpers:
+                    helper.cancel()
         finally:
             await channel.close(grace=None)
 
@@ -219,6 +226,17 @@ class EngineConnection:
             if self.num_in_flight == 0:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     self.note_stats(await stub.GetLoad(epb.GetLoadRequest(), timeout=LOAD_POLL_S))
+
+    async def _watch_health(self, channel: grpc.aio.Channel) -> None:
+        """Follow the engine's health: NOT_SERVING (e.g. draining) takes it out of routing."""
+        request = health_pb2.HealthCheckRequest(service=ENGINE_SERVICE)
+        with contextlib.suppress(grpc.aio.AioRpcError):  # no health service: stay routable
+            async for answer in health_pb2_grpc.HealthStub(channel).Watch(request):
+                serving = answer.status != health_pb2.HealthCheckResponse.NOT_SERVING
+                if serving != self._health_ok:
+                    self._health_ok = serving
+                    logger.info("engine %s health: %s", self.address, "SERVING" if serving else "NOT_SERVING")
+                    self._client.connection_changed()
 
     def _end_session(self, reason: str) -> None:
         was_ready = self.state is State.READY
@@ -425,7 +443,7 @@ def resolve_target(target: str) -> list[str]:
     if not host or not port.isdigit():
         raise OSError(f"engine target {target!r} must look like dns:///name:port")
     infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-    addresses = {_join(info[4][0], int(port)) for info in infos}
+    addresses = {_join(str(info[4][0]), int(port)) for info in infos}
     return sorted(addresses)
 
 

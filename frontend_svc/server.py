@@ -64,7 +64,7 @@ def server_options(config: FrontendConfig) -> list[tuple[str, int]]:
     ]
 
 
-class GenerationServicer(pb_grpc.GenerationServiceServicer):
+class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[misc]
     def __init__(self, frontend: FrontendServer) -> None:
         self._f = frontend
 

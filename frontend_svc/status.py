@@ -33,7 +33,7 @@ def code_from_number(number: int) -> grpc.StatusCode:
 
 def _pack(message: object) -> any_pb2.Any:
     detail = any_pb2.Any()
-    detail.Pack(message)  # type: ignore[arg-type]
+    detail.Pack(message)
     return detail
 
 

@@ -1,13 +1,19 @@
 """Reference paged attention in plain torch (runs on any device).
 
 Per call: write this step's K/V into the cache through `slot_mapping`, then attend.
-- Decodes (requests [0, num_decodes), q_len == 1) are attended in one batch: their context is gathered
-  from the cache into a padded, contiguous [B * Hkv, L, D] (L = the longest decode context), q is
-  reshaped to [B * Hkv, group, D] (GQA without repeating K/V), then masked softmax with two batched
-  matmuls. Pad positions re-read the request's last real slot (always written, so finite) and are
-  masked out.
+- Decodes (requests [0, num_decodes), q_len == 1) are attended in one batch: their blocks are gathered
+  whole (one contiguous copy per block, into a workspace reused across steps and layers) into
+  [B, L, Hkv, D] (L = the longest decode context, rounded up to whole blocks); one fused SDPA call reads
+  that workspace through strided [B, Hkv, L, D] views (GQA without repeating or transposing K/V).
+  Positions past a request's context (the tail of its last block, and padding blocks that repeat that
+  block) are masked out.
+  Reusing the workspace matters on CPU: a fresh multi-MiB buffer per call costs more in page faults than
+  the copy itself.
 - Prefill chunks run one SDPA call per request: `is_causal` when the chunk is the whole context,
   otherwise the context is gathered from the cache and the causal mask is offset by seq_len - q_len.
+
+Masked positions are multiplied by a probability of exactly 0, so the cache must hold finite values
+everywhere: it is zero-initialised and only ever written with the model's K/V.
 
 Planning (gather indices, masks, token ranges) uses only the host lists in the metadata and is done
 once per step: the plan is memoised on the metadata object, which every layer of a step shares (so all
@@ -37,9 +43,9 @@ class _PrefillPlan:
 @dataclass
 class _DecodePlan:
     num: int  # B: requests [0, B) are decodes
-    rows: torch.Tensor  # [B * Hkv * L] int64 rows of the cache viewed as [2, slots * Hkv, D]
-    context_len: int  # L = the longest decode context
-    mask: torch.Tensor  # [B * Hkv, group, L] additive (0 = attend, -inf = padding)
+    blocks: torch.Tensor  # [B * max_blocks] int64 block ids (padded with each request's last block)
+    context_len: int  # L = max_blocks * block_size
+    mask: torch.Tensor  # [B, 1, 1, L] bool: True = attend (within the request's context)
 
 
 @dataclass
@@ -62,21 +68,17 @@ def _context_slots(block_table_row: torch.Tensor, positions: torch.Tensor, block
     return blocks * block_size + positions % block_size
 
 
-def _plan_decodes(
-    meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dtype: torch.dtype
-) -> _DecodePlan:
+def _plan_decodes(meta: AttentionMetadata, block_size: int) -> _DecodePlan:
     num = meta.num_decodes
-    context_len = max(meta.seq_lens_cpu[:num])
+    max_blocks = -(-max(meta.seq_lens_cpu[:num]) // block_size)
+    context_len = max_blocks * block_size
     device = meta.block_table.device
-    positions = torch.arange(context_len, device=device)
     seq_lens = meta.seq_lens[:num].long().unsqueeze(1)
-    clamped = torch.minimum(positions.unsqueeze(0), seq_lens - 1)
-    slots = _context_slots(meta.block_table[:num], clamped, block_size)  # [B, L]
-    heads = torch.arange(num_kv_heads, device=device).view(1, num_kv_heads, 1)
-    rows = slots.unsqueeze(1) * num_kv_heads + heads  # [B, Hkv, L]
-    allowed = (positions.unsqueeze(0) < seq_lens).view(num, 1, 1, context_len)
-    allowed = allowed.expand(num, num_kv_heads, group, context_len).reshape(-1, group, context_len)
-    return _DecodePlan(num, rows.view(-1), context_len, _additive_mask(allowed, dtype))
+    last_block = (seq_lens - 1) // block_size
+    block_idx = torch.minimum(torch.arange(max_blocks, device=device).unsqueeze(0), last_block)
+    blocks = meta.block_table[:num].long().gather(1, block_idx)  # [B, max_blocks]
+    allowed = torch.arange(context_len, device=device).unsqueeze(0) < seq_lens  # [B, L]
+    return _DecodePlan(num, blocks.view(-1), context_len, allowed.view(num, 1, 1, context_len))
 
 
 def _plan_prefills(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[_PrefillPlan]:
@@ -96,21 +98,33 @@ def _plan_prefills(meta: AttentionMetadata, block_size: int, dtype: torch.dtype)
     return plans
 
 
-def _get_plan(
-    meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dtype: torch.dtype
-) -> _Plan:
+def _get_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _Plan:
     plan = meta.__dict__.get(_PLAN_ATTR)
     if plan is None:
-        decode = _plan_decodes(meta, block_size, num_kv_heads, group, dtype) if meta.num_decodes else None
+        decode = _plan_decodes(meta, block_size) if meta.num_decodes else None
         plan = _Plan(decode, _plan_prefills(meta, block_size, dtype))
         meta.__dict__[_PLAN_ATTR] = plan
     return plan
 
 
 class TorchAttentionBackend:
-    """Stateless paged attention; see the module docstring for the algorithm."""
+    """Paged attention in torch; see the module docstring for the algorithm.
+
+    Holds no state between calls except scratch workspaces for the decode gather.
+    """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _gather_workspace(self, like: torch.Tensor, rows: int, row_elems: int) -> torch.Tensor:
+        """A [2, rows, row_elems] scratch tensor, grown (never shrunk) and reused across calls."""
+        key, needed = (like.dtype, like.device), 2 * rows * row_elems
+        ws = self._workspace.get(key)
+        if ws is None or ws.numel() < needed:
+            ws = self._workspace[key] = torch.empty(needed, dtype=like.dtype, device=like.device)
+        return ws[:needed].view(2, rows, row_elems)
 
     def forward(
         self,
@@ -126,7 +140,7 @@ class TorchAttentionBackend:
         flat_cache[0].index_copy_(0, meta.slot_mapping, key)
         flat_cache[1].index_copy_(0, meta.slot_mapping, value)
 
-        plan = _get_plan(meta, block_size, num_kv_heads, query.shape[1] // num_kv_heads, query.dtype)
+        plan = _get_plan(meta, block_size, query.dtype)
         parts = []
         if plan.decode is not None:
             parts.append(self._decode(query[: plan.decode.num], kv_cache, plan.decode, scale))
@@ -136,19 +150,23 @@ class TorchAttentionBackend:
             return parts[0]
         return torch.cat(parts) if parts else torch.empty_like(query)
 
-    @staticmethod
-    def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
         num, num_heads, head_dim = query.shape
-        num_kv_heads = kv_cache.shape[3]
-        context = kv_cache.view(2, -1, head_dim).index_select(1, plan.rows)
-        keys, values = context.view(2, num * num_kv_heads, plan.context_len, head_dim).unbind(0)
-        q = query.reshape(num * num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.baddbmm(plan.mask, q, keys.transpose(1, 2), alpha=scale)
-        if scores.dtype == torch.float32:
-            probs = scores.softmax(-1)
-        else:  # softmax in float32, as HF does
-            probs = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
-        return torch.bmm(probs, values).view(num, num_heads, head_dim)
+        num_blocks, num_kv_heads = kv_cache.shape[1], kv_cache.shape[3]
+        by_block = kv_cache.view(2, num_blocks, -1)
+        ws = self._gather_workspace(query, plan.blocks.numel(), by_block.shape[2])
+        torch.index_select(by_block[0], 0, plan.blocks, out=ws[0])
+        torch.index_select(by_block[1], 0, plan.blocks, out=ws[1])
+        keys, values = ws.view(2, num, plan.context_len, num_kv_heads, head_dim).unbind(0)
+        out = F.scaled_dot_product_attention(
+            query.view(num, num_heads, 1, head_dim),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=plan.mask,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        return out.view(num, num_heads, head_dim)
 
     @staticmethod
     def _prefill(

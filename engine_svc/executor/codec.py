@@ -13,6 +13,7 @@ Decoders accept any buffer (bytes or a memoryview into shared memory); decoded o
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 import msgspec
 
@@ -39,7 +40,7 @@ _so_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 _int_decoder = msgspec.msgpack.Decoder(int)
 _out_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 _info_decoder = msgspec.msgpack.Decoder(WorkerInfo)
-_BODY_DECODERS: dict[Op, msgspec.msgpack.Decoder | None] = {
+_BODY_DECODERS: dict[Op, msgspec.msgpack.Decoder[Any] | None] = {
     Op.LOAD_MODEL: None,
     Op.INIT_CACHE: _int_decoder,
     Op.EXECUTE: _so_decoder,

@@ -34,9 +34,9 @@ import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NoReturn, cast
 
-from engine_svc.config import EngineConfig
+from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.executor.base import Executor
 from engine_svc.executor.codec import (
     Op,
@@ -75,10 +75,13 @@ class MultiprocExecutor(Executor):
     ) -> None:
         super().__init__(config)
         self.world_size = config.tensor_parallel_size
+        _check_devices(config)
         self._info: WorkerInfo | None = None
         self._failure: str | None = None
+        self._fail_lock = threading.Lock()
         self._commands = ShmBroadcastQueue.create(
-            self.world_size, COMMAND_CHUNKS, COMMAND_CHUNK_BYTES, liveness_interval=liveness_interval)
+            self.world_size, COMMAND_CHUNKS, COMMAND_CHUNK_BYTES, liveness_interval=liveness_interval
+        )
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []  # answer pipe, then each rank's status pipe
         self._finalizer = weakref.finalize(self, _teardown, self._procs, self._conns, self._commands)
@@ -95,9 +98,14 @@ class MultiprocExecutor(Executor):
         for rank in range(self.world_size):
             status_recv, status_send = ctx.Pipe(duplex=False)
             args = WorkerArgs(
-                config=self.config, rank=rank, dist_init_method=init_method,
-                commands=self._commands.reader_handle(rank), responses=answer_send if rank == 0 else None,
-                status=status_send, parent_pid=os.getpid(), worker_cls=worker_cls,
+                config=self.config,
+                rank=rank,
+                dist_init_method=init_method,
+                commands=self._commands.reader_handle(rank),
+                responses=answer_send if rank == 0 else None,
+                status=status_send,
+                parent_pid=os.getpid(),
+                worker_cls=worker_cls,
             )
             proc = ctx.Process(target=worker_main, args=(args,), name=f"tandem-tp-worker-{rank}", daemon=True)
             proc.start()
@@ -122,8 +130,9 @@ class MultiprocExecutor(Executor):
         return self._call_and_wait(decode_runner_output)  # type: ignore[return-value]
 
     def check_health(self) -> None:
-        if self._failure is not None:
-            raise WorkerDiedError(self._failure)
+        """Raise WorkerDiedError if a worker is dead (cheap: one waitpid per worker) or after shutdown."""
+        if not self._finalizer.alive:
+            raise WorkerDiedError(self._failure or "the TP executor is shut down")
         if not self._all_alive():
             self._fail()
 
@@ -171,20 +180,28 @@ class MultiprocExecutor(Executor):
             return decode(data) if decode is not None else data
         self._fail()
 
-    def _fail(self) -> None:
-        """Find out which workers died and why, shut everything down, raise WorkerDiedError."""
-        dead = self._collect_deaths()
-        self.shutdown()
-        reasons = []
-        for rank in sorted(dead, key=lambda r: dead[r][0]):  # in the order they died
-            proc, message = self._procs[rank], dead[rank][1]
-            reasons.append(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                           + (f": {message}" if message else ""))
-        self._failure = "TP worker died: " + ("; ".join(reasons) or "unknown")
-        logger.error("%s", self._failure)
-        raise WorkerDiedError(self._failure)
+    def _fail(self) -> NoReturn:
+        """Find out which workers died and why, shut everything down, raise WorkerDiedError.
 
-    def _collect_deaths(self, first_wait_s: float = 1.0, grace_s: float = 0.2) -> dict[int, tuple[float, str]]:
+        Thread-safe: the busy loop and a health check may both notice the death; one reports it."""
+        with self._fail_lock:
+            if self._failure is None and self._finalizer.alive:
+                dead = self._collect_deaths()
+                self.shutdown()
+                reasons = []
+                for rank in sorted(dead, key=lambda r: dead[r][0]):  # in the order they died
+                    proc, message = self._procs[rank], dead[rank][1]
+                    reasons.append(
+                        f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                        + (f": {message}" if message else "")
+                    )
+                self._failure = "TP worker died: " + ("; ".join(reasons) or "unknown")
+                logger.error("%s", self._failure)
+        raise WorkerDiedError(self._failure or "the TP executor is shut down")
+
+    def _collect_deaths(
+        self, first_wait_s: float = 1.0, grace_s: float = 0.2
+    ) -> dict[int, tuple[float, str]]:
         """rank -> (when its death was seen, its traceback or ""), for ranks whose status pipe reports
         a failure or closes (the process is gone) within `first_wait_s`, plus `grace_s` after the first
         (a peer failing in a collective a moment later is reported too, after the root cause)."""
@@ -195,16 +212,30 @@ class MultiprocExecutor(Executor):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            for conn in wait(list(pending), timeout=left):
-                rank = pending.pop(conn)  # type: ignore[call-overload]
+            for ready in wait(list(pending), timeout=left):
+                conn = cast(Connection, ready)
+                rank = pending.pop(conn)
                 try:
-                    message = str(conn.recv())  # type: ignore[union-attr]
+                    message = str(conn.recv())
                 except (EOFError, OSError):
                     message = ""
                 dead[rank] = (time.monotonic(), message)
             if dead:
                 deadline = min(deadline, min(t for t, _ in dead.values()) + grace_s)
         return dead
+
+
+def _check_devices(config: EngineConfig) -> None:
+    if config.device != "cuda":
+        return
+    import torch
+
+    available = torch.cuda.device_count()
+    if available < config.tensor_parallel_size:
+        raise ConfigError(
+            f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs, but "
+            f"only {available} are visible; lower it or use --device cpu"
+        )
 
 
 def _teardown(procs: list[BaseProcess], conns: list[Connection], commands: ShmBroadcastQueue) -> None:
@@ -214,8 +245,9 @@ def _teardown(procs: list[BaseProcess], conns: list[Connection], commands: ShmBr
     """
     if procs and all(p.is_alive() for p in procs):
         try:
-            commands.enqueue(encode_command(Op.SHUTDOWN), timeout=0.5,
-                             is_alive=lambda: all(p.is_alive() for p in procs))
+            commands.enqueue(
+                encode_command(Op.SHUTDOWN), timeout=0.5, is_alive=lambda: all(p.is_alive() for p in procs)
+            )
             for proc in procs:
                 proc.join(_JOIN_TIMEOUT_S)
         except (TimeoutError, PeerDiedError, OSError, ValueError, TypeError):

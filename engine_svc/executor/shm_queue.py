@@ -29,6 +29,7 @@ also unlinks the segment if every process dies without cleaning up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -96,7 +97,7 @@ class ReaderHandle:
 class _Waiter:
     """Spin-then-sleep polling with a periodic liveness check and an optional deadline."""
 
-    __slots__ = ("is_alive", "deadline", "interval", "start", "next_check", "sleep")
+    __slots__ = ("deadline", "interval", "is_alive", "next_check", "sleep", "start")
 
     def __init__(self, is_alive: Callable[[], bool] | None, timeout: float | None, interval: float) -> None:
         self.start = time.monotonic()
@@ -141,7 +142,9 @@ class ShmBroadcastQueue:
     ) -> None:
         self.spec = spec
         self._shm = shm
-        self._buf = shm.buf
+        buf = shm.buf
+        assert buf is not None
+        self._buf: memoryview = buf
         self._owner = owner
         self.reader_rank = reader_rank
         self._overflow = overflow
@@ -173,16 +176,28 @@ class ShmBroadcastQueue:
             raise ValueError("an owner that reads needs n_readers == 1")
         probe = QueueSpec("", n_readers, max_chunks, max_chunk_bytes)
         shm = SharedMemory(create=True, size=probe.total_bytes)
-        shm.buf[: probe.flags_bytes] = bytes(probe.flags_bytes)
+        shm.buf[: probe.flags_bytes] = bytes(probe.flags_bytes)  # type: ignore[index]
         spec = QueueSpec(shm.name, n_readers, max_chunks, max_chunk_bytes)
         pipes = [Pipe(duplex=False) for _ in range(n_readers)]  # (recv, send)
         if owner_is_writer:
-            queue = cls(spec, shm, owner=True, reader_rank=None, overflow=[s for _, s in pipes],
-                        liveness_interval=liveness_interval)
+            queue = cls(
+                spec,
+                shm,
+                owner=True,
+                reader_rank=None,
+                overflow=[s for _, s in pipes],
+                liveness_interval=liveness_interval,
+            )
             queue._peer_ends = [r for r, _ in pipes]
         else:
-            queue = cls(spec, shm, owner=True, reader_rank=0, overflow=[pipes[0][0]],
-                        liveness_interval=liveness_interval)
+            queue = cls(
+                spec,
+                shm,
+                owner=True,
+                reader_rank=0,
+                overflow=[pipes[0][0]],
+                liveness_interval=liveness_interval,
+            )
             queue._peer_ends = [pipes[0][1]]
         return queue
 
@@ -208,21 +223,36 @@ class ShmBroadcastQueue:
     @classmethod
     def attach_reader(cls, handle: ReaderHandle, liveness_interval: float = 0.05) -> ShmBroadcastQueue:
         shm = SharedMemory(name=handle.spec.shm_name)
-        return cls(handle.spec, shm, owner=False, reader_rank=handle.rank, overflow=[handle.overflow],
-                   liveness_interval=liveness_interval)
+        return cls(
+            handle.spec,
+            shm,
+            owner=False,
+            reader_rank=handle.rank,
+            overflow=[handle.overflow],
+            liveness_interval=liveness_interval,
+        )
 
     @classmethod
     def attach_writer(cls, handle: WriterHandle, liveness_interval: float = 0.05) -> ShmBroadcastQueue:
         shm = SharedMemory(name=handle.spec.shm_name)
-        return cls(handle.spec, shm, owner=False, reader_rank=None, overflow=list(handle.overflow),
-                   liveness_interval=liveness_interval)
+        return cls(
+            handle.spec,
+            shm,
+            owner=False,
+            reader_rank=None,
+            overflow=list(handle.overflow),
+            liveness_interval=liveness_interval,
+        )
 
     # ---- data path ---------------------------------------------------------------------------------
     def _chunk_offset(self, index: int) -> int:
         return self.spec.flags_bytes + index * self.spec.max_chunk_bytes
 
     def enqueue(
-        self, data: bytes | bytearray | memoryview, *, is_alive: Callable[[], bool] | None = None,
+        self,
+        data: bytes | bytearray | memoryview,
+        *,
+        is_alive: Callable[[], bool] | None = None,
         timeout: float | None = None,
     ) -> None:
         """Broadcast `data` to every reader. Blocks while the next chunk is still being read."""
@@ -255,7 +285,10 @@ class ShmBroadcastQueue:
                 conn.send_bytes(data)
 
     def dequeue(
-        self, *, is_alive: Callable[[], bool] | None = None, timeout: float | None = None,
+        self,
+        *,
+        is_alive: Callable[[], bool] | None = None,
+        timeout: float | None = None,
         decode: Callable[[memoryview], object] | None = None,
     ) -> object:
         """The next message: bytes, or `decode(view)` computed while the chunk is still held (no copy)."""
@@ -310,15 +343,11 @@ class ShmBroadcastQueue:
         self._buf = None  # type: ignore[assignment]
         for conn in (*self._overflow, *self._peer_ends):
             conn.close()
-        try:
+        with contextlib.suppress(BufferError):  # a caller still holds a view; unmapped at process exit
             self._shm.close()
-        except BufferError:  # a caller still holds a view; the mapping goes when the process exits
-            pass
         if self._owner:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
-            except FileNotFoundError:
-                pass
 
     def __enter__(self) -> ShmBroadcastQueue:
         return self

@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -22,7 +23,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 from engine_svc.config import EngineConfig
 from engine_svc.executor.codec import (
@@ -74,13 +75,11 @@ def worker_main(args: WorkerArgs) -> None:
         code = _run(args)
     except PeerDiedError:
         code = 0  # the engine is gone: nothing left to report to
-    except BaseException:  # noqa: BLE001 - every failure must reach the engine
+    except BaseException:
         text = f"TP worker rank {args.rank} failed:\n{traceback.format_exc()}"
         sys.stderr.write(text)
-        try:
+        with contextlib.suppress(OSError):
             args.status.send(text)
-        except OSError:
-            pass
         code = 1
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: torch/gloo threads can hang at exit
@@ -112,13 +111,16 @@ def _run(args: WorkerArgs) -> int:
 
 
 def _busy_loop(
-    worker: Any, args: WorkerArgs, commands: ShmBroadcastQueue, responses: Connection | None,
+    worker: Any,
+    args: WorkerArgs,
+    commands: ShmBroadcastQueue,
+    responses: Connection | None,
     parent_alive: Any,
 ) -> None:
     fault_step = parse_fault(os.environ.get(FAULT_ENV), args.rank)
     step = 0
     while True:
-        op, body = commands.dequeue(is_alive=parent_alive, decode=decode_command)  # type: ignore[misc]
+        op, body = cast(tuple[Op, Any], commands.dequeue(is_alive=parent_alive, decode=decode_command))
         if op is Op.EXECUTE:
             step += 1
             if step == fault_step:
@@ -128,7 +130,9 @@ def _busy_loop(
         elif op is Op.LOAD_MODEL:
             worker.load_model()
             num_blocks = _min_over_ranks(worker.determine_num_blocks(), worker)
-            answer = encode_worker_info(WorkerInfo(num_blocks, int(worker.model.vocab_size), worker.kv_block_bytes))
+            answer = encode_worker_info(
+                WorkerInfo(num_blocks, int(worker.model.vocab_size), worker.kv_block_bytes)
+            )
         elif op is Op.INIT_CACHE:
             worker.initialize_cache(body)
             answer = ACK

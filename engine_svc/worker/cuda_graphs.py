@@ -111,7 +111,7 @@ class PaddedDecodeInputs:
 
 
 def _padded(values: np.ndarray, size: int, fill: int, dtype: type) -> np.ndarray:
-    out = np.full(size, fill, dtype=dtype)
+    out: np.ndarray = np.full(size, fill, dtype=dtype)
     out[: len(values)] = values
     return out
 

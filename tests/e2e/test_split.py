@@ -9,6 +9,7 @@ the frontend with --max-concurrent-requests 8 (see conftest.py).
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -159,7 +160,7 @@ def test_stop_string_is_never_sent_in_part(client: TandemClient) -> None:
 def test_client_cancel_frees_the_engine(client: TandemClient, split: Any) -> None:
     stream = client.generate(PROMPTS[0], n=2, **ENDLESS)
     next(stream)
-    assert engine_load(split).num_running == 2
+    wait_until(lambda: engine_load(split).num_running == 2, what="both completions running")
     stream.cancel()
     wait_until(lambda: engine_idle(split), what="engine idle after cancel")
 
@@ -244,6 +245,34 @@ def test_health_reflection_and_model_info(client: TandemClient, split: Any, llm:
     assert client.detokenize(ids) == PROMPTS[1]
 
 
+def test_sigterm_drains_running_calls_and_exits_zero(split: Any) -> None:
+    frontend = split.start_frontend().wait_serving()
+    try:
+        with TandemClient(frontend.address) as c:
+            stream = c.generate(PROMPTS[0], ignore_eos=True, max_tokens=200)
+            first = next(stream)
+            frontend.proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: _health(frontend.address) != health_pb2.HealthCheckResponse.SERVING,
+                       what="NOT_SERVING while draining")
+            error = rpc_error(lambda: list(c.generate(PROMPTS[1], max_tokens=2)))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            rest = list(stream)
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 200
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert frontend.proc.wait(15) == 0
+    finally:
+        frontend.stop()
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[no-any-return]
+                health_pb2.HealthCheckRequest(service=""), timeout=2).status
+        except grpc.RpcError:
+            return -1
+
+
 # ---- crashes (last: they restart processes) -------------------------------------------------------------
 
 
@@ -251,7 +280,7 @@ def test_killing_a_frontend_frees_its_requests_in_the_engine(split: Any, second_
     with TandemClient(second_frontend.address) as other:
         stream = other.generate(PROMPTS[0], n=2, **ENDLESS)
         next(stream)
-        assert engine_load(split).num_running == 2
+        wait_until(lambda: engine_load(split).num_running == 2, what="both completions running")
         second_frontend.kill()
         wait_until(lambda: engine_idle(split), what="engine idle after the frontend died")
         stream.cancel()

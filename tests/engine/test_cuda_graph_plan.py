@@ -35,7 +35,7 @@ SIZES_256 = capture_sizes(256)
 
 # ---- capture sizes -----------------------------------------------------------------------------
 def test_capture_sizes_default_max_num_seqs() -> None:
-    assert SIZES_256 == [1, 2, 4, *range(8, 257, 8)]
+    assert [1, 2, 4, *range(8, 257, 8)] == SIZES_256
     assert len(SIZES_256) == 35
 
 
@@ -197,7 +197,7 @@ class EagerReplayGraphs(DecodeCudaGraphs):
         return self.forward_static(size)
 
 
-def _stub_graphs(llm, sizes: list[int]) -> EagerReplayGraphs:  # noqa: ANN001
+def _stub_graphs(llm, sizes: list[int]) -> EagerReplayGraphs:
     worker = llm.engine.executor.worker
     runner = worker.runner
     return EagerReplayGraphs(worker.model, runner.kv_caches, sizes=sizes,
@@ -205,7 +205,7 @@ def _stub_graphs(llm, sizes: list[int]) -> EagerReplayGraphs:  # noqa: ANN001
                              block_size=llm.config.block_size, device=worker.device)
 
 
-def _count_decode_only_steps(runner) -> list[int]:  # noqa: ANN001
+def _count_decode_only_steps(runner) -> list[int]:
     """Wrap the runner's batch.prepare to count steps in which every request has q_len == 1."""
     count = [0]
     inner = runner.batch.prepare
@@ -220,14 +220,14 @@ def _count_decode_only_steps(runner) -> list[int]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def triton_llm(make_model):  # noqa: ANN001, ANN201
+def triton_llm(make_model):
     from engine_svc import LLM
 
     return LLM(str(make_model("llama")), dtype="float32", attention_backend="triton", max_model_len=64,
                max_num_seqs=8)
 
 
-def test_padded_replay_path_matches_eager(triton_llm) -> None:  # noqa: ANN001
+def test_padded_replay_path_matches_eager(triton_llm) -> None:
     from engine_svc import SamplingParams
 
     rng = random.Random(3)
@@ -249,7 +249,7 @@ def test_padded_replay_path_matches_eager(triton_llm) -> None:  # noqa: ANN001
     assert graphs.num_replays == decode_only_steps[0] > 0
 
 
-def test_dummy_rows_never_write_the_cache(triton_llm) -> None:  # noqa: ANN001
+def test_dummy_rows_never_write_the_cache(triton_llm) -> None:
     worker = triton_llm.engine.executor.worker
     runner = worker.runner
     block_size = triton_llm.config.block_size

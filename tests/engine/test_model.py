@@ -114,9 +114,11 @@ def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 
 def _new_caches(model) -> list[torch.Tensor]:
-    # NaN-filled: any read of a slot that was never written poisons the output.
+    # Large finite garbage: attending to a slot that was never written changes the output. (Finite,
+    # because the backend's contract is a finite cache: masked positions are weighted by an exact 0.)
     shape = (2, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
-    return [torch.full(shape, float("nan")) for _ in range(model.num_layers)]
+    gen = torch.Generator().manual_seed(1234)
+    return [1e4 * torch.randn(shape, generator=gen) for _ in range(model.num_layers)]
 
 
 class Seq:

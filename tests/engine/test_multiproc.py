@@ -68,13 +68,28 @@ class FakeWorker:
 
 def make_so(num_tokens: int, num_reqs: int = 2, prompt_len: int = 4) -> SchedulerOutput:
     params = EngineSamplingParams(temperature=0.5, top_k=7, seed=11, stop_token_ids=[3, 4], logprobs=2)
-    new = [NewRequestData(req_id=f"n{i}", token_ids=list(range(prompt_len)), num_prompt_tokens=prompt_len,
-                          sampling_params=params, block_ids=[i, i + 1], num_computed_tokens=0,
-                          eos_token_ids=[1]) for i in range(num_reqs)]
+    new = [
+        NewRequestData(
+            req_id=f"n{i}",
+            token_ids=list(range(prompt_len)),
+            num_prompt_tokens=prompt_len,
+            sampling_params=params,
+            block_ids=[i, i + 1],
+            num_computed_tokens=0,
+            eos_token_ids=[1],
+        )
+        for i in range(num_reqs)
+    ]
     cached = [CachedRequestData(req_id="c0", new_token_ids=[9], new_block_ids=[], num_computed_tokens=5)]
     sched = {r.req_id: num_tokens for r in new} | {"c0": 1}
-    return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=sched,
-                           total_num_scheduled_tokens=num_tokens, finished_req_ids=["x"], preempted_req_ids=["y"])
+    return SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=sched,
+        total_num_scheduled_tokens=num_tokens,
+        finished_req_ids=["x"],
+        preempted_req_ids=["y"],
+    )
 
 
 def config(tp: int = 2) -> EngineConfig:
@@ -112,9 +127,12 @@ def test_scheduler_output_round_trips_with_nested_sampling_params() -> None:
 
 
 def test_runner_output_and_commands_round_trip() -> None:
-    out = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[5, -1],
-                            logprobs=[(-0.5, 1, [5, 6], [-0.5, -1.5]), None],
-                            prompt_logprobs={"a": [(7, -2.0, 3, [1], [-0.1])]})
+    out = ModelRunnerOutput(
+        req_ids=["a", "b"],
+        sampled_token_ids=[5, -1],
+        logprobs=[(-0.5, 1, [5, 6], [-0.5, -1.5]), None],
+        prompt_logprobs={"a": [(7, -2.0, 3, [1], [-0.1])]},
+    )
     assert codec.decode_runner_output(codec.encode_runner_output(out)) == out
     assert codec.decode_command(codec.encode_command(Op.INIT_CACHE, 42)) == (Op.INIT_CACHE, 42)
     assert codec.decode_command(codec.encode_command(Op.SHUTDOWN)) == (Op.SHUTDOWN, None)
@@ -160,7 +178,7 @@ def test_exception_in_one_ranks_forward_fails_the_step(monkeypatch: pytest.Monke
     ex.execute_model(make_so(1))
     ex.execute_model(make_so(2))
     start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="(?s)rank 1 .*InjectedFault"):
+    with pytest.raises(WorkerDiedError, match=r"(?s)rank 1 .*InjectedFault"):
         ex.execute_model(make_so(3))
     assert time.monotonic() - start < 10
     assert_cleaned_up(pids, segments)
@@ -176,7 +194,7 @@ def test_sigkill_of_a_worker_mid_step_fails_promptly() -> None:
     killer = threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL))
     killer.start()
     start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="rank 1 .*code -9"):
+    with pytest.raises(WorkerDiedError, match=r"rank 1 .*code -9"):
         ex.execute_model(make_so(SLEEP_TOKENS))  # both ranks are busy (asleep) when rank 1 dies
     assert time.monotonic() - start < 10
     assert_cleaned_up(pids, segments)
@@ -211,8 +229,13 @@ _ENGINE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_engine_process_death_leaves_no_workers_or_segments(sig: int) -> None:
-    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_SCRIPT], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE_SCRIPT],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         fields = engine.stdout.readline().split()  # type: ignore[union-attr]
         assert len(fields) == 3, engine.stderr.read()  # type: ignore[union-attr]

@@ -27,7 +27,7 @@ def message(i: int) -> bytes:
     return hashlib.sha256(str(i).encode()).digest() * (size // 32) + bytes([i % 256]) * (size % 32)
 
 
-def read_all(handle, count: int, result) -> None:  # noqa: ANN001 - child process entry point
+def read_all(handle, count: int, result) -> None:
     queue = ShmBroadcastQueue.attach_reader(handle)
     digest = hashlib.sha256()
     for _ in range(count):
@@ -37,7 +37,7 @@ def read_all(handle, count: int, result) -> None:  # noqa: ANN001 - child proces
     result.send(digest.hexdigest())
 
 
-def read_one_then_stall(handle, ready) -> None:  # noqa: ANN001
+def read_one_then_stall(handle, ready) -> None:
     queue = ShmBroadcastQueue.attach_reader(handle)
     queue.dequeue(timeout=30)
     ready.send(True)
@@ -63,8 +63,10 @@ def test_every_reader_gets_every_message_in_order(n_readers: int) -> None:
     before = shm_segments()
     with ShmBroadcastQueue.create(n_readers, max_chunks=4, max_chunk_bytes=256) as queue:
         pipes = [CTX.Pipe(duplex=False) for _ in range(n_readers)]
-        procs = [CTX.Process(target=read_all, args=(queue.reader_handle(r), count, pipes[r][1]))
-                 for r in range(n_readers)]
+        procs = [
+            CTX.Process(target=read_all, args=(queue.reader_handle(r), count, pipes[r][1]))
+            for r in range(n_readers)
+        ]
         for p in procs:
             p.start()
         queue.release_peer_ends()
@@ -148,7 +150,7 @@ def test_owner_as_reader_of_a_child_writer() -> None:
     assert got == [bytes([i]) * (i * 20) for i in range(6)]
 
 
-def write_messages(handle, count: int) -> None:  # noqa: ANN001
+def write_messages(handle, count: int) -> None:
     queue = ShmBroadcastQueue.attach_writer(handle)
     for i in range(count):
         queue.enqueue(bytes([i]) * (i * 20), timeout=30)  # 80 and 100 bytes overflow a 64-byte chunk
@@ -186,7 +188,9 @@ def test_no_leaks_or_resource_tracker_warnings_even_when_a_reader_is_killed() ->
             print(q.spec.shm_name)
             q.close()
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     name = proc.stdout.strip()
     assert name and not os.path.exists(f"/dev/shm/{name}")

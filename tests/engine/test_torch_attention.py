@@ -28,14 +28,17 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 
 class Batch:
     """A ragged batch: each request (q_len, seq_len) with random full-context K/V, its earlier tokens
-    already in a NaN-filled cache (so reading any unwritten slot poisons the result)."""
+    already in a cache full of large garbage (so attending to any unwritten slot changes the result).
+    The garbage is finite: the backend's contract is a finite cache (zero-initialised, then only model
+    K/V), because masked positions are weighted by an exact 0."""
 
     def __init__(
         self, shape: list[tuple[int, int]], num_kv_heads: int, seed: int, value_seed: int = 0
     ) -> None:
         perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
         gen = torch.Generator().manual_seed(value_seed)
-        self.cache = torch.full((2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM), float("nan"))
+        garbage = torch.Generator().manual_seed(seed + 1000)
+        self.cache = 1e4 * torch.randn((2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM), generator=garbage)
         flat = self.cache.view(2, -1, num_kv_heads, HEAD_DIM)
         self.reqs, tables, slots = [], [], []
         for q_len, seq_len in shape:

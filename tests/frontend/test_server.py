@@ -125,9 +125,12 @@ class LoopThread:
         self.thread.join(5)
 
 
-async def start_fake_engine(fake: FakeEngine, port: int = 0) -> tuple[grpc.aio.Server, int]:
+async def start_fake_engine(fake: FakeEngine, port: int = 0,
+                            health_servicer: Any = None) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server()
     epb_grpc.add_EngineCoreServiceServicer_to_server(fake, server)
+    if health_servicer is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return server, bound
@@ -450,6 +453,35 @@ def test_engine_loss_fails_open_streams_and_recovers(loop: LoopThread, tokenizer
             engine, _ = loop.run(start_fake_engine(fake, port=engine_port))
             wait_for(lambda: health_of(frontend.bound_port) == serving)
             assert collect(c.generate(PROMPT, max_tokens=3))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH
+    finally:
+        loop.run(frontend.stop())
+        loop.run(engine.stop(None))
+
+
+def test_a_draining_engine_gets_no_new_requests(loop: LoopThread, tokenizer: Any, tiny_model_dir: Any) -> None:
+    from grpc_health.v1 import health
+
+    fake = FakeEngine(vocab_size=tokenizer.vocab_size)
+    engine_health = loop.call(health.aio.HealthServicer)
+    name = "tandem.engine.v1.EngineCoreService"
+    engine, engine_port = loop.run(start_fake_engine(fake, health_servicer=engine_health))
+    frontend = make_frontend(loop, tokenizer, tiny_model_dir, engine_port)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        loop.run(engine_health.set(name, serving))
+        wait_for(lambda: health_of(frontend.bound_port) == serving)
+        with TandemClient(f"127.0.0.1:{frontend.bound_port}") as c:
+            running = c.generate(PROMPT, max_tokens=30)
+            next(running)
+            loop.run(engine_health.set(name, not_serving))
+            wait_for(lambda: health_of(frontend.bound_port) == not_serving)
+            added = len(fake.added)
+            error = rpc_error(lambda: list(c.generate(PROMPT, max_tokens=2)))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and len(fake.added) == added
+            assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH  # its own calls finish
+            loop.run(engine_health.set(name, serving))
+            wait_for(lambda: health_of(frontend.bound_port) == serving)
+            assert collect(c.generate(PROMPT, max_tokens=2))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH
     finally:
         loop.run(frontend.stop())
         loop.run(engine.stop(None))

@@ -30,7 +30,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float], list[set[int]]]:  # noqa: ANN001
+def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float], list[set[int]]]:
     """Greedy with the HF KV cache: (tokens, their logprobs, top-k ids at each position)."""
     out = model(torch.tensor([prompt], device="cuda"), use_cache=True)
     tokens: list[int] = []
@@ -46,7 +46,7 @@ def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float], list[s
     return tokens, logprobs, tops
 
 
-def _tandem_greedy(model_dir, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list[set[int]]]]:  # noqa: ANN001
+def _tandem_greedy(model_dir, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list[set[int]]]]:
     from engine_svc import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", attention_backend="triton",
@@ -63,7 +63,7 @@ def _tandem_greedy(model_dir, prompts: list[list[int]]) -> list[tuple[list[int],
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bf16_agrees_with_transformers(make_model, arch: str) -> None:  # noqa: ANN001
+def test_bf16_agrees_with_transformers(make_model, arch: str) -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = make_model(arch)

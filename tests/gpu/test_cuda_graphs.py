@@ -26,7 +26,7 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(5, vocab) for _ in range(n)] for n in (5, 23, 40, 11, 17)]
 
 
-def _generate(model_dir, prompts: list[list[int]], enforce_eager: bool):  # noqa: ANN001, ANN202
+def _generate(model_dir, prompts: list[list[int]], enforce_eager: bool):
     from engine_svc import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", device="cuda", attention_backend="triton",
@@ -38,7 +38,7 @@ def _generate(model_dir, prompts: list[list[int]], enforce_eager: bool):  # noqa
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_graph_replay_matches_eager(make_model, arch: str) -> None:  # noqa: ANN001
+def test_graph_replay_matches_eager(make_model, arch: str) -> None:
     model_dir = make_model(arch)
     prompts = _prompts(500)
     eager_tokens, no_graphs = _generate(model_dir, prompts, enforce_eager=True)
@@ -51,7 +51,7 @@ def test_graph_replay_matches_eager(make_model, arch: str) -> None:  # noqa: ANN
     assert graph_tokens == eager_tokens
 
 
-def test_torch_backend_on_cuda_runs_without_graphs(make_model) -> None:  # noqa: ANN001
+def test_torch_backend_on_cuda_runs_without_graphs(make_model) -> None:
     from engine_svc import LLM, SamplingParams
 
     llm = LLM(str(make_model("llama")), dtype="float32", device="cuda", attention_backend="torch",
