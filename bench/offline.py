@@ -89,6 +89,50 @@ def _count_steps(llm) -> list[int]:
     return count
 
 
+def linear_flops_per_token(model_dir: Path) -> tuple[float, float]:
+    """(FLOPs of the decoder's linear layers per token, FLOPs of the LM head per sampled token)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qkv = c.hidden_size * head_dim * (c.num_attention_heads + 2 * c.num_key_value_heads)
+    o = c.num_attention_heads * head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return 2.0 * c.num_hidden_layers * (qkv + o + mlp), 2.0 * c.hidden_size * c.vocab_size
+
+
+def gemm_flops_per_s(rows: int, model_dir: Path) -> float:
+    """Measured fp32 GEMM throughput on this machine for the MLP up-projection at `rows` tokens."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    a, b = torch.randn(rows, c.hidden_size), torch.randn(c.hidden_size, 2 * c.intermediate_size)
+    for _ in range(10):
+        a @ b
+    n, t0 = 200, time.perf_counter()
+    for _ in range(n):
+        a @ b
+    return 2.0 * rows * c.hidden_size * 2 * c.intermediate_size * n / (time.perf_counter() - t0)
+
+
+def matmul_floors(model_dir: Path, work: list[tuple[list[int], int]], hf_batch: int) -> dict[str, float]:
+    """Seconds each system must spend in linear-layer GEMMs alone, at this machine's measured rate.
+
+    tandem computes every prompt and output token once (64-row decode batches); HF's static batches also
+    compute left padding and outputs past each request's own length (16-row batches)."""
+    per_token, per_sample = linear_flops_per_token(model_dir)
+    prompt = sum(len(p) for p, _ in work)
+    out = sum(o for _, o in work)
+    tandem = (prompt + out) * per_token + out * per_sample
+    hf = 0.0
+    for i in range(0, len(work), hf_batch):
+        batch = work[i : i + hf_batch]
+        longest, max_new = max(len(p) for p, _ in batch), max(o for _, o in batch)
+        hf += len(batch) * ((longest + max_new) * per_token + max_new * per_sample)
+    return {"tandem tp=1": tandem / gemm_flops_per_s(len(work), model_dir),
+            "hf generate": hf / gemm_flops_per_s(hf_batch, model_dir)}
+
+
 def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch_size: int) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
@@ -144,13 +188,18 @@ def main() -> int:
             results[f"tandem tp={tp}"] = run_tandem(model_dir, work, tp)
         if not args.skip_hf:
             results["hf generate"] = run_hf(model_dir, work, args.hf_batch_size)
+        floors = matmul_floors(model_dir, work, args.hf_batch_size)
 
-    print("\n| system | output tok/s | elapsed s | steps | step ms | outside forward |")
-    print("|---|---|---|---|---|---|")
+    print("\n| system | output tok/s | elapsed s | steps | step ms | outside forward | GEMM floor s |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['tok_s']:.0f} | {r['elapsed']:.2f} | {r.get('steps', '-')} | "
-              f"{r['step_ms']:.2f} | {100 * r['outside_forward']:.0f}% |" if "step_ms" in r else
-              f"| {name} | {r['tok_s']:.0f} | {r['elapsed']:.2f} | {r.get('steps', '-')} | - | - |")
+        floor = f"{floors[name]:.2f}" if name in floors else "-"
+        step = (f"{r['step_ms']:.2f} | {100 * r['outside_forward']:.0f}%" if "step_ms" in r else "- | -")
+        print(f"| {name} | {r['tok_s']:.0f} | {r['elapsed']:.2f} | {r.get('steps', '-')} | {step} | {floor} |")
+    if "hf generate" in floors:
+        bound = results["hf generate"]["elapsed"] / floors["tandem tp=1"] if "hf generate" in results else 0
+        print(f"\nGEMM floor: the time the linear layers alone need at this machine's measured fp32 GEMM rate. "
+              f"Upper bound on tandem / hf here (HF's measured time / tandem's floor): {bound:.1f}x")
     if "hf generate" in results:
         for name, r in results.items():
             if name != "hf generate":

@@ -48,13 +48,15 @@ class BusyLoop(threading.Thread):
                  max_waiting: int | None = None,
                  on_ready: Callable[[EngineCore], None] = lambda core: None,
                  on_fatal: Callable[[BaseException], None] = lambda exc: None,
-                 on_drained: Callable[[], None] = lambda: None) -> None:
+                 on_drained: Callable[[], None] = lambda: None,
+                 on_step: Callable[[SchedulerStats | None], None] | None = None) -> None:
         super().__init__(name="engine-busy-loop", daemon=True)
         self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._make_core = make_core
         self._deliver = deliver
         self._max_waiting = max_waiting
         self._on_ready, self._on_fatal, self._on_drained = on_ready, on_fatal, on_drained
+        self._on_step = on_step  # per-step stats hook (metrics); must be cheap, it runs on this thread
         self.core: EngineCore | None = None
         self.stats = SchedulerStats()  # the latest; read by GetLoad from other threads
         self._owner: dict[str, int] = {}  # live request id -> stream id
@@ -104,6 +106,8 @@ class BusyLoop(threading.Thread):
             if core.has_unfinished_requests():
                 outputs = core.step()
                 self.stats = outputs.scheduler_stats or self.stats
+                if self._on_step is not None:
+                    self._on_step(outputs.scheduler_stats)
                 self._route(outputs)
             if self._draining:
                 self._check_drain(core)
@@ -148,7 +152,7 @@ class BusyLoop(threading.Thread):
             error = (ErrorCode.UNAVAILABLE, "engine is draining; send the request to another engine")
         elif rid in self._owner:
             error = (ErrorCode.INVALID_ARGUMENT, f"duplicate request id {rid!r}: ids must be unique per engine")
-        elif self._max_waiting is not None and core.scheduler.num_waiting >= self._max_waiting:
+        elif self._max_waiting is not None and self._queued_beyond_free_seats(core) >= self._max_waiting:
             error = (ErrorCode.RESOURCE_EXHAUSTED,
                      f"engine admission queue is full ({self._max_waiting} waiting); retry later")
         if error is not None:
@@ -157,6 +161,12 @@ class BusyLoop(threading.Thread):
             return
         self._owner[rid] = stream_id
         core.add_request(request)
+
+    @staticmethod
+    def _queued_beyond_free_seats(core: EngineCore) -> int:
+        """Waiting requests the next step cannot seat: a burst into free seats is not a queue."""
+        sched = core.scheduler
+        return sched.num_waiting - max(0, sched.max_num_seqs - sched.num_running)
 
     def _route(self, outputs: EngineCoreOutputs) -> None:
         if not outputs.outputs:

@@ -30,6 +30,8 @@ from engine_svc.busy_loop import BusyLoop
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.protocol import EngineCoreOutputs
+from engine_svc.telemetry import EngineTelemetry
+from engine_svc.telemetry.tracing import RequestSpans
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         self._ids = itertools.count(1)
         self.busy: BusyLoop | None = None
         self.core: EngineCore | None = None
+        self.spans: RequestSpans | None = None  # per-request engine spans (None: tracing off)
 
     # Called from the busy-loop thread.
     def deliver(self, stream_id: int, outputs: EngineCoreOutputs) -> None:
@@ -87,9 +90,14 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
                 item = await stream.queue.get()
                 if item is None:
                     return
-                yield wire.outputs_to_pb(self._coalesce(item, stream.queue))
+                item = self._coalesce(item, stream.queue)
+                if self.spans is not None:
+                    self.spans.observe(item)
+                yield wire.outputs_to_pb(item)
         finally:
             reader.cancel()
+            if self.spans is not None:
+                self.spans.end_stream(sid)
             self._streams.pop(sid, None)
             busy.close_stream(sid)  # type: ignore[union-attr]
 
@@ -116,7 +124,10 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "add":
-                    busy.add(sid, wire.request_from_pb(msg.add))
+                    request = wire.request_from_pb(msg.add)
+                    if self.spans is not None:
+                        self.spans.start(sid, request)
+                    busy.add(sid, request)
                 elif kind == "abort":
                     busy.abort(sid, list(msg.abort.request_ids))
 
@@ -148,8 +159,9 @@ class EngineServer:
 
     def __init__(self, config: EngineConfig, *, host: str = "0.0.0.0", port: int = 50051,
                  max_waiting: int | None = None, drain_grace_s: float = 45.0,
-                 executor: object | None = None) -> None:
+                 executor: object | None = None, telemetry: EngineTelemetry | None = None) -> None:
         self.config = config
+        self.telemetry = telemetry or EngineTelemetry()
         self.address = f"{host}:{port}"
         self.max_waiting = max_waiting
         self.drain_grace_s = drain_grace_s
@@ -166,6 +178,7 @@ class EngineServer:
             await self.health.set(name, NOT_SERVING)
         await self.health.set(LIVENESS, SERVING)
         self.servicer = EngineCoreServicer(self.config, loop)
+        self.servicer.spans = self.telemetry.spans
         server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -179,10 +192,14 @@ class EngineServer:
         def threadsafe(fn, *args):
             return lambda *a: loop.call_soon_threadsafe(fn, *args, *a)
 
+        metrics = self.telemetry.metrics
         busy = BusyLoop(self._make_core, self.servicer.deliver, max_waiting=self.max_waiting,
                         on_ready=threadsafe(self._on_ready), on_fatal=threadsafe(self._on_fatal),
-                        on_drained=threadsafe(self._done.set))
+                        on_drained=threadsafe(self._done.set),
+                        on_step=metrics.record_step if metrics is not None else None)
         self.servicer.busy = busy
+        if metrics is not None:
+            metrics.track(lambda: busy.stats)
         busy.start()
         await self._done.wait()
         await self._shutdown(server, busy)

@@ -49,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(config, args: argparse.Namespace, executor) -> int:
     from engine_svc.server import EngineServer
+    from engine_svc.telemetry import EngineTelemetry
 
+    telemetry = EngineTelemetry.from_env(config.model_name, args.metrics_port, args.host)
     server = EngineServer(config, host=args.host, port=args.port, max_waiting=args.max_waiting,
-                          drain_grace_s=args.drain_grace_period, executor=executor)
+                          drain_grace_s=args.drain_grace_period, executor=executor, telemetry=telemetry)
     loop = asyncio.get_running_loop()
     signals = {"count": 0}
 
@@ -65,7 +67,10 @@ async def _serve(config, args: argparse.Namespace, executor) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    return await server.run()
+    try:
+        return await server.run()
+    finally:
+        telemetry.shutdown()  # flush the last spans
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine targets: host:port[,host:port...] or dns:///name:port (all A records)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50050)
-    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (reserved)")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 disables)")
     p.add_argument("--max-concurrent-requests", type=int, default=512,
                    help="Generate calls in flight; beyond this RESOURCE_EXHAUSTED")
     p.add_argument("--routing", choices=ROUTING_POLICIES, default="least-load")
@@ -65,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(config: FrontendConfig) -> int:
     from frontend_svc.server import FrontendServer
+    from frontend_svc.telemetry.service import FrontendTelemetry
 
-    server = FrontendServer(config)
+    telemetry = FrontendTelemetry.from_env(config.model_name, config.metrics_port, config.host)
+    server = FrontendServer(config, telemetry=telemetry)
     loop = asyncio.get_running_loop()
     signals = {"count": 0}
     tasks: list[asyncio.Task[None]] = []
@@ -80,8 +82,11 @@ async def _serve(config: FrontendConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    await server.start()
-    await server.wait_stopped()
+    try:
+        await server.start()
+        await server.wait_stopped()
+    finally:
+        telemetry.shutdown()  # flush the last spans
     return 0
 
 

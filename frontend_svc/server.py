@@ -42,6 +42,8 @@ from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import PreparedRequest, Processor
 from frontend_svc.router import Router
 from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.telemetry.call import GenerateCall
+from frontend_svc.telemetry.service import FrontendTelemetry
 from frontend_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[mis
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        call = self._f.telemetry.begin_call(context)
+        try:
+            async for response in self._generate(request, context, call):
+                yield response
+        except BaseException as exc:
+            call.fail(exc, context)
+            raise
+        call.succeed()
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:
         f = self._f
         if f.draining:
             await status.abort(context, status.error_status(
@@ -80,18 +93,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[mis
                 f"too many requests in flight (limit {f.config.max_concurrent_requests}); retry later",
                 "TOO_MANY_REQUESTS"))
         try:
-            prepared = f.prepare(request)
+            prepared = call.prepare(f.prepare, request)
         except ValidationError as exc:
             await status.abort(context, status.invalid_argument(exc))
         f.enter()
         handle: RequestHandle | None = None
         try:
             try:
-                handle = f.engines.submit(prepared, f.processor.engine_requests(prepared))
+                handle = f.engines.submit(prepared, call.engine_requests(f.processor.engine_requests(prepared)))
             except EngineUnavailable as exc:
                 await status.abort(context, status.error_status(
                     grpc.StatusCode.UNAVAILABLE, str(exc), "NO_READY_ENGINE"))
-            async for response in _stream(handle, context):
+            call.routed(handle.connection.address, len(prepared.engine_request_ids))
+            async for response in _stream(handle, context, call):
                 yield response
         finally:
             if handle is not None:
@@ -138,7 +152,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[mis
         return info
 
 
-async def _stream(handle: RequestHandle, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+async def _stream(handle: RequestHandle, context: grpc.aio.ServicerContext,
+                  call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:
     """The request's responses until all n completions finished; errors end the call with a status."""
     remaining = len(handle.prepared.engine_request_ids)
     queue = handle.queue
@@ -152,14 +167,17 @@ async def _stream(handle: RequestHandle, context: grpc.aio.ServicerContext) -> A
                 status.code_from_number(item.error.code), item.error.message, "ENGINE_ERROR"))
         if item.finish_reason is not None:
             remaining -= 1
+        call.on_delta(item)
         yield response_from_delta(item)
 
 
 class FrontendServer:
     """The frontend process's parts, wired together; `start()` then `wait_stopped()`."""
 
-    def __init__(self, config: FrontendConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: FrontendConfig, tokenizer: Tokenizer | None = None,
+                 telemetry: FrontendTelemetry | None = None) -> None:
         self.config = config
+        self.telemetry = telemetry or FrontendTelemetry.off()
         self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.model)
         hf_config = config.hf_config()
         vocab_size = int(hf_config.get("vocab_size") or self.tokenizer.vocab_size)
@@ -167,10 +185,11 @@ class FrontendServer:
                                   or self.tokenizer.model_max_length or DEFAULT_MAX_MODEL_LEN)
         self.processor = Processor(self.tokenizer, max_model_len=self._model_max_len,
                                    vocab_size=vocab_size, model_name=config.model_name)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor: OutputProcessor = self.telemetry.output_processor(self.tokenizer)
         self.engines = EngineClient(config.engines, self.output_processor, vocab_size,
                                     router=Router(config.routing), on_change=self._engines_changed,
                                     dns_refresh_s=config.dns_refresh_s)
+        self.telemetry.watch_engines(self.engines.connections)
         self.health = health.aio.HealthServicer()
         self.draining = False
         self.num_active = 0

@@ -42,7 +42,9 @@ class _PrefillPlan:
 
 @dataclass
 class _DecodePlan:
-    num: int  # B: requests [0, B) are decodes
+    """One group of decodes of similar context length (B of them), padded to the group's longest."""
+
+    rows: torch.Tensor | None  # [B] which decodes (indices into [0, num_decodes)); None = all, in order
     blocks: torch.Tensor  # [B * max_blocks] int64 block ids (padded with each request's last block)
     context_len: int  # L = max_blocks * block_size
     mask: torch.Tensor  # [B, 1, 1, L] bool: True = attend (within the request's context)
@@ -50,8 +52,30 @@ class _DecodePlan:
 
 @dataclass
 class _Plan:
-    decode: _DecodePlan | None
+    num_decodes: int
+    decode_groups: list[_DecodePlan]
     prefills: list[_PrefillPlan]
+
+
+# Decodes are split into length groups so that short contexts are not padded to the longest one: a
+# request whose context has fewer than this fraction of the group head's blocks starts a new group, once
+# the group has at least _MIN_GROUP members (each group costs a few extra ops per layer).
+_GROUP_RATIO = 0.6
+_MIN_GROUP = 8
+
+
+def _group_decodes(seq_lens: list[int]) -> list[list[int]]:
+    """Decode indices in groups of similar length, longest first; [all] when one group suffices."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__, reverse=True)
+    groups: list[list[int]] = [[]]
+    head = 0
+    for i in order:
+        if len(groups[-1]) >= _MIN_GROUP and seq_lens[i] < _GROUP_RATIO * head:
+            groups.append([])
+        if not groups[-1]:
+            head = seq_lens[i]
+        groups[-1].append(i)
+    return groups if len(groups) > 1 else [list(range(len(seq_lens)))]
 
 
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -68,17 +92,28 @@ def _context_slots(block_table_row: torch.Tensor, positions: torch.Tensor, block
     return blocks * block_size + positions % block_size
 
 
-def _plan_decodes(meta: AttentionMetadata, block_size: int) -> _DecodePlan:
-    num = meta.num_decodes
-    max_blocks = -(-max(meta.seq_lens_cpu[:num]) // block_size)
+def _plan_decodes(meta: AttentionMetadata, block_size: int) -> list[_DecodePlan]:
+    host_lens = meta.seq_lens_cpu[: meta.num_decodes]
+    groups = _group_decodes(host_lens)
+    return [_plan_decode_group(meta, block_size, g, host_lens, len(groups) > 1) for g in groups]
+
+
+def _plan_decode_group(
+    meta: AttentionMetadata, block_size: int, group: list[int], host_lens: list[int], reindex: bool
+) -> _DecodePlan:
+    num = len(group)
+    max_blocks = -(-max(host_lens[i] for i in group) // block_size)
     context_len = max_blocks * block_size
     device = meta.block_table.device
-    seq_lens = meta.seq_lens[:num].long().unsqueeze(1)
+    rows = torch.tensor(group, device=device) if reindex else None
+    table = meta.block_table[: meta.num_decodes] if rows is None else meta.block_table.index_select(0, rows)
+    lens = meta.seq_lens[: meta.num_decodes] if rows is None else meta.seq_lens.index_select(0, rows)
+    seq_lens = lens.long().unsqueeze(1)
     last_block = (seq_lens - 1) // block_size
     block_idx = torch.minimum(torch.arange(max_blocks, device=device).unsqueeze(0), last_block)
-    blocks = meta.block_table[:num].long().gather(1, block_idx)  # [B, max_blocks]
+    blocks = table.long().gather(1, block_idx)  # [B, max_blocks]
     allowed = torch.arange(context_len, device=device).unsqueeze(0) < seq_lens  # [B, L]
-    return _DecodePlan(num, blocks.view(-1), context_len, allowed.view(num, 1, 1, context_len))
+    return _DecodePlan(rows, blocks.view(-1), context_len, allowed.view(num, 1, 1, context_len))
 
 
 def _plan_prefills(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[_PrefillPlan]:
@@ -101,8 +136,8 @@ def _plan_prefills(meta: AttentionMetadata, block_size: int, dtype: torch.dtype)
 def _get_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _Plan:
     plan = meta.__dict__.get(_PLAN_ATTR)
     if plan is None:
-        decode = _plan_decodes(meta, block_size) if meta.num_decodes else None
-        plan = _Plan(decode, _plan_prefills(meta, block_size, dtype))
+        groups = _plan_decodes(meta, block_size) if meta.num_decodes else []
+        plan = _Plan(meta.num_decodes, groups, _plan_prefills(meta, block_size, dtype))
         meta.__dict__[_PLAN_ATTR] = plan
     return plan
 
@@ -142,15 +177,27 @@ class TorchAttentionBackend:
 
         plan = _get_plan(meta, block_size, query.dtype)
         parts = []
-        if plan.decode is not None:
-            parts.append(self._decode(query[: plan.decode.num], kv_cache, plan.decode, scale))
+        if plan.num_decodes:
+            parts.append(self._decodes(query[: plan.num_decodes], kv_cache, plan.decode_groups, scale))
         for prefill in plan.prefills:
             parts.append(self._prefill(query, key, value, flat_cache, prefill, scale))
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts) if parts else torch.empty_like(query)
 
+    def _decodes(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, groups: list[_DecodePlan], scale: float
+    ) -> torch.Tensor:
+        if len(groups) == 1:
+            return self._decode(query, kv_cache, groups[0], scale)
+        out = torch.empty_like(query)
+        for group in groups:
+            assert group.rows is not None
+            out.index_copy_(0, group.rows, self._decode(query.index_select(0, group.rows), kv_cache, group, scale))
+        return out
+
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
+        """Attention for one group; `query` holds exactly the group's rows, in the group's order."""
         num, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads = kv_cache.shape[1], kv_cache.shape[3]
         by_block = kv_cache.view(2, num_blocks, -1)
@@ -177,19 +224,19 @@ class TorchAttentionBackend:
         plan: _PrefillPlan,
         scale: float,
     ) -> torch.Tensor:
-        q = query[plan.start : plan.end].transpose(0, 1)
+        # 4-D inputs: with a batch dimension SDPA takes the fused CPU flash kernel (3-D falls back to math).
+        q = query[plan.start : plan.end].transpose(0, 1).unsqueeze(0)
         if plan.context_slots is None:
             k, v = key[plan.start : plan.end], value[plan.start : plan.end]
         else:
             k, v = flat_cache.index_select(1, plan.context_slots).unbind(0)
-        gqa = q.shape[0] != k.shape[1]
         out = F.scaled_dot_product_attention(
             q,
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
             attn_mask=plan.mask,
             is_causal=plan.mask is None,
             scale=scale,
-            enable_gqa=gqa,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)

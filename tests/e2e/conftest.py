@@ -2,7 +2,9 @@
 
 `Service` wraps one child process (`python -m engine_svc.server_cli` / `python -m frontend_svc.cli`)
 with its port, a health wait and a kill-on-exit guarantee. One engine + frontend pair is started per
-module (`split`) and reused; tests that kill a process restart it on the same port.
+module (`split`) and reused; tests that kill a process restart it on the same port. `cluster` (one per
+session, shared by the routing, drain and Node client tests) is two engines behind two frontends that
+each list both engines; a test that stops an engine calls `cluster.heal()` (or restarts it) after.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tandem.engine.v1 import engine_core_pb2 as epb
+from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
+from tandem.v1 import generation_pb2 as pb
+from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_CACHE_BYTES = 32 * 1024 * 1024
@@ -95,9 +101,13 @@ def engine_service(model: Path, port: int, log_dir: Path, *flags: str) -> Servic
     return Service("engine", argv, port, log_dir)
 
 
-def frontend_service(model: Path, engine_port: int, port: int, log_dir: Path, *flags: str) -> Service:
+def frontend_service(model: Path, engine_port: int | Sequence[int], port: int, log_dir: Path,
+                     *flags: str) -> Service:
+    """A frontend on one engine port, or on several (`--engine a,b`)."""
+    ports = [engine_port] if isinstance(engine_port, int) else list(engine_port)
+    engines = ",".join(f"127.0.0.1:{p}" for p in ports)
     argv = [sys.executable, "-m", "frontend_svc.cli", "--model", str(model), "--engine",
-            f"127.0.0.1:{engine_port}", "--host", "127.0.0.1", "--port", str(port),
+            engines, "--host", "127.0.0.1", "--port", str(port),
             "--max-concurrent-requests", str(FRONTEND_MAX_CONCURRENT), "--drain-grace-period", "5", *flags]
     return Service("frontend", argv, port, log_dir)
 
@@ -134,3 +144,97 @@ def split(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spli
     finally:
         pair.frontend.stop()
         pair.engine.stop()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.05)
+
+
+def health_status(address: str, service: str = "") -> int:
+    """The health of `service` at `address`; -1 when the call fails (e.g. the process is gone)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            request = health_pb2.HealthCheckRequest(service=service)
+            return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=2).status)
+        except grpc.RpcError:
+            return -1
+
+
+# Engines roomy enough for 40 concurrent requests; a drain grace long enough that in-flight calls finish.
+CLUSTER_ENGINE_FLAGS = ("--max-num-seqs", "32", "--max-waiting", "64", "--drain-grace-period", "20")
+CLUSTER_FRONTEND_FLAGS = ("--max-concurrent-requests", "64")
+
+
+class Cluster:
+    """Two engines, and two least-load frontends that each list both engines."""
+
+    wait_until = staticmethod(wait_until)
+    health = staticmethod(health_status)
+    drain_grace_s = 20.0
+
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        self.model, self.log_dir = model, log_dir
+        self.engines = [engine_service(model, free_port(), log_dir, *CLUSTER_ENGINE_FLAGS) for _ in range(2)]
+        self.frontends = [self._frontend(CLUSTER_FRONTEND_FLAGS) for _ in range(2)]
+
+    def _frontend(self, flags: Sequence[str]) -> Service:
+        return frontend_service(self.model, [e.port for e in self.engines], free_port(), self.log_dir, *flags)
+
+    def start(self) -> None:
+        for service in [*self.engines, *self.frontends]:
+            service.start()
+        for service in [*self.engines, *self.frontends]:
+            service.wait_serving()
+        self.wait_frontends_see(2)
+
+    def stop(self) -> None:
+        for service in [*self.frontends, *self.engines]:
+            service.stop()
+
+    def start_frontend(self, *flags: str) -> Service:
+        """Another frontend on both engines (the caller stops it)."""
+        return self._frontend([*CLUSTER_FRONTEND_FLAGS, *flags]).start()
+
+    def restart_engine(self, index: int) -> None:
+        """Replace engine `index` on the same port; return once every frontend routes to it again."""
+        old = self.engines[index]
+        old.kill()
+        self.engines[index] = engine_service(self.model, old.port, self.log_dir, *CLUSTER_ENGINE_FLAGS).start()
+        self.engines[index].wait_serving()
+        self.wait_frontends_see(len(self.engines))
+
+    def heal(self) -> None:
+        """Restart any engine that is not running (a test before this one stopped it)."""
+        for index, engine in enumerate(self.engines):
+            if engine.proc is None or engine.proc.poll() is not None:
+                self.restart_engine(index)
+
+    def load(self, index: int) -> epb.EngineLoad:
+        with grpc.insecure_channel(self.engines[index].address) as channel:
+            return epb_grpc.EngineCoreServiceStub(channel).GetLoad(epb.GetLoadRequest(), timeout=5)
+
+    @staticmethod
+    def model_info(frontend: Service) -> pb.GetModelInfoResponse:
+        with grpc.insecure_channel(frontend.address) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+
+    def wait_frontends_see(self, num_ready: int, frontends: Sequence[Service] = (), timeout: float = 30.0) -> None:
+        """Until every frontend reports exactly `num_ready` routable engines."""
+        for frontend in frontends or self.frontends:
+            wait_until(lambda f=frontend: self.model_info(f).num_ready_engines == num_ready, timeout,
+                       f"{frontend.address} routing to {num_ready} engine(s)")
+
+
+@pytest.fixture(scope="session")
+def cluster(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    group = Cluster(make_model("llama"), tmp_path_factory.mktemp("e2e-cluster-logs"))
+    try:
+        group.start()
+        yield group
+    finally:
+        group.stop()

@@ -9,7 +9,7 @@ from engine_svc.attention.backend import AttentionMetadata
 from engine_svc.attention.torch_backend import TorchAttentionBackend
 
 BLOCK_SIZE = 4
-NUM_BLOCKS = 40
+NUM_BLOCKS = 64
 HEAD_DIM = 8
 NUM_HEADS = 4
 SCALE = HEAD_DIM**-0.5
@@ -84,7 +84,20 @@ SHAPES = {
     "prefill_only": [(9, 9)],
     "prefill_after_context": [(5, 12)],
     "mixed": [(1, 6), (1, 17), (1, 4), (5, 12), (6, 6), (3, 3), (2, 9)],
+    # Eight long and twelve short decodes, interleaved: attended in two length groups, then reassembled.
+    "decodes_in_length_groups": [(1, 12), (1, 2), (1, 11), (1, 3), (1, 10), (1, 3)] * 3 + [(1, 12), (1, 9)],
 }
+
+
+def test_decodes_are_grouped_by_length():
+    from engine_svc.attention.torch_backend import _group_decodes
+
+    lens = [seq_len for _, seq_len in SHAPES["decodes_in_length_groups"]]
+    groups = _group_decodes(lens)
+    assert len(groups) == 2
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert {lens[i] for i in groups[0]} == {9, 10, 11, 12} and {lens[i] for i in groups[1]} == {2, 3}
+    assert _group_decodes([5, 4, 1]) == [[0, 1, 2]]  # too few to split: one group, original order
 
 
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])

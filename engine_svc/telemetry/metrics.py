@@ -1,0 +1,76 @@
+"""Engine Prometheus metrics (`prometheus-client`, one CollectorRegistry per EngineMetrics).
+
+Two sources, so nothing is counted twice:
+- Read at scrape time from the latest `SchedulerStats` (the busy loop publishes it after each step):
+  the gauges `tandem_num_requests_running`, `tandem_num_requests_waiting`, `tandem_kv_cache_usage_perc`
+  and the counters the scheduler already keeps cumulatively — `tandem_num_preemptions_total`,
+  `tandem_prefix_cache_queries_total`, `tandem_prefix_cache_hits_total` (in tokens) — exported as is.
+- Accumulated per step by `record_step` (called on the busy-loop thread; a few additions, no I/O):
+  the per-step figures `tandem_prompt_tokens_total`, `tandem_generation_tokens_total` and the
+  histogram `tandem_iteration_tokens` (tokens scheduled per step that ran something).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine_svc.protocol import SchedulerStats
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry or CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens computed (prefix-cache hits "
+                                     "excluded)", m, registry=r).labels(model_name)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Tokens sampled", m,
+                                         registry=r).labels(model_name)
+        self.iteration_tokens = Histogram("tandem_iteration_tokens", "Tokens scheduled per engine step", m,
+                                          buckets=ITERATION_TOKEN_BUCKETS, registry=r).labels(model_name)
+
+    def track(self, latest_stats: Callable[[], SchedulerStats]) -> None:
+        """Export the gauges and cumulative counters of `latest_stats()` at every scrape."""
+        self.registry.register(_StatsCollector(self.model_name, latest_stats))
+
+    def record_step(self, stats: SchedulerStats | None) -> None:
+        """One step's per-step figures (busy-loop thread)."""
+        if stats is None or not stats.num_scheduled_tokens:
+            return
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.iteration_tokens.observe(stats.num_scheduled_tokens)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, model_name: str, latest_stats: Callable[[], SchedulerStats]) -> None:
+        self._labels = [model_name]
+        self._latest = latest_stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._latest()
+        names = ["model_name"]
+        out: list[Metric] = []
+        for name, doc, value in (
+            ("tandem_num_requests_running", "Requests in the running batch", s.num_running),
+            ("tandem_num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+            ("tandem_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", s.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            gauge.add_metric(self._labels, float(value))
+            out.append(gauge)
+        for name, doc, value in (
+            ("tandem_num_preemptions", "Preemptions (recompute)", s.num_preemptions),
+            ("tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+            ("tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(self._labels, float(value))
+            out.append(counter)
+        return out

@@ -1,0 +1,69 @@
+"""`FrontendTelemetry`: what `FrontendServer` holds — `begin_call()` per Generate call, the output
+processor and engine gauges it wires in. `FrontendTelemetry.off()` (the default) creates no spans and
+no metrics; `from_env()` reads `OTEL_*` (see `export.py`) and serves /metrics on a port.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Tracer
+
+from frontend_svc.output_processor import OutputProcessor
+from frontend_svc.telemetry.call import GenerateCall
+from frontend_svc.telemetry.export import provider_from_env, serve_metrics
+from frontend_svc.telemetry.metrics import FrontendMetrics, ObservedOutputProcessor
+from frontend_svc.telemetry.tracing import CallSpan
+
+DEFAULT_SERVICE_NAME = "tandem-frontend"
+GENERATE_METHOD = "tandem.v1.GenerationService/Generate"
+
+
+@dataclass
+class FrontendTelemetry:
+    model_name: str = ""
+    tracer: Tracer | None = None
+    metrics: FrontendMetrics | None = None
+    provider: TracerProvider | None = None  # owned: flushed by `shutdown()`
+    _http: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def off(cls) -> FrontendTelemetry:
+        return cls()
+
+    @classmethod
+    def from_env(cls, model_name: str, metrics_port: int, host: str = "0.0.0.0") -> FrontendTelemetry:
+        """Tracing from `OTEL_*`; metrics served on `metrics_port` (0 = no metrics)."""
+        provider = provider_from_env(DEFAULT_SERVICE_NAME)
+        tracer = provider.get_tracer("tandem.frontend") if provider is not None else None
+        telemetry = cls(model_name, tracer, FrontendMetrics(model_name) if metrics_port else None, provider)
+        if telemetry.metrics is not None:
+            server = serve_metrics(telemetry.metrics.registry, metrics_port, host)
+            if server is not None:
+                telemetry._http.append(server)
+        return telemetry
+
+    def begin_call(self, context: Any) -> GenerateCall:
+        span = CallSpan(self.tracer, context.invocation_metadata(), GENERATE_METHOD)
+        return GenerateCall(span, self.metrics, self.model_name)
+
+    def output_processor(self, tokenizer: Any) -> OutputProcessor:
+        if self.metrics is None:
+            return OutputProcessor(tokenizer)
+        return ObservedOutputProcessor(tokenizer, self.metrics)
+
+    def watch_engines(self, connections: Callable[[], Iterable[Any]]) -> None:
+        if self.metrics is not None:
+            self.metrics.watch_engines(connections)
+
+    def shutdown(self) -> None:
+        """Stop the /metrics server and flush spans still queued for export."""
+        for server in self._http:
+            server.shutdown()
+            server.server_close()
+        self._http.clear()
+        if self.provider is not None:
+            self.provider.shutdown()
