@@ -19,14 +19,17 @@ $(STAMP): $(BIN)/python pyproject.toml package.json
 		if nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
 		else $(BIN)/pip install -q torch==2.13.0; fi; fi
 	$(BIN)/pip install -q -e ".[frontend,engine,triton,dev]"
-	@if [ -f package.json ]; then npm ci --no-audit --no-fund --loglevel=error || npm install --no-audit --no-fund --loglevel=error; fi
+	# npm install (it follows package-lock.json): npm ci rejects a lockfile without buf's binaries for
+	# other platforms, which npm itself leaves out.
+	npm install --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# Build a tiny model, start engine + frontend (`tandem serve`), stream three completions through the
+# public API (`tandem generate`), stop both services.
 demo: install
-	$(BIN)/tandem make-tiny-model $(TINY)/demo --arch llama --num-layers 4 --hidden-size 128 --seed 0
-	$(BIN)/tandem offline --model $(TINY)/demo
+	$(BIN)/python scripts/demo.py --model-dir $(TINY)/demo
 
 test: install
 	$(BIN)/python scripts/gen_protos.py --check

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-port", type=int, default=50051, help="the engine's port, on 127.0.0.1")
     p.add_argument("--max-concurrent-requests", type=int, default=None)
     p.add_argument("--routing", default=None)
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="the frontend's Prometheus port (default 0: off, so nothing else on the host clashes)")
+    p.add_argument("--engine-metrics-port", type=int, default=0, help="the engine's Prometheus port (0: off)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for SERVING")
     return p
 
@@ -39,9 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
 def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[list[str], list[str]]:
     """(engine argv, frontend argv), both run with this interpreter."""
     engine = [sys.executable, "-m", "engine_svc.server_cli", "--model", args.model,
-              "--host", "127.0.0.1", "--port", str(args.engine_port), *engine_args]
+              "--host", "127.0.0.1", "--port", str(args.engine_port),
+              "--metrics-port", str(args.engine_metrics_port), *engine_args]
     frontend = [sys.executable, "-m", "frontend_svc.cli", "--model", args.model,
-                "--engine", f"127.0.0.1:{args.engine_port}", "--host", args.host, "--port", str(args.port)]
+                "--engine", f"127.0.0.1:{args.engine_port}", "--host", args.host, "--port", str(args.port),
+                "--metrics-port", str(args.metrics_port)]
     if args.max_concurrent_requests is not None:
         frontend += ["--max-concurrent-requests", str(args.max_concurrent_requests)]
     if args.routing is not None:

@@ -8,6 +8,9 @@ that a new id completes. Invariants:
   prompt suffix), so tokenizers that drop or add a leading space at the start of a text (byte-level BPE,
   SentencePiece's metaspace) produce the same text as decoding prompt + output together.
 - Per step cost is independent of the sequence length: nothing is re-decoded from the start.
+- `flush()` at the end of a completion returns the text of ids still withheld (a character the
+  completion never finished decodes to U+FFFD, as `tokenizer.decode` does), so the concatenated deltas
+  always equal the decode of all generated ids.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from tokenizers.decoders import DecodeStream
 _REPLACEMENT_CHAR = "\ufffd"
 _MIN_PROMPT_CONTEXT = 4
 _MAX_PROMPT_CONTEXT = 24
+_EMITTED_TAIL = 4  # ids kept as context for decoding withheld ids at flush
 
 
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas for one completion."""
 
-    __slots__ = ("_backend", "_stream")
+    __slots__ = ("_backend", "_emitted", "_pending", "_skip_special", "_stream")
 
     def __init__(
         self, tokenizer_backend: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
@@ -34,6 +38,9 @@ class IncrementalDetokenizer:
         self._backend = tokenizer_backend
         context = prompt_context(tokenizer_backend, prompt_token_ids)
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._skip_special = skip_special_tokens
+        self._emitted: list[int] = context[-_EMITTED_TAIL:]  # last ids whose text was returned
+        self._pending: list[int] = []  # ids fed but withheld (they end mid-character)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed the newly generated ids; return the text they complete ("" if none yet)."""
@@ -41,7 +48,24 @@ class IncrementalDetokenizer:
             return ""
         ids = token_ids if isinstance(token_ids, list) else list(token_ids)
         text = self._stream.step(self._backend, ids)
-        return text if text is not None else ""
+        if text is None:
+            self._pending.extend(ids)
+            return ""
+        if self._pending:
+            ids = self._pending + ids
+            self._pending = []
+        self._emitted = (self._emitted + ids)[-_EMITTED_TAIL:]
+        return text
+
+    def flush(self) -> str:
+        """Text of the withheld ids (with U+FFFD for an unfinished character); "" when none."""
+        if not self._pending:
+            return ""
+        decode = self._backend.decode
+        base = decode(self._emitted, skip_special_tokens=self._skip_special)
+        full = decode(self._emitted + self._pending, skip_special_tokens=self._skip_special)
+        self._emitted, self._pending = (self._emitted + self._pending)[-_EMITTED_TAIL:], []
+        return full[len(base):] if full.startswith(base) else full
 
 
 def prompt_context(backend: Any, prompt_token_ids: Sequence[int]) -> list[int]:

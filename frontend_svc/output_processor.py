@@ -134,6 +134,8 @@ class OutputProcessor:
                     and new_ids and new_ids[-1] == stop_reason):
                 text_ids = new_ids[:-1]
         text = c.detokenizer.add(text_ids) if text_ids else ""
+        if finish is not None:  # the completion ends here: release bytes withheld mid-character
+            text += c.detokenizer.flush()
         if c.stop_checker is not None:
             text, matched = c.stop_checker.feed(text, c.num_tokens > params.min_tokens)
             if matched is not None and error is None:

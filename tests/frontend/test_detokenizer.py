@@ -91,3 +91,16 @@ def test_prompt_context_is_short_and_starts_on_a_character(encode, encode_prompt
 def test_empty_step_returns_empty_text(encode, encode_prompt, backend):
     detok = IncrementalDetokenizer(backend, encode_prompt("x"), True)
     assert detok.add([]) == ""
+
+
+def test_flush_releases_a_character_the_completion_never_finished(encode, encode_prompt, backend, split_char_text):
+    ids = encode(split_char_text)
+    cut = next(k for k in range(1, len(ids)) if backend.decode(ids[:k]).endswith("\ufffd"))
+    prompt = encode_prompt("Say it:")
+    det = IncrementalDetokenizer(backend, prompt, skip_special_tokens=True)
+    streamed = "".join(det.add([i]) for i in ids[:cut])
+    assert "\ufffd" not in streamed  # withheld while it might still complete
+    tail = det.flush()
+    assert tail.endswith("\ufffd")
+    assert streamed + tail == backend.decode(prompt + ids[:cut])[len(backend.decode(prompt)):]
+    assert det.flush() == ""  # nothing left

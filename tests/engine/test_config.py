@@ -1,0 +1,64 @@
+"""EngineConfig rejects bad arguments with messages that say what is wrong and what to do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_svc.config import ConfigError, EngineConfig
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"block_size": 12}, "--block-size 12 must be a power of two"),
+        ({"block_size": 16, "max_num_batched_tokens": 8}, "smaller than --block-size 16"),
+        ({"dtype": "float64"}, "--dtype 'float64' is not supported; choose one of auto, float32"),
+        ({"device": "tpu"}, "--device 'tpu' is not supported"),
+        ({"scheduling_policy": "lifo"}, "--scheduling-policy 'lifo' is not supported"),
+        ({"attention_backend": "flash"}, "--attention-backend 'flash' is not supported"),
+        ({"max_num_seqs": 0}, "--max-num-seqs must be >= 1"),
+        ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization must be in (0, 1]"),
+        ({"max_model_len": 10**6}, "exceeds the model's max_position_embeddings"),
+        ({"bogus": 1}, "unknown engine argument(s): bogus"),
+    ],
+)
+def test_bad_arguments_are_explained(llama_dir, args: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as err:
+        EngineConfig.create(model=str(llama_dir), **args)
+    assert message in str(err.value)
+
+
+def test_model_dir_must_exist_and_hold_config_json(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="is not a directory"):
+        EngineConfig.create(model=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="has no config.json"):
+        EngineConfig.create(model=str(tmp_path))
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        EngineConfig.create(model=str(tmp_path))
+
+
+def test_defaults_follow_the_model_and_device(llama_dir) -> None:
+    cfg = EngineConfig.create(model=str(llama_dir), device="cpu")
+    assert cfg.max_model_len == 2048  # the tiny model's max_position_embeddings
+    assert cfg.max_num_batched_tokens == 8192
+    assert cfg.torch_dtype_name == "float32" and cfg.resolved_attention_backend == "torch"
+    assert cfg.enable_prefix_caching and cfg.architecture == "LlamaForCausalLM"
+    with pytest.raises(AttributeError):
+        cfg.block_size = 32  # type: ignore[misc]  # frozen
+
+
+def test_cuda_without_a_gpu_is_a_clear_startup_error(llama_dir) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from engine_svc import LLM
+
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        LLM(str(llama_dir), device="cuda")
