@@ -168,10 +168,12 @@ class EngineServer:
         self.executor = executor
         self.exit_code = 0
         self.bound_port = 0
+        self.servicer: EngineCoreServicer | None = None
+        self._done = asyncio.Event()
+        self._draining = False
 
     async def run(self, ready: asyncio.Event | None = None) -> int:
         loop = asyncio.get_running_loop()
-        self._done = asyncio.Event()
         self._tasks: set[asyncio.Future[None]] = set()
         self.health = health.aio.HealthServicer()
         for name in ("", SERVICE_NAME):
@@ -219,7 +221,8 @@ class EngineServer:
     def _on_ready(self, core: EngineCore) -> None:
         self.servicer.core = core
         logger.info("engine ready: %d KV blocks", core.num_blocks)
-        self._set_serving(True)
+        if not self._draining:
+            self._set_serving(True)
 
     def _on_fatal(self, exc: BaseException) -> None:
         self.exit_code = 1
@@ -227,13 +230,18 @@ class EngineServer:
         self._done.set()
 
     def begin_drain(self) -> None:
-        """SIGTERM: stop taking requests, let in-flight ones finish within the grace period, then exit."""
-        if self.servicer.busy is None or self.servicer.core is None:
+        """SIGTERM: stop taking requests, let in-flight ones finish within the grace period, then exit.
+
+        During the model load the drain is queued: the busy loop takes it as soon as the core is up
+        (nothing is in flight then), so the core is always shut down properly."""
+        busy = self.servicer.busy if self.servicer is not None else None
+        if busy is None:  # not started yet: nothing to drain
             self._done.set()
             return
         logger.info("draining (grace %.0fs)", self.drain_grace_s)
+        self._draining = True
         self._set_serving(False)
-        self.servicer.busy.drain(self.drain_grace_s)
+        busy.drain(self.drain_grace_s)
 
     async def _shutdown(self, server: grpc.aio.Server, busy: BusyLoop) -> None:
         busy.stop()

@@ -165,7 +165,7 @@ def health_status(address: str, service: str = "") -> int:
 
 
 # Engines roomy enough for 40 concurrent requests; a drain grace long enough that in-flight calls finish.
-CLUSTER_ENGINE_FLAGS = ("--max-num-seqs", "32", "--max-waiting", "64", "--drain-grace-period", "20")
+CLUSTER_ENGINE_FLAGS = ("--max-num-seqs", "32", "--max-waiting", "64", "--drain-grace-period", "30")
 CLUSTER_FRONTEND_FLAGS = ("--max-concurrent-requests", "64")
 
 
@@ -174,7 +174,7 @@ class Cluster:
 
     wait_until = staticmethod(wait_until)
     health = staticmethod(health_status)
-    drain_grace_s = 20.0
+    drain_grace_s = 30.0
 
     def __init__(self, model: Path, log_dir: Path) -> None:
         self.model, self.log_dir = model, log_dir

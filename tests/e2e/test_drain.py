@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 ENGINE_SERVICE = "tandem.engine.v1.EngineCoreService"
-LONG_TOKENS = 200
+LONG_TOKENS = 120
 
 
 def test_sigterm_drains_an_engine_and_the_frontends_route_around_it(cluster: Any) -> None:
@@ -43,7 +43,7 @@ def test_sigterm_drains_an_engine_and_the_frontends_route_around_it(cluster: Any
 
         sent = time.monotonic()
         engine.proc.send_signal(signal.SIGTERM)
-        cluster.wait_until(lambda: cluster.health(engine.address, ENGINE_SERVICE) == NOT_SERVING, timeout=1.0,
+        cluster.wait_until(lambda: cluster.health(engine.address, ENGINE_SERVICE) == NOT_SERVING, timeout=2.0,
                            what="engine readiness NOT_SERVING")
         assert cluster.health(engine.address, "") == NOT_SERVING
         assert cluster.health(engine.address, "liveness") == SERVING
