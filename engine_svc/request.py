@@ -69,8 +69,9 @@ class Request:
 
         # Chained block hashes of the full blocks of all_token_ids (filled by the KV cache manager).
         self.block_hashes: list[bytes] = []
-        # Things to report in the next EngineCoreOutput for this request.
-        self.pending_events: list[RequestEvent] = [RequestEvent(EventType.QUEUED, self.arrival_time)]
+        # Things to report in the next EngineCoreOutput for this request. Event times are the engine's
+        # own clock (QUEUED = received here), so intervals between them never mix two hosts' clocks.
+        self.pending_events: list[RequestEvent] = [RequestEvent(EventType.QUEUED, time.time())]
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.first_token_sent: bool = False
 

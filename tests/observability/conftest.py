@@ -6,81 +6,21 @@ Prometheus registry served over HTTP on a free port.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
-import urllib.request
-from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-KV_CACHE_BYTES = 16 * 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
-
-
-def serving(port: int) -> bool:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
-        except grpc.RpcError:
-            return False
-    return bool(status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return str(response.read().decode())
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-def provider(name: str, exporter: InMemorySpanExporter) -> TracerProvider:
-    p = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
-    p.add_span_processor(SimpleSpanProcessor(exporter))
-    return p
-
-
-@dataclass
-class Stack:
-    frontend_port: int
-    engine_metrics_port: int
-    frontend_metrics_port: int
-    exporter: InMemorySpanExporter
-    engine_server: Any
-    frontend: Any
+from tests.observability.support import (
+    KV_CACHE_BYTES,
+    LoopThread,
+    Stack,
+    free_port,
+    provider,
+    serving,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="package")
@@ -108,11 +48,16 @@ def stack(make_model: Any) -> Iterator[Stack]:
     engine = EngineServer(config, host="127.0.0.1", port=0, telemetry=engine_telemetry)
     ready = asyncio.Event()
 
-    async def start_engine() -> None:
-        asyncio.get_running_loop().create_task(engine.run(ready))
+    async def start_engine() -> asyncio.Task[int]:
+        task = asyncio.get_running_loop().create_task(engine.run(ready))
         await ready.wait()
+        return task
 
-    loop.run(start_engine())
+    async def stop_engine(task: asyncio.Task[int]) -> None:
+        engine._done.set()
+        await task
+
+    engine_task = loop.run(start_engine())
     wait_for(lambda: serving(engine.bound_port), 120)
     fe_config = FrontendConfig(model=str(model), engines=(f"127.0.0.1:{engine.bound_port}",),
                                host="127.0.0.1", port=0, metrics_port=0)
@@ -138,6 +83,5 @@ def stack(make_model: Any) -> Iterator[Stack]:
             http.shutdown()
             http.server_close()
         loop.run(frontend.stop())
-        loop.loop.call_soon_threadsafe(engine._done.set)
-        time.sleep(0.5)
+        loop.run(stop_engine(engine_task))
         loop.close()
