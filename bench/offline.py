@@ -154,34 +154,43 @@ def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch_size: int) 
     return {"elapsed": elapsed, "tokens": counted, "tok_s": counted / elapsed}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload and model flags shared by bench/offline.py and bench/serve.py."""
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--num-layers", type=int, default=6)
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--vocab-size", type=int, default=2048)
-    ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
-    ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+
+
+def build_model_and_workload(tmp: str, args: argparse.Namespace) -> tuple[Path, list[tuple[list[int], int]]]:
+    """A tiny random-weight Llama of the requested size, and the seeded workload over its vocabulary."""
+    from transformers import AutoConfig
 
     from engine_svc.tiny_model import make_tiny_model
 
     torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "bench", arch="llama", seed=args.seed,
-                                    num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                    num_heads=args.hidden_size // 64, num_kv_heads=max(1, args.hidden_size // 128),
-                                    vocab_size=args.vocab_size)
-        from transformers import AutoConfig
+    model_dir = make_tiny_model(Path(tmp) / "bench", arch="llama", seed=args.seed, num_layers=args.num_layers,
+                                hidden_size=args.hidden_size, num_heads=args.hidden_size // 64,
+                                num_kv_heads=max(1, args.hidden_size // 128), vocab_size=args.vocab_size)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size  # the trained tokenizer may come out smaller
+    return model_dir, make_workload(args.num_requests, vocab, args.seed, args.min_len, args.max_len)
 
-        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-        work = make_workload(args.num_requests, vocab, args.seed, args.min_len, args.max_len)
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, work = build_model_and_workload(tmp, args)
         print(f"workload: {len(work)} requests, prompt+output lengths U[{args.min_len},{args.max_len}], "
-              f"model {args.num_layers}L x {args.hidden_size}, vocab {vocab}, torch threads "
+              f"model {args.num_layers}L x {args.hidden_size}, vocab {args.vocab_size} (requested), torch threads "
               f"{torch.get_num_threads()}")
         results = {}
         for tp in args.tensor_parallel_size:

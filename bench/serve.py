@@ -7,11 +7,12 @@ prompt token ids, ignore_eos, greedy, a tiny random-weight Llama (6 layers x hid
 
 Reports output tok/s, TTFT, TPOT and ITL (p50/p99), the served/offline throughput ratio, and the
 split's added per-token latency (served ITL p50 minus the in-process step time). `--tracing` runs the
-served part twice, tracing off and on (OTEL_TRACES_SAMPLER=always_on, OTLP/gRPC to a receiver this
-script starts), and prints the throughput cost. On a small CPU box the engine, the frontend and this
+served part with tracing off and on (OTEL_TRACES_SAMPLER=always_on, OTLP/gRPC to a receiver this
+script starts), alternating off/on for `--rounds` rounds so that run order does not bias the result,
+and prints the throughput cost from the per-mode medians. On a small CPU box the engine, the frontend and this
 client share the cores: read the numbers as a ratio measured in one run.
 
-    python bench/serve.py [--num-requests 64] [--concurrency 64] [--tracing]
+    python bench/serve.py [--num-requests 64] [--concurrency 64] [--tracing [--rounds 3]]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from offline import add_workload_args, build_model_and_workload, run_tandem  # noqa: E402
 from tandem.v1 import generation_pb2 as pb  # noqa: E402
 from tandem.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -166,38 +168,20 @@ def row(name: str, r: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=64, help="concurrent client streams")
-    ap.add_argument("--min-len", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=256)
-    ap.add_argument("--num-layers", type=int, default=6)
-    ap.add_argument("--hidden-size", type=int, default=256)
-    ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--tracing", action="store_true", help="also run the split with tracing on")
+    ap.add_argument("--rounds", type=int, default=3, help="with --tracing: off/on pairs to alternate")
     ap.add_argument("--skip-offline", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap)
     args = ap.parse_args()
 
-    import torch
-    from offline import make_workload, run_tandem
-
-    from engine_svc.tiny_model import make_tiny_model
-
-    torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "bench", arch="llama", seed=args.seed,
-                                    num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                    num_heads=args.hidden_size // 64, num_kv_heads=max(1, args.hidden_size // 128),
-                                    vocab_size=args.vocab_size)
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(model_dir).vocab_size  # the trained tokenizer may be smaller
-        work = make_workload(args.num_requests, vocab, args.seed, args.min_len, args.max_len)
+        model_dir, work = build_model_and_workload(tmp, args)
         print(f"workload: {len(work)} requests, prompt+output lengths U[{args.min_len},{args.max_len}], "
               f"model {args.num_layers}L x {args.hidden_size}, {os.cpu_count()} CPUs, "
               f"concurrency {args.concurrency}")
         offline = None if args.skip_offline else run_tandem(model_dir, work, 1)
-        served = {"split, tracing off": run_served(model_dir, work, args.concurrency, {})}
+        runs: dict[str, list[dict]] = {"split, tracing off": [], "split, tracing on": []}
         spans = 0
         if args.tracing:
             from tests.observability.otlp_receiver import OtlpReceiver
@@ -205,8 +189,13 @@ def main() -> int:
             with OtlpReceiver() as receiver:
                 env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
                        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "always_on"}
-                served["split, tracing on"] = run_served(model_dir, work, args.concurrency, env)
+                for _ in range(args.rounds):  # alternate, so neither mode always runs first
+                    runs["split, tracing off"].append(run_served(model_dir, work, args.concurrency, {}))
+                    runs["split, tracing on"].append(run_served(model_dir, work, args.concurrency, env))
                 spans = len(receiver.spans())
+        else:
+            runs["split, tracing off"].append(run_served(model_dir, work, args.concurrency, {}))
+        served = {name: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for name, rs in runs.items() if rs}
 
     print("\n| system | output tok/s | elapsed s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | "
           "ITL p99 ms |")
@@ -224,8 +213,10 @@ def main() -> int:
             print(f"added per-token latency (ITL p50 through the split - in-process step time) = {added:.2f} ms")
     if "split, tracing on" in served:
         on = served["split, tracing on"]
-        print(f"tracing overhead (throughput) = {100 * (1 - on['tok_s'] / base['tok_s']):.1f}% "
-              f"({spans} spans received)")
+        pairs = ", ".join(f"{100 * (1 - b['tok_s'] / a['tok_s']):+.1f}%"
+                          for a, b in zip(runs["split, tracing off"], runs["split, tracing on"]))
+        print(f"tracing overhead (throughput, medians of {args.rounds} alternating rounds) = "
+              f"{100 * (1 - on['tok_s'] / base['tok_s']):.1f}% (per round: {pairs}; {spans} spans received)")
     return 0
 
 
