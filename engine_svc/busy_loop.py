@@ -61,6 +61,7 @@ class BusyLoop(threading.Thread):
         self.stats = SchedulerStats()  # the latest; read by GetLoad from other threads
         self._owner: dict[str, int] = {}  # live request id -> stream id
         self._draining = False
+        self._drained = False
         self._drain_deadline = float("inf")
         self._stopped = False
 
@@ -99,9 +100,12 @@ class BusyLoop(threading.Thread):
 
     def _loop(self, core: EngineCore) -> None:
         while not self._stopped:
-            if not self._process_inbox(core, block=not core.has_unfinished_requests()):
-                core.executor.check_health()  # idle: notice a dead worker without waiting for a step
+            idle = not core.has_unfinished_requests()
+            if not self._process_inbox(core, block=idle) and idle:
+                core.executor.check_health()  # notice a dead worker without waiting for a step
             if self._stopped:
+                if self._owner:  # stopped with requests in flight: each still ends exactly once
+                    self._fail_all("engine stopped before this request finished", abort_in=core)
                 return
             if core.has_unfinished_requests():
                 outputs = core.step()
@@ -126,9 +130,9 @@ class BusyLoop(threading.Thread):
                 return True
 
     def _idle_timeout(self) -> float:
-        if not self._draining:
+        if not self._draining or self._drained:
             return HEALTH_CHECK_INTERVAL_S
-        return max(0.0, min(0.05, self._drain_deadline - time.monotonic()))
+        return max(0.001, min(0.05, self._drain_deadline - time.monotonic()))
 
     def _handle(self, core: EngineCore, kind: str, stream_id: int, payload: object) -> None:
         if kind == "add":
@@ -185,9 +189,11 @@ class BusyLoop(threading.Thread):
                                                  timestamp=outputs.timestamp))
 
     def _check_drain(self, core: EngineCore) -> None:
+        """Once drained, stay draining (late adds are refused) and report it once."""
         if not core.has_unfinished_requests():
-            self._draining = False
-            self._on_drained()
+            if not self._drained:
+                self._drained = True
+                self._on_drained()
             return
         if time.monotonic() >= self._drain_deadline:
             self._fail_all("engine drained: the grace period ended before this request finished",

@@ -68,7 +68,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: max(8192, max_model_len) capped sensibly
+    max_num_batched_tokens: int | None = None  # default: max(8192, min(max_model_len, 16384))
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -133,6 +133,13 @@ class EngineConfig:
         if max_model_len > model_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
                               f"{model_max}; lower it")
+        window = _sliding_window(hf_config)
+        if window is not None and max_model_len > window:
+            if kwargs.get("max_model_len"):
+                raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's sliding window {window}; "
+                                  "tandem attends over the full context, which equals windowed attention only "
+                                  f"up to {window} tokens: lower --max-model-len to {window} or less")
+            max_model_len = window
         kwargs["max_model_len"] = max_model_len
         if kwargs.get("max_num_batched_tokens") is None:
             kwargs["max_num_batched_tokens"] = max(8192, min(max_model_len, 16384))
@@ -156,6 +163,15 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.device == "cuda" else "torch"
+
+
+def _sliding_window(hf_config: dict[str, Any]) -> int | None:
+    """The attention window the model was trained with, if it uses one (Qwen2/3 configs carry a window
+    but switch it off with use_sliding_window=false)."""
+    window = hf_config.get("sliding_window")
+    if not window or not hf_config.get("use_sliding_window", True):
+        return None
+    return int(window)
 
 
 def _auto_device() -> str:

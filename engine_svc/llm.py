@@ -56,14 +56,14 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
-        order: list[str] = []
+        # Validate every prompt before submitting any, so a bad one leaves nothing behind in the engine.
+        prepared = [self._prepare(prompt, p, prio) for prompt, p, prio in zip(prompt_list, params, priorities)]
         acc = RequestOutputAccumulator()
-        for prompt, p, prio in zip(prompt_list, params, priorities, strict=True):
-            prepared = self._add(prompt, p, prio)
-            acc.add_request(prepared, prompt if isinstance(prompt, str) else None)
-            order.append(prepared.request_id)
-        self._run(acc, len(order), use_tqdm)
-        return [acc.get(rid) for rid in order]
+        for prompt, request in zip(prompt_list, prepared):
+            self._submit(request)
+            acc.add_request(request, prompt if isinstance(prompt, str) else None)
+        self._run(acc, len(prepared), use_tqdm)
+        return [acc.get(request.request_id) for request in prepared]
 
     def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, str):
@@ -82,14 +82,15 @@ class LLM:
             raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts; pass one, or one per prompt")
         return list(sp)
 
-    def _add(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> PreparedRequest:
+    def _prepare(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> PreparedRequest:
         request_id = str(self._counter)
         self._counter += 1
-        prepared = self.processor.process(prompt, params, request_id=request_id, priority=priority)
+        return self.processor.process(prompt, params, request_id=request_id, priority=priority)
+
+    def _submit(self, prepared: PreparedRequest) -> None:
         self.output_processor.add_request(prepared)
         for fields in self.processor.engine_requests(prepared):
             self.engine.add_request(to_engine_request(fields))
-        return prepared
 
     def _run(self, acc: RequestOutputAccumulator, num_requests: int, use_tqdm: bool) -> None:
         bar = _ProgressBar(num_requests) if use_tqdm else None

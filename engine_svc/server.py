@@ -12,7 +12,6 @@ exits (so a Kubernetes liveness probe never kills a draining pod).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import uuid
@@ -118,9 +117,11 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         return EngineCoreOutputs(outputs=outs, scheduler_stats=last.scheduler_stats, timestamp=last.timestamp)
 
     async def _read_inputs(self, sid: int, request_iterator: AsyncIterator[pb.EngineCoreInput]) -> None:
+        """Feed the stream's adds and aborts to the busy loop. If reading fails, the stream is ended (its
+        requests are aborted and the frontend fails them) rather than left unable to hear aborts."""
         busy = self.busy
         assert busy is not None
-        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+        try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "add":
@@ -130,6 +131,13 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
                     busy.add(sid, request)
                 elif kind == "abort":
                     busy.abort(sid, list(msg.abort.request_ids))
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        except Exception:
+            logger.exception("stream %d: bad input; ending the stream", sid)
+            stream = self._streams.get(sid)
+            if stream is not None:
+                stream.queue.put_nowait(None)
 
     async def GetEngineInfo(self, request: pb.GetEngineInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb.EngineInfo:
@@ -195,6 +203,11 @@ class EngineServer:
             return lambda *a: loop.call_soon_threadsafe(fn, *args, *a)
 
         metrics = self.telemetry.metrics
+        if self._done.is_set():  # told to stop before the model started loading
+            await server.stop(grace=0)
+            if self.executor is not None:
+                self.executor.shutdown()  # type: ignore[attr-defined]
+            return self.exit_code
         busy = BusyLoop(self._make_core, self.servicer.deliver, max_waiting=self.max_waiting,
                         on_ready=threadsafe(self._on_ready), on_fatal=threadsafe(self._on_fatal),
                         on_drained=threadsafe(self._done.set),
@@ -243,12 +256,18 @@ class EngineServer:
         self._set_serving(False)
         busy.drain(self.drain_grace_s)
 
+    def force_exit(self) -> None:
+        """A second SIGTERM/SIGINT: stop now (exit code 1), without waiting for the drain."""
+        self.exit_code = self.exit_code or 1
+        self._done.set()
+
     async def _shutdown(self, server: grpc.aio.Server, busy: BusyLoop) -> None:
         busy.stop()
-        await asyncio.sleep(0.05)  # let the last deliveries reach their streams
+        # The busy loop's last deliveries are queued on this event loop before its thread ends, so after
+        # the join they reach their streams ahead of the end-of-stream markers.
+        await asyncio.get_running_loop().run_in_executor(None, busy.join, 30.0)
         self.servicer.end_all_streams()
         await server.stop(grace=1.0)
-        await asyncio.get_running_loop().run_in_executor(None, busy.join, 5.0)
         if busy.core is not None:
             busy.core.shutdown()
         elif self.executor is not None:  # the core never came up: still stop the TP workers

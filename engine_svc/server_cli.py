@@ -62,8 +62,7 @@ async def _serve(config, args: argparse.Namespace, executor) -> int:
         if signals["count"] == 1:
             server.begin_drain()
         else:
-            server.exit_code = server.exit_code or 1
-            server._done.set()
+            server.force_exit()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)

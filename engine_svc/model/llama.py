@@ -181,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = attn.head_dim
         self.vocab_size = config.vocab_size
         self.dtype = dtype
-        # Not applied by the attention backends: the engine must cap max_model_len at this when set.
+        # Not applied by the attention backends: EngineConfig caps max_model_len at it, so full attention
+        # equals windowed attention for every sequence the engine accepts.
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
 
     @property

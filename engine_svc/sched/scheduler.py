@@ -148,7 +148,7 @@ class Scheduler:
                 victim = self._pick_victim()
                 preempted = True
                 if self.running.index(victim) < i:  # already scheduled this step: undo that
-                    budget += scheduled.pop(victim.request_id)
+                    budget += scheduled.pop(victim.request_id, 0)  # 0: it was skipped with nothing to run
                     i -= 1
                 self._preempt(victim)
                 if victim is request:

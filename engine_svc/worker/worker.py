@@ -83,7 +83,14 @@ class Worker:
             from engine_svc.config import DEFAULT_CPU_KV_CACHE_BYTES
 
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return max(0, budget // self.kv_block_bytes)
+        num_blocks = budget // self.kv_block_bytes
+        if num_blocks < 1:
+            from engine_svc.config import ConfigError
+
+            raise ConfigError(
+                f"no memory left for the KV cache ({max(budget, 0)} bytes; one block needs {self.kv_block_bytes}): "
+                "raise --gpu-memory-utilization or --kv-cache-memory-bytes, or lower --max-num-batched-tokens")
+        return int(num_blocks)
 
     def _profile_free_memory(self) -> int:
         """GPU: total * utilisation - peak memory of a max-size forward (seed 003)."""

@@ -25,7 +25,7 @@ from engine_svc.config import ConfigError, EngineConfig
     ],
 )
 def test_bad_arguments_are_explained(llama_dir, args: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=None) as err:
+    with pytest.raises(ConfigError) as err:
         EngineConfig.create(model=str(llama_dir), **args)
     assert message in str(err.value)
 
@@ -33,13 +33,13 @@ def test_bad_arguments_are_explained(llama_dir, args: dict, message: str) -> Non
 def test_model_dir_must_exist_and_hold_config_json(tmp_path) -> None:
     with pytest.raises(ConfigError, match="is not a directory"):
         EngineConfig.create(model=str(tmp_path / "missing"))
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
         EngineConfig.create(model=str(tmp_path))
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+    with pytest.raises(ConfigError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
         EngineConfig.create(model=str(tmp_path))
 
 
@@ -62,3 +62,17 @@ def test_cuda_without_a_gpu_is_a_clear_startup_error(llama_dir) -> None:
 
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         LLM(str(llama_dir), device="cuda")
+
+
+def test_a_sliding_window_caps_the_context(llama_dir, tmp_path) -> None:
+    import shutil
+
+    model = tmp_path / "windowed"
+    shutil.copytree(llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "sliding_window": 512}))
+    assert EngineConfig.create(model=str(model)).max_model_len == 512  # full attention == window up to here
+    with pytest.raises(ConfigError, match="exceeds the model's sliding window 512"):
+        EngineConfig.create(model=str(model), max_model_len=1024)
+    (model / "config.json").write_text(json.dumps({**config, "sliding_window": 512, "use_sliding_window": False}))
+    assert EngineConfig.create(model=str(model)).max_model_len == 2048

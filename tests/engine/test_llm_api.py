@@ -105,3 +105,12 @@ def test_bad_input_raises_a_validation_error_naming_the_field(llm: LLM) -> None:
     assert "top_p" in str(err.value)
     with pytest.raises(ValueError, match="SamplingParams for 2 prompts"):
         llm.generate([[1], [2]], [SamplingParams()] * 3, use_tqdm=False)
+
+
+def test_a_bad_prompt_in_a_batch_leaves_nothing_behind(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(ValidationError):
+        llm.generate([[5, 6], [llm.engine.vocab_size + 1], [7, 8]], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[5, 6]], params, use_tqdm=False)  # the next call is unaffected
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 3
