@@ -17,12 +17,8 @@ import time
 from engine_svc.config import EngineConfig
 from engine_svc.executor.base import Executor, make_executor
 from engine_svc.protocol import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineError,
-    ErrorCode,
-    FinishReason,
     SchedulerStats,
 )
 from engine_svc.request import Request, RequestStatus
@@ -49,8 +45,8 @@ class EngineCore:
             num_blocks=self.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
+            vocab_size=self.vocab_size,
         )
-        self._rejected: list[EngineCoreOutput] = []
         self._log_capacity()
 
     def _log_capacity(self) -> None:
@@ -65,17 +61,8 @@ class EngineCore:
 
     # ---- inputs ------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            self._reject(req.request_id, f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-            return
+        """Queue a request; one the engine can never serve is rejected with an error output next step."""
         self.scheduler.add_request(Request(req, int(self.config.max_model_len or 0)))
-
-    def _reject(self, request_id: str, message: str, code: ErrorCode = ErrorCode.INVALID_ARGUMENT) -> None:
-        self._rejected.append(EngineCoreOutput(
-            request_id=request_id, finish_reason=FinishReason.ERROR,
-            error=EngineError(code=code, message=message),
-        ))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -85,19 +72,16 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self._execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self._rejected:
-            outputs.outputs.extend(self._rejected)
-            self._rejected = []
         outputs.timestamp = time.time()
         return outputs
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        if so.total_num_scheduled_tokens == 0 and not so.finished_req_ids and not so.preempted_req_ids:
+        if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids:
             return _NOTHING_RAN
         return self.executor.execute_model(so)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

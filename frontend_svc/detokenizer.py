@@ -47,7 +47,12 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         ids = token_ids if isinstance(token_ids, list) else list(token_ids)
-        text = self._stream.step(self._backend, ids)
+        try:
+            text = self._stream.step(self._backend, ids)
+        except Exception as exc:  # tokenizers can reject its own window (huggingface/tokenizers#1705)
+            if "Invalid prefix" not in str(exc):
+                raise
+            text = self._restart(ids)
         if text is None:
             self._pending.extend(ids)
             return ""
@@ -57,15 +62,23 @@ class IncrementalDetokenizer:
         self._emitted = (self._emitted + ids)[-_EMITTED_TAIL:]
         return text
 
+    def _restart(self, ids: list[int]) -> str | None:
+        """A fresh stream primed with the last emitted ids, re-fed what the old one was withholding."""
+        self._stream = DecodeStream(ids=list(self._emitted), skip_special_tokens=self._skip_special)
+        return self._stream.step(self._backend, self._pending + ids)
+
     def flush(self) -> str:
         """Text of the withheld ids (with U+FFFD for an unfinished character); "" when none."""
-        if not self._pending:
+        pending, emitted = self._pending, self._emitted
+        if not pending:
             return ""
+        self._emitted, self._pending = (emitted + pending)[-_EMITTED_TAIL:], []
         decode = self._backend.decode
-        base = decode(self._emitted, skip_special_tokens=self._skip_special)
-        full = decode(self._emitted + self._pending, skip_special_tokens=self._skip_special)
-        self._emitted, self._pending = (self._emitted + self._pending)[-_EMITTED_TAIL:], []
-        return full[len(base):] if full.startswith(base) else full
+        base = decode(emitted, skip_special_tokens=self._skip_special)
+        full = decode(emitted + pending, skip_special_tokens=self._skip_special)
+        if full.startswith(base):
+            return full[len(base):]
+        return decode(pending, skip_special_tokens=self._skip_special)  # never re-send emitted text
 
 
 def prompt_context(backend: Any, prompt_token_ids: Sequence[int]) -> list[int]:

@@ -358,7 +358,7 @@ class EngineClient:
 
     def fail_all(self, code: int, message: str) -> None:
         """End every open request with `code` and abort it in its engine (e.g. a drain's end)."""
-        for connection in list(self._connections.values()):
+        for connection in [*self._connections.values(), *self._retired]:  # retired ones may still hold requests
             for handle in list(connection.requests):
                 self.abort(handle)
                 handle.queue.put_nowait(StreamError(code, message))

@@ -15,6 +15,7 @@ Nothing here formats strings or logs per token.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,10 @@ from frontend_svc.stop import StopChecker
 
 # Indexed by the wire FinishReason number (0 = unspecified, 1 stop, 2 length, 3 abort, 4 error).
 _FINISH_NAMES: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")
+
+
+logger = logging.getLogger(__name__)
+_INTERNAL = 13  # grpc.StatusCode.INTERNAL
 
 
 @dataclass
@@ -111,10 +116,23 @@ class OutputProcessor:
             completion = self._completions.get(output.request_id)
             if completion is None:
                 continue
-            delta = self._process_one(completion, output, result.reqs_to_abort)
+            try:
+                delta = self._process_one(completion, output, result.reqs_to_abort)
+            except Exception:  # a fault in one completion's processing must not fail the others
+                logger.exception("processing output of %s failed; ending that completion", output.request_id)
+                delta = self._fail(completion, result.reqs_to_abort)
             if delta is not None:
                 result.deltas.append(delta)
         return result
+
+    def _fail(self, c: _Completion, to_abort: list[str]) -> CompletionDelta:
+        """End a completion with an INTERNAL error and have the engine drop it."""
+        delta = CompletionDelta(c.request.prepared.request_id, c.index, "", [], c.engine_id)
+        delta.finish_reason, delta.error = "error", CompletionError(_INTERNAL, "output processing failed")
+        delta.usage = Usage(len(c.request.prepared.prompt_token_ids), c.num_tokens, c.num_cached)
+        to_abort.append(c.engine_id)
+        self._finish(c)
+        return delta
 
     def _process_one(self, c: _Completion, output: Any, to_abort: list[str]) -> CompletionDelta | None:
         params = c.request.prepared.params

@@ -98,6 +98,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[mis
             await status.abort(context, status.invalid_argument(exc))
         f.enter()
         handle: RequestHandle | None = None
+        left = False
+
+        def release(_: object = None) -> None:
+            """Abort what is unfinished in the engine and leave, once. Runs from the finally below and
+            from the RPC's done callback: a cancel or deadline during a write may leave this generator
+            suspended until garbage collection, and the engine must not wait for that."""
+            nonlocal left
+            if handle is not None:
+                f.engines.abort(handle)  # a no-op once the request is done
+            if not left:
+                left = True
+                f.leave()
+
+        context.add_done_callback(release)
         try:
             try:
                 handle = f.engines.submit(prepared, call.engine_requests(f.processor.engine_requests(prepared)))
@@ -108,9 +122,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[mis
             async for response in _stream(handle, context, call):
                 yield response
         finally:
-            if handle is not None:
-                f.engines.abort(handle)
-            f.leave()
+            release()
 
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

@@ -61,6 +61,7 @@ class Scheduler:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
+        vocab_size: int | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -84,6 +85,7 @@ class Scheduler:
         self._preempted_ids: list[str] = []
         # For the next EngineCoreOutputs: aborted and rejected requests.
         self._terminal_outputs: list[EngineCoreOutput] = []
+        self.vocab_size = vocab_size  # when set, prompt token ids must lie in [0, vocab_size)
         # What the workers hold of each request: tokens and blocks sent so far. Absent = send in full.
         self._num_tokens_sent: dict[str, int] = {}
         self._num_blocks_sent: dict[str, int] = {}
@@ -355,6 +357,10 @@ class Scheduler:
             return "the prompt is empty"
         if n > self.max_model_len:
             return f"the prompt has {n} tokens, more than max_model_len ({self.max_model_len})"
+        if self.vocab_size is not None:
+            bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                return f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
         blocks = -(-n // self.block_size)
         if blocks > self.kv.num_blocks:
             return (

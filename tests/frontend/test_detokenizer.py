@@ -104,3 +104,26 @@ def test_flush_releases_a_character_the_completion_never_finished(encode, encode
     assert tail.endswith("\ufffd")
     assert streamed + tail == backend.decode(prompt + ids[:cut])[len(backend.decode(prompt)):]
     assert det.flush() == ""  # nothing left
+
+
+class _RejectsOnce:
+    """Stands in for a DecodeStream that hits tokenizers' "Invalid prefix encountered" error once."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def step(self, backend, ids):
+        if not self.raised:
+            self.raised = True
+            raise Exception("Invalid prefix encountered while decoding stream")
+        raise AssertionError("the broken stream must be replaced, not reused")
+
+
+def test_a_stream_that_rejects_its_window_is_rebuilt(encode, encode_prompt, backend):
+    prompt = encode_prompt("The harbour was quiet.")
+    ids = encode(" and the boats came home")
+    det = IncrementalDetokenizer(backend, prompt, skip_special_tokens=True)
+    first = det.add(ids[:2])
+    det._stream = _RejectsOnce()
+    rest = "".join(det.add([i]) for i in ids[2:]) + det.flush()
+    assert first + rest == backend.decode(ids)

@@ -237,3 +237,24 @@ def test_protobuf_outputs_work_too(op, processor, encode):
     deltas = {d.index: d for d in op.process_outputs(wire).deltas}
     assert (deltas[0].text, deltas[0].stop_reason, deltas[0].error) == (" the boats", EOS, None)
     assert (deltas[1].text, deltas[1].finish_reason, deltas[1].stop_reason) == (" the boats", "length", None)
+
+
+def test_a_fault_in_one_completion_fails_only_that_completion(op, processor, encode):
+    params = SamplingParams(max_tokens=8)
+    broken, healthy = add(op, processor, params), add(op, processor, params, prompt="Tom ran")
+    broken_id, healthy_id = broken.engine_request_ids[0], healthy.engine_request_ids[0]
+    completion = op._completions[broken_id]
+
+    class Exploding:
+        def add(self, ids):
+            raise RuntimeError("detokenizer bug")
+
+    completion.detokenizer = Exploding()
+    ids = encode(" by the sea")
+    result = step(op, out(broken_id, ids[:1]), out(healthy_id, ids[:1]))
+    by_id = {d.engine_request_id: d for d in result.deltas}
+    assert by_id[broken_id].finish_reason == "error" and by_id[broken_id].error.code == 13
+    assert result.reqs_to_abort == [broken_id]  # the engine is told to drop it
+    assert by_id[healthy_id].finish_reason is None and by_id[healthy_id].token_ids == ids[:1]
+    later = step(op, out(broken_id, ids[1:2]), out(healthy_id, ids[1:2], p.FinishReason.LENGTH))
+    assert [d.engine_request_id for d in later.deltas] == [healthy_id]
