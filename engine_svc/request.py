@@ -99,8 +99,8 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def record_event(self, kind: EventType, timestamp: float | None = None) -> None:
-        self.pending_events.append(RequestEvent(kind, time.time() if timestamp is None else timestamp))
+    def record_event(self, kind: EventType) -> None:
+        self.pending_events.append(RequestEvent(kind, time.time()))
 
     def __repr__(self) -> str:
         return (

@@ -198,12 +198,13 @@ class EngineConnection:
                 self.state = State.MISMATCH
                 await asyncio.sleep(BACKOFF_MAX_S * 5)
                 return
+            serving = await _is_serving(channel)  # a draining engine must not be routable, even briefly
             outbox: asyncio.Queue[epb.EngineCoreInput] = asyncio.Queue()
             call = stub.Connect(_drain(outbox))
             self.info, self._outbox, self._call = info, outbox, call
             self.state, self._was_ready = State.READY, True
             self._reported_load = self._sent_since_report = 0
-            self._health_ok = True
+            self._health_ok = serving
             logger.info("engine %s ready (engine_id %s, max_model_len %d)",
                         self.address, info.engine_id, info.max_model_len)
             self._client.connection_changed()
@@ -248,6 +249,16 @@ class EngineConnection:
             self._call.cancel()
             self._call = None
         self._client.connection_down(self, f"engine {self.address} became unavailable ({reason})", was_ready)
+
+
+async def _is_serving(channel: grpc.aio.Channel) -> bool:
+    """The engine's readiness now; an engine without a health service counts as serving."""
+    request = health_pb2.HealthCheckRequest(service=ENGINE_SERVICE)
+    try:
+        answer = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=INFO_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND)
+    return answer.status != health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def _drain(outbox: asyncio.Queue[epb.EngineCoreInput]) -> AsyncIterator[epb.EngineCoreInput]:

@@ -127,17 +127,28 @@ class Processor:
             violations.append(FieldViolation("text", "the prompt encodes to no tokens"))
         return ids
 
-    def _tokenize_chat(self, chat: ChatPrompt, violations: list[FieldViolation]) -> list[int]:
+    def tokenize_chat(self, chat: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
+        """Render and tokenize a chat (the Tokenize RPC's path); raises ValidationError on `chat.messages`."""
+        violations: list[FieldViolation] = []
+        ids = self._tokenize_chat(chat, violations, add_special_tokens)
+        if violations:
+            raise ValidationError(violations)
+        return ids
+
+    def _tokenize_chat(
+        self, chat: ChatPrompt, violations: list[FieldViolation], add_special_tokens: bool = False
+    ) -> list[int]:
+        """The template supplies any BOS, so by default no special tokens are added."""
         bad = _chat_violation(chat.messages)
         if bad is not None:
             violations.append(FieldViolation("chat.messages", bad))
             return []
         try:
-            ids = list(self.tokenizer.apply_chat_template(
-                chat.messages, add_generation_prompt=chat.add_generation_prompt))
+            text = self.tokenizer.render_chat(chat.messages, add_generation_prompt=chat.add_generation_prompt)
         except Exception as exc:  # a template error is the client's input being wrong
             violations.append(FieldViolation("chat.messages", f"the chat template failed: {exc}"))
             return []
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             violations.append(FieldViolation("chat.messages", "the chat renders to no tokens"))
         return ids

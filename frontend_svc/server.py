@@ -275,14 +275,7 @@ class FrontendServer:
                                       priority=request.priority)
 
     def tokenize_chat(self, chat: pb.Chat, add_special_tokens: bool) -> list[int]:
-        prompt = chat_from_pb(chat)
-        if not prompt.messages:
-            raise ValidationError.single("chat.messages", "the chat must have at least one message")
-        try:
-            text = self.tokenizer.render_chat(prompt.messages, prompt.add_generation_prompt)
-        except Exception as exc:  # a template error is the client's input being wrong
-            raise ValidationError.single("chat.messages", f"the chat template failed: {exc}") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.processor.tokenize_chat(chat_from_pb(chat), add_special_tokens)
 
     def enter(self) -> None:
         self.num_active += 1

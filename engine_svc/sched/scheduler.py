@@ -143,7 +143,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(min(request.num_tokens, self.max_model_len) - request.num_computed_tokens, budget)
-            if n <= 0:  # nothing to run (the model sampled nothing last step): never send 0 tokens
+            if n <= 0:  # nothing left below max_model_len: never send 0 tokens
                 i += 1
                 continue
             while self.kv.allocate_slots(request, n) is None:

@@ -20,7 +20,6 @@ class StepInputs:
     """Flat inputs for one step, requests in `req_ids` order (decodes, q_len == 1, first)."""
 
     req_ids: list[str]
-    rows: np.ndarray  # [B] row of each request
     query_lens: np.ndarray  # [B]
     query_start_loc: np.ndarray  # [B + 1]
     seq_lens: np.ndarray  # [B]: context length after this step
@@ -98,7 +97,6 @@ class InputBatch:
         max_blocks = int(-(-seq_lens.max() // bs)) if len(req_ids) else 0
         return StepInputs(
             req_ids=req_ids,
-            rows=rows,
             query_lens=query_lens,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,

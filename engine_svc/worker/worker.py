@@ -11,13 +11,13 @@ import logging
 import torch
 
 from engine_svc.config import EngineConfig
+from engine_svc.model.registry import resolve_dtype
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.worker.cuda_graphs import maybe_capture_decode_graphs
 from engine_svc.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def make_attention_backend(name: str) -> object:
@@ -35,7 +35,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = self._init_device()
-        self.dtype = _DTYPES[config.torch_dtype_name]
+        self.dtype = resolve_dtype(config.torch_dtype_name)
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
 

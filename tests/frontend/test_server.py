@@ -559,3 +559,15 @@ def test_generate_request_builder_rejects_two_prompts() -> None:
         generate_request("text", token_ids=[1])
     request = generate_request(token_ids=[1, 2], stop="x", temperature=0.0)
     assert list(request.sampling_params.stop) == ["x"] and request.sampling_params.HasField("temperature")
+
+
+def test_tokenize_validates_a_chat_like_generate(client: TandemClient, tokenizer: Any) -> None:
+    if not tokenizer.has_chat_template:
+        pytest.skip("the model has no chat template")
+    chat = [{"role": "user", "content": "hello there"}]
+    assert client.tokenize(chat=chat) == tokenizer.apply_chat_template(chat)
+    for bad in ([], [{"role": "", "content": "hi"}]):
+        error = rpc_error(lambda bad=bad: client.tokenize(chat=bad))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_fields(error) == ["chat.messages"]
+        error = rpc_error(lambda bad=bad: list(client.generate(chat=bad, max_tokens=2)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_fields(error) == ["chat.messages"]
