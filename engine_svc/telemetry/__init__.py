@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from engine_svc.telemetry.metrics import EngineMetrics
 from engine_svc.telemetry.tracing import RequestSpans
-from frontend_svc.telemetry.export import provider_from_env, serve_metrics
+from frontend_svc.telemetry.export import provider_from_env, serve_metrics, shutdown_telemetry
 
 DEFAULT_SERVICE_NAME = "tandem-engine"
 
@@ -42,9 +42,4 @@ class EngineTelemetry:
 
     def shutdown(self) -> None:
         """Stop the /metrics server and flush spans still queued for export."""
-        for server in self._http:
-            server.shutdown()
-            server.server_close()
-        self._http.clear()
-        if self.provider is not None:
-            self.provider.shutdown()
+        shutdown_telemetry(self._http, self.provider)

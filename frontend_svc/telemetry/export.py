@@ -91,3 +91,13 @@ def serve_metrics(registry: Any, port: int, host: str = "0.0.0.0") -> Any:
         return None
     logger.info("metrics on http://%s:%d/metrics", host, port)
     return server
+
+
+def shutdown_telemetry(http_servers: list[Any], provider: TracerProvider | None) -> None:
+    """Stop the /metrics servers (the list is emptied) and flush spans still queued for export."""
+    for server in http_servers:
+        server.shutdown()
+        server.server_close()
+    http_servers.clear()
+    if provider is not None:
+        provider.shutdown()

@@ -14,7 +14,7 @@ from opentelemetry.trace import Tracer
 
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.telemetry.call import GenerateCall
-from frontend_svc.telemetry.export import provider_from_env, serve_metrics
+from frontend_svc.telemetry.export import provider_from_env, serve_metrics, shutdown_telemetry
 from frontend_svc.telemetry.metrics import FrontendMetrics, ObservedOutputProcessor
 from frontend_svc.telemetry.tracing import CallSpan
 
@@ -61,9 +61,4 @@ class FrontendTelemetry:
 
     def shutdown(self) -> None:
         """Stop the /metrics server and flush spans still queued for export."""
-        for server in self._http:
-            server.shutdown()
-            server.server_close()
-        self._http.clear()
-        if self.provider is not None:
-            self.provider.shutdown()
+        shutdown_telemetry(self._http, self.provider)

@@ -26,6 +26,7 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from tandem.v1 import generation_pb2 as pb
 
 from frontend_svc.client import TandemClient, collect
+from tests.e2e.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +66,6 @@ def client(split: Any) -> Iterator[TandemClient]:
 def engine_load(split: Any) -> epb.EngineLoad:
     with grpc.insecure_channel(split.engine.address) as channel:
         return epb_grpc.EngineCoreServiceStub(channel).GetLoad(epb.GetLoadRequest(), timeout=5)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.05)
 
 
 def engine_idle(split: Any) -> bool:
