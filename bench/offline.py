@@ -1,7 +1,9 @@
 """Offline throughput: tandem's in-process engine vs Hugging Face generate(), side by side in one run.
 
 Workload (issue "Engine core"): 64 requests, prompt and output lengths uniform in [16, 256], random
-prompt token ids, ignore_eos, greedy, on a tiny random-weight Llama (6 layers x hidden 256 by default).
+prompt token ids, ignore_eos, greedy, on a tiny random-weight Llama (6 layers x hidden 256 by default),
+or on a real model with `--model DIR` (e.g. SmolLM2-135M-Instruct from `tandem make-demo-model DIR`).
+`--dtype float32 bfloat16` runs every system in each dtype, side by side in the same run.
 
 HF is run as vLLM's `benchmark_throughput --backend hf` runs it: static batches of 16 in input order,
 left padding, max_new_tokens = the longest requested output in the batch, and output tokens counted as
@@ -10,6 +12,8 @@ requested (not as generated).
 Also reports tandem's steady-state step time and the share of it spent outside the model forward.
 
     python bench/offline.py [--num-requests 64] [--tensor-parallel-size 1] [--skip-hf]
+    python bench/offline.py --model .tiny-models/SmolLM2-135M-Instruct --dtype float32 bfloat16 \
+        --num-requests 16 --max-len 128
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ def make_workload(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[tuple
             for _ in range(n)]
 
 
-def run_tandem(model_dir: Path, work: list[tuple[list[int], int]], tp: int) -> dict[str, float]:
+def run_tandem(model_dir: Path, work: list[tuple[list[int], int]], tp: int,
+               dtype: str = "float32") -> dict[str, float]:
     from engine_svc import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=tp)
+    llm = LLM(str(model_dir), dtype=dtype, tensor_parallel_size=tp)
     forward_time = _instrument_forward(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True) for _, out in work]
     llm.generate([work[0][0]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -101,12 +106,13 @@ def linear_flops_per_token(model_dir: Path) -> tuple[float, float]:
     return 2.0 * c.num_hidden_layers * (qkv + o + mlp), 2.0 * c.hidden_size * c.vocab_size
 
 
-def gemm_flops_per_s(rows: int, model_dir: Path) -> float:
-    """Measured fp32 GEMM throughput on this machine for the MLP up-projection at `rows` tokens."""
+def gemm_flops_per_s(rows: int, model_dir: Path, dtype: str = "float32") -> float:
+    """Measured GEMM throughput in `dtype` on this machine for the MLP up-projection at `rows` tokens."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
-    a, b = torch.randn(rows, c.hidden_size), torch.randn(c.hidden_size, 2 * c.intermediate_size)
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(rows, c.hidden_size, dtype=dt), torch.randn(c.hidden_size, 2 * c.intermediate_size, dtype=dt)
     for _ in range(10):
         a @ b
     n, t0 = 200, time.perf_counter()
@@ -115,7 +121,8 @@ def gemm_flops_per_s(rows: int, model_dir: Path) -> float:
     return 2.0 * rows * c.hidden_size * 2 * c.intermediate_size * n / (time.perf_counter() - t0)
 
 
-def matmul_floors(model_dir: Path, work: list[tuple[list[int], int]], hf_batch: int) -> dict[str, float]:
+def matmul_floors(model_dir: Path, work: list[tuple[list[int], int]], hf_batch: int,
+                  dtype: str = "float32") -> dict[str, float]:
     """Seconds each system must spend in linear-layer GEMMs alone, at this machine's measured rate.
 
     tandem computes every prompt and output token once (64-row decode batches); HF's static batches also
@@ -129,14 +136,15 @@ def matmul_floors(model_dir: Path, work: list[tuple[list[int], int]], hf_batch: 
         batch = work[i : i + hf_batch]
         longest, max_new = max(len(p) for p, _ in batch), max(o for _, o in batch)
         hf += len(batch) * ((longest + max_new) * per_token + max_new * per_sample)
-    return {"tandem tp=1": tandem / gemm_flops_per_s(len(work), model_dir),
-            "hf generate": hf / gemm_flops_per_s(hf_batch, model_dir)}
+    return {"tandem tp=1": tandem / gemm_flops_per_s(len(work), model_dir, dtype),
+            "hf generate": hf / gemm_flops_per_s(hf_batch, model_dir, dtype)}
 
 
-def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch_size: int) -> dict[str, float]:
+def run_hf(model_dir: Path, work: list[tuple[list[int], int]], batch_size: int,
+           dtype: str = "float32") -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     counted = 0
     t0 = time.perf_counter()
@@ -163,14 +171,32 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None,
+                    help="a Hugging Face model directory to run instead of the tiny random-weight Llama "
+                         "(e.g. SmolLM2: `tandem make-demo-model DIR`)")
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=("float32", "bfloat16", "float16"),
+                    help="run every system in each of these dtypes, side by side")
+
+
+def describe_model(model_dir: Path, args: argparse.Namespace) -> str:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    name = model_dir.name if args.model else "tiny random-weight Llama"
+    return f"{name} ({c.num_hidden_layers}L x {c.hidden_size}, vocab {c.vocab_size})"
 
 
 def build_model_and_workload(tmp: str, args: argparse.Namespace) -> tuple[Path, list[tuple[list[int], int]]]:
-    """A tiny random-weight Llama of the requested size, and the seeded workload over its vocabulary."""
+    """The model (`--model`, or a tiny random-weight Llama of the requested size) and the seeded workload
+    over its vocabulary."""
     from transformers import AutoConfig
 
     from engine_svc.tiny_model import make_tiny_model
 
+    if args.model:
+        model_dir = Path(args.model)
+        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+        return model_dir, make_workload(args.num_requests, vocab, args.seed, args.min_len, args.max_len)
     torch.manual_seed(args.seed)
     model_dir = make_tiny_model(Path(tmp) / "bench", arch="llama", seed=args.seed, num_layers=args.num_layers,
                                 hidden_size=args.hidden_size, num_heads=args.hidden_size // 64,
@@ -187,17 +213,20 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
 
+    results: dict[str, dict[str, float]] = {}
+    floors: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, work = build_model_and_workload(tmp, args)
         print(f"workload: {len(work)} requests, prompt+output lengths U[{args.min_len},{args.max_len}], "
-              f"model {args.num_layers}L x {args.hidden_size}, vocab {args.vocab_size} (requested), torch threads "
+              f"model {describe_model(model_dir, args)}, dtypes {' '.join(args.dtype)}, torch threads "
               f"{torch.get_num_threads()}")
-        results = {}
-        for tp in args.tensor_parallel_size:
-            results[f"tandem tp={tp}"] = run_tandem(model_dir, work, tp)
-        if not args.skip_hf:
-            results["hf generate"] = run_hf(model_dir, work, args.hf_batch_size)
-        floors = matmul_floors(model_dir, work, args.hf_batch_size)
+        for dtype in args.dtype:
+            for tp in args.tensor_parallel_size:
+                results[f"tandem tp={tp} {dtype}"] = run_tandem(model_dir, work, tp, dtype)
+            if not args.skip_hf:
+                results[f"hf generate {dtype}"] = run_hf(model_dir, work, args.hf_batch_size, dtype)
+            for name, floor in matmul_floors(model_dir, work, args.hf_batch_size, dtype).items():
+                floors[f"{name} {dtype}"] = floor
 
     print("\n| system | output tok/s | elapsed s | steps | step ms | outside forward | GEMM floor s |")
     print("|---|---|---|---|---|---|---|")
@@ -205,17 +234,22 @@ def main() -> int:
         floor = f"{floors[name]:.2f}" if name in floors else "-"
         step = (f"{r['step_ms']:.2f} | {100 * r['outside_forward']:.0f}%" if "step_ms" in r else "- | -")
         print(f"| {name} | {r['tok_s']:.0f} | {r['elapsed']:.2f} | {r.get('steps', '-')} | {step} | {floor} |")
-    if "hf generate" in floors:
-        bound = results["hf generate"]["elapsed"] / floors["tandem tp=1"] if "hf generate" in results else 0
-        print(f"\nGEMM floor: the time the linear layers alone need at this machine's measured fp32 GEMM rate. "
-              f"Upper bound on tandem / hf here (HF's measured time / tandem's floor): {bound:.1f}x")
-    if "hf generate" in results:
+    print("\nGEMM floor: the time the linear layers alone need at this machine's measured GEMM rate in that dtype.")
+    for dtype in args.dtype:
+        hf = results.get(f"hf generate {dtype}")
         for name, r in results.items():
-            if name != "hf generate":
-                print(f"\n{name} / hf generate = {r['tok_s'] / results['hf generate']['tok_s']:.2f}x")
-    tps = [results[k]["tok_s"] for k in results if k.startswith("tandem tp=")]
-    if len(tps) > 1:
-        print(f"tp={args.tensor_parallel_size[1]} / tp={args.tensor_parallel_size[0]} = {tps[1] / tps[0]:.2f}x")
+            if hf is not None and name.startswith("tandem") and name.endswith(dtype):
+                print(f"{name} / hf generate {dtype} = {r['tok_s'] / hf['tok_s']:.2f}x")
+    first = args.dtype[0]
+    for dtype in args.dtype[1:]:
+        for tp in args.tensor_parallel_size:
+            a, b = results[f"tandem tp={tp} {first}"], results[f"tandem tp={tp} {dtype}"]
+            print(f"tandem tp={tp}: {dtype} / {first} = {b['tok_s'] / a['tok_s']:.2f}x")
+    if len(args.tensor_parallel_size) > 1:
+        tps = args.tensor_parallel_size
+        for dtype in args.dtype:
+            a, b = results[f"tandem tp={tps[0]} {dtype}"], results[f"tandem tp={tps[1]} {dtype}"]
+            print(f"{dtype}: tp={tps[1]} / tp={tps[0]} = {b['tok_s'] / a['tok_s']:.2f}x")
     return 0
 
 

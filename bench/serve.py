@@ -3,16 +3,24 @@ with N concurrent streams (vLLM `bench serve --max-concurrency N` style), side b
 the in-process offline API (`engine_svc.LLM`) on the same workload.
 
 Workload (as bench/offline.py): 64 requests, prompt and output lengths uniform in [16, 256], random
-prompt token ids, ignore_eos, greedy, a tiny random-weight Llama (6 layers x hidden 256).
+prompt token ids, ignore_eos, greedy, a tiny random-weight Llama (6 layers x hidden 256), or a real
+model with `--model DIR`; `--dtype float32 bfloat16` runs both systems in each dtype.
 
 Reports output tok/s, TTFT, TPOT and ITL (p50/p99), the served/offline throughput ratio, and the
 split's added per-token latency (served ITL p50 minus the in-process step time). `--tracing` runs the
 served part with tracing off and on (OTEL_TRACES_SAMPLER=always_on, OTLP/gRPC to a receiver this
 script starts), alternating off/on for `--rounds` rounds so that run order does not bias the result,
-and prints the throughput cost from the per-mode medians. On a small CPU box the engine, the frontend and this
+and prints the throughput cost from the per-mode medians. `--api grpc openai` sends the same workload
+through the gRPC API and through the OpenAI-compatible HTTP API (`/v1/completions`, token-id prompts,
+`stream: true` over SSE, usage in the last chunk) of one frontend, alternating the two for `--rounds`
+rounds, and prints the HTTP/gRPC throughput ratio. For HTTP, TTFT and ITL are timed on SSE chunks and
+token counts come from the final usage chunk. On a small CPU box the engine, the frontend and this
 client share the cores: read the numbers as a ratio measured in one run.
 
     python bench/serve.py [--num-requests 64] [--concurrency 64] [--tracing [--rounds 3]]
+    python bench/serve.py --api grpc openai --rounds 3 --skip-offline
+    python bench/serve.py --model .tiny-models/SmolLM2-135M-Instruct --dtype float32 bfloat16 \
+        --num-requests 16 --max-len 128 --concurrency 16
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import signal
 import socket
@@ -36,12 +45,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import grpc  # noqa: E402
+import httpx2  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from offline import add_workload_args, build_model_and_workload, run_tandem  # noqa: E402
+from offline import add_workload_args, build_model_and_workload, describe_model, run_tandem  # noqa: E402
 from tandem.v1 import generation_pb2 as pb  # noqa: E402
 from tandem.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 START_TIMEOUT_S = 180.0
+APIS = ("grpc", "openai")
 
 
 def free_port() -> int:
@@ -66,25 +77,44 @@ def wait_serving(port: int, proc: subprocess.Popen[bytes], timeout: float = STAR
     raise RuntimeError(f"port {port} not SERVING after {timeout}s")
 
 
+def wait_http_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the frontend exited with {proc.returncode}")
+        try:
+            if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx2.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"HTTP port {port} not ready after {timeout}s")
+
+
 class Split:
     """An engine and a frontend process on free loopback ports (stopped with SIGTERM on exit)."""
 
-    def __init__(self, model_dir: Path, concurrency: int, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, model_dir: Path, concurrency: int, env: dict[str, str], log_dir: Path,
+                 dtype: str = "float32", http: bool = False) -> None:
         self.port = free_port()
+        self.http_port = free_port() if http else 0
         engine_port = free_port()
         common = {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
         full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, **common, **env}
         self.procs = [
             self._start(["engine_svc.server_cli", "--model", str(model_dir), "--host", "127.0.0.1",
-                         "--port", str(engine_port), "--dtype", "float32", "--metrics-port", "0",
+                         "--port", str(engine_port), "--dtype", dtype, "--metrics-port", "0",
                          "--log-level", "WARNING"], full_env, log_dir / "engine.log"),
             self._start(["frontend_svc.cli", "--model", str(model_dir), "--engine", f"127.0.0.1:{engine_port}",
                          "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "0",
-                         "--max-concurrent-requests", str(max(concurrency, 1) * 2), "--log-level", "WARNING"],
+                         "--max-concurrent-requests", str(max(concurrency, 1) * 2), "--log-level", "WARNING",
+                         *(["--http-port", str(self.http_port)] if http else [])],
                         full_env, log_dir / "frontend.log"),
         ]
         wait_serving(engine_port, self.procs[0])
         wait_serving(self.port, self.procs[1])
+        if http:
+            wait_http_ready(self.http_port, self.procs[1])
 
     @staticmethod
     def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -124,32 +154,83 @@ async def _drive(port: int, work: list[tuple[list[int], int]], concurrency: int)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         await _one(stub, work[0][0], 4)  # warm-up
-        pending = list(reversed(work))
-        results: list[dict[str, Any]] = []
+        return await _run_workers(lambda prompt, out: _one(stub, prompt, out), work, concurrency)
 
-        async def worker() -> None:
-            while pending:
-                prompt, out = pending.pop()
-                results.append(await _one(stub, prompt, out))
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(work)))))
-        elapsed = time.perf_counter() - t0
+async def _one_http(client: httpx2.AsyncClient, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed /v1/completions request; arrivals are SSE chunks with text, tokens from usage."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                arrivals.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    ttft = arrivals[0] - start
+    e2e = arrivals[-1] - start
+    itl = [b - a for a, b in itertools.pairwise(arrivals)]
+    tpot = (e2e - ttft) / (tokens - 1) if tokens > 1 else 0.0
+    return {"tokens": tokens, "ttft": ttft, "e2e": e2e, "itl": itl, "tpot": tpot}
+
+
+async def _drive_http(port: int, work: list[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
+    limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
+                                  timeout=httpx2.Timeout(600.0)) as client:
+        await _one_http(client, work[0][0], 4)  # warm-up
+        return await _run_workers(lambda prompt, out: _one_http(client, prompt, out), work, concurrency)
+
+
+async def _run_workers(one: Any, work: list[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
+    pending = list(reversed(work))
+    results: list[dict[str, Any]] = []
+
+    async def worker() -> None:
+        while pending:
+            prompt, out = pending.pop()
+            results.append(await one(prompt, out))
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(work)))))
+    elapsed, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = sum(r["tokens"] for r in results)
     assert tokens == sum(out for _, out in work), "the split produced a different number of tokens"
     itl = [x for r in results for x in r["itl"]]
-    return {"elapsed": elapsed, "tokens": tokens, "tok_s": tokens / elapsed,
+    return {"elapsed": elapsed, "tokens": tokens, "tok_s": tokens / elapsed, "client_cpu": client_cpu,
             "ttft": [r["ttft"] for r in results], "tpot": [r["tpot"] for r in results], "itl": itl}
 
 
 def run_served(model_dir: Path, work: list[tuple[list[int], int]], concurrency: int,
-               env: dict[str, str]) -> dict[str, Any]:
+               env: dict[str, str], dtype: str = "float32") -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as logs:
-        split = Split(model_dir, concurrency, env, Path(logs))
+        split = Split(model_dir, concurrency, env, Path(logs), dtype)
         try:
             return asyncio.run(_drive(split.port, work, concurrency))
         finally:
             split.stop()
+
+
+def run_apis(model_dir: Path, work: list[tuple[list[int], int]], concurrency: int, rounds: int,
+             dtype: str = "float32") -> dict[str, list[dict[str, Any]]]:
+    """gRPC and HTTP/SSE against one frontend (HTTP on), alternating for `rounds` rounds."""
+    runs: dict[str, list[dict[str, Any]]] = {"split, gRPC": [], "split, OpenAI HTTP/SSE": []}
+    with tempfile.TemporaryDirectory() as logs:
+        split = Split(model_dir, concurrency, {}, Path(logs), dtype, http=True)
+        try:
+            for _ in range(rounds):
+                runs["split, gRPC"].append(asyncio.run(_drive(split.port, work, concurrency)))
+                runs["split, OpenAI HTTP/SSE"].append(asyncio.run(_drive_http(split.http_port, work, concurrency)))
+        finally:
+            split.stop()
+    return runs
 
 
 def pct(values: list[float], q: float) -> float:
@@ -170,34 +251,56 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=64, help="concurrent client streams")
     ap.add_argument("--tracing", action="store_true", help="also run the split with tracing on")
-    ap.add_argument("--rounds", type=int, default=3, help="with --tracing: off/on pairs to alternate")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with --tracing: off/on pairs to alternate; with --api grpc openai: gRPC/HTTP pairs")
+    ap.add_argument("--api", nargs="+", choices=APIS, default=["grpc"],
+                    help="the public API(s) to drive; 'grpc openai' compares them on one frontend")
     ap.add_argument("--skip-offline", action="store_true")
     add_workload_args(ap)
     args = ap.parse_args()
+    if "openai" in args.api and args.tracing:
+        ap.error("--tracing and --api openai are separate comparisons: run them one at a time")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, work = build_model_and_workload(tmp, args)
         print(f"workload: {len(work)} requests, prompt+output lengths U[{args.min_len},{args.max_len}], "
-              f"model {args.num_layers}L x {args.hidden_size}, {os.cpu_count()} CPUs, "
-              f"concurrency {args.concurrency}")
-        offline = None if args.skip_offline else run_tandem(model_dir, work, 1)
-        runs: dict[str, list[dict]] = {"split, tracing off": [], "split, tracing on": []}
-        spans = 0
-        if args.tracing:
-            from tests.observability.otlp_receiver import OtlpReceiver
+              f"model {describe_model(model_dir, args)}, {os.cpu_count()} CPUs, concurrency {args.concurrency}")
+        for dtype in args.dtype:
+            report(dtype, *measure(model_dir, work, args, dtype), args)
+    return 0
 
-            with OtlpReceiver() as receiver:
-                env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
-                       "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "always_on"}
-                for _ in range(args.rounds):  # alternate, so neither mode always runs first
-                    runs["split, tracing off"].append(run_served(model_dir, work, args.concurrency, {}))
-                    runs["split, tracing on"].append(run_served(model_dir, work, args.concurrency, env))
-                spans = len(receiver.spans())
-        else:
-            runs["split, tracing off"].append(run_served(model_dir, work, args.concurrency, {}))
-        served = {name: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for name, rs in runs.items() if rs}
 
-    print("\n| system | output tok/s | elapsed s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | "
+def measure(model_dir: Path, work: list[tuple[list[int], int]], args: argparse.Namespace,
+            dtype: str) -> tuple[dict[str, Any] | None, dict[str, list[dict[str, Any]]], int]:
+    """(offline result, served runs by mode, spans received) for one dtype."""
+    offline = None if args.skip_offline else run_tandem(model_dir, work, 1, dtype)
+    if "openai" in args.api:
+        runs = run_apis(model_dir, work, args.concurrency, args.rounds, dtype)
+        if "grpc" not in args.api:
+            del runs["split, gRPC"]
+        return offline, runs, 0
+    runs = {"split, tracing off": [], "split, tracing on": []}
+    spans = 0
+    if args.tracing:
+        from tests.observability.otlp_receiver import OtlpReceiver
+
+        with OtlpReceiver() as receiver:
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+                   "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "always_on"}
+            for _ in range(args.rounds):  # alternate, so neither mode always runs first
+                runs["split, tracing off"].append(run_served(model_dir, work, args.concurrency, {}, dtype))
+                runs["split, tracing on"].append(run_served(model_dir, work, args.concurrency, env, dtype))
+            spans = len(receiver.spans())
+    else:
+        runs["split, tracing off"].append(run_served(model_dir, work, args.concurrency, {}, dtype))
+    return offline, runs, spans
+
+
+def report(dtype: str, offline: dict[str, Any] | None, runs: dict[str, list[dict[str, Any]]], spans: int,
+           args: argparse.Namespace) -> None:
+    served = {name: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for name, rs in runs.items() if rs}
+    print(f"\n{dtype}:\n")
+    print("| system | output tok/s | elapsed s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | "
           "ITL p99 ms |")
     print("|---|---|---|---|---|---|---|---|")
     if offline is not None:
@@ -205,6 +308,9 @@ def main() -> int:
               f"{offline.get('step_ms', float('nan')):.2f} (step) | - |")
     for name, r in served.items():
         print(row(name, r))
+    if "split, OpenAI HTTP/SSE" in served:
+        report_apis(offline, runs, served)
+        return
     base = served["split, tracing off"]
     if offline is not None:
         print(f"\nserved / offline throughput = {base['tok_s'] / offline['tok_s']:.2f}")
@@ -217,7 +323,21 @@ def main() -> int:
                           for a, b in zip(runs["split, tracing off"], runs["split, tracing on"]))
         print(f"tracing overhead (throughput, medians of {args.rounds} alternating rounds) = "
               f"{100 * (1 - on['tok_s'] / base['tok_s']):.1f}% (per round: {pairs}; {spans} spans received)")
-    return 0
+
+
+def report_apis(offline: dict[str, Any] | None, runs: dict[str, list[dict[str, Any]]],
+                served: dict[str, dict[str, Any]]) -> None:
+    http = served["split, OpenAI HTTP/SSE"]
+    if offline is not None:
+        print(f"\nHTTP/SSE served / offline throughput = {http['tok_s'] / offline['tok_s']:.2f}")
+    if "split, gRPC" in served:
+        pairs = ", ".join(f"{b['tok_s'] / a['tok_s']:.2f}"
+                          for a, b in zip(runs["split, gRPC"], runs["split, OpenAI HTTP/SSE"]))
+        print(f"HTTP/SSE / gRPC throughput (medians of {len(runs['split, gRPC'])} alternating rounds) = "
+              f"{http['tok_s'] / served['split, gRPC']['tok_s']:.2f} (per round: {pairs})")
+    cpu = ", ".join(f"{name.removeprefix('split, ')} {statistics.median(r['client_cpu'] for r in rs):.2f} s"
+                    for name, rs in runs.items())
+    print(f"benchmark client CPU per run (it shares the cores with the services): {cpu}")
 
 
 if __name__ == "__main__":

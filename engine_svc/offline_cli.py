@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from frontend_svc.sampling_params import SamplingParams
 
     cfg = config_from_args(args)
-    engine_args = {k: v for k, v in vars(cfg).items() if k not in ("model", "architecture")}
+    engine_args = {k: v for k, v in vars(cfg).items() if k not in ("model", "architecture", "model_dtype")}
     t0 = time.perf_counter()
     llm = LLM(cfg.model, **engine_args)
     print(f"loaded {cfg.model_name} ({cfg.architecture}, {cfg.torch_dtype_name} on {cfg.device}) "

@@ -3,11 +3,18 @@
   tandem serve --model DIR [engine flags...] [--port 50050] [--engine-port 50051]
 
 Starts `tandem-engine` (on 127.0.0.1:--engine-port, with every flag this command does not know) and
-`tandem-frontend` (on --host:--port) as two child processes, waits until the frontend's health is
+`tandem-frontend` (on --host:--port, and the OpenAI-compatible HTTP API on --host:--http-port, default
+8000; 0 turns it off) as two child processes, waits until the frontend's health is
 SERVING, prints the address, and then waits. SIGINT/SIGTERM are forwarded to both (each drains and
 exits); a second signal is forwarded too (immediate exit). If either child dies, the other is stopped
 and the exit status is non-zero. Children die with this process (PR_SET_PDEATHSIG on Linux), so none
 is ever orphaned.
+
+Security: --ssl-certfile/--ssl-keyfile/--ssl-ca-certs, --api-key/--api-key-file (or $TANDEM_API_KEY)
+go to the frontend, which is the only public port. The engine stays plaintext on loopback (nothing
+off the host can reach it); --engine-token-file (given to both) keeps other local users off it too.
+With TLS on, the frontend also serves plaintext health (health status only, nothing else) on an extra
+port, which is what this command polls for readiness.
 """
 
 from __future__ import annotations
@@ -30,13 +37,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="the frontend's bind address")
     p.add_argument("--port", type=int, default=50050, help="the frontend's port (the public API)")
     p.add_argument("--engine-port", type=int, default=50051, help="the engine's port, on 127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the frontend's OpenAI-compatible HTTP API (0: off; docs/openai.md)")
     p.add_argument("--max-concurrent-requests", type=int, default=None)
     p.add_argument("--routing", default=None)
     p.add_argument("--metrics-port", type=int, default=0,
                    help="the frontend's Prometheus port (default 0: off, so nothing else on the host clashes)")
     p.add_argument("--engine-metrics-port", type=int, default=0, help="the engine's Prometheus port (0: off)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for SERVING")
+    s = p.add_argument_group("security (the frontend's public port; docs/security.md)")
+    s.add_argument("--ssl-certfile", default=None)
+    s.add_argument("--ssl-keyfile", default=None)
+    s.add_argument("--ssl-ca-certs", default=None, help="require client certificates from this CA")
+    s.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    s.add_argument("--api-key-file", default=None)
+    s.add_argument("--engine-token-file", default=None, help="token file given to both services")
+    s.add_argument("--health-port", type=int, default=None,
+                   help="the frontend's plaintext health port (default with TLS: a free port)")
     return p
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _frontend_security_args(args: argparse.Namespace) -> list[str]:
+    out: list[str] = []
+    for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "api_key_file", "engine_token_file",
+                 "health_port"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    for key in args.api_key:
+        out += ["--api-key", key]
+    return out
 
 
 def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[list[str], list[str]]:
@@ -44,13 +82,18 @@ def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[li
     engine = [sys.executable, "-m", "engine_svc.server_cli", "--model", args.model,
               "--host", "127.0.0.1", "--port", str(args.engine_port),
               "--metrics-port", str(args.engine_metrics_port), *engine_args]
+    if args.engine_token_file:
+        engine += ["--engine-token-file", args.engine_token_file]
+    if args.ssl_certfile and args.health_port is None:
+        args.health_port = _free_port()
     frontend = [sys.executable, "-m", "frontend_svc.cli", "--model", args.model,
                 "--engine", f"127.0.0.1:{args.engine_port}", "--host", args.host, "--port", str(args.port),
-                "--metrics-port", str(args.metrics_port)]
+                "--metrics-port", str(args.metrics_port), "--http-port", str(args.http_port)]
     if args.max_concurrent_requests is not None:
         frontend += ["--max-concurrent-requests", str(args.max_concurrent_requests)]
     if args.routing is not None:
         frontend += ["--routing", args.routing]
+    frontend += _frontend_security_args(args)
     return engine, frontend
 
 
@@ -104,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, forward)
     children.append(spawn(engine_cmd))
     children.append(spawn(frontend_cmd))
-    address = f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    address = f"{host}:{args.health_port if args.health_port else args.port}"  # plaintext health
     failed = False
     if wait_serving(address, children, args.startup_timeout, signals):
-        print(f"tandem is serving tandem.v1.GenerationService on {args.host}:{args.port} "
+        http = f", the OpenAI API on {args.host}:{args.http_port}" if args.http_port else ""
+        print(f"tandem is serving tandem.v1.GenerationService on {args.host}:{args.port}{http} "
               f"(engine on 127.0.0.1:{args.engine_port}); Ctrl-C stops it", flush=True)
     elif not signals:
         print("tandem serve: the services did not become ready; stopping", file=sys.stderr)

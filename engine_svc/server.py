@@ -2,7 +2,15 @@
 
 Each `Connect` stream gets an id and an asyncio queue. The busy loop delivers one `EngineCoreOutputs`
 per step per stream (thread-safe hand-off onto the event loop); the stream's writer converts it to
-protobuf here, off the busy loop, and coalesces steps that queued up while it was writing.
+protobuf here, off the busy loop, and coalesces steps that queued up while it was writing - into
+messages of at most `COALESCE_TARGET_BYTES` (or the configured maximum message size, if smaller), so a
+slow reader gets more, smaller messages, never one its channel refuses (which would end the stream
+and every request on it). A single request's output larger than the maximum is replaced by an
+INVALID_ARGUMENT error for that request alone.
+
+Security (docs/security.md): TLS / mutual TLS from `ServerTls` (certificates re-read on change or
+SIGHUP); with an engine token every call but health needs `authorization: Bearer <token>`. The port is
+bound exclusively (no SO_REUSEPORT): a second engine on a taken port fails to start.
 
 Health (`grpc.health.v1`): "" and `tandem.engine.v1.EngineCoreService` are NOT_SERVING until the model is
 loaded and the KV cache allocated, and again while draining; `liveness` stays SERVING until the process
@@ -12,6 +20,7 @@ exits (so a Kubernetes liveness probe never kills a draining pod).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import uuid
@@ -23,6 +32,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
+from tandem.link import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES, SERVER_PING_OPTIONS, message_size_options
+from tandem.security.auth import AuthInterceptor, KeySet
+from tandem.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
+from tandem.security.tls import ServerTls
 
 from engine_svc import wire
 from engine_svc.busy_loop import BusyLoop
@@ -38,19 +51,18 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCoreService"].full_name
 LIVENESS = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+COALESCE_TARGET_BYTES = 4 * 1024 * 1024
+DEFAULT_WAITING_PER_SEQ = 4  # --max-waiting default: 4 x --max-num-seqs
 
-# Long-lived streams between frontend and engine sit idle for long stretches: keep them alive with
-# pings, and let clients ping without data (their keepalive settings mirror these).
-SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Long-lived streams between frontend and engine sit idle for long stretches: keep them alive with
+    pings, and let clients ping without data (both ends take these from `tandem.link`)."""
+    return [*KEEPALIVE_OPTIONS, *SERVER_PING_OPTIONS, *message_size_options(max_message_bytes), NO_REUSEPORT]
+
+
+def default_max_waiting(max_num_seqs: int) -> int:
+    return DEFAULT_WAITING_PER_SEQ * max_num_seqs
 
 
 @dataclass
@@ -59,9 +71,12 @@ class _Stream:
 
 
 class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
-    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.config = config
         self.loop = loop
+        self.max_message_bytes = max_message_bytes
+        self.message_budget = min(COALESCE_TARGET_BYTES, max_message_bytes)
         self.engine_id = uuid.uuid4().hex[:12]
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count(1)
@@ -84,15 +99,19 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         stream = _Stream(asyncio.Queue())
         self._streams[sid] = stream
         reader = asyncio.create_task(self._read_inputs(sid, request_iterator))
+        on_oversized = functools.partial(self._drop_oversized, sid)
         try:
             while True:
                 item = await stream.queue.get()
                 if item is None:
                     return
-                item = self._coalesce(item, stream.queue)
+                steps = self._take_queued(item, stream.queue)
                 if self.spans is not None:
-                    self.spans.observe(item)
-                yield wire.outputs_to_pb(item)
+                    for step in steps:
+                        self.spans.observe(step)
+                for message in wire.pack_outputs(steps, self.message_budget, self.max_message_bytes,
+                                                 on_oversized):
+                    yield message
         finally:
             reader.cancel()
             if self.spans is not None:
@@ -101,20 +120,24 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             busy.close_stream(sid)  # type: ignore[union-attr]
 
     @staticmethod
-    def _coalesce(first: EngineCoreOutputs, q: asyncio.Queue[EngineCoreOutputs | None]) -> EngineCoreOutputs:
-        """Merge steps that queued while the previous message was being written (order preserved)."""
-        if q.empty():
-            return first
-        outs = list(first.outputs)
-        last = first
+    def _take_queued(first: EngineCoreOutputs, q: asyncio.Queue[EngineCoreOutputs | None]) -> list[EngineCoreOutputs]:
+        """`first` and the steps that queued behind it while the previous message was written (in order;
+        an end-of-stream marker stays queued)."""
+        steps = [first]
         while not q.empty():
             nxt = q.get_nowait()
             if nxt is None:
                 q.put_nowait(None)
                 break
-            outs.extend(nxt.outputs)
-            last = nxt
-        return EngineCoreOutputs(outputs=outs, scheduler_stats=last.scheduler_stats, timestamp=last.timestamp)
+            steps.append(nxt)
+        return steps
+
+    def _drop_oversized(self, sid: int, request_id: str) -> None:
+        """A request's output could not be sent (larger than the maximum message): stop it."""
+        logger.warning("stream %d: a request's output exceeded --max-message-bytes (%d); aborting it",
+                       sid, self.max_message_bytes)
+        if self.busy is not None:
+            self.busy.abort(sid, [request_id])
 
     async def _read_inputs(self, sid: int, request_iterator: AsyncIterator[pb.EngineCoreInput]) -> None:
         """Feed the stream's adds and aborts to the busy loop. If reading fails, the stream is ended (its
@@ -146,7 +169,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
         cfg = self.config
         return pb.EngineInfo(
-            model_name=cfg.model_name, max_model_len=int(cfg.max_model_len or 0),
+            model_name=cfg.model_name, max_model_len=core.max_model_len,  # type: ignore[union-attr]
             vocab_size=core.vocab_size, block_size=cfg.block_size, num_blocks=core.num_blocks,  # type: ignore[union-attr]
             tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.torch_dtype_name,
             enable_prefix_caching=cfg.enable_prefix_caching, max_num_seqs=cfg.max_num_seqs,
@@ -165,15 +188,27 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
 class EngineServer:
     """Owns the gRPC server, the busy loop and the health states; `run()` returns the exit code."""
 
-    def __init__(self, config: EngineConfig, *, host: str = "0.0.0.0", port: int = 50051,
+    def __init__(self, config: EngineConfig, *, host: str = "127.0.0.1", port: int = 50051,
                  max_waiting: int | None = None, drain_grace_s: float = 45.0,
-                 executor: object | None = None, telemetry: EngineTelemetry | None = None) -> None:
+                 executor: object | None = None, telemetry: EngineTelemetry | None = None,
+                 tls: ServerTls | None = None, tokens: KeySet | None = None, health_port: int = 0,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        """`max_waiting`: None = 4 x max_num_seqs, a negative value = unbounded. `tokens`: the engine
+        tokens a caller must present (None: no token needed)."""
         self.config = config
         self.telemetry = telemetry or EngineTelemetry()
-        self.address = f"{host}:{port}"
-        self.max_waiting = max_waiting
+        self.host, self.port = host, port
+        self.address = join_host_port(host, port)
+        if max_waiting is None:
+            max_waiting = default_max_waiting(config.max_num_seqs)
+        self.max_waiting: int | None = max_waiting if max_waiting >= 0 else None
         self.drain_grace_s = drain_grace_s
         self.executor = executor
+        self.tls = tls
+        self.tokens = tokens
+        self.health_port_requested = health_port
+        self.health_port = 0
+        self.max_message_bytes = max_message_bytes
         self.exit_code = 0
         self.bound_port = 0
         self.servicer: EngineCoreServicer | None = None
@@ -181,21 +216,38 @@ class EngineServer:
         self._draining = False
 
     async def run(self, ready: asyncio.Event | None = None) -> int:
+        """Serve until drained or stopped; returns the exit code. Raises BindError (after stopping the TP
+        workers) when the port cannot be bound."""
         loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Future[None]] = set()
         self.health = health.aio.HealthServicer()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, NOT_SERVING)
         await self.health.set(LIVENESS, SERVING)
-        self.servicer = EngineCoreServicer(self.config, loop)
+        self.servicer = EngineCoreServicer(self.config, loop, self.max_message_bytes)
         self.servicer.spans = self.telemetry.spans
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = [AuthInterceptor(self.tokens)] if self.tokens is not None else []
+        server = grpc.aio.server(options=server_options(self.max_message_bytes), interceptors=interceptors)
         pb_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        self.bound_port = server.add_insecure_port(self.address)
+        health_server = None
+        try:
+            self.bound_port = add_port(server, self.host, self.port, self.tls)
+            if self.health_port_requested:
+                health_server, self.health_port = await start_health_server(
+                    self.health, self.host, self.health_port_requested)
+        except Exception:
+            if self.executor is not None:
+                self.executor.shutdown()  # type: ignore[attr-defined]
+            raise
         await server.start()
-        logger.info("engine gRPC listening on %s (loading model...)", self.address)
+        transport = "plaintext" if self.tls is None else (
+            "mutual TLS" if self.tls.require_client_auth else "TLS")
+        logger.info("engine gRPC listening on %s (%s, %s%s; loading model...)",
+                    join_host_port(self.host, self.bound_port), transport,
+                    "token required" if self.tokens is not None else "no token",
+                    f", plaintext health on port {self.health_port}" if self.health_port else "")
         if ready is not None:
             ready.set()
 
@@ -205,6 +257,8 @@ class EngineServer:
         metrics = self.telemetry.metrics
         if self._done.is_set():  # told to stop before the model started loading
             await server.stop(grace=0)
+            if health_server is not None:
+                await health_server.stop(grace=None)
             if self.executor is not None:
                 self.executor.shutdown()  # type: ignore[attr-defined]
             return self.exit_code
@@ -218,7 +272,16 @@ class EngineServer:
         busy.start()
         await self._done.wait()
         await self._shutdown(server, busy)
+        if health_server is not None:
+            await health_server.stop(grace=None)
         return self.exit_code
+
+    def reload_credentials(self) -> None:
+        """SIGHUP: re-read the TLS certificates and the token file."""
+        if self.tls is not None:
+            self.tls.reload()
+        if self.tokens is not None:
+            self.tokens.reload()
 
     def _make_core(self) -> EngineCore:
         return EngineCore(self.config, executor=self.executor)  # type: ignore[arg-type]

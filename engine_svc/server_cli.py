@@ -3,7 +3,12 @@
 Start-up order matters: TP worker processes are spawned before any gRPC object exists (gRPC core is not
 fork-safe); then the server starts with health NOT_SERVING; then the model loads and the KV cache is
 allocated on the busy-loop thread, and health turns SERVING. SIGTERM/SIGINT drain; a second one exits
-at once. Exit code 0 after a drain, non-zero after a fatal engine error.
+at once. Exit code 0 after a drain, non-zero after a fatal engine error or when the port is taken.
+SIGHUP re-reads the TLS certificates and the token file.
+
+It listens on 127.0.0.1 unless --host says otherwise (Kubernetes passes the pod IP). Only frontends
+should reach it: give both sides --engine-token-file, and/or serve mutual TLS (--ssl-certfile,
+--ssl-keyfile, --ssl-ca-certs); see docs/security.md.
 """
 
 from __future__ import annotations
@@ -11,8 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
+
+from tandem.link import MAX_MESSAGE_BYTES
+from tandem.security.flags import SERVER, add_engine_token_arg, add_tls_args, tls_files
+from tandem.security.listen import BindError
+from tandem.security.tls import TlsConfigError
+from tandem.signals import ServiceSignals
 
 from engine_svc.config import ConfigError, add_engine_args, config_from_args
 
@@ -21,16 +31,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem-engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default loopback; in Kubernetes the pod IP)")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--metrics-port", type=int, default=9091,
-                        help="Prometheus /metrics port (0 disables)")
+                        help="Prometheus /metrics port, on --host (0 disables)")
     parser.add_argument("--max-waiting", type=int, default=None,
-                        help="admission limit: requests beyond this many waiting get RESOURCE_EXHAUSTED")
+                        help="admission limit: requests the next step cannot seat beyond this many get "
+                             "RESOURCE_EXHAUSTED (default: 4 x --max-num-seqs; -1: unbounded)")
     parser.add_argument("--drain-grace-period", type=float, default=45.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+                        help="largest gRPC message sent or received; queued outputs are split below it")
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="also serve grpc.health.v1 (only) in plaintext on this port, for probes "
+                             "that cannot do TLS (0: off)")
     parser.add_argument("--log-level", default="INFO")
+    security = parser.add_argument_group("security (docs/security.md)")
+    add_tls_args(security, side=SERVER, peer="frontends")
+    add_engine_token_arg(security, SERVER)
     return parser
+
+
+def _security(args: argparse.Namespace) -> tuple[object, object]:
+    """(ServerTls or None, KeySet or None) from the flags; raises ValueError with the flag's name."""
+    from tandem.security.auth import KeySet
+    from tandem.security.tls import server_tls
+
+    tls = server_tls(tls_files(args))
+    tokens = None
+    if args.engine_token_file:
+        tokens = KeySet.from_sources((), args.engine_token_file, env_var=None, name="engine token")
+    return tls, tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,37 +70,36 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
-    except ConfigError as exc:
+        security = _security(args)
+    except (ConfigError, TlsConfigError, ValueError) as exc:
         print(f"tandem-engine: {exc}", file=sys.stderr)
         return 2
     from engine_svc.executor.base import make_executor
 
     executor = make_executor(config)  # spawns TP workers now, before gRPC exists
-    return asyncio.run(_serve(config, args, executor))
+    try:
+        return asyncio.run(_serve(config, args, executor, security))
+    except BindError as exc:
+        print(f"tandem-engine: {exc}", file=sys.stderr)
+        return 1
 
 
-async def _serve(config, args: argparse.Namespace, executor) -> int:
+async def _serve(config, args: argparse.Namespace, executor, security) -> int:
     from engine_svc.server import EngineServer
     from engine_svc.telemetry import EngineTelemetry
 
+    tls, tokens = security
     telemetry = EngineTelemetry.from_env(config.model_name, args.metrics_port, args.host)
     server = EngineServer(config, host=args.host, port=args.port, max_waiting=args.max_waiting,
-                          drain_grace_s=args.drain_grace_period, executor=executor, telemetry=telemetry)
-    loop = asyncio.get_running_loop()
-    signals = {"count": 0}
-
-    def on_signal() -> None:
-        signals["count"] += 1
-        if signals["count"] == 1:
-            server.begin_drain()
-        else:
-            server.force_exit()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+                          drain_grace_s=args.drain_grace_period, executor=executor, telemetry=telemetry,
+                          tls=tls, tokens=tokens, health_port=args.health_port,
+                          max_message_bytes=args.max_message_bytes)
+    signals = ServiceSignals(drain=server.begin_drain, stop=server.force_exit, reload=server.reload_credentials)
+    signals.install()
     try:
-        return await server.run()
+        return max(await server.run(), signals.exit_code)
     finally:
+        signals.remove()
         telemetry.shutdown()  # flush the last spans
 
 

@@ -5,7 +5,17 @@
 
 The model directory is read for its tokenizer and config.json only. Health turns SERVING once an
 engine serving the same vocabulary is connected. SIGTERM/SIGINT drain (new calls get UNAVAILABLE,
-running ones may finish within --drain-grace-period) and exit 0; a second signal exits at once.
+running ones may finish within --drain-grace-period) and exit 0; a second signal stops at once and
+exits 1. SIGHUP re-reads the TLS certificates and the API key file (docs/security.md).
+
+Security: --ssl-certfile/--ssl-keyfile serve TLS (with --ssl-ca-certs: clients must present a
+certificate from that CA); --api-key (repeatable), --api-key-file or $TANDEM_API_KEY require
+`authorization: Bearer <key>` on every call but health; --engine-ssl-* and --engine-token-file secure
+the link to the engines. A port that is taken is an error (exit 1), never shared.
+
+OpenAI-compatible HTTP API: --http-port serves /v1/completions, /v1/chat/completions, /v1/models and
+/health on its own port (off by default; `tandem serve` turns it on), with the same API keys and TLS
+files as the gRPC port, and drains with it (docs/openai.md).
 """
 
 from __future__ import annotations
@@ -13,8 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
+import os
 import sys
+
+from tandem.security.auth import API_KEY_ENV
+from tandem.security.flags import CLIENT, SERVER, add_engine_token_arg, add_tls_args, tls_files
+from tandem.security.listen import BindError
+from tandem.signals import ServiceSignals
 
 from frontend_svc.config import ROUTING_POLICIES, ConfigError, FrontendConfig, parse_engine_list
 
@@ -29,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50050)
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0 disables)")
     p.add_argument("--max-concurrent-requests", type=int, default=512,
-                   help="Generate calls in flight; beyond this RESOURCE_EXHAUSTED")
+                   help="completions in flight (a Generate call with n counts n); beyond this "
+                        "RESOURCE_EXHAUSTED")
     p.add_argument("--routing", choices=ROUTING_POLICIES, default="least-load")
     p.add_argument("--drain-grace-period", type=float, default=45.0,
                    help="seconds running calls may continue after SIGTERM")
@@ -38,8 +54,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap the context window (default: the engines' / config.json's)")
     p.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request message accepted (larger: RESOURCE_EXHAUSTED)")
+    p.add_argument("--tokenizer-threads", type=int, default=0,
+                   help="threads that tokenize and render chats off the event loop (0: min(4, CPUs))")
+    p.add_argument("--health-port", type=int, default=0,
+                   help="also serve grpc.health.v1 (only) in plaintext on this port, for probes that "
+                        "cannot do TLS (0: off)")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="also serve the OpenAI-compatible HTTP API on this port (0: off; docs/openai.md)")
     p.add_argument("--log-level", default="INFO")
+    add_security_args(p)
     return p
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("security (docs/security.md)")
+    add_tls_args(s, side=SERVER, peer="clients")
+    s.add_argument("--api-key", action="append", default=[],
+                   help=f"accepted API key (repeatable; also ${API_KEY_ENV}); clients send "
+                        "'authorization: Bearer <key>'")
+    s.add_argument("--api-key-file", default=None,
+                   help="file with one accepted API key per line (re-read when it changes)")
+    add_tls_args(s, "--engine-ssl", side=CLIENT, peer="engines")
+    s.add_argument("--engine-ssl-server-name", default=None,
+                   help="the name the engines' certificates carry (default: the host of --engine, e.g. "
+                        "the DNS name of a dns:/// target)")
+    add_engine_token_arg(s, CLIENT)
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
@@ -48,8 +87,17 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         metrics_port=args.metrics_port, max_concurrent_requests=args.max_concurrent_requests,
         routing=args.routing, drain_grace_s=args.drain_grace_period,
         served_model_name=args.served_model_name, max_model_len=args.max_model_len,
-        max_message_bytes=args.max_message_bytes,
+        max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,
+        health_port=args.health_port, http_port=args.http_port,
+        tls=tls_files(args), engine_tls=tls_files(args, "--engine-ssl"),
+        api_keys=tuple(args.api_key) + _env_keys(), api_key_file=args.api_key_file,
+        engine_token_file=args.engine_token_file, engine_ssl_server_name=args.engine_ssl_server_name,
     )
+
+
+def _env_keys() -> tuple[str, ...]:
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    return (key,) if key else ()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,25 +117,19 @@ async def _serve(config: FrontendConfig) -> int:
 
     telemetry = FrontendTelemetry.from_env(config.model_name, config.metrics_port, config.host)
     server = FrontendServer(config, telemetry=telemetry)
-    loop = asyncio.get_running_loop()
-    signals = {"count": 0}
-    tasks: list[asyncio.Task[None]] = []
-
-    def on_signal() -> None:
-        signals["count"] += 1
-        if signals["count"] == 1:
-            tasks.append(loop.create_task(server.drain()))
-        else:
-            tasks.append(loop.create_task(server.stop()))
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+    signals = ServiceSignals(drain=server.drain, stop=server.stop, reload=server.reload_credentials)
+    signals.install()
     try:
         await server.start()
         await server.wait_stopped()
+    except BindError as exc:
+        print(f"tandem-frontend: {exc}", file=sys.stderr)
+        await server.stop()
+        return 1
     finally:
+        signals.remove()
         telemetry.shutdown()  # flush the last spans
-    return 0
+    return signals.exit_code
 
 
 if __name__ == "__main__":

@@ -9,11 +9,16 @@
 and sampling options by their `tandem.v1.SamplingParams` names (`stop` may be a string). It returns
 the server stream: an iterator of `GenerateResponse` (cancel it with `.cancel()`). `AsyncTandemClient`
 is the same over grpc.aio. Only grpc and the generated protos are imported (no tokenizer, no torch).
+
+Security: `ssl_ca_certs=` (verify the server; system roots when only `tls=True`), `ssl_certfile=` +
+`ssl_keyfile=` (a client certificate for mutual TLS) and `api_key=` (sent as `authorization: Bearer`
+on every call).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,6 +26,26 @@ from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 ChatMessages = Sequence[Mapping[str, str]]
+
+
+def channel_credentials(ssl_ca_certs: str | None = None, ssl_certfile: str | None = None,
+                        ssl_keyfile: str | None = None) -> grpc.ChannelCredentials:
+    """TLS credentials from PEM files (None: the system's roots / no client certificate)."""
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    return grpc.ssl_channel_credentials(read(ssl_ca_certs), read(ssl_keyfile), read(ssl_certfile))
+
+
+def _security(kwargs: dict[str, Any]) -> tuple[grpc.ChannelCredentials | None, tuple[tuple[str, str], ...]]:
+    """(channel credentials or None, call metadata) from a client's security keyword arguments."""
+    files = {k: kwargs.pop(k, None) for k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")}
+    tls = kwargs.pop("tls", False) or any(files.values())
+    api_key = kwargs.pop("api_key", None)
+    if kwargs:
+        raise TypeError(f"unknown client options: {', '.join(kwargs)}")
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return (channel_credentials(**files) if tls else None), metadata
 
 
 def sampling_params(**options: Any) -> pb.SamplingParams:
@@ -76,20 +101,29 @@ def tokenize_request(text: str | None = None, chat: ChatMessages | None = None,
 
 
 class TandemClient:
-    """Blocking client over one channel; use as a context manager or call `close()`."""
+    """Blocking client over one channel; use as a context manager or call `close()`.
 
-    def __init__(self, address: str = "localhost:50050", *, channel: grpc.Channel | None = None) -> None:
-        self.channel = channel or grpc.insecure_channel(address)
+    Options: `tls`, `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `api_key` (see the module doc)."""
+
+    def __init__(self, address: str = "localhost:50050", *, channel: grpc.Channel | None = None,
+                 **security: Any) -> None:
+        credentials, self.metadata = _security(security)
+        if channel is None:
+            channel = (grpc.secure_channel(address, credentials) if credentials is not None
+                       else grpc.insecure_channel(address))
+        self.channel = channel
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **kwargs: Any) -> Iterator[pb.GenerateResponse]:
         """Stream responses; kwargs: token_ids, chat, request_id, priority and sampling options."""
-        return self.stub.Generate(generate_request(prompt, **kwargs), timeout=timeout)  # type: ignore[no-any-return]
+        return self.stub.Generate(generate_request(prompt, **kwargs), timeout=timeout,  # type: ignore[no-any-return]
+                                  metadata=self.metadata)
 
     def tokenize(self, text: str | None = None, *, chat: ChatMessages | None = None,
                  add_special_tokens: bool | None = None, timeout: float | None = None) -> list[int]:
-        response = self.stub.Tokenize(tokenize_request(text, chat, add_special_tokens), timeout=timeout)
+        response = self.stub.Tokenize(tokenize_request(text, chat, add_special_tokens), timeout=timeout,
+                                      metadata=self.metadata)
         return list(response.token_ids)
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool | None = None,
@@ -97,10 +131,10 @@ class TandemClient:
         request = pb.DetokenizeRequest(token_ids=token_ids)
         if skip_special_tokens is not None:
             request.skip_special_tokens = skip_special_tokens
-        return str(self.stub.Detokenize(request, timeout=timeout).text)
+        return str(self.stub.Detokenize(request, timeout=timeout, metadata=self.metadata).text)
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -115,21 +149,27 @@ class TandemClient:
 class AsyncTandemClient:
     """The same over grpc.aio: `async for response in client.generate(...)`."""
 
-    def __init__(self, address: str = "localhost:50050", *, channel: grpc.aio.Channel | None = None) -> None:
-        self.channel = channel or grpc.aio.insecure_channel(address)
+    def __init__(self, address: str = "localhost:50050", *, channel: grpc.aio.Channel | None = None,
+                 **security: Any) -> None:
+        credentials, self.metadata = _security(security)
+        if channel is None:
+            channel = (grpc.aio.secure_channel(address, credentials) if credentials is not None
+                       else grpc.aio.insecure_channel(address))
+        self.channel = channel
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Any:
         """A grpc.aio stream call: iterate it with `async for`; `.cancel()` stops it."""
-        return self.stub.Generate(generate_request(prompt, **kwargs), timeout=timeout)
+        return self.stub.Generate(generate_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
 
     async def tokenize(self, text: str | None = None, *, chat: ChatMessages | None = None,
                        add_special_tokens: bool | None = None, timeout: float | None = None) -> list[int]:
-        response = await self.stub.Tokenize(tokenize_request(text, chat, add_special_tokens), timeout=timeout)
+        response = await self.stub.Tokenize(tokenize_request(text, chat, add_special_tokens), timeout=timeout,
+                                            metadata=self.metadata)
         return list(response.token_ids)
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

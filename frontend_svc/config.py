@@ -8,9 +8,13 @@ the engines.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tandem.security.tls import TlsConfigError, TlsFiles
+
+from frontend_svc.gguf_tokenizer import is_gguf, model_limits, read_metadata
 
 ROUTING_POLICIES = ("least-load", "prefix")
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -34,20 +38,32 @@ class FrontendConfig:
     max_model_len: int | None = None  # default: the engines' (or config.json's) context window
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     dns_refresh_s: float = 5.0
+    # Security (docs/security.md). TLS on the public port; mutual TLS when tls.ca_certs is given.
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    engine_tls: TlsFiles = field(default_factory=lambda: TlsFiles(prefix="--engine-ssl"))
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets: never in a repr or a log
+    api_key_file: str | None = None  # one key per line, re-read when it changes
+    engine_token_file: str | None = None  # the token sent to the engines on every call
+    engine_ssl_server_name: str | None = None  # the name engine certificates carry (default: target host)
+    health_port: int = 0  # plaintext grpc.health.v1 only (probes that cannot do TLS); 0 = off
+    tokenizer_threads: int = 0  # threads tokenizing off the event loop; 0 = min(4, CPUs)
+    http_port: int = 0  # the OpenAI-compatible HTTP API (frontend_svc/openai, docs/openai.md); 0 = off
 
     def __post_init__(self) -> None:
         path = Path(self.model)
-        if not path.is_dir():
-            raise ConfigError(f"--model {self.model!r} is not a directory: pass the model directory the "
+        if not path.is_dir() and not is_gguf(path):
+            raise ConfigError(f"--model {self.model!r} is not a directory or a .gguf file: pass the model the "
                               "engines serve (the frontend reads its tokenizer files and config.json)")
-        if not (path / "tokenizer.json").is_file():
+        if not is_gguf(path) and not (path / "tokenizer.json").is_file():
             raise ConfigError(f"--model {self.model!r} has no tokenizer.json (only fast tokenizers work)")
         if not self.engines or not all(isinstance(e, str) and e.strip() for e in self.engines):
             raise ConfigError("--engine needs at least one host:port or dns:///name:port target")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port", "http_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 65535], got {value}")
+        if self.http_port and self.http_port == self.port:
+            raise ConfigError(f"--http-port {self.http_port} is also --port: give the HTTP API its own port")
         if self.max_concurrent_requests < 1:
             raise ConfigError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
         if self.routing not in ROUTING_POLICIES:
@@ -60,13 +76,30 @@ class FrontendConfig:
             raise ConfigError(f"--max-message-bytes must be >= 1024, got {self.max_message_bytes}")
         if self.dns_refresh_s <= 0:
             raise ConfigError(f"dns_refresh_s must be > 0, got {self.dns_refresh_s}")
+        if self.tokenizer_threads < 0:
+            raise ConfigError(f"--tokenizer-threads must be >= 0, got {self.tokenizer_threads}")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        try:
+            self.tls.check_server()
+            self.engine_tls.check_client()
+        except TlsConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        for flag, path in (("--api-key-file", self.api_key_file), ("--engine-token-file", self.engine_token_file)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path!r} is not a readable file")
+        if any(not k.strip() for k in self.api_keys):
+            raise ConfigError("--api-key must not be empty")
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
     def hf_config(self) -> dict[str, Any]:
-        """The model's config.json ({} when it has none)."""
+        """The model's config.json ({} when it has none); a .gguf file's vocabulary and context size."""
+        if is_gguf(self.model):
+            return model_limits(read_metadata(self.model))
         path = Path(self.model) / "config.json"
         if not path.is_file():
             return {}

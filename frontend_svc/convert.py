@@ -43,7 +43,7 @@ def prompt_from_pb(request: pb.GenerateRequest) -> Prompt:
     if kind == "text":
         return str(request.text)
     if kind == "token_ids":
-        return list(request.token_ids.ids)
+        return request.token_ids.ids  # copied by the processor once its length is known to fit
     if kind == "chat":
         return chat_from_pb(request.chat)
     raise ValidationError.single("prompt", "set exactly one of text, token_ids or chat")

@@ -1,16 +1,24 @@
 """Incremental detokenization of generated tokens, one step at a time.
 
-Built on `tokenizers.decoders.DecodeStream`, which keeps a short window of ids and emits only the text
-that a new id completes. Invariants:
-- `add()` never returns a partial UTF-8 character: bytes of an unfinished character are withheld (the
-  stream keeps their ids) until a later token completes it.
-- The first generated token is decoded in the context of the prompt (the stream is primed with a short
-  prompt suffix), so tokenizers that drop or add a leading space at the start of a text (byte-level BPE,
-  SentencePiece's metaspace) produce the same text as decoding prompt + output together.
-- Per step cost is independent of the sequence length: nothing is re-decoded from the start.
-- `flush()` at the end of a completion returns the text of ids still withheld (a character the
-  completion never finished decodes to U+FFFD, as `tokenizer.decode` does), so the concatenated deltas
-  always equal the decode of all generated ids.
+The text of a completion is defined positionally, as vLLM's incremental detokenizer defines it:
+
+    text(output) == decode(prompt + output)[len(decode(prompt)):]
+
+so a completion never repeats prompt text, even when the prompt ends in the middle of a UTF-8 character
+(its U+FFFD stands for the prompt's bytes; an output token that completes the character adds no text).
+
+Algorithm (two offsets over a short id window, as in vLLM's `detokenize_incrementally`): the window starts
+with a suffix of the prompt; `prefix` is the text of the ids up to `read_offset` (already accounted for),
+and each step decodes the window and returns what lies past `len(prefix)`. Invariants:
+- `add()` never returns a partial UTF-8 character: while the window's text ends in U+FFFD (or does not
+  grow) nothing is returned and the ids stay in the window until a later token completes the text.
+- The window starts at a character boundary of the prompt (see `prompt_context`) and is trimmed after
+  each emission to the ids of that emission, so the per-step cost is independent of the sequence length
+  and the first generated token is decoded in the context of the prompt (leading-space rules of
+  byte-level BPE and SentencePiece decoders see the same text as a decode of prompt + output does).
+- `flush()` at the end of a completion returns the text still withheld (a character the completion
+  never finished decodes to U+FFFD, as `tokenizer.decode` does), so the concatenated deltas equal the
+  definition above exactly.
 """
 
 from __future__ import annotations
@@ -18,80 +26,65 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenizers.decoders import DecodeStream
-
 _REPLACEMENT_CHAR = "\ufffd"
 _MIN_PROMPT_CONTEXT = 4
 _MAX_PROMPT_CONTEXT = 24
-_EMITTED_TAIL = 4  # ids kept as context for decoding withheld ids at flush
 
 
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas for one completion."""
 
-    __slots__ = ("_backend", "_emitted", "_pending", "_skip_special", "_stream")
+    __slots__ = ("_decode", "_ids", "_prefix_len", "_read_offset", "_skip_special")
 
     def __init__(
         self, tokenizer_backend: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
     ) -> None:
         """`tokenizer_backend` is a `tokenizers.Tokenizer` (the fast tokenizer behind the wrapper)."""
-        self._backend = tokenizer_backend
-        context = prompt_context(tokenizer_backend, prompt_token_ids)
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._decode = tokenizer_backend.decode
         self._skip_special = skip_special_tokens
-        self._emitted: list[int] = context[-_EMITTED_TAIL:]  # last ids whose text was returned
-        self._pending: list[int] = []  # ids fed but withheld (they end mid-character)
+        self._ids: list[int] = prompt_context(tokenizer_backend, prompt_token_ids)
+        self._read_offset = len(self._ids)  # ids before it are accounted for in the returned text
+        self._prefix_len = len(self._decode(self._ids, skip_special_tokens=skip_special_tokens))
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed the newly generated ids; return the text they complete ("" if none yet)."""
         if not token_ids:
             return ""
-        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
-        try:
-            text = self._stream.step(self._backend, ids)
-        except Exception as exc:  # tokenizers can reject its own window (huggingface/tokenizers#1705)
-            if "Invalid prefix" not in str(exc):
-                raise
-            text = self._restart(ids)
-        if text is None:
-            self._pending.extend(ids)
+        self._ids.extend(token_ids)
+        text = self._decode(self._ids, skip_special_tokens=self._skip_special)
+        if len(text) <= self._prefix_len or text.endswith(_REPLACEMENT_CHAR):
             return ""
-        if self._pending:
-            ids = self._pending + ids
-            self._pending = []
-        self._emitted = (self._emitted + ids)[-_EMITTED_TAIL:]
-        return text
-
-    def _restart(self, ids: list[int]) -> str | None:
-        """A fresh stream primed with the last emitted ids, re-fed what the old one was withholding."""
-        self._stream = DecodeStream(ids=list(self._emitted), skip_special_tokens=self._skip_special)
-        return self._stream.step(self._backend, self._pending + ids)
+        delta = text[self._prefix_len :]
+        # The ids just read become the new prefix; older ones are no longer needed as context.
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        self._prefix_len = len(self._decode(self._ids, skip_special_tokens=self._skip_special))
+        return delta
 
     def flush(self) -> str:
         """Text of the withheld ids (with U+FFFD for an unfinished character); "" when none."""
-        pending, emitted = self._pending, self._emitted
-        if not pending:
+        if len(self._ids) == self._read_offset:
             return ""
-        self._emitted, self._pending = (emitted + pending)[-_EMITTED_TAIL:], []
-        decode = self._backend.decode
-        base = decode(emitted, skip_special_tokens=self._skip_special)
-        full = decode(emitted + pending, skip_special_tokens=self._skip_special)
-        if full.startswith(base):
-            return full[len(base):]
-        return decode(pending, skip_special_tokens=self._skip_special)  # never re-send emitted text
+        text = self._decode(self._ids, skip_special_tokens=self._skip_special)
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        delta = text[self._prefix_len :]
+        self._prefix_len = len(self._decode(self._ids, skip_special_tokens=self._skip_special))
+        return delta
 
 
 def prompt_context(backend: Any, prompt_token_ids: Sequence[int]) -> list[int]:
-    """A short suffix of the prompt that decodes to whole characters, used to prime the stream.
+    """A short suffix of the prompt that starts on a character boundary, used to prime the window.
 
     Takes at least the last few tokens (so leading-space rules see real context) and grows the
-    suffix, up to a bound, until it does not start in the middle of a multi-byte character.
+    suffix, up to a bound, until its text does not start inside a multi-byte character (a U+FFFD
+    first). Where the text may end does not matter: the positional definition accounts for it.
     """
     n = len(prompt_token_ids)
     if n <= _MIN_PROMPT_CONTEXT:
         return list(prompt_token_ids)
     for size in range(_MIN_PROMPT_CONTEXT, min(n, _MAX_PROMPT_CONTEXT) + 1):
         suffix = list(prompt_token_ids[n - size :])
-        if _REPLACEMENT_CHAR not in backend.decode(suffix, skip_special_tokens=False):
+        if not backend.decode(suffix, skip_special_tokens=False).startswith(_REPLACEMENT_CHAR):
             return suffix
-    return list(prompt_token_ids[n - _MIN_PROMPT_CONTEXT :])
+    return list(prompt_token_ids[n - min(n, _MAX_PROMPT_CONTEXT) :])

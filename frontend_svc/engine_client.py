@@ -2,8 +2,8 @@
 
 `EngineClient` keeps an `EngineConnection` per engine address (static `host:port` targets, and every A
 record of `dns:///name:port` targets, re-resolved every few seconds), routes each new request to a ready
-engine, and feeds every `EngineCoreOutputs` an engine sends through the shared `OutputProcessor` into
-per-request asyncio queues (`RequestHandle.queue`).
+engine, and feeds every `EngineCoreOutputs` an engine sends through the shared `OutputProcessor`, which
+puts each request's deltas in its `DeltaCollector`.
 
 Invariants:
 - An engine is *ready* (routable) only while its `Connect` stream is open, its `GetEngineInfo`
@@ -11,10 +11,16 @@ Invariants:
   grpc.health.v1) is not NOT_SERVING: a draining engine gets no new requests but finishes its own.
 - All n completions of one client request go to the same engine (they share the prompt's KV blocks).
 - Every request handed out by `submit` ends exactly once: each completion's finished delta, or one
-  `StreamError` (UNAVAILABLE when its engine's stream broke, or what `fail_all` says).
+  `ServiceError` in its collector (UNAVAILABLE when its engine's stream broke, or what `fail_all` says).
+- A connection's `requests` are the `RequestState`s sent on it that are not done; how many engine
+  requests it has in flight is derived from them, never counted separately.
 - When a stream breaks, the engine aborts that stream's requests itself; the frontend reconnects with
   exponential backoff (reset after a session that reached ready).
 - Everything runs on one asyncio loop; the per-step path does no logging or string formatting.
+- Channels come from a `ChannelFactory`: plaintext, or TLS with credentials read afresh for every
+  channel (so a rotated client certificate is used from the next reconnect), and with the engine token
+  (`authorization: Bearer ...`) added to every call when one is configured. Addresses resolved from a
+  `dns:///name:port` target are verified against `name` (the certificate's DNS name), not the pod IP.
 """
 
 from __future__ import annotations
@@ -26,66 +32,56 @@ import logging
 import random
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
+from tandem.link import KEEPALIVE_OPTIONS, message_size_options
+from tandem.security.auth import BearerToken, bearer_token_interceptors
+from tandem.security.tls import ClientTls
 
 from frontend_svc.convert import engine_abort_to_pb, engine_request_to_pb
+from frontend_svc.errors import UNAVAILABLE, ServiceError
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import PreparedRequest
+from frontend_svc.request_state import DeltaCollector, RequestState
 from frontend_svc.router import Router
 
 logger = logging.getLogger(__name__)
 
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 ENGINE_SERVICE = epb.DESCRIPTOR.services_by_name["EngineCoreService"].full_name
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 2.0
 INFO_TIMEOUT_S = 5.0
 LOAD_POLL_S = 1.0
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.enable_retries", 0),
-]
+CHANNEL_OPTIONS = [*KEEPALIVE_OPTIONS, *message_size_options(), ("grpc.enable_retries", 0)]
+
+
+class ChannelFactory:
+    """Makes the channel of one engine session: TLS or plaintext, with the engine token if any."""
+
+    def __init__(self, tls: ClientTls | None = None, token: BearerToken | None = None,
+                 server_name: str | None = None) -> None:
+        """`server_name`: the name every engine certificate must carry (default: the target's host)."""
+        self.tls = tls
+        self._server_name = server_name
+        self._interceptors = bearer_token_interceptors(token) if token is not None else None
+
+    def __call__(self, address: str, server_name: str | None = None) -> grpc.aio.Channel:
+        options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
+        if self.tls is None:
+            return grpc.aio.insecure_channel(address, options=options, interceptors=self._interceptors)
+        server_name = self._server_name or server_name
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        return grpc.aio.secure_channel(address, self.tls.credentials(), options=options,
+                                       interceptors=self._interceptors)
 
 
 class EngineUnavailable(Exception):
     """No engine is ready to take a request."""
-
-
-@dataclass(frozen=True)
-class StreamError:
-    """A request ended without finishing: `code` is a gRPC status number."""
-
-    code: int
-    message: str
-
-
-class RequestHandle:
-    """One client request in flight on one engine; its deltas (or one StreamError) arrive on `queue`."""
-
-    __slots__ = ("connection", "num_unfinished", "prepared", "queue")
-
-    def __init__(self, prepared: PreparedRequest, connection: EngineConnection) -> None:
-        self.prepared = prepared
-        self.connection = connection
-        self.num_unfinished = len(prepared.engine_request_ids)
-        self.queue: asyncio.Queue[CompletionDelta | StreamError] = asyncio.Queue()
-
-    @property
-    def done(self) -> bool:
-        return self.num_unfinished == 0
 
 
 class State(enum.Enum):
@@ -103,12 +99,12 @@ class EngineConnection:
     requests on it. Idle connections poll `GetLoad` to see other frontends' load.
     """
 
-    def __init__(self, address: str, client: EngineClient) -> None:
+    def __init__(self, address: str, client: EngineClient, server_name: str | None = None) -> None:
         self.address = address
+        self.server_name = server_name  # the name its TLS certificate must carry (None: the address's host)
         self.state = State.CONNECTING
         self.info: epb.EngineInfo | None = None
-        self.requests: set[RequestHandle] = set()
-        self.num_in_flight = 0  # unfinished engine requests this frontend sent here
+        self.requests: set[RequestState] = set()  # sent here and not done
         self._reported_load = 0
         self._sent_since_report = 0
         self._client = client
@@ -118,11 +114,17 @@ class EngineConnection:
         self._retiring = False
         self._was_ready = False
         self._health_ok = True  # the engine's own health says SERVING (or it has no health service)
+        self._last_failure: str | None = None  # why the last attempt to connect failed (logged once)
 
     # ---- what the router and client read ----------------------------------------------------------
     @property
     def ready(self) -> bool:
         return self.state is State.READY and self._health_ok and not self._retiring
+
+    @property
+    def num_in_flight(self) -> int:
+        """Unfinished engine requests this frontend sent here."""
+        return sum(request.num_unfinished for request in self.requests)
 
     @property
     def load(self) -> int:
@@ -133,7 +135,6 @@ class EngineConnection:
         return int(self.info.block_size) if self.info is not None else 0
 
     def note_sent(self, count: int) -> None:
-        self.num_in_flight += count
         self._sent_since_report += count
 
     def note_stats(self, stats: Any) -> None:
@@ -184,13 +185,16 @@ class EngineConnection:
                 logger.exception("engine %s: session failed", self.address)
                 reason = f"{type(exc).__name__}: {exc}"
             self._end_session(reason)
+            if not self._was_ready and reason != self._last_failure:  # say why, once per new reason
+                logger.warning("engine %s: cannot connect: %s", self.address, reason)
+            self._last_failure = None if self._was_ready else reason
             if self._was_ready:
                 backoff = BACKOFF_INITIAL_S
             await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _session(self) -> None:
-        channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        channel = self._client.channels(self.address, self.server_name)
         try:
             stub = epb_grpc.EngineCoreServiceStub(channel)
             info = await stub.GetEngineInfo(epb.GetEngineInfoRequest(), timeout=INFO_TIMEOUT_S)
@@ -224,7 +228,7 @@ class EngineConnection:
         """While nothing of ours runs there (so no stats arrive), ask for the engine's load."""
         while True:
             await asyncio.sleep(LOAD_POLL_S)
-            if self.num_in_flight == 0:
+            if not self.requests:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     self.note_stats(await stub.GetLoad(epb.GetLoadRequest(), timeout=LOAD_POLL_S))
 
@@ -279,8 +283,10 @@ class EngineClient:
         router: Router | None = None,
         on_change: Callable[[], None] = lambda: None,
         dns_refresh_s: float = 5.0,
+        channels: ChannelFactory | None = None,
     ) -> None:
         self.targets = tuple(targets)
+        self.channels = channels or ChannelFactory()
         self.vocab_size = vocab_size
         self.router = router or Router()
         self._output_processor = output_processor
@@ -290,7 +296,6 @@ class EngineClient:
         self._retired: set[EngineConnection] = set()  # left the target set; closed once idle
         self._resolved: dict[str, list[str]] = {}  # target -> its last good addresses
         self._background: set[asyncio.Task[None]] = set()
-        self._handles: dict[str, RequestHandle] = {}  # engine request id -> its client request
         self._refresher: asyncio.Task[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -317,19 +322,20 @@ class EngineClient:
 
     async def _refresh_addresses(self) -> None:
         loop = asyncio.get_running_loop()
-        wanted: set[str] = set()
+        wanted: dict[str, str | None] = {}  # address -> the name its certificate must carry
         for target in self.targets:
             try:
                 self._resolved[target] = await loop.run_in_executor(None, resolve_target, target)
             except OSError as exc:
                 logger.warning("cannot resolve engine target %s (keeping its last addresses): %s", target, exc)
-            wanted.update(self._resolved.get(target, ()))
-        for address in sorted(wanted - self._connections.keys()):
-            connection = EngineConnection(address, self)
+            name = dns_target_host(target) if is_dns_target(target) else None
+            wanted.update(dict.fromkeys(self._resolved.get(target, ()), name))
+        for address in sorted(wanted.keys() - self._connections.keys()):
+            connection = EngineConnection(address, self, wanted[address])
             self._connections[address] = connection
             connection.start()
             logger.info("engine %s added", address)
-        for address in sorted(self._connections.keys() - wanted):
+        for address in sorted(self._connections.keys() - wanted.keys()):
             logger.info("engine %s left the target set; retiring it", address)
             connection = self._connections.pop(address)
             connection.retire()
@@ -344,35 +350,33 @@ class EngineClient:
     def connections(self) -> list[EngineConnection]:
         return list(self._connections.values())
 
-    def submit(self, prepared: PreparedRequest, engine_requests: Sequence[dict[str, Any]]) -> RequestHandle:
-        """Send the request's n engine requests to one ready engine; raise EngineUnavailable if none."""
+    def submit(self, prepared: PreparedRequest, engine_requests: Sequence[dict[str, Any]],
+               collector: DeltaCollector) -> RequestState:
+        """Send the request's n engine requests to one ready engine; raise EngineUnavailable if none.
+        Its deltas (or one ServiceError) arrive in `collector`."""
         connection = self.router.choose(self.ready_engines(), prepared.prompt_token_ids)
         if connection is None:
             raise EngineUnavailable("no engine is ready to serve requests; retry shortly")
-        handle = RequestHandle(prepared, connection)
-        self._output_processor.add_request(prepared)
-        for fields in engine_requests:
-            self._handles[fields["request_id"]] = handle
-        connection.requests.add(handle)
+        request = self._output_processor.add_request(prepared, collector)
+        request.connection = connection
+        connection.requests.add(request)
         connection.note_sent(len(engine_requests))
         for fields in engine_requests:
             connection.send(engine_request_to_pb(fields))
-        return handle
+        return request
 
-    def abort(self, handle: RequestHandle) -> None:
+    def abort(self, request: RequestState) -> None:
         """Stop a request's unfinished completions, here and in the engine (no-op once done)."""
-        if handle.done:
-            return
-        engine_ids = self._forget_request(handle)
+        engine_ids = self._forget(request)
         if engine_ids:
-            handle.connection.send(engine_abort_to_pb(engine_ids))
+            request.connection.send(engine_abort_to_pb(engine_ids))
 
-    def fail_all(self, code: int, message: str) -> None:
-        """End every open request with `code` and abort it in its engine (e.g. a drain's end)."""
+    def fail_all(self, code: int, message: str, reason: str) -> None:
+        """End every open request with a ServiceError and abort it in its engine (e.g. a drain's end)."""
         for connection in [*self._connections.values(), *self._retired]:  # retired ones may still hold requests
-            for handle in list(connection.requests):
-                self.abort(handle)
-                handle.queue.put_nowait(StreamError(code, message))
+            for request in list(connection.requests):
+                self.abort(request)
+                request.collector.fail(ServiceError(code, message, reason))
 
     # ---- called by connections -----------------------------------------------------------------------
     def accepts(self, connection: EngineConnection, info: epb.EngineInfo) -> bool:
@@ -389,39 +393,36 @@ class EngineClient:
 
     def connection_down(self, connection: EngineConnection, message: str, was_ready: bool) -> None:
         """The stream broke: every request on it ends with UNAVAILABLE (the engine aborted them)."""
-        for handle in list(connection.requests):
-            self._forget_request(handle)
-            handle.queue.put_nowait(StreamError(UNAVAILABLE, message))
-        connection.num_in_flight = 0
+        for request in list(connection.requests):
+            self._forget(request)
+            request.collector.fail(ServiceError(UNAVAILABLE, message, "ENGINE_UNAVAILABLE"))
         self._close_if_idle(connection)
         if was_ready:
             self.connection_changed()
 
     def on_outputs(self, connection: EngineConnection, message: epb.EngineCoreOutputs) -> None:
-        """One engine step's outputs for this stream: deltas to their queues, stop-string aborts out."""
+        """One engine step's outputs for this stream: deltas to their collectors, stop-string aborts out."""
         if message.HasField("scheduler_stats"):
             connection.note_stats(message.scheduler_stats)
         processed = self._output_processor.process_outputs(message)
-        handles = self._handles
-        for delta in processed.deltas:
-            handle = handles.get(delta.engine_request_id)
-            if handle is None:
-                continue
-            handle.queue.put_nowait(delta)
-            if delta.finish_reason is not None:
-                self._forget_completion(handle, delta.engine_request_id)
         if processed.reqs_to_abort:
             connection.send(engine_abort_to_pb(processed.reqs_to_abort))
+        for request in processed.finished:
+            self._release(request)
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
-    def _forget_completion(self, handle: RequestHandle, engine_id: str) -> None:
-        del self._handles[engine_id]
-        handle.num_unfinished -= 1
-        connection = handle.connection
-        connection.num_in_flight -= 1
-        if handle.num_unfinished == 0:
-            connection.requests.discard(handle)
-            self._close_if_idle(connection)
+    def _forget(self, request: RequestState) -> list[str]:
+        """Finish a request's open completions in the output processor and release it; return the
+        engine ids that were still running."""
+        engine_ids = self._output_processor.abort_request(request)
+        self._release(request)
+        return engine_ids
+
+    def _release(self, request: RequestState) -> None:
+        """A done request leaves its connection (which closes if it was retired and is now idle)."""
+        connection = request.connection
+        connection.requests.discard(request)
+        self._close_if_idle(connection)
 
     def _close_if_idle(self, connection: EngineConnection) -> None:
         if connection.retiring and not connection.requests and connection in self._retired:
@@ -430,29 +431,34 @@ class EngineClient:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    def _forget_request(self, handle: RequestHandle) -> list[str]:
-        """Finish a request's open completions in the output processor; return their engine ids."""
-        engine_ids = self._output_processor.abort_request(handle.prepared)
-        for engine_id in engine_ids:
-            if engine_id in self._handles:
-                self._forget_completion(handle, engine_id)
-        return engine_ids
-
 
 def is_dns_target(target: str) -> bool:
     return target.startswith("dns:")
 
 
-def resolve_target(target: str) -> list[str]:
-    """The `host:port` addresses of a target: itself, or every A/AAAA record of `dns:///name:port`."""
-    if not is_dns_target(target):
-        return [target]
+def _dns_host_port(target: str) -> tuple[str, str]:
     rest = target[len("dns:"):]
     if rest.startswith("//"):
         rest = rest[2:].split("/", 1)[1] if "/" in rest[2:] else rest[2:]  # drop the authority
     host, _, port = rest.rpartition(":")
     if not host or not port.isdigit():
         raise OSError(f"engine target {target!r} must look like dns:///name:port")
+    return host, port
+
+
+def dns_target_host(target: str) -> str | None:
+    """The name of a `dns:///name:port` target (what the engines' TLS certificate must carry)."""
+    try:
+        return _dns_host_port(target)[0].strip("[]")
+    except OSError:
+        return None
+
+
+def resolve_target(target: str) -> list[str]:
+    """The `host:port` addresses of a target: itself, or every A/AAAA record of `dns:///name:port`."""
+    if not is_dns_target(target):
+        return [target]
+    host, port = _dns_host_port(target)
     infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     addresses = {_join(str(info[4][0]), int(port)) for info in infos}
     return sorted(addresses)

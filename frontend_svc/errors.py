@@ -1,4 +1,8 @@
-"""Validation errors shaped like `google.rpc.BadRequest`.
+"""The errors a request can end with, independent of the API that carries them.
+
+- `ValidationError`: bad client input, shaped like `google.rpc.BadRequest`.
+- `ServiceError`: the request could not be served (draining, overloaded, no engine, the engine failed
+  it); `code` is a gRPC status code number, so each API maps it once (gRPC status, HTTP status).
 
 A `ValidationError` carries one or more `FieldViolation`s. Each violation's `field` is the dot path of
 the offending field in the public proto `tandem.v1.GenerateRequest` (e.g. `text`, `token_ids.ids`,
@@ -41,3 +45,24 @@ class ValidationError(ValueError):
     def fields(self) -> list[str]:
         """The field paths, in the order they were found."""
         return [v.field for v in self.violations]
+
+
+# gRPC status code numbers (grpc.StatusCode values), spelled out so this module needs no grpc.
+INTERNAL = 13
+RESOURCE_EXHAUSTED = 8
+UNAVAILABLE = 14
+
+
+class ServiceError(Exception):
+    """A request that cannot be served or did not finish.
+
+    `code` is a gRPC status code number (UNAVAILABLE, RESOURCE_EXHAUSTED, or what the engine reported);
+    `reason` is a stable machine-readable word (DRAINING, TOO_MANY_REQUESTS, NO_READY_ENGINE,
+    ENGINE_UNAVAILABLE, ENGINE_ERROR) that clients may branch on.
+    """
+
+    def __init__(self, code: int, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason

@@ -10,10 +10,12 @@ the end. Exit status 1 (with the gRPC status on stderr) when the call fails.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import grpc
+from tandem.security.auth import API_KEY_ENV
 
 from frontend_svc.client import TandemClient
 
@@ -33,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (system roots unless --ssl-ca-certs)")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA bundle that verifies the server (implies --tls)")
+    p.add_argument("--ssl-certfile", default=None, help="client certificate for mutual TLS")
+    p.add_argument("--ssl-keyfile", default=None, help="private key of --ssl-certfile")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"sent as 'authorization: Bearer <key>' (default: ${API_KEY_ENV})")
     return p
 
 
@@ -45,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     first_at: float | None = None
     num_tokens = 0
-    with TandemClient(args.server) as client:
+    security = dict(tls=args.tls, ssl_ca_certs=args.ssl_ca_certs, ssl_certfile=args.ssl_certfile,
+                    ssl_keyfile=args.ssl_keyfile, api_key=args.api_key)
+    with TandemClient(args.server, **security) as client:
         try:
             for response in client.generate(timeout=args.timeout, **prompt, **sampling):
                 if first_at is None and response.token_ids:

@@ -9,7 +9,10 @@ request it detokenizes incrementally, checks stop strings and reports finishes. 
   (unless the engine finished it in the same step); the caller must abort it in the engine.
 - When the engine stops on a stop token (EOS or a stop id), that token's text is left out of the
   output unless `include_stop_str_in_output` (as vLLM V1 does); the id is reported as `stop_reason`.
-- A request is forgotten once all n completions finished.
+- A request is forgotten once all n completions finished. Its `RequestState` (request_state.py) is the
+  one record of which completions are still running; this processor only indexes them by engine id.
+- A request added with a `DeltaCollector` gets its deltas there (merged for a slow reader); the others'
+  deltas are returned in `ProcessedOutputs.deltas` (the offline API folds them itself).
 Nothing here formats strings or logs per token.
 """
 
@@ -22,6 +25,7 @@ from typing import Any
 from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.outputs import CompletionDelta, CompletionError, TokenLogprob, Usage
 from frontend_svc.processor import PreparedRequest
+from frontend_svc.request_state import DeltaCollector, RequestState
 from frontend_svc.stop import StopChecker
 
 # Indexed by the wire FinishReason number (0 = unspecified, 1 stop, 2 length, 3 abort, 4 error).
@@ -34,18 +38,9 @@ _INTERNAL = 13  # grpc.StatusCode.INTERNAL
 
 @dataclass
 class ProcessedOutputs:
-    deltas: list[CompletionDelta] = field(default_factory=list)
+    deltas: list[CompletionDelta] = field(default_factory=list)  # of requests without a collector
     reqs_to_abort: list[str] = field(default_factory=list)  # engine ids finished by a stop string
-
-
-class _Request:
-    """One client request: its n completions and how many are still running."""
-
-    __slots__ = ("num_unfinished", "prepared")
-
-    def __init__(self, prepared: PreparedRequest) -> None:
-        self.prepared = prepared
-        self.num_unfinished = len(prepared.engine_request_ids)
+    finished: list[RequestState] = field(default_factory=list)  # requests whose last completion ended
 
 
 class _Completion:
@@ -54,7 +49,7 @@ class _Completion:
     __slots__ = ("detokenizer", "engine_id", "index", "num_cached", "num_tokens", "request",
                  "sent_first", "stop_checker")
 
-    def __init__(self, request: _Request, index: int, backend: Any) -> None:
+    def __init__(self, request: RequestState, index: int, backend: Any) -> None:
         params = request.prepared.params
         stops = params.stop_strings
         self.request = request
@@ -74,39 +69,22 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         """`tokenizer`: the frontend `Tokenizer` (its `.backend` is the `tokenizers.Tokenizer`)."""
         self._backend = getattr(tokenizer, "backend", tokenizer)
-        self._completions: dict[str, _Completion] = {}  # engine id -> unfinished completion
-        self._requests: dict[str, list[_Request]] = {}  # client id -> live requests with that id
+        self._completions: dict[str, _Completion] = {}  # engine id -> unfinished completion (an index)
 
-    def add_request(self, prepared: PreparedRequest) -> None:
-        request = _Request(prepared)
-        for index in range(len(prepared.engine_request_ids)):
+    def add_request(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> RequestState:
+        """Start tracking a request's n completions; its deltas go to `collector` when given."""
+        request = RequestState(prepared, collector)
+        for index, engine_id in enumerate(prepared.engine_request_ids):
             completion = _Completion(request, index, self._backend)
-            self._completions[completion.engine_id] = completion
-        self._requests.setdefault(prepared.request_id, []).append(request)
+            self._completions[engine_id] = request.unfinished[engine_id] = completion
+        return request
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._completions)
-
-    def get_num_unfinished_requests(self) -> int:
-        return sum(len(requests) for requests in self._requests.values())
-
-    def abort_request(self, request: str | PreparedRequest) -> list[str]:
-        """Finish a request's unfinished completions here; return their engine ids (to abort there).
-
-        A `str` is a client request id and aborts every live request with that id; a
-        `PreparedRequest` aborts exactly that request.
-        """
-        if isinstance(request, str):
-            targets = list(self._requests.get(request, ()))
-        else:
-            targets = [r for r in self._requests.get(request.request_id, ()) if r.prepared is request]
-        engine_ids: list[str] = []
-        for target in targets:
-            for engine_id in target.prepared.engine_request_ids:
-                completion = self._completions.get(engine_id)
-                if completion is not None:
-                    self._finish(completion)
-                    engine_ids.append(engine_id)
+    def abort_request(self, request: RequestState) -> list[str]:
+        """Finish a request's unfinished completions here, without output; return their engine ids
+        (for the caller to abort in the engine). Empty once the request is done."""
+        engine_ids = list(request.unfinished)
+        for completion in list(request.unfinished.values()):
+            self._finish(completion)
         return engine_ids
 
     def process_outputs(self, engine_core_outputs: Any) -> ProcessedOutputs:
@@ -121,8 +99,15 @@ class OutputProcessor:
             except Exception:  # a fault in one completion's processing must not fail the others
                 logger.exception("processing output of %s failed; ending that completion", output.request_id)
                 delta = self._fail(completion, result.reqs_to_abort)
-            if delta is not None:
+            if delta is None:
+                continue
+            request = completion.request
+            if request.collector is not None:
+                request.collector.put(delta)
+            else:
                 result.deltas.append(delta)
+            if request.done:
+                result.finished.append(request)
         return result
 
     def _fail(self, c: _Completion, to_abort: list[str]) -> CompletionDelta:
@@ -177,16 +162,9 @@ class OutputProcessor:
         return delta
 
     def _finish(self, c: _Completion) -> None:
-        """Forget a finished completion, and its request once all of its completions are done."""
+        """Forget a finished completion: it leaves the index and its request's unfinished set."""
         del self._completions[c.engine_id]
-        request = c.request
-        request.num_unfinished -= 1
-        if request.num_unfinished == 0:
-            client_id = request.prepared.request_id
-            live = self._requests[client_id]
-            live.remove(request)
-            if not live:
-                del self._requests[client_id]
+        del c.request.unfinished[c.engine_id]
 
 
 def _finish_name(reason: int) -> str | None:

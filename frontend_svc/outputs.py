@@ -5,6 +5,7 @@ Invariants:
 - Concatenating `text` (and `token_ids`, `logprobs`) over one completion's deltas gives its final
   output; exactly one delta per completion has `finish_reason` set, and it is that completion's last.
 - `usage` is set on (and only on) a completion's last delta; `prompt_logprobs` only on its first.
+- `CompletionDelta.merge` keeps both: the merge of consecutive deltas is itself a valid delta.
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ class CompletionDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def merge(self, later: CompletionDelta) -> None:
+        """Fold `later` (the next delta of the same completion) into this one, so that this delta says
+        what both said: text, ids and logprobs concatenated; the finish fields, usage and error come
+        from `later` once it finished; prompt logprobs (only ever on a completion's first delta) stay."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.logprobs)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        if later.finish_reason is not None:
+            self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+            self.usage, self.error = later.usage, later.error
 
 
 @dataclass

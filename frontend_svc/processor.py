@@ -9,6 +9,10 @@
   `max_tokens` (or at least one token) within `max_model_len`.
 - Engine request ids are unique within this process (a per-process random tag plus a counter), even
   when clients reuse their `request_id`.
+- Size limits (frontend_svc/limits.py: request_id, prompt bytes, chat messages, token count) are
+  checked before anything is tokenized or rendered, so an oversized prompt costs next to nothing.
+- `process` is thread-safe: the gRPC server runs it on a small thread pool, off the event loop (the
+  tokenizer releases the GIL while it encodes).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend_svc import limits
 from frontend_svc.errors import FieldViolation, ValidationError
 from frontend_svc.sampling_params import SamplingParams
 
@@ -73,6 +78,9 @@ class Processor:
     ) -> PreparedRequest:
         """Tokenize and validate; raise `ValidationError` listing every problem found."""
         violations: list[FieldViolation] = []
+        bad_id = limits.request_id_violation(request_id) if request_id else None
+        if bad_id is not None:
+            violations.append(bad_id)
         prompt_field, prompt_ids = self._tokenize(prompt, violations)
         violations.extend(v.with_prefix("sampling_params") for v in params.violations())
         if prompt_ids:
@@ -122,6 +130,10 @@ class Processor:
         if not text:
             violations.append(FieldViolation("text", "the prompt must not be empty"))
             return []
+        too_big = limits.text_size_violation(text, self.max_model_len)
+        if too_big is not None:
+            violations.append(too_big)
+            return []
         ids = list(self.tokenizer.encode(text))
         if not ids:
             violations.append(FieldViolation("text", "the prompt encodes to no tokens"))
@@ -143,6 +155,10 @@ class Processor:
         if bad is not None:
             violations.append(FieldViolation("chat.messages", bad))
             return []
+        too_big = limits.chat_size_violation(chat.messages, self.max_model_len)
+        if too_big is not None:
+            violations.append(too_big)
+            return []
         try:
             text = self.tokenizer.render_chat(chat.messages, add_generation_prompt=chat.add_generation_prompt)
         except Exception as exc:  # a template error is the client's input being wrong
@@ -154,10 +170,14 @@ class Processor:
         return ids
 
     def _check_ids(self, ids: Sequence[int], violations: list[FieldViolation]) -> list[int]:
-        ids = list(ids)
         if not ids:
             violations.append(FieldViolation("token_ids.ids", "the prompt must not be empty"))
             return []
+        too_many = limits.token_count_violation(len(ids), self.max_model_len)
+        if too_many is not None:
+            violations.append(too_many)
+            return []
+        ids = list(ids)
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
             violations.append(FieldViolation(
                 "token_ids.ids", f"every token id must be an integer in [0, {self.vocab_size})"))

@@ -4,8 +4,14 @@ The frontend owns the text-level parts (`stop`, `include_stop_str_in_output`, `n
 `skip_special_tokens`); everything else is passed to the engine through `engine_fields()`, whose keys
 are exactly those of `engine_svc.protocol.EngineSamplingParams`.
 
-Invariant: a constructed `SamplingParams` has passed `validate()`, `stop` is a list of non-empty
-strings and `stop_token_ids` a list of non-negative ints. Field paths in the `ValidationError` are the
+Invariant: a constructed `SamplingParams` has passed `validate()`, `stop` is a list of at most
+`MAX_STOP_STRINGS` non-empty strings of at most `MAX_STOP_STRING_CHARS` characters, and
+`stop_token_ids` a list of at most `MAX_STOP_TOKEN_IDS` non-negative ints.
+
+Stop limits (like TGI's `--max-stop-sequences`, but roomier): 16 stop strings of up to 1024 characters
+each, and up to 1024 stop token ids. The stop-string checker is linear in their total length, and the
+text held back while a stop string might still match is shorter than the longest one; the engine scans
+the stop ids for every sampled token. Field paths in the `ValidationError` are the
 bare field names (`top_p`); callers serving the public proto prefix them with `sampling_params.`.
 """
 
@@ -19,6 +25,9 @@ from typing import Any
 from frontend_svc.errors import FieldViolation, ValidationError
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 _UINT64_LIMIT = 1 << 64
 
 
@@ -109,11 +118,19 @@ class SamplingParams:
 
     def _check_stops(self, add: Any) -> None:
         stops = self.stop_strings
-        if not all(isinstance(s, str) for s in stops):
+        if len(stops) > MAX_STOP_STRINGS:
+            add("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        elif not all(isinstance(s, str) for s in stops):
             add("stop", "every stop string must be a string")
         elif any(s == "" for s in stops):
             add("stop", "stop strings must not be empty")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids or []):
+        elif any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            add("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
+                        f"got {max(len(s) for s in stops)}")
+        stop_ids = self.stop_token_ids or []
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            add("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(stop_ids)}")
+        elif not all(_is_int(t) and t >= 0 for t in stop_ids):
             add("stop_token_ids", "stop token ids must be non-negative integers")
 
     def engine_fields(self) -> dict[str, Any]:

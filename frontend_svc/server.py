@@ -1,8 +1,9 @@
 """`tandem.v1.GenerationService` on grpc.aio: the public API in front of the engines.
 
 `FrontendServer` owns the tokenizer, the processor, the output processor, the engine client, the
-health service and the gRPC server. Per Generate call: validate (processor) -> admit -> submit to an
-engine -> stream the request's deltas as GenerateResponses.
+admission limit, the health service and the gRPC server. A Generate call is the transport-neutral
+`Generation` (generation.py: admit -> tokenize off the loop -> submit -> merged deltas -> close) with
+gRPC statuses around it; an HTTP API in the same process uses the same `open_generation`.
 
 Invariants:
 - Every error before the first response is raised before anything is sent, so gRPC answers
@@ -10,24 +11,41 @@ Invariants:
   field violations; too many calls in flight RESOURCE_EXHAUSTED; no ready engine, a broken engine
   stream or a draining server UNAVAILABLE; engine-reported errors keep the engine's code.
 - A call that ends for any reason other than finishing (client cancel, deadline, error) aborts its
-  unfinished completions in the engine (`finally` around the stream).
+  unfinished completions in the engine (`Generation.close`, from the `finally` around the stream and
+  from the RPC's done callback).
 - Health ("" and `tandem.v1.GenerationService`) is SERVING only while at least one engine is ready and
   the server is not draining; "liveness" stays SERVING until the process exits.
+- Admission counts completions, not calls: a Generate call holds n slots of
+  `--max-concurrent-requests` (Tokenize and Detokenize hold one while they run) from before its
+  prompt is tokenized until it ends, so n = 64 cannot multiply past the limit. A call whose n alone
+  exceeds the limit is INVALID_ARGUMENT (it could never run).
+- Tokenization, chat rendering and detokenization of whole requests run on a small thread pool, never
+  on the event loop, so one large prompt does not stall other calls' streams (the tokenizer releases
+  the GIL while encoding; size limits reject what could never fit before any of that work).
+- With API keys configured every call but health needs `authorization: Bearer <key>`
+  (tandem/security/auth.py); malformed request bytes are INVALID_ARGUMENT (frontend_svc/decode_guard.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from tandem.link import MAX_MESSAGE_BYTES
+from tandem.security.auth import AuthInterceptor, BearerToken, KeySet
+from tandem.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
+from tandem.security.tls import ServerTls, client_tls, server_tls
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from frontend_svc import status
+from frontend_svc import limits, status
 from frontend_svc.config import FrontendConfig
 from frontend_svc.convert import (
     chat_from_pb,
@@ -36,16 +54,19 @@ from frontend_svc.convert import (
     response_from_delta,
     sampling_params_from_pb,
 )
-from frontend_svc.engine_client import EngineClient, EngineUnavailable, RequestHandle, StreamError
-from frontend_svc.errors import ValidationError
+from frontend_svc.decode_guard import DecodeGuardInterceptor
+from frontend_svc.engine_client import ChannelFactory, EngineClient
+from frontend_svc.errors import UNAVAILABLE, ServiceError, ValidationError
+from frontend_svc.generation import Admission, Generation
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import PreparedRequest, Processor
 from frontend_svc.router import Router
 from frontend_svc.sampling_params import SamplingParams
-from frontend_svc.telemetry.call import GenerateCall
+from frontend_svc.telemetry.call import GenerateCall, grpc_failure
 from frontend_svc.telemetry.service import FrontendTelemetry
 from frontend_svc.tokenizer import Tokenizer
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -58,12 +79,17 @@ DEFAULT_MAX_MODEL_LEN = 2048
 def server_options(config: FrontendConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        NO_REUSEPORT,
     ]
+
+
+def default_tokenizer_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[misc]
@@ -72,84 +98,52 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[mis
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        call = self._f.telemetry.begin_call(context)
+        call = self._f.telemetry.begin_call(context.invocation_metadata())
         try:
             async for response in self._generate(request, context, call):
                 yield response
         except BaseException as exc:
-            call.fail(exc, context)
+            call.fail(*grpc_failure(exc, context))
             raise
         call.succeed()
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                         call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:
         f = self._f
-        if f.draining:
-            await status.abort(context, status.error_status(
-                grpc.StatusCode.UNAVAILABLE, "the server is draining; retry on another replica", "DRAINING"))
-        if f.num_active >= f.config.max_concurrent_requests:
-            await status.abort(context, status.error_status(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many requests in flight (limit {f.config.max_concurrent_requests}); retry later",
-                "TOO_MANY_REQUESTS"))
         try:
-            prepared = call.prepare(f.prepare, request)
-        except ValidationError as exc:
-            await status.abort(context, status.invalid_argument(exc))
-        f.enter()
-        handle: RequestHandle | None = None
-        left = False
-
-        def release(_: object = None) -> None:
-            """Abort what is unfinished in the engine and leave, once. Runs from the finally below and
-            from the RPC's done callback: a cancel or deadline during a write may leave this generator
-            suspended until garbage collection, and the engine must not wait for that."""
-            nonlocal left
-            if handle is not None:
-                f.engines.abort(handle)  # a no-op once the request is done
-            if not left:
-                left = True
-                f.leave()
-
-        context.add_done_callback(release)
+            generation = f.open_generation(max(1, request.sampling_params.n), call)
+        except (ValidationError, ServiceError) as exc:
+            await status.abort(context, status.from_error(exc))
+        # The RPC's end releases the request even if this generator stays suspended in a write until
+        # garbage collection (a cancel or deadline during a write): the engine must not wait for that.
+        context.add_done_callback(lambda _: generation.close())
         try:
-            try:
-                handle = f.engines.submit(prepared, call.engine_requests(f.processor.engine_requests(prepared)))
-            except EngineUnavailable as exc:
-                await status.abort(context, status.error_status(
-                    grpc.StatusCode.UNAVAILABLE, str(exc), "NO_READY_ENGINE"))
-            call.routed(handle.connection.address, len(prepared.engine_request_ids))
-            async for response in _stream(handle, context, call):
-                yield response
+            await generation.start(lambda: f.prepare(request))
+            async for deltas in generation.batches():
+                for delta in deltas:
+                    yield response_from_delta(delta)
+        except (ValidationError, ServiceError) as exc:
+            await status.abort(context, status.from_error(exc))
         finally:
-            release()
+            generation.close()
 
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         f = self._f
-        kind = request.WhichOneof("input")
-        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
         try:
-            if kind == "text":
-                ids = f.tokenizer.encode(request.text, add_special_tokens=add_special is not False)
-            elif kind == "chat":
-                ids = f.tokenize_chat(request.chat, bool(add_special))
-            else:
-                raise ValidationError.single("input", "set exactly one of text or chat")
-        except ValidationError as exc:
-            await status.abort(context, status.invalid_argument(exc))
+            ids = await f.run_blocking(f.tokenize, request)
+        except (ValidationError, ServiceError) as exc:
+            await status.abort(context, status.from_error(exc))
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=f.processor.max_model_len)
 
     async def Detokenize(self, request: pb.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         f = self._f
-        ids = list(request.token_ids)
-        vocab = f.processor.vocab_size
-        if any(i >= vocab for i in ids):
-            await status.abort(context, status.invalid_argument(ValidationError.single(
-                "token_ids", f"every token id must be < vocab_size ({vocab})")))
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb.DetokenizeResponse(text=f.tokenizer.decode(ids, skip_special_tokens=skip))
+        try:
+            text = await f.run_blocking(f.detokenize, request)
+        except (ValidationError, ServiceError) as exc:
+            await status.abort(context, status.from_error(exc))
+        return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
@@ -162,25 +156,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[mis
         if f.tokenizer.bos_token_id is not None:
             info.bos_token_id = f.tokenizer.bos_token_id
         return info
-
-
-async def _stream(handle: RequestHandle, context: grpc.aio.ServicerContext,
-                  call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:
-    """The request's responses until all n completions finished; errors end the call with a status."""
-    remaining = len(handle.prepared.engine_request_ids)
-    queue = handle.queue
-    while remaining:
-        item = await queue.get()
-        if isinstance(item, StreamError):
-            await status.abort(context, status.error_status(
-                status.code_from_number(item.code), item.message, "ENGINE_UNAVAILABLE"))
-        if item.error is not None:
-            await status.abort(context, status.error_status(
-                status.code_from_number(item.error.code), item.error.message, "ENGINE_ERROR"))
-        if item.finish_reason is not None:
-            remaining -= 1
-        call.on_delta(item)
-        yield response_from_delta(item)
 
 
 class FrontendServer:
@@ -198,19 +173,28 @@ class FrontendServer:
         self.processor = Processor(self.tokenizer, max_model_len=self._model_max_len,
                                    vocab_size=vocab_size, model_name=config.model_name)
         self.output_processor: OutputProcessor = self.telemetry.output_processor(self.tokenizer)
+        self.api_keys = KeySet.from_sources(config.api_keys, config.api_key_file, env={})
+        self.tls: ServerTls | None = server_tls(config.tls)
+        token = BearerToken(config.engine_token_file) if config.engine_token_file else None
         self.engines = EngineClient(config.engines, self.output_processor, vocab_size,
                                     router=Router(config.routing), on_change=self._engines_changed,
-                                    dns_refresh_s=config.dns_refresh_s)
+                                    dns_refresh_s=config.dns_refresh_s,
+                                    channels=ChannelFactory(client_tls(config.engine_tls), token,
+                                                            config.engine_ssl_server_name))
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.tokenizer_threads or default_tokenizer_threads(),
+            thread_name_prefix="tandem-tokenize")
         self.telemetry.watch_engines(self.engines.connections)
         self.health = health.aio.HealthServicer()
         self.draining = False
-        self.num_active = 0
+        self.admission = Admission(config.max_concurrent_requests)
         self.bound_port = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.health_port = 0
+        self._health_server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.http: Any = None  # the OpenAI-compatible HTTP API (frontend_svc/openai/serve.py), with --http-port
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> int:
@@ -218,14 +202,28 @@ class FrontendServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, NOT_SERVING)
         await self.health.set(LIVENESS, SERVING)
-        server = grpc.aio.server(options=server_options(self.config))
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.api_keys is not None:
+            interceptors.append(AuthInterceptor(self.api_keys))
+        interceptors.append(DecodeGuardInterceptor())
+        server = grpc.aio.server(options=server_options(self.config), interceptors=interceptors)
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        self.bound_port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.bound_port = add_port(server, self.config.host, self.config.port, self.tls)
+        if self.config.health_port:
+            self._health_server, self.health_port = await start_health_server(
+                self.health, self.config.host, self.config.health_port)
         await server.start()
         self._server = server
-        logger.info("frontend listening on %s:%d; engines: %s", self.config.host, self.bound_port,
+        if self.config.http_port:
+            from frontend_svc.openai.serve import HttpServer  # starlette and uvicorn load only when asked for
+
+            self.http = HttpServer(self, self.config.host, self.config.http_port, self.config.tls)
+            await self.http.start()
+        logger.info("frontend listening on %s (%s%s); engines: %s",
+                    join_host_port(self.config.host, self.bound_port), self._security_summary(),
+                    f"; plaintext health on port {self.health_port}" if self.health_port else "",
                     ", ".join(self.config.engines))
         await self.engines.start()
         return self.bound_port
@@ -235,21 +233,44 @@ class FrontendServer:
         if self.draining:
             return
         self.draining = True
-        logger.info("draining: %d calls in flight (grace %.0fs)", self.num_active, self.config.drain_grace_s)
+        logger.info("draining: %d completions in flight (grace %.0fs)", self.admission.in_use,
+                    self.config.drain_grace_s)
         await self._sync_health()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout=self.config.drain_grace_s)
+            await asyncio.wait_for(self.admission.idle.wait(), timeout=self.config.drain_grace_s)
         except asyncio.TimeoutError:
-            self.engines.fail_all(grpc.StatusCode.UNAVAILABLE.value[0],
-                                  "the server drained before this request finished; retry it")
+            self.engines.fail_all(UNAVAILABLE, "the server drained before this request finished; retry it",
+                                  "DRAINING")
             await asyncio.sleep(0.2)  # let the failed calls send their status
         await self.stop()
 
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop(grace=1.0)
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        if self._health_server is not None:
+            await self._health_server.stop(grace=None)
         await self.engines.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._stopped.set()
+
+    def reload_credentials(self) -> None:
+        """SIGHUP: re-read the TLS certificates and the API key file (rotation without a restart)."""
+        if self.tls is not None:
+            self.tls.reload()
+        if self.api_keys is not None:
+            self.api_keys.reload()
+        if self.http is not None:
+            self.http.reload_credentials()
+
+    def _security_summary(self) -> str:
+        if self.tls is None:
+            transport = "plaintext"
+        else:
+            transport = "mutual TLS" if self.tls.require_client_auth else "TLS"
+        keys = f"{len(self.api_keys)} API key(s)" if self.api_keys is not None else "no API key"
+        return f"{transport}, {keys}"
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -270,21 +291,56 @@ class FrontendServer:
         if params is None or prompt is None:
             if prompt is not None:
                 prompt_error = _prompt_violations(self.processor, prompt)
-            raise merge_violations(prompt_error, params_error)  # type: ignore[misc]
+            bad_id = limits.request_id_violation(request.request_id)
+            id_error = ValidationError([bad_id]) if bad_id is not None else None
+            raise merge_violations(id_error, prompt_error, params_error)  # type: ignore[misc]
         return self.processor.process(prompt, params, request_id=request.request_id or None,
                                       priority=request.priority)
 
-    def tokenize_chat(self, chat: pb.Chat, add_special_tokens: bool) -> list[int]:
-        return self.processor.tokenize_chat(chat_from_pb(chat), add_special_tokens)
+    def tokenize(self, request: pb.TokenizeRequest) -> list[int]:
+        """The Tokenize RPC's work (run on the pool); raises ValidationError."""
+        kind = request.WhichOneof("input")
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        if kind == "text":
+            too_big = limits.text_size_violation(request.text, self.processor.max_model_len)
+            if too_big is not None:
+                raise ValidationError([too_big])
+            return list(self.tokenizer.encode(request.text, add_special_tokens=add_special is not False))
+        if kind == "chat":
+            return self.processor.tokenize_chat(chat_from_pb(request.chat), bool(add_special))
+        raise ValidationError.single("input", "set exactly one of text or chat")
 
-    def enter(self) -> None:
-        self.num_active += 1
-        self._idle.clear()
+    def detokenize(self, request: pb.DetokenizeRequest) -> str:
+        """The Detokenize RPC's work (run on the pool); raises ValidationError."""
+        ids = request.token_ids
+        vocab = self.processor.vocab_size
+        if any(i >= vocab for i in ids):
+            raise ValidationError.single("token_ids", f"every token id must be < vocab_size ({vocab})")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip))
 
-    def leave(self) -> None:
-        self.num_active -= 1
-        if self.num_active == 0:
-            self._idle.set()
+    def open_generation(self, num_completions: int, call: GenerateCall) -> Generation:
+        """Admit a request of `num_completions` (see generation.py for the protocol). Raises ServiceError
+        UNAVAILABLE while draining, RESOURCE_EXHAUSTED at the limit, ValidationError (on
+        `sampling_params.n`) when it alone exceeds the limit."""
+        self._refuse_if_draining()
+        self.admission.take(num_completions, "sampling_params.n")
+        return Generation(slots=num_completions, call=call, admission=self.admission, engines=self.engines,
+                          processor=self.processor, pool=self._pool)
+
+    async def run_blocking(self, fn: Callable[[Any], T], request: Any) -> T:
+        """`fn(request)` on the tokenizer pool under one admission slot (Tokenize, Detokenize)."""
+        self._refuse_if_draining()
+        self.admission.take(1, "")
+        job = self._pool.submit(fn, request)
+        try:
+            return await asyncio.wrap_future(job)
+        finally:
+            self.admission.give_back(1, job)
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise ServiceError(UNAVAILABLE, "the server is draining; retry on another replica", "DRAINING")
 
     # ---- engine readiness ----------------------------------------------------------------------------
     def _engines_changed(self) -> None:

@@ -19,7 +19,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from frontend_svc.errors import ValidationError
+from frontend_svc.errors import ServiceError, ValidationError
 
 DOMAIN = "tandem"
 _RETRY_DELAY_S = {grpc.StatusCode.UNAVAILABLE: 1.0, grpc.StatusCode.RESOURCE_EXHAUSTED: 0.5}
@@ -58,6 +58,13 @@ def error_status(code: grpc.StatusCode, message: str, reason: str = "") -> grpc.
         retry_delay.FromTimedelta(timedelta(seconds=delay))
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=retry_delay)))
     return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=details))
+
+
+def from_error(error: ValidationError | ServiceError) -> grpc.Status:
+    """The status a request ending with `error` gets."""
+    if isinstance(error, ValidationError):
+        return invalid_argument(error)
+    return error_status(code_from_number(error.code), error.message, error.reason)
 
 
 async def abort(context: grpc.aio.ServicerContext, status: grpc.Status) -> NoReturn:

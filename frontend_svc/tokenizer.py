@@ -2,7 +2,8 @@
 
 It loads ``tokenizer.json`` exactly as written (transformers' ``PreTrainedTokenizerFast``, never a
 model-specific class that might rebuild the pipeline), reads the chat template and special tokens from
-``tokenizer_config.json`` and the extra EOS ids from ``generation_config.json``.
+``tokenizer_config.json`` and the extra EOS ids from ``generation_config.json``. A ``.gguf`` file is
+read for the same things from its metadata (frontend_svc/gguf_tokenizer.py).
 
 Invariants:
   * ``encode``/``decode`` go straight to the Rust ``tokenizers.Tokenizer`` (``backend``), the same object
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
+
+from frontend_svc import gguf_tokenizer
 
 # transformers' placeholder for "no limit given" is int(1e30); anything this large means unknown.
 _NO_MAX_LENGTH = 10**12
@@ -47,16 +50,30 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
-        """Load the tokenizer of a local HF model directory (it must hold ``tokenizer.json``)."""
+        """Load the tokenizer of a local HF model directory (it must hold ``tokenizer.json``) or of a
+        ``.gguf`` file."""
         path = Path(model_dir)
+        if gguf_tokenizer.is_gguf(path):
+            return cls.from_gguf(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
         hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
         return cls(hf_tokenizer, _generation_eos_ids(path / "generation_config.json"))
 
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer and chat template stored in a GGUF file's metadata."""
+        hf_tokenizer, end_ids = gguf_tokenizer.hf_tokenizer_from_gguf(gguf_tokenizer.read_metadata(path))
+        return cls(hf_tokenizer, end_ids)
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json (chat template included) to ``out_dir``."""
+        self._hf.save_pretrained(str(out_dir), save_jinja_files=False)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` applies the model's template (e.g. BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; ``add_special_tokens`` applies the model's template (e.g. BOS).
+        ``encode_batch_fast`` (same ids, no offsets) releases the GIL while it runs, ``encode`` does not."""
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (invalid UTF-8 from a cut multi-byte character decodes to U+FFFD)."""

@@ -70,14 +70,17 @@ class LazyKernel:
     """A kernel function jit-compiled at first launch, once per mode (compiled / interpreted).
 
     `kernel[grid](*args, **constexprs)` mirrors triton's launch syntax. The kernel's module must
-    declare a global `tl` (placeholder); it is bound to `triton.language` here.
+    declare a global `tl` (placeholder); it is bound to `triton.language` here. `launches` counts
+    launches from Python (CUDA-graph replays are not seen), so tests can prove a kernel ran.
     """
 
     def __init__(self, fn: Callable[..., None]) -> None:
         self._fn = fn
         self._jitted: dict[bool, Any] = {}
+        self.launches = 0
 
     def __getitem__(self, grid: Sequence[int]) -> Callable[..., Any]:
+        self.launches += 1
         triton = _triton()
         mode = interpret_mode()
         jitted = self._jitted.get(mode)

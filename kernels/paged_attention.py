@@ -14,7 +14,12 @@ Work decomposition (grid = (query blocks, kv heads, kv splits)):
   softmax accumulated in fp32 (base-2 exponent). Keys past the causal frontier are masked.
 - With NUM_SPLITS > 1 (flash-decoding), the context tiles are split across the third grid axis; each
   split writes an unnormalised partial (acc, max, sum) and `_reduce_splits_kernel` merges them. This
-  keeps the GPU busy when num_reqs * num_kv_heads is small and contexts are long.
+  keeps the GPU busy when num_reqs * num_kv_heads is small and contexts are long. How many splits:
+  `choose_num_splits`, a pure function of (SMs, batch, kv heads, context, tile).
+- Each split gets at least MIN_TILES tiles, whatever NUM_SPLITS is, so a request whose context is short
+  (e.g. a CUDA graph captured with the longest context, replayed for a short one) uses only its first
+  few splits; the others exit at once, storing just (max = -inf, sum = 0), and the reduction never
+  reads their accumulators.
 
 Head sizes that are not a power of two (40, 72, 80, 96, ...) are padded to HEAD_DIM_P with masked loads.
 """
@@ -32,6 +37,16 @@ tl: Any = None
 
 _LOG2E = 1.4426950408889634
 _SM_COUNT: dict[int, int] = {}
+
+# Split-KV policy (see choose_num_splits). Values chosen from FlashInfer's and vLLM's heuristics and this
+# kernel's measured H100 figures (>= 83% of HBM bandwidth once ~4 programs per SM are resident); to be
+# re-tuned with bench/kernel_attention.py --splits / --tile-size on a GPU.
+PREFERRED_KEYS_PER_SPLIT = 128  # FlashInfer's smallest KV chunk: shorter splits cost more in partials ...
+MIN_KEYS_PER_SPLIT = 64  # ... but down to this many keys when that is what it takes to fill every SM once
+MIN_CONTEXT_TO_SPLIT = 512  # below this one program is quick; a split adds a reduce launch for nothing
+ENOUGH_WAVES = 2  # programs >= ENOUGH_WAVES * SMs: the grid already keeps every SM busy
+TARGET_PROGRAMS_PER_SM = 4  # otherwise split until about this many programs per SM
+MAX_SPLITS = 64
 
 
 def _attention_kernel(
@@ -62,6 +77,7 @@ def _attention_kernel(
     TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
@@ -97,6 +113,21 @@ def _attention_kernel(
     q_tok = q_block * BLOCK_Q + rows // QPK
     q_head = kv_head * QPK + rows % QPK
     row_ok = (rows < BLOCK_Q * QPK) & (q_tok < q_len)
+
+    # --- the key range this program (and split) visits ---
+    kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)  # past the block's last position
+    num_tiles = tl.cdiv(kv_end, TILE)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    if NUM_SPLITS > 1:
+        # partials laid out [T, Hq, NUM_SPLITS, HEAD_DIM_P] and [T, Hq, NUM_SPLITS, 2] (max, sum)
+        part_row = ((q_start + q_tok).to(tl.int64) * (QPK * tl.num_programs(1)) + q_head) * NUM_SPLITS + split
+        if tile_lo >= num_tiles:  # an empty split: the reduction skips its accumulator
+            tl.store(part_ml_ptr + part_row * 2, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            tl.store(part_ml_ptr + part_row * 2 + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
+            return
+
     q_pos = ctx_len + q_tok
     dims = tl.arange(0, HEAD_DIM_P)
     dim_ok = dims < HEAD_DIM
@@ -104,13 +135,6 @@ def _attention_kernel(
     q = tl.load(q_ptr + q_row[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if DOT_IN_FP32:
         q = q.to(tl.float32)
-
-    # --- the key range this program (and split) visits ---
-    kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)  # past the block's last position
-    num_tiles = tl.cdiv(kv_end, TILE)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -152,8 +176,6 @@ def _attention_kernel(
             mask=row_ok[:, None] & dim_ok[None, :],
         )
     else:
-        # partials laid out [T, Hq, NUM_SPLITS, HEAD_DIM_P] and [T, Hq, NUM_SPLITS, 2] (max, sum)
-        part_row = ((q_start + q_tok).to(tl.int64) * (QPK * tl.num_programs(1)) + q_head) * NUM_SPLITS + split
         tl.store(
             part_acc_ptr + part_row[:, None] * HEAD_DIM_P + dims[None, :],
             acc,
@@ -186,8 +208,9 @@ def _reduce_splits_kernel(
     m_max = tl.max(m, axis=0)
     weight = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))  # empty splits weigh 0
     total = tl.sum(weight * l_part, axis=0)
+    visited = split_ok & (m > float("-inf"))  # empty splits never wrote an accumulator
     acc = tl.load(
-        part_acc_ptr + base[:, None] * HEAD_DIM_P + dims[None, :], mask=split_ok[:, None], other=0.0
+        part_acc_ptr + base[:, None] * HEAD_DIM_P + dims[None, :], mask=visited[:, None], other=0.0
     )
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
@@ -208,16 +231,46 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def _auto_num_splits(device: torch.device, num_programs: int, max_seq_len: int, tile: int) -> int:
-    """Split the context across programs only when the grid would leave SMs idle and contexts are long."""
+def choose_num_splits(num_sms: int, batch: int, kv_heads: int, context: int, tile: int) -> int:
+    """KV splits for a launch of `batch` query blocks x `kv_heads` programs over contexts up to `context`.
+
+    Flash-decoding's trade: more splits put more programs on the SMs (memory bandwidth needs several
+    resident programs per SM), but each split writes a partial and the reduction reads it back.
+    - No split when the grid already has ENOUGH_WAVES programs per SM, or the context is shorter than
+      MIN_CONTEXT_TO_SPLIT (one program finishes quickly; a reduce launch would cost more).
+    - Otherwise aim for TARGET_PROGRAMS_PER_SM programs per SM (as FlashInfer sizes its grid to the
+      occupancy limit), keeping >= PREFERRED_KEYS_PER_SPLIT keys per split and <= MAX_SPLITS splits;
+      if that leaves SMs idle, settle for one full wave with >= MIN_KEYS_PER_SPLIT keys per split;
+    - then the fewest splits with the same tiles per split, so that no split is left empty.
+    """
+    programs = batch * kv_heads
+    if programs < 1 or context < MIN_CONTEXT_TO_SPLIT or programs >= ENOUGH_WAVES * num_sms:
+        return 1
+    tiles = -(-context // tile)
+    wanted = -(-TARGET_PROGRAMS_PER_SM * num_sms // programs)
+    splits = min(wanted, MAX_SPLITS, tiles // min_tiles_per_split(tile, PREFERRED_KEYS_PER_SPLIT))
+    if programs * splits < num_sms:
+        one_wave = -(-num_sms // programs)
+        splits = max(splits, min(one_wave, MAX_SPLITS, tiles // min_tiles_per_split(tile)))
+    splits = max(1, splits)
+    # As many splits of equal tiles as that allows (rounding the share down keeps the full wave), then
+    # the count the kernel's own share, max(ceil(tiles / n), MIN_TILES), really keeps busy.
+    share = max(min_tiles_per_split(tile), tiles // splits)
+    splits = min(MAX_SPLITS, -(-tiles // share))
+    share = max(min_tiles_per_split(tile), -(-tiles // splits))
+    return -(-tiles // share)
+
+
+def min_tiles_per_split(tile: int, min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
+    """Tiles of `tile` keys that make at least `min_keys` keys."""
+    return max(1, -(-min_keys // tile))
+
+
+def _auto_num_splits(device: torch.device, batch: int, kv_heads: int, max_seq_len: int, tile: int) -> int:
+    """`choose_num_splits` for this device; 1 on CPU (the interpreter gains nothing from splits)."""
     if device.type != "cuda":
         return 1
-    sms = _sm_count(device)
-    if num_programs >= sms:
-        return 1
-    wanted = -(-2 * sms // num_programs)
-    useful = max(1, max_seq_len // (tile * 8))  # keep >= 8 tiles of work per split
-    return max(1, min(wanted, useful, 64))
+    return choose_num_splits(_sm_count(device), batch, kv_heads, max_seq_len, tile)
 
 
 def unified_paged_attention(
@@ -232,6 +285,7 @@ def unified_paged_attention(
     *,
     num_kv_splits: int | None = None,
     tile_size: int | None = None,
+    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
 ) -> torch.Tensor:
     """Causal paged attention over a ragged batch; returns [T, Hq, D] in query's dtype.
 
@@ -240,8 +294,9 @@ def unified_paged_attention(
     [num_reqs, max_blocks] int32. Query token j of request i sits at position seq_lens[i] - q_len_i + j.
     max_query_len must bound every q_len (it picks the query-block shape; 1 selects the decode path);
     max_seq_len only tunes the split heuristic. Rows past query_start_loc[-1] (padding) are undefined.
-    num_kv_splits (None = auto, 1 on CPU) and tile_size (keys per inner step, power of two >= 16)
-    are tuning knobs that never change the result beyond rounding.
+    num_kv_splits (None = auto: `choose_num_splits`, 1 on CPU), tile_size (keys per inner step, power of
+    two >= 16) and min_keys_per_split (the floor on each split's share of a context) are tuning knobs
+    that never change the result beyond rounding.
     """
     require_triton()
     check_device(query)
@@ -271,7 +326,7 @@ def unified_paged_attention(
     head_dim_p = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     # triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits: upcast there.
     dot_in_fp32 = query.dtype == torch.bfloat16 and interpret_mode()
-    splits = num_kv_splits or _auto_num_splits(query.device, grid_q * num_kv_heads, max_seq_len, tile)
+    splits = num_kv_splits or _auto_num_splits(query.device, grid_q, num_kv_heads, max_seq_len, tile)
     if splits > 1:
         part_acc = torch.empty(
             num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=query.device
@@ -307,6 +362,7 @@ def unified_paged_attention(
         TILE=tile,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=splits,
+        MIN_TILES=min_tiles_per_split(tile, min_keys_per_split),
         DECODE_ONLY=decode_only,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,

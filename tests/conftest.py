@@ -2,6 +2,11 @@
 
 Triton kernels run on CPU through the interpreter, which must be switched on before triton is
 imported anywhere in the process.
+
+The suite runs in random order (pytest-randomly, from the dev extra: modules, then tests within them,
+shuffled from one seed; `random` and numpy reseeded per test). The seed is printed at the end of every
+run, -q included: `-p randomly --randomly-seed=N` replays an order, `-p no:randomly` runs in file order.
+Shared helpers (waiting, ports, health, a client with deadlines, service processes) are in tests/support.py.
 """
 
 from __future__ import annotations
@@ -52,3 +57,37 @@ def make_model(tiny_model_root: Path):
 @pytest.fixture(scope="session")
 def llama_dir(make_model) -> Path:
     return make_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(make_model) -> Path:
+    """The tiny llama the frontend-side tests serve (its tokenizer is `tokenizer`)."""
+    return make_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path):
+    from frontend_svc.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An asyncio loop on a daemon thread for servers run in the test process (tests/support.py)."""
+    from tests.support import LoopThread
+
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    """Name the random order's seed (the header that pytest-randomly writes is hidden under -q)."""
+    seed = config.getoption("randomly_seed", default=None)
+    if not isinstance(seed, int) or not config.getoption("randomly_reorganize", default=False):
+        return
+    outcome = "FAILED" if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED) else "ran"
+    terminalreporter.write_line(f"random test order {outcome} with seed {seed}: rerun this order with "
+                                f"-p randomly --randomly-seed={seed}")

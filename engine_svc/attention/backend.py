@@ -13,7 +13,8 @@ and attention is causal within that frame. A decode is simply q_len == 1; a pref
 hit has q_len < seq_len.
 
 A backend's `forward` first writes the new K/V into the cache through `slot_mapping` (one slot per
-query token), then attends over the cache. Backends must not depend on anything beyond this metadata.
+query token; skipped when the caller says `kv_written`, because a fused kernel already did it), then
+attends over the cache. Backends must not depend on anything beyond this metadata.
 """
 
 from __future__ import annotations
@@ -56,5 +57,6 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,  # this step's key/value are already in kv_cache
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

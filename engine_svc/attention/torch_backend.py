@@ -169,11 +169,13 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
-        flat_cache[0].index_copy_(0, meta.slot_mapping, key)
-        flat_cache[1].index_copy_(0, meta.slot_mapping, value)
+        if not kv_written:
+            flat_cache[0].index_copy_(0, meta.slot_mapping, key)
+            flat_cache[1].index_copy_(0, meta.slot_mapping, value)
 
         plan = _get_plan(meta, block_size, query.dtype)
         parts = []

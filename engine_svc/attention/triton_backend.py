@@ -1,7 +1,7 @@
 """Paged attention through the Triton kernels in `kernels/` (CUDA natively, CPU under TRITON_INTERPRET=1).
 
 Per call: `kv_write` puts this step's K/V into the cache through `slot_mapping` (slot -1 = padding,
-skipped), then `unified_paged_attention` runs one kernel over the whole ragged batch (decodes and
+skipped; not needed when the model's fused RoPE kernel already wrote them: `kv_written`), then `unified_paged_attention` runs one kernel over the whole ragged batch (decodes and
 prefill chunks with context alike). Uses only the device tensors of the metadata plus the two
 host ints max_query_len / max_seq_len, so it never syncs with the device.
 """
@@ -35,8 +35,10 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        self._kv_write(key, value, kv_cache, meta.slot_mapping)
+        if not kv_written:
+            self._kv_write(key, value, kv_cache, meta.slot_mapping)
         return self._attend(
             query,
             kv_cache,

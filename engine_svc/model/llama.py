@@ -3,10 +3,18 @@
 Pre-norm decoder layers; the residual stream is carried beside the activations so each RMSNorm also
 does the preceding residual add. Module and parameter names follow the HF checkpoints, except for
 the fused ones listed in `LlamaForCausalLM.packed_modules`.
+
+Two numerically equivalent paths (`fused_kernels_wanted`):
+- torch ops (the torch attention backend; HF-exact in float32 on CPU);
+- fused Triton kernels (the Triton attention backend, on CUDA or under TRITON_INTERPRET): residual add +
+  RMSNorm in place, q/k norm + RoPE in place on the qkv output with the KV-cache write fused in
+  (the backend is told the cache is written), and SiLU-and-mul. Per layer a decode step then runs
+  norm, qkv GEMM, rope+cache, attention, o GEMM, norm, gate_up GEMM, silu_and_mul, down GEMM.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -19,7 +27,16 @@ from engine_svc.model.layers.attention import Attention
 from engine_svc.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine_svc.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine_svc.model.layers.norm import QKNorm, RMSNorm
-from engine_svc.model.layers.rotary import RotaryEmbedding, apply_rotary, read_rope_config
+from engine_svc.model.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, read_rope_config
+from kernels import rope as triton_rope  # importing kernels never imports triton
+
+FUSED_KERNELS_ENV = "TANDEM_FUSED_KERNELS"
+
+
+def fused_kernels_wanted(backend: AttentionBackend) -> bool:
+    """Fused Triton kernels run exactly when attention runs on the Triton backend (which needs CUDA or
+    TRITON_INTERPRET=1 anyway); TANDEM_FUSED_KERNELS=0 keeps the torch ops there too (A/B profiling)."""
+    return getattr(backend, "name", "") == "triton" and os.environ.get(FUSED_KERNELS_ENV, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -38,9 +55,11 @@ def head_dim_of(config: Any) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype
+        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype,
+        fused: bool = False,
     ) -> None:
         super().__init__()
+        self.fused = fused
         head_dim = head_dim_of(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(
@@ -61,30 +80,40 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryInputs,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)
-        num_qk = self.num_heads + self.num_kv_heads
-        qk = qkv[:, :num_qk]
-        if self.qk_norm is not None:
-            qk = self.qk_norm(qk)
-        qk = apply_rotary(qk, cos, sin)
-        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:], kv_cache, meta)
+        num_heads, num_qk = self.num_heads, self.num_heads + self.num_kv_heads
+        if self.fused:
+            norm = self.qk_norm
+            triton_rope.rotary_qkv_(
+                qkv, rope.positions, rope.cos_sin_cache, num_heads, self.num_kv_heads,
+                qk_norm_weight=None if norm is None else norm.weight, eps=1e-6 if norm is None else norm.eps,
+                kv_cache=kv_cache, slot_mapping=meta.slot_mapping,
+            )
+            out = self.attn(qkv[:, :num_heads], qkv[:, num_heads:num_qk], qkv[:, num_qk:], kv_cache, meta,
+                            kv_written=True)
+        else:
+            assert rope.cos is not None and rope.sin is not None
+            qk = qkv[:, :num_qk]
+            if self.qk_norm is not None:
+                qk = self.qk_norm(qk)
+            qk = apply_rotary(qk, rope.cos, rope.sin)
+            out = self.attn(qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_qk:], kv_cache, meta)
         projected: torch.Tensor = self.o_proj(out)
         return projected
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant, dtype: torch.dtype, fused: bool = False) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], variant.mlp_bias, dtype
         )
-        self.act = GatedActivation(config.hidden_act)
+        self.act = GatedActivation(config.hidden_act, fused=fused)
         self.down_proj = RowParallelLinear(size, config.hidden_size, variant.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,43 +123,47 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype
+        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype,
+        fused: bool = False,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant, backend, dtype)
-        self.mlp = LlamaMLP(config, variant, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, variant, backend, dtype, fused)
+        self.mlp = LlamaMLP(config, variant, dtype, fused)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
 
     def forward(
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryInputs,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(layer input, residual stream) -> (MLP output, residual stream); their sum is the layer output."""
+        """(layer input, residual stream) -> (MLP output, residual stream); their sum is the layer output.
+
+        With fused kernels both tensors passed in are updated in place (the model owns them all)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden = self.self_attn(hidden, rope, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype
+        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype,
+        fused: bool = False,
     ) -> None:
         super().__init__()
+        self.fused = fused
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, backend, dtype) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, variant, backend, dtype, fused) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
         theta, rope_params = read_rope_config(config)
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, theta, rope_params, dtype
@@ -144,10 +177,10 @@ class LlamaModel(nn.Module):
         attn_meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        rope = self.rotary_emb.inputs(positions, gather=not self.fused)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_meta)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_meta)
         normed: torch.Tensor = self.norm(hidden, residual)[0]
         return normed
 
@@ -167,11 +200,13 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype
+        self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype,
+        fused: bool | None = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, variant, backend, dtype)
+        self.fused_kernels = fused_kernels_wanted(backend) if fused is None else fused
+        self.model = LlamaModel(config, variant, backend, dtype, self.fused_kernels)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if getattr(config, "tie_word_embeddings", False):
             self.tie_lm_head()
@@ -181,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = attn.head_dim
         self.vocab_size = config.vocab_size
         self.dtype = dtype
+        self.max_position = self.model.rotary_emb.max_position  # positions must stay below it
         # Not applied by the attention backends: EngineConfig caps max_model_len at it, so full attention
         # equals windowed attention for every sequence the engine accepts.
         self.sliding_window: int | None = getattr(config, "sliding_window", None)

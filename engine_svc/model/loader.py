@@ -1,6 +1,7 @@
-"""Load a Hugging Face model directory (config.json + *.safetensors) into a tandem model.
+"""Load a model into tandem: a Hugging Face directory (config.json + *.safetensors) or a GGUF file.
 
-Each checkpoint tensor is handed, whole, to its parameter's `weight_loader`, which copies this TP
+Each checkpoint tensor (named as in HF checkpoints; a GGUF file's tensors are renamed and dequantized by
+engine_svc/model/gguf.py) is handed, whole, to its parameter's `weight_loader`, which copies this TP
 rank's shard. Fused parameters (see `packed_modules` on the model) receive several checkpoint
 tensors, one per shard_id. Every parameter shard must be loaded exactly once or loading fails.
 """
@@ -8,6 +9,7 @@ tensors, one per shard_id. Every parameter shard must be loaded exactly once or 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_svc.attention.backend import AttentionBackend
+from engine_svc.model import gguf
 from engine_svc.model.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -24,9 +27,12 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_config(model_dir: str | Path) -> Any:
-    """The transformers config of a local model directory (never touches the network)."""
+    """The transformers config of a local model directory or GGUF file (never touches the network)."""
     from transformers import AutoConfig
 
+    if gguf.is_gguf(model_dir):
+        fields = gguf.gguf_hf_config(model_dir)
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
 
 
@@ -36,10 +42,15 @@ def load_model(
     device: torch.device | str,
     attn_backend: AttentionBackend,
 ) -> nn.Module:
-    """Build the model named by `model_dir/config.json` on `device` and load its weights."""
+    """Build the model named by `model_dir/config.json` (or a GGUF file) on `device` and load its weights."""
     model = build_model(load_config(model_dir), dtype, device, attn_backend)
     load_weights(model, model_dir)
     return model
+
+
+def checkpoint_names(model: nn.Module) -> list[str]:
+    """The HF checkpoint tensor names `model` loads (lm_head.weight included, even when tied)."""
+    return sorted(set(_expected_shards(model, getattr(model, "packed_modules", {})).values()))
 
 
 def _checkpoint_to_param(packed: dict[str, tuple[tuple[str, Any], ...]]) -> dict[str, tuple[str, Any]]:
@@ -68,37 +79,52 @@ def _map_name(name: str, table: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
 
 
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from `model_dir/*.safetensors`.
+    """Fill every parameter of `model` from `model_dir/*.safetensors`, or from a GGUF file.
 
     Raises FileNotFoundError without safetensors files and ValueError naming the checkpoint tensors
     that are missing. Without `lm_head.weight` in the checkpoint the LM head is tied to the embedding.
     """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    if gguf.is_gguf(model_dir):
+        dtype = next(model.parameters()).dtype
+        tensors = gguf.iter_gguf_weights(model_dir, checkpoint_names(model), dtype)
+    else:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        tensors = _safetensors_tensors(files)
+    load_named_tensors(model, tensors, str(model_dir))
+
+
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Hand each (checkpoint name, tensor) to its parameter's weight loader; check nothing is missing."""
     packed = getattr(model, "packed_modules", {})
     table = _checkpoint_to_param(packed)
     params = dict(model.named_parameters())
     expected = _expected_shards(model, packed)
     loaded: set[tuple[str, Any]] = set()
     ignored: list[str] = []
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                target, shard = _map_name(name, table)
-                if name.endswith(_SKIPPED_SUFFIXES) or target not in params:
-                    ignored.append(name)
-                    continue
-                param = params[target]
-                param.weight_loader(param, f.get_tensor(name), shard)  # type: ignore[attr-defined]
-                loaded.add((target, shard))
+    for name, tensor in tensors:
+        target, shard = _map_name(name, table)
+        if name.endswith(_SKIPPED_SUFFIXES) or target not in params:
+            ignored.append(name)
+            continue
+        param = params[target]
+        param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
+        loaded.add((target, shard))
     if ("lm_head.weight", None) in expected and ("lm_head.weight", None) not in loaded:
         model.tie_lm_head()  # type: ignore[operator]
         del expected[("lm_head.weight", None)]
     missing = sorted(ckpt for key, ckpt in expected.items() if key not in loaded)
     if missing:
         raise ValueError(
-            f"checkpoint in {model_dir} lacks {len(missing)} weight(s): {', '.join(missing[:10])}"
+            f"checkpoint in {source} lacks {len(missing)} weight(s): {', '.join(missing[:10])}"
         )
     unexpected = [n for n in ignored if not n.endswith(_SKIPPED_SUFFIXES) and n != "lm_head.weight"]
     if unexpected:

@@ -29,6 +29,20 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 _NEVER = math.inf
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values)` on `device` without making the host wait for the device: on CUDA the
+    values go through pinned memory and an asynchronous copy (a plain `torch.tensor(..., device=cuda)`
+    copies from pageable memory, which waits for everything queued on the stream)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor moved to `device` asynchronously (pinned staging on CUDA); as is on CPU."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class RequestSamplingState:
     """The sampler's view of one request, kept by the worker for the request's lifetime."""
 
@@ -198,17 +212,17 @@ def _add_random_sampling(
 ) -> None:
     params = [s.params for s in states]
     temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-    meta.temperature = torch.tensor(temps, dtype=torch.float32, device=device)
+    meta.temperature = device_tensor(temps, torch.float32, device)
     if any(greedy):
-        meta.greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=device)
+        meta.greedy_rows = device_tensor(greedy, torch.bool, device)
     top_k = [p.top_k if 0 < p.top_k < s.vocab_size else 0 for p, s in zip(params, states)]
     if any(top_k):
-        meta.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+        meta.top_k = device_tensor(top_k, torch.int64, device)
         meta.top_k_max = max(top_k)
     if any(p.top_p < 1.0 for p in params):
-        meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        meta.top_p = device_tensor([p.top_p for p in params], torch.float32, device)
     if any(p.min_p > 0.0 for p in params):
-        meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        meta.min_p = device_tensor([p.min_p for p in params], torch.float32, device)
     seeded = [(i, s) for i, s in enumerate(states) if s.generator is not None]
     meta.seeded = seeded or None
 
@@ -224,10 +238,7 @@ def _min_tokens_mask(
             cols.extend(s.min_tokens_held_ids)
     if not rows:
         return None
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(cols, dtype=torch.int64, device=device),
-    )
+    return device_tensor(rows, torch.int64, device), device_tensor(cols, torch.int64, device)
 
 
 def _penalty_metadata(states: list[RequestSamplingState], device: torch.device) -> PenaltyMetadata | None:
@@ -237,17 +248,17 @@ def _penalty_metadata(states: list[RequestSamplingState], device: torch.device) 
     pen = [states[i] for i in rows]
 
     def floats(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return device_tensor(values, torch.float32, device)
 
     out_ids = [s.output_ids_tensor() for s in pen]
     out_lens = torch.tensor([t.numel() for t in out_ids], dtype=torch.int64)
     meta = PenaltyMetadata(
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        rows=device_tensor(rows, torch.int64, device),
         presence=floats([s.params.presence_penalty for s in pen]),
         frequency=floats([s.params.frequency_penalty for s in pen]),
         repetition=None,
-        output_rows=torch.repeat_interleave(torch.arange(len(pen)), out_lens).to(device),
-        output_tokens=torch.cat(out_ids).to(device),
+        output_rows=to_device(torch.repeat_interleave(torch.arange(len(pen)), out_lens), device),
+        output_tokens=to_device(torch.cat(out_ids), device),
         prompt_rows=None,
         prompt_tokens=None,
     )
@@ -256,8 +267,7 @@ def _penalty_metadata(states: list[RequestSamplingState], device: torch.device) 
         meta.repetition = floats([s.params.repetition_penalty for s in pen])
         prompt_ids = [pen[j].prompt_ids_tensor() for j in rep]
         prompt_lens = torch.tensor([t.numel() for t in prompt_ids], dtype=torch.int64)
-        meta.prompt_rows = torch.repeat_interleave(torch.tensor(rep, dtype=torch.int64), prompt_lens).to(
-            device
-        )
-        meta.prompt_tokens = torch.cat(prompt_ids).to(device)
+        meta.prompt_rows = to_device(torch.repeat_interleave(torch.tensor(rep, dtype=torch.int64), prompt_lens),
+                                     device)
+        meta.prompt_tokens = to_device(torch.cat(prompt_ids), device)
     return meta

@@ -46,6 +46,7 @@ from engine_svc.sched.output import (
     SchedulerOutput,
 )
 from engine_svc.sched.request_queue import make_request_queue
+from engine_svc.validation import request_problem
 
 SampledLogprobs = tuple[float, int, list[int], list[float]]
 
@@ -132,6 +133,10 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(scheduled, budget)
         output = self._make_output(scheduled)
+        # Only now, after every preemption of this step: the KV manager caches blocks when it allocates
+        # them and, when a request is freed, uncaches its blocks past `num_computed_tokens` - for a
+        # request undone in this step those are blocks whose K/V will never be written. The workers also
+        # need the pre-step count in the output's diffs.
         for request_id, num_tokens in scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         return output
@@ -350,6 +355,9 @@ class Scheduler:
         )
 
     def _why_unservable(self, request: Request) -> str | None:
+        problem = request_problem(request)  # ids, sampling values, sizes (engine_svc/validation.py)
+        if problem is not None:
+            return problem
         n = request.num_prompt_tokens
         if request.request_id in self.requests:
             return f"request id {request.request_id!r} is already in use"

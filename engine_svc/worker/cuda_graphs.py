@@ -18,15 +18,24 @@ row of zeros (attention reads one key of block 0 and the result is thrown away).
 real rows: apart from attention, which reads only the cache, every op of the model is row-wise.
 
 Static buffers (`DecodeBuffers`): a graph reads fixed device tensors sized for the largest batch;
-`replay` copies the step's padded inputs into their first B rows. `query_start_loc` of a decode-only
-batch is always 0, 1, ..., B, so it is written once.
+`replay` writes the step's padded inputs into pinned host mirrors and copies their first B rows up
+asynchronously (three copies, no host sync). `query_start_loc` of a decode-only batch is always
+0, 1, ..., B, so it is written once.
 
 Host values: a graph cannot see host values that change between replays. The triton backend reads two
 host ints: max_query_len (1 for every decode-only step: it selects the decode path) and max_seq_len
 (it only tunes how many KV splits the kernel uses), for which the graph bakes in the upper bound
-max_blocks_per_req * block_size. `seq_lens_cpu` / `query_lens_cpu` in the captured metadata are
-placeholders that the triton backend never reads; the torch backend plans attention from those host
-lists, which is why graphs need the triton backend.
+max_blocks_per_req * block_size. The split count is thus chosen for the longest context, but the
+kernel gives each split at least a minimum number of key tiles, so a short context runs on its first
+few splits and the rest exit at once, writing nothing the reduction reads (kernels/paged_attention.py).
+`seq_lens_cpu` / `query_lens_cpu` in the captured metadata are placeholders that the triton backend
+never reads; the torch backend plans attention from those host lists, which is why graphs need the
+triton backend.
+
+Graph memory is measured as the device memory the captures leave in use, with the allocator's cache
+released before and after (`memory_held_by`): `torch.cuda.graph` empties the cache on entry, so a bare
+free-memory difference counts blocks cached by earlier work (e.g. the profile run) as freed by the
+capture, and came out negative.
 """
 
 from __future__ import annotations
@@ -34,9 +43,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +59,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PAD_SLOT = -1  # the KV write kernel skips negative slots
+_T = TypeVar("_T")
+
+
+def memory_held_by(
+    run: Callable[[], _T], *, free_bytes: Callable[[], int], release_cached: Callable[[], None]
+) -> tuple[_T, int]:
+    """(run(), device bytes that run() leaves in use).
+
+    Free memory is read with the caching allocator's unused blocks released on both sides, so blocks
+    cached before `run` (which `run` may release itself, as `torch.cuda.graph` does) are not counted as
+    memory it freed, and blocks it only borrowed are not counted as memory it holds."""
+    release_cached()
+    before = free_bytes()
+    result = run()
+    release_cached()
+    return result, before - free_bytes()
 
 
 # ---- pure planning (no device) ----------------------------------------------------------------
@@ -146,25 +171,37 @@ class DecodeBuffers:
     """
 
     def __init__(self, max_batch: int, max_blocks_per_req: int, device: torch.device) -> None:
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids = zeros(max_batch, dtype=torch.int64)
-        self.positions = zeros(max_batch, dtype=torch.int64)
-        self.slot_mapping = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
+        pinned = device.type == "cuda"
+        # input ids, positions and slots share one [3, max_batch] tensor: one copy loads all three
+        self._ints = torch.zeros((3, max_batch), dtype=torch.int64, device=device)
+        self._ints[2].fill_(PAD_SLOT)
+        self.input_ids, self.positions, self.slot_mapping = self._ints.unbind(0)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.block_table = zeros(max_batch, max_blocks_per_req, dtype=torch.int32)
+        self.block_table = torch.zeros((max_batch, max_blocks_per_req), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        # pinned host mirrors: the sources of the asynchronous copies
+        self._host_ints = torch.empty((3, max_batch), dtype=torch.int64, pin_memory=pinned)
+        self._host_seq_lens = torch.empty(max_batch, dtype=torch.int32, pin_memory=pinned)
+        self._host_table = torch.empty((max_batch, max_blocks_per_req), dtype=torch.int32, pin_memory=pinned)
+        self._copied: torch.cuda.Event | None = None
+        self._pinned = pinned
 
     def load(self, step: PaddedDecodeInputs) -> None:
-        """Copy a padded step into the first rows (asynchronous: numpy sources are pageable memory,
-        which CUDA stages before the call returns, so they may be dropped right after)."""
+        """Copy a padded step into the first rows without a host sync: through the pinned mirrors,
+        which are rewritten only once the previous step's copies have finished (an event)."""
         size, width = step.block_table.shape
-        self.input_ids[:size].copy_(torch.from_numpy(step.input_ids), non_blocking=True)
-        self.positions[:size].copy_(torch.from_numpy(step.positions), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.from_numpy(step.slot_mapping), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.from_numpy(step.seq_lens), non_blocking=True)
-        self.block_table[:size, :width].copy_(torch.from_numpy(step.block_table), non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()
+        ints = self._host_ints.numpy()
+        ints[0, :size], ints[1, :size], ints[2, :size] = step.input_ids, step.positions, step.slot_mapping
+        self._host_seq_lens.numpy()[:size] = step.seq_lens
+        self._host_table.numpy()[:size, :width] = step.block_table
+        self._ints[:, :size].copy_(self._host_ints[:, :size], non_blocking=True)
+        self.seq_lens[:size].copy_(self._host_seq_lens[:size], non_blocking=True)
+        self.block_table[:size, :width].copy_(self._host_table[:size, :width], non_blocking=True)
+        if self._pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
         """Metadata over the first `size` rows; host fields are bounds / placeholders (see module doc)."""
@@ -207,6 +244,7 @@ class DecodeCudaGraphs:
         self.max_seq_len = max_blocks_per_req * block_size
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks_per_req, device)
         self.num_replays = 0
+        self.memory_bytes = 0  # device memory the captured graphs hold (set by capture)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
@@ -226,8 +264,19 @@ class DecodeCudaGraphs:
         Each size first runs once eagerly, so Triton compiles that size's kernel variants outside the
         capture. The buffers hold dummy requests only, so capturing writes nothing to the KV cache.
         """
-        free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
+        _, used = memory_held_by(
+            self._capture_all,
+            free_bytes=lambda: int(torch.cuda.mem_get_info(self.device)[0]),
+            release_cached=torch.cuda.empty_cache,
+        )
+        self.memory_bytes = used
+        logger.info(
+            "CUDA graphs: captured %d decode batch sizes (%d..%d) in %.2f s, graph memory %.1f MiB",
+            len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start, used / 2**20,
+        )
+
+    def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             self.forward_static(size)
@@ -237,11 +286,6 @@ class DecodeCudaGraphs:
                 self._outputs[size] = self.forward_static(size)
             self._graphs[size] = graph
         torch.cuda.synchronize(self.device)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info(
-            "CUDA graphs: captured %d decode batch sizes (%d..%d) in %.2f s, graph memory %.1f MiB",
-            len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start, used / 2**20,
-        )
 
     def replay(self, inputs: StepInputs, size: int) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step of n <= size requests."""

@@ -3,6 +3,13 @@
 The runner never sees a tokenizer or text. It trusts the scheduler's SchedulerOutput completely:
 new requests arrive in full, cached ones as diffs, and finished/preempted ids are dropped before the
 step is laid out. Only requests whose scheduled tokens reach the end of their known tokens sample.
+
+Host/device discipline (what keeps a GPU busy): a step reads nothing back from the device until the
+sampled tokens, its one sync, at the very end. Inputs go up through `DeviceStaging` (pinned memory,
+async copies) or the CUDA-graph buffers; sampling metadata is built on the host and copied the same
+way; so the forward, the logits and the sampler are queued back to back while the host moves on.
+Positions never reach max_position (the rotary cache's rows): max_model_len is checked against it here,
+and the persistent batch cannot hold a token past max_model_len.
 """
 
 from __future__ import annotations
@@ -12,20 +19,45 @@ import torch
 
 from engine_svc.attention.backend import AttentionMetadata
 from engine_svc.sample.logprobs import compute_prompt_logprobs
-from engine_svc.sample.metadata import RequestSamplingState, build_sampling_metadata
+from engine_svc.sample.metadata import (
+    RequestSamplingState,
+    SamplingMetadata,
+    build_sampling_metadata,
+    device_tensor,
+)
 from engine_svc.sample.sampler import Sampler
 from engine_svc.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine_svc.worker.cuda_graphs import DecodeCudaGraphs
-from engine_svc.worker.input_batch import InputBatch, StepInputs
+from engine_svc.worker.input_batch import DeviceStaging, InputBatch, StepInputs
+
+
+def profile_seq_lens(num_tokens: int, max_model_len: int, max_num_seqs: int) -> list[int]:
+    """Sequence lengths for a profile run: the largest step the scheduler can build.
+
+    As many tokens as one step may hold (num_tokens, capped at max_num_seqs sequences of max_model_len),
+    in sequences of at most max_model_len tokens, longest first (the worst case for attention too).
+    """
+    if num_tokens < 1 or max_model_len < 1 or max_num_seqs < 1:
+        raise ValueError("profile_seq_lens needs positive sizes")
+    total = min(num_tokens, max_model_len * max_num_seqs)
+    full, rest = divmod(total, max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_num_seqs: int,
                  max_model_len: int, block_size: int, vocab_size: int) -> None:
+        max_position = getattr(model, "max_position", None)
+        if max_position is not None and max_model_len > max_position:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {max_position} rotary positions "
+                             "(max_position_embeddings); lower --max-model-len")
         self.model = model
         self.device = device
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
+        self.staging = DeviceStaging(device)
         self.sampler = Sampler()
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.num_prompt_tokens: dict[str, int] = {}
@@ -42,11 +74,22 @@ class ModelRunner:
             self._drop(req_id)
         for new in so.scheduled_new_reqs:
             self._add(new)
+        decode_ids: list[str] = []  # one new token, no new block: applied in one vectorised call
+        decode_tokens: list[int] = []
+        decode_computed: list[int] = []
+        states = self.sampling_states
         for diff in so.scheduled_cached_reqs:
-            self.batch.apply_diff(diff.req_id, diff.new_token_ids, diff.new_block_ids,
-                                  diff.num_computed_tokens)
-            if diff.new_token_ids:
-                self.sampling_states[diff.req_id].output_token_ids.extend(diff.new_token_ids)
+            tokens = diff.new_token_ids
+            if len(tokens) == 1 and not diff.new_block_ids:
+                decode_ids.append(diff.req_id)
+                decode_tokens.append(tokens[0])
+                decode_computed.append(diff.num_computed_tokens)
+                states[diff.req_id].output_token_ids.append(tokens[0])
+                continue
+            self.batch.apply_diff(diff.req_id, tokens, diff.new_block_ids, diff.num_computed_tokens)
+            if tokens:
+                states[diff.req_id].output_token_ids.extend(tokens)
+        self.batch.apply_decode_diffs(decode_ids, decode_tokens, decode_computed)
 
     def _add(self, new: NewRequestData) -> None:
         if new.req_id in self.batch:  # resumed after preemption without an explicit drop
@@ -74,16 +117,17 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.batch.prepare(so.num_scheduled_tokens)
-        hidden = self._forward(inputs)
         sample_idx = np.flatnonzero(inputs.sample_mask)
+        last_token = inputs.query_start_loc[1:][sample_idx] - 1  # the hidden row each sampling request reads
+        hidden, sample_rows = self._forward(inputs, last_token)
         sampled = [-1] * len(inputs.req_ids)
         logprobs = None
         if len(sample_idx):
-            last_token = inputs.query_start_loc[1:][sample_idx] - 1
-            logits = self.model.compute_logits(hidden[torch.from_numpy(last_token).to(self.device)])
             states = [self.sampling_states[inputs.req_ids[i]] for i in sample_idx]
-            out = self.sampler(logits, build_sampling_metadata(states, self.device))
-            tokens = out.sampled_token_ids.tolist()
+            meta: SamplingMetadata = build_sampling_metadata(states, self.device)
+            rows = hidden[: len(sample_idx)] if sample_rows is None else hidden.index_select(0, sample_rows)
+            out = self.sampler(self.model.compute_logits(rows), meta)
+            tokens = out.sampled_token_ids.tolist()  # the step's one device -> host sync
             for j, i in enumerate(sample_idx):
                 sampled[i] = tokens[j]
             logprobs = self._scatter_logprobs(out, sample_idx, len(inputs.req_ids))
@@ -95,33 +139,36 @@ class ModelRunner:
         )
 
     # -- CUDA graphs hook (engine_svc/worker/cuda_graphs.py) --
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [T, hidden]: a CUDA graph replay for a decode-only step that fits a captured
+    def _forward(self, inputs: StepInputs, last_token: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [T, hidden], device indices of the rows to sample, or None when they are the
+        first len(last_token) rows): a CUDA graph replay for a decode-only step that fits a captured
         size, else the eager model call."""
+        first_rows = bool(np.array_equal(last_token, np.arange(len(last_token))))
         if self.cuda_graphs is not None:
             size = self.cuda_graphs.size_for(inputs)
             if size is not None:
-                return self.cuda_graphs.replay(inputs, size)
-        return self.model(
-            torch.from_numpy(inputs.input_ids).to(self.device, non_blocking=True),
-            torch.from_numpy(inputs.positions).to(self.device, non_blocking=True),
-            self.kv_caches,
-            self._attention_metadata(inputs),
-        )
-
-    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(inputs.query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(inputs.seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(np.ascontiguousarray(inputs.block_table)).to(dev),
+                return self.cuda_graphs.replay(inputs, size), None if first_rows else self._stage_one(last_token)
+        staged = self.staging.stage([
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc.astype(np.int32),
+            inputs.seq_lens.astype(np.int32), inputs.block_table, last_token,
+        ])
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_table, rows = staged
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
             max_query_len=int(inputs.query_lens.max()),
             max_seq_len=int(inputs.seq_lens.max()),
             query_lens_cpu=inputs.query_lens.tolist(),
             seq_lens_cpu=inputs.seq_lens.tolist(),
             num_decodes=inputs.num_decodes,
         )
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return hidden, None if first_rows else rows
+
+    def _stage_one(self, values: np.ndarray) -> torch.Tensor:
+        return device_tensor(values.tolist(), torch.int64, self.device)
 
     @staticmethod
     def _scatter_logprobs(out: object, sample_idx: np.ndarray, batch_size: int) -> list | None:
@@ -155,23 +202,47 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int) -> None:
-        """A max-size prefill with a throwaway cache, so peak activation memory can be measured."""
-        bs = self.batch.block_size
-        num_blocks = -(-num_tokens // bs)
-        m = self.model
+    def profile_run(self, num_tokens: int) -> int:
+        """The largest step the scheduler can build, run once so that peak memory can be measured.
+
+        A prefill of `profile_seq_lens(num_tokens, max_model_len, max_num_seqs)` (never a position at or
+        past max_model_len), then logits and random top-k/top-p sampling for max_num_seqs rows (the
+        sampler's sort is its largest temporary), over a throwaway KV cache that all sequences share
+        (only shapes matter). Returns the throwaway cache's bytes: the caller subtracts them from the
+        peak, since the real cache is sized from what is left.
+        """
+        lens = profile_seq_lens(num_tokens, self.max_model_len, self.max_num_seqs)
+        m, dev, bs = self.model, self.device, self.batch.block_size
+        blocks = -(-lens[0] // bs)
         dtype = next(m.parameters()).dtype
-        caches = [torch.zeros((2, num_blocks, bs, m.num_kv_heads, m.head_dim), dtype=dtype, device=self.device)
+        caches = [torch.zeros((2, blocks, bs, m.num_kv_heads, m.head_dim), dtype=dtype, device=dev)
                   for _ in range(m.num_layers)]
-        positions = torch.arange(num_tokens, device=self.device)
+        positions = np.concatenate([np.arange(n) for n in lens])  # every sequence in blocks 0..blocks-1
+        qsl = np.concatenate([[0], np.cumsum(lens)])
         meta = AttentionMetadata(
-            slot_mapping=positions.clone(),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_table=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
-            max_query_len=num_tokens, max_seq_len=num_tokens,
-            query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens], num_decodes=0,
+            slot_mapping=torch.from_numpy(positions).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_table=torch.arange(blocks, dtype=torch.int32, device=dev).repeat(len(lens), 1),
+            max_query_len=lens[0], max_seq_len=lens[0], query_lens_cpu=lens, seq_lens_cpu=lens, num_decodes=0,
         )
-        hidden = m(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, caches, meta)
-        m.compute_logits(hidden[: self.batch.token_ids.shape[0]])
-        del caches, hidden
+        total = int(qsl[-1])
+        hidden = m(torch.zeros(total, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev), caches,
+                   meta)
+        rows = torch.arange(self.max_num_seqs, device=dev) % total
+        logits = m.compute_logits(hidden.index_select(0, rows))
+        self.sampler(logits, _profile_sampling_metadata(self.max_num_seqs, dev))
+        cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+        del caches, hidden, logits
+        return cache_bytes
+
+
+def _profile_sampling_metadata(num_rows: int, device: torch.device) -> SamplingMetadata:
+    """Random sampling with top-k and top-p on every row: the sampler's most memory-hungry path."""
+    return SamplingMetadata(
+        all_greedy=False,
+        temperature=torch.full((num_rows,), 0.7, device=device),
+        top_k=torch.full((num_rows,), 50, dtype=torch.int64, device=device),
+        top_k_max=50,
+        top_p=torch.full((num_rows,), 0.9, device=device),
+    )

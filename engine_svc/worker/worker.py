@@ -19,7 +19,6 @@ from engine_svc.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
-
 def make_attention_backend(name: str) -> object:
     if name == "torch":
         from engine_svc.attention.torch_backend import TorchAttentionBackend
@@ -93,14 +92,21 @@ class Worker:
         return int(num_blocks)
 
     def _profile_free_memory(self) -> int:
-        """GPU: total * utilisation - peak memory of a max-size forward (seed 003)."""
+        """GPU: total * utilisation - peak memory of the largest step (seed 003).
+
+        The peak counts weights and activations; the profile run's throwaway KV cache is taken off it,
+        since the real cache is what this budget sizes. The profile's cached blocks are released
+        afterwards, so the cache (and the CUDA graphs captured after it) can use that memory."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         assert self.runner is not None
-        self.runner.profile_run(self.config.max_num_batched_tokens or 8192)
+        dummy_cache_bytes = self.runner.profile_run(self.config.max_num_batched_tokens or 8192)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - dummy_cache_bytes
+        torch.cuda.empty_cache()
         total = torch.cuda.mem_get_info()[1]
+        logger.info("profile run: peak %.1f MiB of weights and activations (%.1f MiB throwaway cache not counted)",
+                    peak / 2**20, dummy_cache_bytes / 2**20)
         return int(total * self.config.gpu_memory_utilization - peak)
 
     def initialize_cache(self, num_blocks: int) -> None:

@@ -1,9 +1,9 @@
-"""`GenerateCall`: what one Generate call reports — its span and its metrics — from arrival to end.
+"""`GenerateCall`: what one generation call reports — its span and its metrics — from arrival to end.
 
-The servicer calls, in order: `prepare` (validation + tokenization, traced as a child span),
-`engine_requests` (adds the propagation headers), `routed`, `on_delta` per response, then exactly one
-of `succeed` / `fail`. Per response the work is a clock read and, at most, two histogram observations;
-nothing is formatted or logged.
+The same for every API (gRPC Generate, the HTTP completions endpoints). In order: `prepare` (validation
++ tokenization, traced as a child span), `engine_requests` (adds the propagation headers), `routed`,
+`on_delta` per delta handed to the client, then exactly one of `succeed` / `fail`. Per delta the work
+is a clock read and, at most, two histogram observations; nothing is formatted or logged.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ class GenerateCall:
         self._finish_reason: str | None = None
         self._ended = False
 
-    def prepare(self, fn: Callable[[Any], Any], request: Any) -> Any:
-        """Run `fn(request)` (validate + tokenize) under a child span; ValidationError passes through."""
+    def prepare(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` (validate + tokenize) under a child span; ValidationError passes through."""
         child = self.span.child("tandem.frontend.prepare")
         try:
-            prepared = fn(request)
+            prepared = fn()
         except ValidationError as exc:
             fail_span(child, "INVALID_ARGUMENT", str(exc))
             raise
@@ -110,26 +110,29 @@ class GenerateCall:
             metrics.prompt_tokens.observe(self._prompt_tokens)
             metrics.generation_tokens.observe(self._num_tokens)
 
-    def fail(self, exc: BaseException, context: Any) -> None:
-        """End with the status the call ends with (read from `context` after an abort)."""
+    def fail(self, code: str, message: str) -> None:
+        """End with the status the call ends with: `code` is a gRPC status code name (an HTTP API maps
+        its outcome to one: CANCELLED for a client that went away, ...)."""
         if self._ended:
             return
         self._ended = True
-        code = failure_code(exc, context)
         self.span.set_attributes({"gen_ai.usage.output_tokens": self._num_tokens})
-        self.span.end(code, str(context.details() or code))
+        self.span.end(code, message or code)
         if self._metrics is not None:
             self._metrics.failure.labels(self._model_name, code).inc()
 
 
-def failure_code(exc: BaseException, context: Any) -> str:
-    """The gRPC status name a call ending with `exc` gets."""
+def grpc_failure(exc: BaseException, context: Any) -> tuple[str, str]:
+    """(status code name, message) of a gRPC call that ends with `exc` (read after an abort)."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         remaining = context.time_remaining()
-        return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return str(code.name)
-    if isinstance(code, int):
-        return next((c.name for c in grpc.StatusCode if c.value[0] == code), "UNKNOWN")
-    return "UNKNOWN"
+        code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        return code, code
+    number = context.code()
+    if isinstance(number, grpc.StatusCode):
+        code = str(number.name)
+    elif isinstance(number, int):
+        code = next((c.name for c in grpc.StatusCode if c.value[0] == number), "UNKNOWN")
+    else:
+        code = "UNKNOWN"
+    return code, str(context.details() or code)

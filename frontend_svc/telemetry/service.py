@@ -1,20 +1,20 @@
 """`FrontendTelemetry`: what `FrontendServer` holds — `begin_call()` per Generate call, the output
 processor and engine gauges it wires in. `FrontendTelemetry.off()` (the default) creates no spans and
-no metrics; `from_env()` reads `OTEL_*` (see `export.py`) and serves /metrics on a port.
+no metrics; `from_env()` reads `OTEL_*` (see `tandem.telemetry`) and serves /metrics on a port.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
+from tandem.telemetry import provider_from_env, serve_metrics, shutdown_telemetry
 
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.telemetry.call import GenerateCall
-from frontend_svc.telemetry.export import provider_from_env, serve_metrics, shutdown_telemetry
 from frontend_svc.telemetry.metrics import FrontendMetrics, ObservedOutputProcessor
 from frontend_svc.telemetry.tracing import CallSpan
 
@@ -46,8 +46,12 @@ class FrontendTelemetry:
                 telemetry._http.append(server)
         return telemetry
 
-    def begin_call(self, context: Any) -> GenerateCall:
-        span = CallSpan(self.tracer, context.invocation_metadata(), GENERATE_METHOD)
+    def begin_call(self, metadata: Sequence[tuple[str, str]] | None, method: str = GENERATE_METHOD,
+                   attributes: dict[str, str] | None = None) -> GenerateCall:
+        """A call's telemetry. `metadata` (gRPC metadata or HTTP headers, lower-case keys) carries the
+        client's W3C trace context; `method` names the span ("POST /v1/chat/completions" for HTTP, with
+        `attributes` such as http.request.method / http.route; gRPC's rpc.* by default)."""
+        span = CallSpan(self.tracer, metadata, method, attributes)
         return GenerateCall(span, self.metrics, self.model_name)
 
     def output_processor(self, tokenizer: Any) -> OutputProcessor:

@@ -52,16 +52,19 @@ class CallSpan:
 
     __slots__ = ("_ctx", "carrier", "span", "tracer")
 
-    def __init__(self, tracer: Tracer | None, metadata: Iterable[Any] | None, method: str) -> None:
+    def __init__(self, tracer: Tracer | None, metadata: Iterable[Any] | None, method: str,
+                 attributes: dict[str, str] | None = None) -> None:
+        """`method`: the span name; `attributes`: the transport's (default: a gRPC method's rpc.*)."""
         self.tracer = tracer
         self.carrier = carrier_from_metadata(metadata)
         self.span: Span | None = None
         self._ctx: Context | None = None
         if tracer is not None:
             parent = propagate.extract(self.carrier) if self.carrier else Context()
-            self.span = tracer.start_span(method, context=parent, kind=SpanKind.SERVER, attributes={
-                "rpc.system": "grpc", "rpc.service": method.rsplit("/", 1)[0],
-                "rpc.method": method.rsplit("/", 1)[-1]})
+            if attributes is None:
+                attributes = {"rpc.system": "grpc", "rpc.service": method.rsplit("/", 1)[0],
+                              "rpc.method": method.rsplit("/", 1)[-1]}
+            self.span = tracer.start_span(method, context=parent, kind=SpanKind.SERVER, attributes=attributes)
             self._ctx = trace.set_span_in_context(self.span)
 
     def child(self, name: str) -> Span | None:

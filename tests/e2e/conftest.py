@@ -1,98 +1,32 @@
 """End-to-end fixtures: real engine and frontend processes on loopback ports.
 
-`Service` wraps one child process (`python -m engine_svc.server_cli` / `python -m frontend_svc.cli`)
-with its port, a health wait and a kill-on-exit guarantee. One engine + frontend pair is started per
-module (`split`) and reused; tests that kill a process restart it on the same port. `cluster` (one per
+`Service` (tests/support.py) wraps one child process (`python -m engine_svc.server_cli` /
+`python -m frontend_svc.cli`) with its port, a health wait and a kill-on-exit guarantee. One engine +
+frontend pair is started per module (`split`) and reused; a test that kills the engine restarts it on the
+same port, and a test that kills a frontend starts its own. `cluster` (one per
 session, shared by the routing, drain and Node client tests) is two engines behind two frontends that
 each list both engines; a test that stops an engine calls `cluster.heal()` (or restarts it) after.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import Service, free_port, health_status, wait_until
+
 KV_CACHE_BYTES = 32 * 1024 * 1024
 ENGINE_FLAGS = ("--dtype", "float32", "--max-num-seqs", "4", "--max-waiting", "4",
                 "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--metrics-port", "0")
 FRONTEND_MAX_CONCURRENT = 8
-START_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Service:
-    """One child process serving gRPC on 127.0.0.1:port."""
-
-    def __init__(self, name: str, argv: list[str], port: int, log_dir: Path) -> None:
-        self.name, self.argv, self.port = name, argv, port
-        self.log_path = log_dir / f"{name}-{port}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> Service:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-    def wait_serving(self, timeout: float = START_TIMEOUT_S) -> Service:
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                assert self.proc is not None and self.proc.poll() is None, f"{self.name} exited:\n{self.log()}"
-                try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.1)
-        raise AssertionError(f"{self.name} not SERVING after {timeout}s:\n{self.log()}")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(30)
-
-    def stop(self) -> int | None:
-        """SIGTERM (drain), then SIGKILL if it lingers; returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 
 
 def engine_service(model: Path, port: int, log_dir: Path, *flags: str) -> Service:
@@ -144,24 +78,6 @@ def split(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spli
     finally:
         pair.frontend.stop()
         pair.engine.stop()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.05)
-
-
-def health_status(address: str, service: str = "") -> int:
-    """The health of `service` at `address`; -1 when the call fails (e.g. the process is gone)."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            request = health_pb2.HealthCheckRequest(service=service)
-            return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=2).status)
-        except grpc.RpcError:
-            return -1
 
 
 # Engines roomy enough for 40 concurrent requests; a drain grace long enough that in-flight calls finish.

@@ -17,7 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from tandem.v1 import generation_pb2 as pb
 
-from frontend_svc.client import TandemClient, collect
+from frontend_svc.client import collect
+from tests.support import DeadlineClient
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def test_sigterm_drains_an_engine_and_the_frontends_route_around_it(cluster: Any
     rng = random.Random(7)
     vocab = cluster.model_info(cluster.frontends[0]).vocab_size
     long_prompts = [[rng.randrange(3, vocab) for _ in range(20)] for _ in range(6)]
-    with TandemClient(cluster.frontends[0].address) as c0, TandemClient(cluster.frontends[1].address) as c1:
+    with DeadlineClient(cluster.frontends[0].address) as c0, DeadlineClient(cluster.frontends[1].address) as c1:
         clients = [c0, c1]
         streams = [clients[i % 2].generate(token_ids=p, temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True)
                    for i, p in enumerate(long_prompts)]

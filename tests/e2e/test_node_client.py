@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from frontend_svc.client import TandemClient, collect
+from frontend_svc.client import collect
+from tests.support import ROOT, DeadlineClient
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("node") / "generate.js"
 MAX_TOKENS = 16
 
@@ -39,6 +39,7 @@ def run_node(address: str, requests: list[dict[str, Any]]) -> list[dict[str, Any
 
 
 def test_node_client_streams_what_the_python_client_gets(cluster: Any) -> None:
+    cluster.heal()
     frontend = cluster.frontends[0]
     vocab = cluster.model_info(frontend).vocab_size
     rng = random.Random(11)
@@ -49,7 +50,7 @@ def test_node_client_streams_what_the_python_client_gets(cluster: Any) -> None:
         {"token_ids": token_prompt, "sampling_params": greedy},
         {"text": text_prompt, "sampling_params": greedy},
     ])
-    with TandemClient(frontend.address) as client:
+    with DeadlineClient(frontend.address) as client:
         python = [collect(client.generate(token_ids=token_prompt, **greedy))[0],
                   collect(client.generate(text_prompt, **greedy))[0]]
     for got, want in zip(node, python):

@@ -18,7 +18,8 @@ import grpc
 import pytest
 from tandem.v1 import generation_pb2 as pb
 
-from frontend_svc.client import TandemClient, collect
+from frontend_svc.client import collect
+from tests.support import DeadlineClient
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +34,8 @@ def healthy(cluster: Any) -> Any:
 
 
 @pytest.fixture()
-def clients(healthy: Any) -> Iterator[list[TandemClient]]:
-    opened = [TandemClient(f.address) for f in healthy.frontends]
+def clients(healthy: Any) -> Iterator[list[DeadlineClient]]:
+    opened = [DeadlineClient(f.address) for f in healthy.frontends]
     try:
         yield opened
     finally:
@@ -58,7 +59,7 @@ def served_since(cluster: Any, before: list[int], prompt_len: int = PROMPT_LEN) 
     return [g // prompt_len for g in grown]
 
 
-def run_all(clients: list[TandemClient], prompt_ids: list[list[int]], **params: Any) -> list[dict[str, Any]]:
+def run_all(clients: list[DeadlineClient], prompt_ids: list[list[int]], **params: Any) -> list[dict[str, Any]]:
     """Every prompt at once, alternating frontends; the collected index-0 completions, in order."""
     def one(i: int) -> dict[str, Any]:
         return collect(clients[i % len(clients)].generate(token_ids=prompt_ids[i], **params))[0]
@@ -75,7 +76,7 @@ def outcome(stream: Any) -> dict[str, Any] | grpc.StatusCode:
 
 
 def test_least_load_spreads_concurrent_requests_over_both_engines(healthy: Any,
-                                                                  clients: list[TandemClient]) -> None:
+                                                                  clients: list[DeadlineClient]) -> None:
     vocab = healthy.model_info(healthy.frontends[0]).vocab_size
     before = queries(healthy)
     results = run_all(clients, prompts(40, seed=1, vocab_size=vocab), temperature=0, max_tokens=8,
@@ -95,7 +96,7 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_engine(healthy: Any) -> Non
         frontend.wait_serving()
         healthy.wait_frontends_see(2, [frontend])
         before = queries(healthy)
-        with TandemClient(frontend.address) as client:
+        with DeadlineClient(frontend.address) as client:
             usages = [collect(client.generate(token_ids=prefix + s, temperature=0, max_tokens=2))[0]["usage"]
                       for s in suffixes]
     finally:
@@ -106,7 +107,7 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_engine(healthy: Any) -> Non
 
 
 def test_killing_an_engine_fails_only_its_requests_and_a_restart_rejoins(healthy: Any,
-                                                                        clients: list[TandemClient]) -> None:
+                                                                        clients: list[DeadlineClient]) -> None:
     vocab = healthy.model_info(healthy.frontends[0]).vocab_size
     long = dict(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True)
     streams = [clients[i % 2].generate(token_ids=p, **long) for i, p in enumerate(prompts(8, 4, vocab))]

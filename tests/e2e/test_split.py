@@ -5,11 +5,20 @@ the split must equal it token for token. Then streaming semantics, cancellation 
 `GetLoad` must return to idle with an empty KV cache), crashes of either process, bad input,
 admission limits, health and reflection. The engine runs with --max-num-seqs 4 --max-waiting 4 and
 the frontend with --max-concurrent-requests 8 (see conftest.py).
+
+Requests that must be stopped run to the end of the context (thousands of steps), and a witness request
+sent straight to the engine counts the engine's steps between the cancel (or kill) and the moment the
+engine stops running them: a test fails when that takes more than a few hundred steps, whatever the
+speed of the machine (tests/engine_stream.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +34,12 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from tandem.v1 import generation_pb2 as pb
 
-from frontend_svc.client import TandemClient, collect
-from tests.e2e.conftest import wait_until
+from frontend_svc.client import collect
+from tests.e2e.conftest import ENGINE_FLAGS
+from tests.engine_stream import StepWitness
+from tests.engine_stream import engine_idle as idle_at
+from tests.engine_stream import engine_load as load_at
+from tests.support import ROOT, DeadlineClient, health_status, rpc_error, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +50,9 @@ PROMPTS = [
     "1 2 3 4 5",
 ]
 GREEDY_TOKENS = 24
-ENDLESS = dict(ignore_eos=True, max_tokens=1500)  # runs until cancelled
+ENDLESS = dict(ignore_eos=True)  # max_tokens unset: to the end of the context, ~2000 steps
+ABORTED_WITHIN_STEPS = 300  # an abort takes effect within this many engine steps (in practice a few)
+WITNESS_PROMPT = [5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +64,7 @@ def llm(split: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def second_frontend(split: Any) -> Iterator[Any]:
-    """A second frontend on the same engine (used to push past the engine's limit, then killed)."""
+    """A second frontend on the same engine (used to push past the engine's limit)."""
     service = split.start_frontend()
     try:
         yield service.wait_serving()
@@ -58,25 +73,34 @@ def second_frontend(split: Any) -> Iterator[Any]:
 
 
 @pytest.fixture()
-def client(split: Any) -> Iterator[TandemClient]:
-    with TandemClient(split.frontend.address) as c:
+def client(split: Any) -> Iterator[DeadlineClient]:
+    with DeadlineClient(split.frontend.address) as c:
         yield c
 
 
 def engine_load(split: Any) -> epb.EngineLoad:
-    with grpc.insecure_channel(split.engine.address) as channel:
-        return epb_grpc.EngineCoreServiceStub(channel).GetLoad(epb.GetLoadRequest(), timeout=5)
+    return load_at(split.engine.address)
 
 
 def engine_idle(split: Any) -> bool:
-    load = engine_load(split)
-    return load.num_running == 0 and load.num_waiting == 0 and load.kv_cache_usage == 0
+    return idle_at(split.engine.address)
 
 
-def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value
+def routable(frontend: Any, num_engines: int = 1) -> bool:
+    with DeadlineClient(frontend.address) as c:
+        return c.model_info(timeout=5).num_ready_engines == num_engines
+
+
+@contextlib.contextmanager
+def witness(split: Any) -> Iterator[StepWitness]:
+    """A request of the test's own, straight to the engine, that counts the engine's steps."""
+    with grpc.insecure_channel(split.engine.address) as channel:
+        info = epb_grpc.EngineCoreServiceStub(channel).GetEngineInfo(epb.GetEngineInfoRequest(), timeout=5)
+        counter = StepWitness(channel, WITNESS_PROMPT, info.max_model_len - len(WITNESS_PROMPT))
+        try:
+            yield counter
+        finally:
+            counter.stop()
 
 
 def details(error: grpc.RpcError) -> tuple[list[str], str]:
@@ -99,7 +123,7 @@ def details(error: grpc.RpcError) -> tuple[list[str], str]:
 # ---- exactness and streaming -----------------------------------------------------------------------------
 
 
-def test_greedy_concurrent_streams_equal_the_offline_api(client: TandemClient, llm: Any) -> None:
+def test_greedy_concurrent_streams_equal_the_offline_api(client: DeadlineClient, llm: Any) -> None:
     from frontend_svc.sampling_params import SamplingParams
 
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS), use_tqdm=False)
@@ -120,7 +144,7 @@ def test_greedy_concurrent_streams_equal_the_offline_api(client: TandemClient, l
         assert last.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
-def test_seeded_n_completions_equal_the_offline_api(client: TandemClient, llm: Any) -> None:
+def test_seeded_n_completions_equal_the_offline_api(client: DeadlineClient, llm: Any) -> None:
     from frontend_svc.sampling_params import SamplingParams
 
     params = dict(n=3, seed=5, temperature=1.0, max_tokens=8, ignore_eos=True)
@@ -133,7 +157,7 @@ def test_seeded_n_completions_equal_the_offline_api(client: TandemClient, llm: A
         assert out[index]["finish_reason"] == pb.FINISH_REASON_LENGTH
 
 
-def test_stop_string_is_never_sent_in_part(client: TandemClient) -> None:
+def test_stop_string_is_never_sent_in_part(client: DeadlineClient) -> None:
     full = collect(client.generate(PROMPTS[2], temperature=0, max_tokens=GREEDY_TOKENS))[0]["text"]
     middle = len(full) // 2
     stop = full[middle:middle + 3]
@@ -150,15 +174,27 @@ def test_stop_string_is_never_sent_in_part(client: TandemClient) -> None:
 # ---- cancellation ------------------------------------------------------------------------------------------
 
 
-def test_client_cancel_frees_the_engine(client: TandemClient, split: Any) -> None:
+def ended_by(stop: Callable[[Any], object], steps: StepWitness, client: DeadlineClient, what: str) -> None:
+    """Starts an endless n=2 request through `client`; `stop(its stream)` must end both completions in the
+    engine within a few engine steps (counted by the witness running beside them)."""
     stream = client.generate(PROMPTS[0], n=2, **ENDLESS)
-    next(stream)
-    wait_until(lambda: engine_load(split).num_running == 2, what="both completions running")
-    stream.cancel()
+    try:
+        next(stream)
+        steps.wait_stats(lambda stats: stats.num_running == 3, "both completions running")
+        since = steps.mark()
+        stop(stream)
+        steps.steps_until(since, lambda stats: stats.num_running == 1, what, within_steps=ABORTED_WITHIN_STEPS)
+    finally:
+        stream.cancel()
+
+
+def test_client_cancel_frees_the_engine(client: DeadlineClient, split: Any) -> None:
+    with witness(split) as steps:
+        ended_by(lambda stream: stream.cancel(), steps, client, "the cancelled completions aborted")
     wait_until(lambda: engine_idle(split), what="engine idle after cancel")
 
 
-def test_deadline_frees_the_engine(client: TandemClient, split: Any) -> None:
+def test_deadline_frees_the_engine(client: DeadlineClient, split: Any) -> None:
     error = rpc_error(lambda: list(client.generate(PROMPTS[1], timeout=0.5, **ENDLESS)))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: engine_idle(split), what="engine idle after deadline")
@@ -177,7 +213,7 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize(("kwargs", "fields"), BAD_REQUESTS)
-def test_bad_input_is_invalid_argument(client: TandemClient, kwargs: dict[str, Any], fields: list[str]) -> None:
+def test_bad_input_is_invalid_argument(client: DeadlineClient, kwargs: dict[str, Any], fields: list[str]) -> None:
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", None)
     error = rpc_error(lambda: list(client.generate(prompt, **kwargs)))
@@ -185,13 +221,14 @@ def test_bad_input_is_invalid_argument(client: TandemClient, kwargs: dict[str, A
     assert sorted(details(error)[0]) == sorted(fields)
 
 
-def test_oversize_message_is_resource_exhausted(client: TandemClient) -> None:
+def test_oversize_message_is_resource_exhausted(client: DeadlineClient) -> None:
     error = rpc_error(lambda: list(client.generate("a" * (5 * 1024 * 1024), max_tokens=1)))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert collect(client.generate(PROMPTS[0], max_tokens=2))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH
 
 
-def test_admission_limits(client: TandemClient, split: Any, second_frontend: Any) -> None:
+def test_admission_limits(client: DeadlineClient, split: Any, second_frontend: Any) -> None:
+    wait_until(lambda: routable(second_frontend), 30, "the second frontend routing to the engine")
     # 8 calls fill the frontend (limit 8) and the engine (4 running + 4 waiting). The engine counts a
     # burst as waiting until its next step, so the calls go in two rounds.
     streams = [client.generate(PROMPTS[i % len(PROMPTS)], **ENDLESS) for i in range(4)]
@@ -204,7 +241,7 @@ def test_admission_limits(client: TandemClient, split: Any, second_frontend: Any
         error = rpc_error(lambda: list(client.generate(PROMPTS[0], max_tokens=2)))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert details(error)[1] == "TOO_MANY_REQUESTS"
-        with TandemClient(second_frontend.address) as other:
+        with DeadlineClient(second_frontend.address) as other:
             error = rpc_error(lambda: list(other.generate(PROMPTS[0], max_tokens=2)))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # the engine's --max-waiting
         assert details(error)[1] == "ENGINE_ERROR"
@@ -218,7 +255,7 @@ def test_admission_limits(client: TandemClient, split: Any, second_frontend: Any
 # ---- health, reflection, other RPCs -------------------------------------------------------------------------
 
 
-def test_health_reflection_and_model_info(client: TandemClient, split: Any, llm: Any) -> None:
+def test_health_reflection_and_model_info(client: DeadlineClient, split: Any, llm: Any) -> None:
     with grpc.insecure_channel(split.frontend.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for name in ("", "tandem.v1.GenerationService", "liveness"):
@@ -227,7 +264,8 @@ def test_health_reflection_and_model_info(client: TandemClient, split: Any, llm:
         error = rpc_error(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5))
         assert error.code() == grpc.StatusCode.NOT_FOUND
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
-        answer = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        answer = next(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                   timeout=5))
     names = {s.name for s in answer.list_services_response.service}
     assert {"tandem.v1.GenerationService", "grpc.health.v1.Health",
             "grpc.reflection.v1alpha.ServerReflection"} <= names
@@ -241,11 +279,11 @@ def test_health_reflection_and_model_info(client: TandemClient, split: Any, llm:
 def test_sigterm_drains_running_calls_and_exits_zero(split: Any) -> None:
     frontend = split.start_frontend().wait_serving()
     try:
-        with TandemClient(frontend.address) as c:
+        with DeadlineClient(frontend.address) as c:
             stream = c.generate(PROMPTS[0], ignore_eos=True, max_tokens=200)
             first = next(stream)
             frontend.proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: _health(frontend.address) != health_pb2.HealthCheckResponse.SERVING,
+            wait_until(lambda: health_status(frontend.address) != health_pb2.HealthCheckResponse.SERVING,
                        what="NOT_SERVING while draining")
             error = rpc_error(lambda: list(c.generate(PROMPTS[1], max_tokens=2)))
             assert error.code() == grpc.StatusCode.UNAVAILABLE
@@ -257,29 +295,49 @@ def test_sigterm_drains_running_calls_and_exits_zero(split: Any) -> None:
         frontend.stop()
 
 
-def _health(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            return health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[no-any-return]
-                health_pb2.HealthCheckRequest(service=""), timeout=2).status
-        except grpc.RpcError:
-            return -1
+def test_a_second_sigterm_stops_at_once_and_exits_non_zero(split: Any) -> None:
+    """As the engine does: a drain cut short by a second signal is not a clean exit."""
+    frontend = split.start_frontend().wait_serving()
+    try:
+        with DeadlineClient(frontend.address) as c:
+            stream = c.generate(PROMPTS[0], **ENDLESS)
+            next(stream)
+            frontend.proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: health_status(frontend.address) != health_pb2.HealthCheckResponse.SERVING,
+                       what="draining")
+            frontend.proc.send_signal(signal.SIGTERM)
+            assert frontend.proc.wait(15) == 1
+            stream.cancel()
+    finally:
+        frontend.stop()
+    wait_until(lambda: engine_idle(split), what="engine idle after the frontend stopped")
 
 
-# ---- crashes (last: they restart processes) -------------------------------------------------------------
+def test_a_second_engine_on_a_taken_port_fails_to_start(split: Any) -> None:
+    """grpc turns SO_REUSEPORT on by default, which let a second engine share the port silently."""
+    argv = [sys.executable, "-m", "engine_svc.server_cli", "--model", str(split.model), "--host", "127.0.0.1",
+            "--port", str(split.engine.port), *ENGINE_FLAGS]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{split.engine.port}" in done.stderr
+    assert health_status(split.engine.address) == health_pb2.HealthCheckResponse.SERVING  # the first is untouched
 
 
-def test_killing_a_frontend_frees_its_requests_in_the_engine(split: Any, second_frontend: Any) -> None:
-    with TandemClient(second_frontend.address) as other:
-        stream = other.generate(PROMPTS[0], n=2, **ENDLESS)
-        next(stream)
-        wait_until(lambda: engine_load(split).num_running == 2, what="both completions running")
-        second_frontend.kill()
-        wait_until(lambda: engine_idle(split), what="engine idle after the frontend died")
-        stream.cancel()
+# ---- crashes (the engine is restarted on its port; a killed frontend is the test's own) -------------------------------------------------------------
 
 
-def test_killing_the_engine_fails_open_streams_and_the_frontend_recovers(client: TandemClient,
+def test_killing_a_frontend_frees_its_requests_in_the_engine(split: Any) -> None:
+    frontend = split.start_frontend().wait_serving()  # its own: the module's frontends live on
+    try:
+        with witness(split) as steps, DeadlineClient(frontend.address) as other:
+            ended_by(lambda stream: frontend.kill(), steps, other, "the dead frontend's requests aborted")
+    finally:
+        frontend.stop()
+    wait_until(lambda: engine_idle(split), what="engine idle after the frontend died")
+
+
+def test_killing_the_engine_fails_open_streams_and_the_frontend_recovers(client: DeadlineClient,
                                                                          split: Any) -> None:
     streams = [client.generate(p, **ENDLESS) for p in PROMPTS[:3]]
     for stream in streams:
@@ -294,5 +352,5 @@ def test_killing_the_engine_fails_open_streams_and_the_frontend_recovers(client:
     assert error.code() == grpc.StatusCode.UNAVAILABLE  # no engine is ready
     split.restart_engine()
     split.engine.wait_serving()
-    split.frontend.wait_serving(timeout=30)
+    wait_until(lambda: routable(split.frontend), 30, "the frontend routing to the new engine")
     assert collect(client.generate(PROMPTS[0], max_tokens=3))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH

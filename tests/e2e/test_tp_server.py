@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from frontend_svc.client import TandemClient, collect
-from tests.e2e.conftest import engine_service, free_port, frontend_service, wait_until
+from frontend_svc.client import collect
+from tests.e2e.conftest import engine_service, frontend_service
 from tests.engine.test_hf_exact import hf_greedy, make_prompts
+from tests.support import DeadlineClient, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +45,10 @@ def test_tp2_engine_serves_exact_tokens_and_exits_cleanly(make_model, tmp_path) 
     workers = _children(engine.proc.pid)
     try:
         assert len(workers) >= 2, "the engine should have spawned one worker process per rank"
-        client = TandemClient(frontend.address)
-        for prompt in make_prompts(11, 3, 500):
-            out = collect(client.generate(token_ids=prompt, temperature=0, max_tokens=8, ignore_eos=True))[0]
-            assert list(out["token_ids"]) == hf_greedy(model, prompt, 8)[0]
+        with DeadlineClient(frontend.address) as client:
+            for prompt in make_prompts(11, 3, 500):
+                out = collect(client.generate(token_ids=prompt, temperature=0, max_tokens=8, ignore_eos=True))[0]
+                assert list(out["token_ids"]) == hf_greedy(model, prompt, 8)[0]
     finally:
         frontend.stop()
         engine.proc.send_signal(signal.SIGTERM)

@@ -76,3 +76,65 @@ def test_a_sliding_window_caps_the_context(llama_dir, tmp_path) -> None:
         EngineConfig.create(model=str(model), max_model_len=1024)
     (model / "config.json").write_text(json.dumps({**config, "sliding_window": 512, "use_sliding_window": False}))
     assert EngineConfig.create(model=str(model)).max_model_len == 2048
+
+
+def _with_dtype(llama_dir, tmp_path, dtype: str):
+    import shutil
+
+    model = tmp_path / f"model-{dtype}"
+    shutil.copytree(llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "dtype": dtype}))
+    return model
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "flags", "device", "expected"),
+    [
+        ("bfloat16", {"avx512_bf16"}, "cpu", "bfloat16"),  # the model's own dtype, natively supported
+        ("bfloat16", {"amx_bf16"}, "cpu", "bfloat16"),
+        ("bfloat16", {"bf16"}, "cpu", "bfloat16"),  # Arm FEAT_BF16
+        ("bfloat16", {"avx512f"}, "cpu", "float32"),  # no native bf16: float32
+        ("float16", {"avx512_bf16"}, "cpu", "float32"),
+        ("float16", {"avx512_fp16"}, "cpu", "float16"),
+        ("float32", {"avx512_bf16"}, "cpu", "float32"),  # a float32 model stays float32 on CPU
+        ("float32", set(), "cuda", "bfloat16"),
+        ("float16", set(), "cuda", "float16"),
+    ],
+)
+def test_auto_dtype_is_the_models_own_where_the_device_supports_it(
+    llama_dir, tmp_path, monkeypatch, model_dtype, flags, device, expected
+) -> None:
+    import engine_svc.config as config_module
+
+    monkeypatch.setattr(config_module, "cpu_flags", lambda: frozenset(flags))
+    cfg = EngineConfig.create(model=str(_with_dtype(llama_dir, tmp_path, model_dtype)), device=device)
+    assert cfg.model_dtype == model_dtype and cfg.torch_dtype_name == expected
+    forced = EngineConfig.create(model=str(_with_dtype(llama_dir, tmp_path / "f", model_dtype)), device=device,
+                                 dtype="float32")
+    assert forced.torch_dtype_name == "float32"  # --dtype wins
+
+
+def test_cpu_bf16_support_agrees_with_torch() -> None:
+    import platform
+
+    import torch
+
+    from engine_svc.config import cpu_supports
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("torch's bf16 probes are x86 ones")
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert cpu_supports("bfloat16") == native
+    assert cpu_supports("float32")
+
+
+def test_max_model_len_is_lowered_to_what_the_kv_cache_holds(llama_dir, caplog) -> None:
+    from engine_svc.core import effective_max_model_len
+
+    cfg = EngineConfig.create(model=str(llama_dir), max_model_len=128, block_size=16)
+    with caplog.at_level("WARNING", logger="engine_svc.core"):
+        assert effective_max_model_len(cfg, num_blocks=8) == 128  # 128 tokens fit: unchanged
+        assert not caplog.records
+        assert effective_max_model_len(cfg, num_blocks=4) == 64
+    assert "holds 64 tokens (4 blocks x 16), fewer than max_model_len=128" in caplog.text

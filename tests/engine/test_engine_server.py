@@ -1,15 +1,19 @@
 """`EngineServer` (engine_svc/server.py) in process: a tiny model, port 0, its asyncio loop on a thread.
 
-The tests are ordinary blocking gRPC clients. `EngineStream` drives one `Connect` call: inputs go in
-through a queue, a reader thread records every `EngineCoreOutputs` message. One server serves the
-stream tests; health-at-start and the two drain outcomes each get their own (a drain ends a server).
+The tests are ordinary blocking gRPC clients. `EngineStream` (tests/engine_stream.py) drives one
+`Connect` call: inputs go in through a queue, a reader thread records every `EngineCoreOutputs` message.
+One server serves the stream tests; health-at-start and the two drain outcomes each get their own (a
+drain ends a server).
+
+No test assumes a speed: requests that must be stopped run to the end of the context (thousands of
+steps), a `StepWitness` counts the engine's steps where "how soon" matters, and `ParkingEngineServer`
+holds the engine still while a test acts "during" something.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,20 +30,20 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.server import EngineServer
+from tests.engine_stream import EngineStream, StepWitness, engine_idle, engine_load
+from tests.support import health_status, wait_until
 
 SERVICE = "tandem.engine.v1.EngineCoreService"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-LONG = 1000  # max_tokens of a request that runs until it is stopped
-IN_FLIGHT = 150  # max_tokens of requests that must outlive a few RPCs (about a second here)
+MAX_MODEL_LEN = 2048  # the tiny model's context; the KV cache below holds four times that
+IN_FLIGHT = 150  # max_tokens of requests that finish during a drain (the engine is held meanwhile)
+ABORTED_WITHIN_STEPS = 300  # an abort takes effect within this many engine steps (in practice a few)
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.01)
+def endless(prompt_ids: list[int]) -> int:
+    """max_tokens that fill the context: a request that runs until it is stopped (thousands of steps)."""
+    return MAX_MODEL_LEN - len(prompt_ids)
 
 
 class GatedEngineServer(EngineServer):
@@ -52,6 +56,34 @@ class GatedEngineServer(EngineServer):
     def _make_core(self) -> EngineCore:
         assert self.gate.wait(30), "the test never opened the gate"
         return super()._make_core()
+
+
+class ParkingEngineServer(EngineServer):
+    """An EngineServer whose busy loop parks - stops stepping, so nothing advances - before the first step
+    at which `park_when(core)` holds, until `resume()`. A test can then act "while requests are in flight"
+    whatever the speed of the machine."""
+
+    def __init__(self, config: EngineConfig, park_when: Callable[[EngineCore], bool], **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.park_when = park_when
+        self.parked = threading.Event()
+        self._resumed = threading.Event()
+
+    def _make_core(self) -> EngineCore:
+        core = super()._make_core()
+        step = core.step
+
+        def step_or_park() -> Any:
+            if not self.parked.is_set() and self.park_when(core):
+                self.parked.set()
+                assert self._resumed.wait(60), "the test never resumed the engine"
+            return step()
+
+        core.step = step_or_park  # type: ignore[method-assign]
+        return core
+
+    def resume(self) -> None:
+        self._resumed.set()
 
 
 class ServerThread:
@@ -95,73 +127,9 @@ class ServerThread:
         return grpc.insecure_channel(self.address)
 
 
-class EngineStream:
-    """One `Connect` call: `add`/`abort` send inputs; every output message is kept in `messages`."""
-
-    def __init__(self, channel: grpc.Channel) -> None:
-        self._inputs: queue.SimpleQueue[epb.EngineCoreInput | None] = queue.SimpleQueue()
-        self.call = epb_grpc.EngineCoreServiceStub(channel).Connect(iter(self._inputs.get, None))
-        self.messages: list[epb.EngineCoreOutputs] = []
-        self.error: grpc.RpcError | None = None
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for message in self.call:
-                with self._changed:
-                    self.messages.append(message)
-                    self._changed.notify_all()
-        except grpc.RpcError as error:
-            self.error = error
-
-    def add(self, request_id: str, prompt: list[int], max_tokens: int = 8, **params: Any) -> None:
-        sampling = epb.EngineSamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
-        request = epb.EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling)
-        self._inputs.put(epb.EngineCoreInput(add=request))
-
-    def abort(self, *request_ids: str) -> None:
-        self._inputs.put(epb.EngineCoreInput(abort=epb.AbortRequests(request_ids=list(request_ids))))
-
-    def close(self) -> None:
-        self.call.cancel()
-        self._inputs.put(None)
-
-    def outputs(self, request_id: str | None = None) -> list[epb.EngineCoreOutput]:
-        with self._changed:
-            return [o for m in self.messages for o in m.outputs if request_id in (None, o.request_id)]
-
-    def tokens(self, request_id: str) -> list[int]:
-        return [t for o in self.outputs(request_id) for t in o.new_token_ids]
-
-    def last(self, request_id: str) -> epb.EngineCoreOutput | None:
-        """The request's final output (finish_reason set), or None while it runs."""
-        ends = [o for o in self.outputs(request_id) if o.finish_reason]
-        return ends[-1] if ends else None
-
-    def wait(self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "outputs") -> None:
-        with self._changed:
-            assert self._changed.wait_for(predicate, timeout), f"{what} not seen within {timeout}s"
-
-    def wait_finished(self, *request_ids: str, timeout: float = 10.0) -> None:
-        self.wait(lambda: all(self.last(r) is not None for r in request_ids), timeout, f"{request_ids} finished")
-
-
 def health(address: str, service: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        return int(health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=5).status)
-
-
-def load(address: str) -> epb.EngineLoad:
-    with grpc.insecure_channel(address) as channel:
-        return epb_grpc.EngineCoreServiceStub(channel).GetLoad(epb.GetLoadRequest(), timeout=5)
-
-
-def is_idle(address: str) -> bool:
-    now = load(address)
-    return (now.num_running, now.num_waiting, now.kv_cache_usage) == (0, 0, 0) \
-        and now.num_free_blocks == now.num_total_blocks > 0
+    """The health status of `service`; -1 when the check fails."""
+    return health_status(address, service, timeout=5)
 
 
 def config_vocab(config: EngineConfig) -> int:
@@ -229,7 +197,8 @@ def test_unknown_health_name_is_not_found_and_reflection_lists_the_service(engin
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         request = reflection_pb2.ServerReflectionRequest(list_services="")
-        answer = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request])))
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answer = next(reflect.ServerReflectionInfo(iter([request]), timeout=5))
     names = {s.name for s in answer.list_services_response.service}
     assert {SERVICE, "grpc.health.v1.Health"} <= names
 
@@ -251,28 +220,37 @@ def test_outputs_come_one_message_per_step_not_per_token(stream: EngineStream) -
 
 
 def test_abort_ends_the_request_and_frees_its_blocks(engine: ServerThread, stream: EngineStream) -> None:
-    stream.add("abort-me", prompt(5, 40), max_tokens=LONG)
+    stream.add("abort-me", prompt(5, 40), max_tokens=endless(prompt(5, 40)))
     stream.wait(lambda: len(stream.tokens("abort-me")) >= 3, what="tokens")
-    assert load(engine.address).kv_cache_usage > 0
+    assert engine_load(engine.address).kv_cache_usage > 0
     stream.abort("abort-me")
     stream.wait_finished("abort-me")
     assert stream.last("abort-me").finish_reason == epb.FINISH_REASON_ABORT  # type: ignore[union-attr]
-    wait_until(lambda: is_idle(engine.address), what="no blocks in use after the abort")
+    wait_until(lambda: engine_idle(engine.address), what="no blocks in use after the abort")
 
 
 def test_closing_a_stream_aborts_its_requests(engine: ServerThread) -> None:
+    """The closed stream's requests would run ~2000 more steps; a witness request on another stream counts
+    the engine's steps until they are gone: a few, because the close aborted them."""
+    doomed_prompts = [prompt(6, 30), prompt(7, 30)]
     with engine.channel() as channel:
+        witness = StepWitness(channel, prompt(9), max_tokens=endless(prompt(9)))
         doomed = EngineStream(channel)
-        doomed.add("closed-1", prompt(6, 30), max_tokens=LONG)
-        doomed.add("closed-2", prompt(7, 30), max_tokens=LONG)
-        doomed.wait(lambda: len(doomed.tokens("closed-1")) >= 2 and len(doomed.tokens("closed-2")) >= 2)
-        assert load(engine.address).num_running == 2
+        for i, ids in enumerate(doomed_prompts):
+            doomed.add(f"closed-{i}", ids, max_tokens=endless(ids))
+        doomed.wait(lambda: all(len(doomed.tokens(f"closed-{i}")) >= 2 for i in range(2)))
+        witness.wait_stats(lambda stats: stats.num_running == 3, "all three running")
+        closed_at = witness.mark()
         doomed.close()
-    wait_until(lambda: is_idle(engine.address), what="no blocks in use after the stream closed")
+        witness.steps_until(closed_at, lambda stats: stats.num_running == 1,
+                            "the closed stream's requests aborted", within_steps=ABORTED_WITHIN_STEPS)
+        assert doomed.last("closed-0") is None, "a closed stream gets nothing more"
+        witness.stop()
+    wait_until(lambda: engine_idle(engine.address), what="no blocks in use after the stream closed")
 
 
 def test_duplicate_request_id_gets_an_error_output(engine: ServerThread, stream: EngineStream) -> None:
-    stream.add("dup", prompt(8), max_tokens=LONG)
+    stream.add("dup", prompt(8), max_tokens=endless(prompt(8)))
     stream.wait(lambda: len(stream.tokens("dup")) >= 1)
     stream.add("dup", prompt(9), max_tokens=4)
     stream.wait(lambda: any(o.HasField("error") for o in stream.outputs("dup")), what="duplicate rejected")
@@ -283,7 +261,7 @@ def test_duplicate_request_id_gets_an_error_output(engine: ServerThread, stream:
     stream.wait(lambda: len(stream.tokens("dup")) > count, what="the original still running")
     stream.abort("dup")
     stream.wait(lambda: stream.last("dup").finish_reason == epb.FINISH_REASON_ABORT)  # type: ignore[union-attr]
-    wait_until(lambda: is_idle(engine.address), what="idle")
+    wait_until(lambda: engine_idle(engine.address), what="idle")
 
 
 def test_token_id_outside_the_vocabulary_is_invalid_argument(engine: ServerThread, stream: EngineStream,
@@ -294,7 +272,7 @@ def test_token_id_outside_the_vocabulary_is_invalid_argument(engine: ServerThrea
     [out] = stream.outputs("bad-token")
     assert out.finish_reason == epb.FINISH_REASON_ERROR and not out.new_token_ids
     assert out.error.code == epb.ERROR_CODE_INVALID_ARGUMENT
-    assert is_idle(engine.address)
+    assert engine_idle(engine.address)
 
 
 def test_two_streams_get_only_their_own_outputs(engine: ServerThread) -> None:
@@ -318,46 +296,174 @@ def test_two_streams_get_only_their_own_outputs(engine: ServerThread) -> None:
 
 
 def test_drain_refuses_new_requests_finishes_in_flight_and_exits_zero(config: EngineConfig) -> None:
-    server = ServerThread(EngineServer(config, host="127.0.0.1", port=0, drain_grace_s=30)).start()
-    wait_until(lambda: health(server.address, "") == SERVING, 60, "SERVING")
-    with server.channel() as channel:
+    """The engine is parked while both requests are in flight (so the drain begins before they can end,
+    however fast the machine), then resumed: the late request is refused while they still run, and they
+    run to their end."""
+    server = ParkingEngineServer(config, lambda core: core.scheduler.num_running == 2, host="127.0.0.1", port=0,
+                                 drain_grace_s=60)
+    running = ServerThread(server).start()
+    wait_until(lambda: health(running.address, "") == SERVING, 60, "SERVING")
+    with running.channel() as channel:
         s = EngineStream(channel)
         s.add("old-1", prompt(30), max_tokens=IN_FLIGHT)
         s.add("old-2", prompt(31), max_tokens=IN_FLIGHT)
-        s.wait(lambda: bool(s.tokens("old-1")) and bool(s.tokens("old-2")))
-        started = time.monotonic()
-        server.begin_drain()
-        wait_until(lambda: health(server.address, "") == health(server.address, SERVICE) == NOT_SERVING,
+        assert server.parked.wait(30), "the two requests never ran together"
+        running.begin_drain()
+        wait_until(lambda: health(running.address, "") == health(running.address, SERVICE) == NOT_SERVING,
                    what="readiness NOT_SERVING")
-        assert health(server.address, "liveness") == SERVING
+        assert health(running.address, "liveness") == SERVING
         s.add("late", prompt(32), max_tokens=4)
+        server.resume()
         s.wait_finished("late")
         [late] = s.outputs("late")
         assert late.error.code == epb.ERROR_CODE_UNAVAILABLE and not late.new_token_ids
-        assert s.last("old-1") is None, "in-flight requests ended before the drain was tested"
-        assert server.join(30) == 0
+        [refusal] = [m for m in s.messages if any(o.request_id == "late" for o in m.outputs)]
+        assert refusal.scheduler_stats.num_running == 2, "refused while the old requests were in flight"
+        assert running.join(60) == 0
         for rid in ("old-1", "old-2"):
             assert len(s.tokens(rid)) == IN_FLIGHT
             assert s.last(rid).finish_reason == epb.FINISH_REASON_LENGTH  # type: ignore[union-attr]
-        assert time.monotonic() - started < 30
 
 
 def test_drain_grace_expiry_fails_the_rest_with_unavailable(config: EngineConfig) -> None:
     server = ServerThread(EngineServer(config, host="127.0.0.1", port=0, drain_grace_s=0.3)).start()
     wait_until(lambda: health(server.address, "") == SERVING, 60, "SERVING")
+    ids = {"endless-1": prompt(40), "endless-2": prompt(41)}
     with server.channel() as channel:
         s = EngineStream(channel)
-        s.add("endless-1", prompt(40), max_tokens=LONG)
-        s.add("endless-2", prompt(41), max_tokens=LONG)
-        s.wait(lambda: bool(s.tokens("endless-1")) and bool(s.tokens("endless-2")))
+        for rid, prompt_ids in ids.items():
+            s.add(rid, prompt_ids, max_tokens=endless(prompt_ids))
+        s.wait(lambda: all(s.tokens(rid) for rid in ids))
         started = time.monotonic()
         server.begin_drain()
-        s.wait_finished("endless-1", "endless-2")
+        s.wait_finished(*ids)
         elapsed = time.monotonic() - started
-        for rid in ("endless-1", "endless-2"):
+        for rid, prompt_ids in ids.items():
             end = s.last(rid)
             assert end.finish_reason == epb.FINISH_REASON_ERROR  # type: ignore[union-attr]
             assert end.error.code == epb.ERROR_CODE_UNAVAILABLE  # type: ignore[union-attr]
-            assert len(s.tokens(rid)) < LONG
-        assert 0.3 <= elapsed < 5
-        assert server.join(10) == 0
+            assert len(s.tokens(rid)) < endless(prompt_ids)
+        assert elapsed >= 0.3
+        assert server.join(30) == 0
+
+
+# ---- defence in depth: the engine validates every request itself ------------------------------------------
+
+
+def _raw_add(stream: EngineStream, request_id: str, prompt_ids: list[int], **fields: Any) -> None:
+    sampling = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True, **fields.pop("sampling", {})}
+    request = epb.EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                    sampling_params=epb.EngineSamplingParams(**sampling), **fields)
+    stream._inputs.put(epb.EngineCoreInput(add=request))
+
+
+NAN, INF = float("nan"), float("inf")
+BAD_ENGINE_REQUESTS = [
+    ("nan-temperature", {"sampling": {"temperature": NAN}}, "temperature"),
+    ("inf-top-p", {"sampling": {"top_p": INF}}, "top_p"),
+    ("zero-top-p", {"sampling": {"top_p": 0.0}}, "top_p"),
+    ("nan-penalty", {"sampling": {"presence_penalty": NAN}}, "presence_penalty"),
+    ("huge-repetition", {"sampling": {"repetition_penalty": INF}}, "repetition_penalty"),
+    ("max-tokens-0", {"sampling": {"max_tokens": 0}}, "max_tokens"),
+    ("logprobs-1000", {"sampling": {"logprobs": 1000}}, "logprobs"),
+    ("many-stop-ids", {"sampling": {"stop_token_ids": list(range(2000))}}, "stop token ids"),
+    ("nan-arrival", {"arrival_time": NAN}, "arrival_time"),
+    ("x" * 600, {}, "request id"),
+    ("huge-trace", {"trace_headers": {f"k{i}": "v" for i in range(50)}}, "trace_headers"),
+]
+
+
+@pytest.mark.parametrize(("request_id", "fields", "named"), BAD_ENGINE_REQUESTS,
+                         ids=[r[0][:20] for r in BAD_ENGINE_REQUESTS])
+def test_invalid_requests_are_rejected_one_by_one_and_the_stream_carries_on(
+        engine: ServerThread, stream: EngineStream, request_id: str, fields: dict[str, Any], named: str) -> None:
+    stream.add("healthy", prompt(50), max_tokens=30)
+    stream.wait(lambda: len(stream.tokens("healthy")) >= 1)
+    _raw_add(stream, request_id, prompt(51), **fields)
+    stream.wait_finished(request_id)
+    [out] = stream.outputs(request_id)
+    assert out.finish_reason == epb.FINISH_REASON_ERROR and not out.new_token_ids
+    assert out.error.code == epb.ERROR_CODE_INVALID_ARGUMENT and named in out.error.message
+    stream.wait_finished("healthy")
+    assert len(stream.tokens("healthy")) == 30 and stream.error is None
+    wait_until(lambda: engine_idle(engine.address), what="every block back")
+
+
+def test_prompts_longer_than_max_model_len_are_rejected(engine: ServerThread, stream: EngineStream,
+                                                        config: EngineConfig) -> None:
+    _raw_add(stream, "too-long", [5] * (int(config.max_model_len or 0) + 1))
+    stream.wait_finished("too-long")
+    [out] = stream.outputs("too-long")
+    assert out.error.code == epb.ERROR_CODE_INVALID_ARGUMENT and "max_model_len" in out.error.message
+
+
+def test_max_waiting_has_a_default() -> None:
+    from engine_svc.server import default_max_waiting
+    from engine_svc.server_cli import build_parser
+
+    args = build_parser().parse_args(["--model", "m"])
+    assert args.max_waiting is None and args.host == "127.0.0.1"  # loopback unless told otherwise
+    assert default_max_waiting(256) == 1024
+
+
+def test_the_default_max_waiting_bounds_the_queue(config: EngineConfig) -> None:
+    server = EngineServer(config, host="127.0.0.1", port=0)
+    assert server.max_waiting == 4 * config.max_num_seqs
+    assert EngineServer(config, host="127.0.0.1", port=0, max_waiting=-1).max_waiting is None
+
+
+# ---- a slow writer / reader gets more, smaller messages, never one its channel refuses ------------------------
+
+
+SMALL_MESSAGE_BYTES = 64 * 1024
+
+
+def test_outputs_queued_behind_a_slow_stream_are_split_below_the_message_limit(config: EngineConfig) -> None:
+    """Before: steps that queued while a stream could not be written were coalesced into one message of
+    any size; past the limit the stream died with every request on it. Here the server's event loop is
+    held for a while (as a slow frontend or a busy loop would hold the writer) while the busy loop keeps
+    stepping, so ~100 steps of 8 long-id, logprobs=20 outputs queue up."""
+    server = ServerThread(EngineServer(config, host="127.0.0.1", port=0,
+                                       max_message_bytes=SMALL_MESSAGE_BYTES)).start()
+    wait_until(lambda: health(server.address, "") == SERVING, 60, "SERVING")
+    options = [("grpc.max_receive_message_length", SMALL_MESSAGE_BYTES)]
+    try:
+        with grpc.insecure_channel(server.address, options=options) as channel:
+            s = EngineStream(channel)
+            ids = [f"slow-{i}-" + "x" * 400 for i in range(8)]  # long ids: every output carries one
+            for i, rid in enumerate(ids):
+                s.add(rid, prompt(60 + i), max_tokens=150, logprobs=20)
+            s.wait(lambda: all(s.tokens(rid) for rid in ids), what="all eight running")
+            server.loop.call_soon_threadsafe(time.sleep, 2.0)  # the writer cannot run meanwhile
+            wait_until(lambda: s.error is not None or all(s.last(rid) for rid in ids), 60,
+                       "every request finished (or the stream failed)")
+            assert s.error is None, f"the stream died: {s.error.code()}"
+            assert all(len(s.tokens(rid)) == 150 for rid in ids)
+            sizes = [m.ByteSize() for m in s.messages]
+            assert max(sizes) <= SMALL_MESSAGE_BYTES
+            assert max(sizes) > SMALL_MESSAGE_BYTES // 2, "nothing queued: the test did not test splitting"
+            s.close()
+    finally:
+        server.begin_drain()
+        assert server.join(15) == 0
+
+
+def test_a_taken_port_is_an_error_not_a_shared_port(engine: ServerThread, config: EngineConfig) -> None:
+    from tandem.security.listen import BindError
+
+    second = EngineServer(config, host="127.0.0.1", port=engine.server.bound_port)
+
+    async def attempt() -> BaseException | None:
+        ready = asyncio.Event()
+        run = asyncio.ensure_future(second.run(ready))
+        await asyncio.wait([run, asyncio.ensure_future(ready.wait())], timeout=60,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if ready.is_set():  # it bound the port: stop it before the model loads
+            second.begin_drain()
+            await run
+            return None
+        return run.exception()
+
+    error = asyncio.run(attempt())
+    assert isinstance(error, BindError), "a second engine started on a port that is taken"
+    assert "cannot listen on 127.0.0.1" in str(error)

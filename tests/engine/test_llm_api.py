@@ -114,3 +114,46 @@ def test_a_bad_prompt_in_a_batch_leaves_nothing_behind(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[5, 6]], params, use_tqdm=False)  # the next call is unaffected
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 3
+
+
+def test_random_token_id_prompts_decode_positionally(llm: LLM) -> None:
+    """Regression (issue 12): a token-id prompt ending inside a UTF-8 character made the completion
+    repeat the prompt's tail. The text must be decode(prompt + output) minus decode(prompt), by position."""
+    import random
+
+    rng = random.Random(80)
+    vocab = llm.engine.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 24))] for _ in range(80)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    decode = llm.tokenizer.decode
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        assert comp.text == decode(prompt + comp.token_ids)[len(decode(prompt)):]
+
+
+def test_chat_renders_the_template_like_generate_on_its_ids(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Where did the boats go?"}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    chat = llm.chat(messages, params, use_tqdm=False)[0]
+    ids = llm.tokenizer.apply_chat_template(messages)
+    assert chat.prompt_token_ids == ids
+    assert chat.outputs[0].token_ids == llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    two = llm.chat([messages, messages], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in two] == [chat.outputs[0].token_ids] * 2
+
+
+def test_a_kv_cache_smaller_than_max_model_len_lowers_it(llama_dir, caplog) -> None:
+    """Regression (issue 12): max_model_len 128 with 4 blocks of 16 returned 54 of 100 requested tokens
+    with finish reason LENGTH. The engine now serves max_model_len = what the cache holds, says so in the
+    log, and requests beyond it are rejected up front."""
+    with caplog.at_level("WARNING", logger="engine_svc.core"):
+        small = LLM(str(llama_dir), dtype="float32", block_size=16, max_model_len=128, num_gpu_blocks_override=4)
+    assert small.engine.max_model_len == 64 and small.processor.max_model_len == 64
+    assert "serving with max_model_len=64" in caplog.text
+    prompt = [5, 6, 7, 8]
+    with pytest.raises(ValidationError) as err:
+        small.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert "sampling_params.max_tokens" in err.value.fields and "max_model_len (64)" in str(err.value)
+    out = small.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 60 and out[0].outputs[0].finish_reason == "length"
+    small.engine.shutdown()

@@ -26,6 +26,7 @@ from engine_svc.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from engine_svc.executor.worker_proc import FAULT_ENV, parse_fault
 from engine_svc.protocol import EngineSamplingParams
 from engine_svc.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 REPO = Path(__file__).resolve().parents[2]
@@ -109,10 +110,9 @@ def segments_of(executor: MultiprocExecutor) -> list[str]:
 
 
 def assert_cleaned_up(pids: list[int], segments: list[str]) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not all(map(process_gone, pids)):
-        time.sleep(0.05)
-    assert all(map(process_gone, pids)), pids
+    """Every worker process has exited (within 10 s) and no shared-memory segment is left."""
+    assert pids and segments, "nothing to check"
+    wait_until(lambda: all(map(process_gone, pids)), 10, f"worker processes {pids} gone", interval=0.05)
     assert not any(map(os.path.exists, segments)), segments
 
 

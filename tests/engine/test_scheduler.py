@@ -258,6 +258,35 @@ def test_priority_policy_preempts_worst_priority_and_blocks_admission_that_step(
     assert x.finish_reason == FinishReason.LENGTH and x.num_output_tokens == 3
 
 
+def test_a_request_undone_in_its_step_is_freed_before_its_tokens_count_as_computed(
+    make_sched: MakeSched,
+) -> None:
+    """Blocks are cached when allocated, and `KVCacheManager.free` uncaches those past
+    `num_computed_tokens`. That is right only while `schedule()` advances `num_computed_tokens` after
+    every preemption of the step: were it advanced at allocation, a request undone later in the same step
+    would be freed with a cached block whose last K/V slot is never written (a garbage prefix hit for the
+    next request with that prefix, until the block is reused)."""
+    sched = make_sched(policy="priority", num_blocks=4, max_num_seqs=2)
+    add(sched, "x", [10, 11, 12, 13, 14, 15], priority=5, max_tokens=8)  # blocks 0 1
+    step(sched, {"x": 16})
+    add(sched, "y", list(range(100, 108)), priority=0, max_tokens=8)
+    step(sched, {"x": 17, "y": 108})  # x: position 6; y: blocks 2 3; no block is free now
+    real_free = sched.kv.free
+    freed: list[tuple[str, int, list[int]]] = []
+
+    def free_and_look(request: Request) -> None:
+        block_ids = sched.kv.get_block_ids(request.request_id)
+        real_free(request)
+        still_cached = [i for i in block_ids if sched.kv.pool.blocks[i].block_hash is not None]
+        freed.append((request.request_id, request.num_computed_tokens, still_cached))
+
+    sched.kv.free = free_and_look  # type: ignore[method-assign]
+    # x is scheduled first and fills block 1 (position 7), then y needs a third block: x is undone.
+    so, _ = step(sched, {"y": 109})
+    assert so.preempted_req_ids == ["x"] and so.num_scheduled_tokens == {"y": 1}
+    assert freed == [("x", 7, [0])], "block 1 was filled by a step x never ran: it must leave the cache"
+
+
 def test_priority_admission_order(make_sched: MakeSched) -> None:
     sched = make_sched(policy="priority", max_num_seqs=1)
     add(sched, "low", [1, 2], priority=1, arrival=1.0, max_tokens=1)

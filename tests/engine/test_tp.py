@@ -25,6 +25,7 @@ from engine_svc.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from engine_svc.executor.worker_proc import FAULT_ENV
 from engine_svc.worker.worker import Worker
 from tests.engine.test_hf_exact import MAX_TOKENS, assert_no_block_leaks, hf_greedy, make_prompts
+from tests.engine.test_multiproc import assert_cleaned_up
 
 pytestmark = pytest.mark.timeout(180)
 TP_ARCHS = ("llama", "qwen2", "qwen3")
@@ -64,22 +65,6 @@ def worker_state(llm: LLM) -> tuple[list[int], list[str]]:
     ex = llm.engine.executor
     assert isinstance(ex, MultiprocExecutor)
     return ex.worker_pids, [f"/dev/shm/{name}" for name in ex.shm_names]
-
-
-def process_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def assert_cleaned_up(pids: list[int], segments: list[str]) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not all(map(process_gone, pids)):
-        time.sleep(0.05)
-    assert pids and all(map(process_gone, pids)), pids
-    assert segments and not any(map(os.path.exists, segments)), segments
 
 
 def token_ids(outs: list) -> list[list[int]]:
@@ -185,7 +170,8 @@ def test_exception_in_a_ranks_forward_fails_generate_and_cleans_up(make_model, m
 
 
 def test_sigkill_of_a_worker_fails_generate_and_cleans_up(tp_llms) -> None:
-    llm = tp_llms.pop("qwen3", None) or tp_llms["qwen3"]
+    llm = tp_llms["qwen3"]
+    del tp_llms["qwen3"]  # this one dies here: a test after this one gets a fresh TP=2 qwen3
     pids, segments = worker_state(llm)
     llm.generate(make_prompts(9, 2, 500), GREEDY, use_tqdm=False)  # healthy first
     os.kill(pids[1], signal.SIGKILL)

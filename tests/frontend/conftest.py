@@ -2,22 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(make_model) -> Path:
-    """A tiny llama dir (shared with the rest of the suite through tests/conftest.py's cache)."""
-    return make_model("llama")
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model_dir: Path):
-    from frontend_svc.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

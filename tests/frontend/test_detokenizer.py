@@ -1,10 +1,13 @@
-"""IncrementalDetokenizer: split multi-byte characters, prompt context, special tokens, chunking."""
+"""IncrementalDetokenizer: split multi-byte characters, prompt context, special tokens, chunking, and the
+positional definition text == decode(prompt + output)[len(decode(prompt)):] over random token ids."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from frontend_svc.detokenizer import IncrementalDetokenizer, prompt_context
 
@@ -106,24 +109,41 @@ def test_flush_releases_a_character_the_completion_never_finished(encode, encode
     assert det.flush() == ""  # nothing left
 
 
-class _RejectsOnce:
-    """Stands in for a DecodeStream that hits tokenizers' "Invalid prefix encountered" error once."""
-
-    def __init__(self) -> None:
-        self.raised = False
-
-    def step(self, backend, ids):
-        if not self.raised:
-            self.raised = True
-            raise Exception("Invalid prefix encountered while decoding stream")
-        raise AssertionError("the broken stream must be replaced, not reused")
+def positional_text(backend, prompt, ids, skip_special_tokens=True):
+    """What the completion's text must be: decode(prompt + output) minus decode(prompt), by position."""
+    full = backend.decode(prompt + ids, skip_special_tokens=skip_special_tokens)
+    return full[len(backend.decode(prompt, skip_special_tokens=skip_special_tokens)) :]
 
 
-def test_a_stream_that_rejects_its_window_is_rebuilt(encode, encode_prompt, backend):
-    prompt = encode_prompt("The harbour was quiet.")
-    ids = encode(" and the boats came home")
+def test_a_prompt_ending_inside_a_character_is_not_repeated(encode, encode_prompt, backend, split_char_text):
+    """The bug: a token-id prompt cut inside a UTF-8 character made the first delta repeat its tail."""
+    ids = encode(split_char_text)
+    cut = next(k for k in range(1, len(ids)) if backend.decode(ids[:k]).endswith(REPLACEMENT))
+    prompt = encode_prompt("The harbour was quiet.") + ids[:cut]
+    completion = ids[cut:] + encode(" and the boats")
     det = IncrementalDetokenizer(backend, prompt, skip_special_tokens=True)
-    first = det.add(ids[:2])
-    det._stream = _RejectsOnce()
-    rest = "".join(det.add([i]) for i in ids[2:]) + det.flush()
-    assert first + rest == backend.decode(ids)
+    text = "".join(det.add([i]) for i in completion) + det.flush()
+    assert text == positional_text(backend, prompt, completion)
+    assert "quiet" not in text and not text.startswith(REPLACEMENT)
+    assert text.endswith(" and the boats")
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(data=st.data())
+def test_random_token_id_prompts_follow_the_positional_definition(tokenizer, backend, data) -> None:
+    """Property: for any token-id prompt and output (specials included, any chunking), the streamed
+    text is decode(prompt + output)[len(decode(prompt)):] - it never contains prompt text."""
+    ids = st.integers(min_value=0, max_value=tokenizer.vocab_size - 1)
+    prompt = data.draw(st.lists(ids, min_size=1, max_size=40), label="prompt")
+    output = data.draw(st.lists(ids, min_size=1, max_size=24), label="output")
+    skip = data.draw(st.booleans(), label="skip_special_tokens")
+    chunks = data.draw(st.lists(st.integers(1, 4), min_size=len(output), max_size=len(output)), label="chunks")
+    det = IncrementalDetokenizer(backend, prompt, skip_special_tokens=skip)
+    deltas, i = [], 0
+    for size in chunks:
+        if i >= len(output):
+            break
+        deltas.append(det.add(output[i : i + size]))
+        i += size
+    deltas.append(det.flush())
+    assert "".join(deltas) == positional_text(backend, prompt, output, skip)

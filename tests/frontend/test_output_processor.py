@@ -32,10 +32,13 @@ def step(op, *outputs):
     return op.process_outputs(p.EngineCoreOutputs(outputs=list(outputs)))
 
 
+def add_state(op, processor, params, prompt="Mara walked", request_id=None):
+    """Add a request; returns its RequestState (the record of its unfinished completions)."""
+    return op.add_request(processor.process(prompt, params, request_id=request_id))
+
+
 def add(op, processor, params, prompt="Mara walked", request_id=None):
-    prepared = processor.process(prompt, params, request_id=request_id)
-    op.add_request(prepared)
-    return prepared
+    return add_state(op, processor, params, prompt, request_id).prepared
 
 
 def stream_tokens(op, rid, ids, last_finish=p.FinishReason.LENGTH, **last_kwargs):
@@ -50,7 +53,8 @@ def stream_tokens(op, rid, ids, last_finish=p.FinishReason.LENGTH, **last_kwargs
 
 
 def test_streaming_text_finish_and_usage_on_the_last_delta(op, processor, encode):
-    prepared = add(op, processor, SamplingParams(max_tokens=50))
+    state = add_state(op, processor, SamplingParams(max_tokens=50))
+    prepared = state.prepared
     rid = prepared.engine_request_ids[0]
     ids = encode(GEN)
     step(op, out(rid, [], num_cached_tokens=0))  # nothing new: no delta
@@ -64,12 +68,13 @@ def test_streaming_text_finish_and_usage_on_the_last_delta(op, processor, encode
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (
         len(prepared.prompt_token_ids), len(ids), 16)
     assert {d.request_id for d in deltas} == {prepared.request_id}
-    assert not op.has_unfinished_requests()
+    assert state.done and state.num_unfinished == 0
     assert step(op, out(rid, [5])).deltas == []  # finished ids are forgotten
 
 
 def test_n_completions_fan_in(op, processor, encode):
-    prepared = add(op, processor, SamplingParams(n=2, max_tokens=50), request_id="client")
+    state = add_state(op, processor, SamplingParams(n=2, max_tokens=50), request_id="client")
+    prepared = state.prepared
     acc = RequestOutputAccumulator()
     acc.add_request(prepared)
     first, second = prepared.engine_request_ids
@@ -82,10 +87,11 @@ def test_n_completions_fan_in(op, processor, encode):
             outputs.append(out(first, [a[i]], p.FinishReason.LENGTH if i == len(a) - 1 else 0))
         if i < len(b):
             outputs.append(out(second, [b[i]], p.FinishReason.STOP if i == len(b) - 1 else 0))
-        for delta in step(op, *outputs).deltas:
+        result = step(op, *outputs)
+        for delta in result.deltas:
             done.append(acc.add_delta(delta))
         if i == len(a) - 1:  # index 0 finished, index 1 still running
-            assert op.has_unfinished_requests() and op.get_num_unfinished_requests() == 1
+            assert list(state.unfinished) == [second] and result.finished == []
     assert done.count(True) == 1 and done[-1] is True
     result = acc.get("client")
     assert result.finished and result.prompt == "Mara walked"
@@ -93,13 +99,14 @@ def test_n_completions_fan_in(op, processor, encode):
     assert [(o.index, o.text, o.finish_reason) for o in result.outputs] == [
         (0, " the boats", "length"), (1, " a radio played", "stop")]
     assert result.outputs[1].token_ids == b
-    assert not op.has_unfinished_requests() and op.get_num_unfinished_requests() == 0
+    assert state.done
 
 
 @pytest.mark.parametrize(("include", "expected"), [(False, " the "), (True, " the boats")])
 def test_stop_string_finishes_here_and_asks_the_engine_to_abort(op, processor, encode, include, expected):
-    prepared = add(op, processor, SamplingParams(max_tokens=50, stop=["boats"],
-                                                 include_stop_str_in_output=include))
+    state = add_state(op, processor, SamplingParams(max_tokens=50, stop=["boats"],
+                                                    include_stop_str_in_output=include))
+    prepared = state.prepared
     rid = prepared.engine_request_ids[0]
     ids = encode(GEN)
     deltas, aborts = [], []
@@ -114,7 +121,7 @@ def test_stop_string_finishes_here_and_asks_the_engine_to_abort(op, processor, e
     assert sum(d.finished for d in deltas) == 1
     assert last.usage.completion_tokens == len(encode(" the boats"))  # later tokens were ignored
     assert step(op, out(rid, [], p.FinishReason.ABORT)).deltas == []  # the abort's acknowledgement
-    assert not op.has_unfinished_requests()
+    assert state.done
 
 
 def test_stop_string_in_the_first_token_and_with_an_engine_finish(op, processor, encode):
@@ -158,8 +165,8 @@ def test_stop_token_id_text_follows_include_stop_str(op, processor, tokenizer, e
 
 
 def test_engine_errors_and_aborts_finish_the_completion(op, processor, encode):
-    failed = add(op, processor, SamplingParams(n=2))
-    first, second = failed.engine_request_ids
+    state = add_state(op, processor, SamplingParams(n=2))
+    first, second = state.prepared.engine_request_ids
     error = p.EngineError(code=p.ErrorCode.INTERNAL, message="worker died")
     result = step(op, out(first, [], p.FinishReason.ERROR, error=error), out(second, encode(" the"),
                                                                               p.FinishReason.ABORT))
@@ -168,17 +175,18 @@ def test_engine_errors_and_aborts_finish_the_completion(op, processor, encode):
     assert (by_index[0].error.code, by_index[0].error.message) == (13, "worker died")
     assert by_index[0].usage.completion_tokens == 0
     assert (by_index[1].finish_reason, by_index[1].text, by_index[1].error) == ("abort", " the", None)
-    assert not op.has_unfinished_requests()
+    assert state.done and result.finished == [state]
 
 
-def test_abort_request_by_client_id_and_by_prepared_request(op, processor, encode):
-    one = add(op, processor, SamplingParams(n=2), request_id="dup")
-    two = add(op, processor, SamplingParams(), request_id="dup")
-    step(op, out(one.engine_request_ids[0], encode(" the"), p.FinishReason.LENGTH))
-    assert op.abort_request(two) == two.engine_request_ids
-    assert op.abort_request("dup") == [one.engine_request_ids[1]]  # index 0 had already finished
-    assert op.abort_request("dup") == [] and op.abort_request("unknown") == []
-    assert not op.has_unfinished_requests()
+def test_abort_request_finishes_exactly_that_request(op, processor, encode):
+    one = add_state(op, processor, SamplingParams(n=2), request_id="dup")
+    two = add_state(op, processor, SamplingParams(), request_id="dup")  # clients may reuse an id
+    step(op, out(one.prepared.engine_request_ids[0], encode(" the"), p.FinishReason.LENGTH))
+    assert op.abort_request(two) == two.prepared.engine_request_ids and two.done
+    assert list(one.unfinished) == [one.prepared.engine_request_ids[1]]  # `two` left `one` alone
+    assert op.abort_request(one) == [one.prepared.engine_request_ids[1]]  # index 0 had already finished
+    assert op.abort_request(one) == [] and one.done
+    one = one.prepared
     late = step(op, *(out(rid, [5], p.FinishReason.ABORT) for rid in one.engine_request_ids))
     assert late.deltas == []
 

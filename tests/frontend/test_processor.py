@@ -133,3 +133,70 @@ def test_processing_modules_import_neither_torch_nor_the_engine():
         + "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting how often text is encoded or a chat rendered."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.encoded = 0
+        self.rendered = 0
+        self.eos_token_ids = tokenizer.eos_token_ids
+
+    def encode(self, text, add_special_tokens=True):
+        self.encoded += 1
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        self.rendered += 1
+        return self._tokenizer.render_chat(messages, add_generation_prompt)
+
+
+@pytest.fixture()
+def counting(tokenizer):
+    counter = CountingTokenizer(tokenizer)
+    return counter, Processor(counter, max_model_len=MAX_LEN, vocab_size=tokenizer.vocab_size, model_name="t")
+
+
+def test_an_oversized_text_prompt_is_rejected_without_tokenizing(counting):
+    from frontend_svc.limits import max_prompt_bytes
+
+    counter, processor = counting
+    limit = max_prompt_bytes(MAX_LEN)
+    assert violation_fields(processor, "x" * (limit + 1)) == ["text"]
+    assert violation_fields(processor, "é" * (limit // 2 + 1)) == ["text"]  # counted in UTF-8 bytes
+    assert counter.encoded == 0
+    violation_fields(processor, "word " * (limit // 5))  # within the byte budget: tokenized, too long
+    assert counter.encoded == 1
+
+
+def test_an_oversized_chat_is_rejected_without_rendering(counting):
+    from frontend_svc.limits import max_prompt_bytes
+
+    counter, processor = counting
+    many = ChatPrompt([{"role": "user", "content": "hi"}] * (MAX_LEN + 1))
+    assert violation_fields(processor, many) == ["chat.messages"]
+    huge = ChatPrompt([{"role": "user", "content": "x" * max_prompt_bytes(MAX_LEN)}])
+    assert violation_fields(processor, huge) == ["chat.messages"]
+    assert counter.rendered == 0 and counter.encoded == 0
+
+
+def test_a_token_prompt_longer_than_the_context_is_rejected_before_scanning(processor):
+    class NoScan(list):
+        def __iter__(self):
+            raise AssertionError("the ids were scanned although their count is over the limit")
+
+    assert violation_fields(processor, NoScan([5] * (MAX_LEN + 10))) == ["token_ids.ids"]
+
+
+@pytest.mark.parametrize("request_id", ["x" * 257, "tab\there", "naïve", "new\nline"])
+def test_request_id_is_capped_and_printable_ascii(processor, request_id):
+    with pytest.raises(ValidationError) as info:
+        processor.process("hi", SamplingParams(max_tokens=2), request_id=request_id)
+    assert info.value.fields == ["request_id"]
+
+
+def test_longest_allowed_request_id(processor):
+    rid = "~" * 256
+    assert processor.process("hi", SamplingParams(max_tokens=2), request_id=rid).request_id == rid

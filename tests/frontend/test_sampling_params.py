@@ -40,6 +40,9 @@ BAD_PARAMS = [
     ({"stop": ""}, "stop"),
     ({"stop": ["ok", ""]}, "stop"),
     ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop"),  # at most 16 stop strings
+    ({"stop": ["x" * 1025]}, "stop"),  # of at most 1024 characters
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),  # at most 1024 stop ids
     ({"temperature": "hot"}, "temperature"),
 ]
 
@@ -57,6 +60,7 @@ GOOD_PARAMS = [
     {"seed": 0}, {"seed": (1 << 64) - 1}, {"max_tokens": None, "min_tokens": 1000},
     {"max_tokens": 1, "min_tokens": 1}, {"presence_penalty": -2.0, "frequency_penalty": 2.0},
     {"repetition_penalty": 1e-3}, {"logprobs": 0}, {"logprobs": 20, "prompt_logprobs": 0}, {"n": 4},
+    {"stop": [f"{i:02d}" + "x" * 1022 for i in range(16)], "stop_token_ids": list(range(1024))},
 ]
 
 

@@ -1,139 +1,35 @@
 """In-process tests of the frontend gRPC server against a fake engine (fast; no model, no torch).
 
-The fake `EngineCoreService` echoes each request's prompt tokens back, one per step, and is steered
-by the request's sampling seed: `SEED_REJECT` fails it at once (RESOURCE_EXHAUSTED), `SEED_FAIL_LATE`
-sends two tokens then fails it (UNAVAILABLE), `SEED_ENDLESS` never finishes. The frontend and the fake
-engine run on an asyncio loop in a background thread; the tests are ordinary blocking gRPC clients.
+Every client call has a deadline (`DeadlineClient`), so a broken server fails a test instead of hanging it.
+The fake `EngineCoreService` (tests/fake_engine.py) echoes each request's prompt tokens back, one per
+step, and is steered by the request's sampling seed (`SEED_REJECT`, `SEED_FAIL_LATE`, `SEED_ENDLESS`).
+The frontend and the fake engine run on an asyncio loop in a background thread; the tests are ordinary blocking gRPC clients.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from grpc_status import rpc_status
-from tandem.engine.v1 import engine_core_pb2 as epb
-from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from tandem.v1 import generation_pb2 as pb
 
 from frontend_svc.client import TandemClient, collect, generate_request
 from frontend_svc.config import FrontendConfig
 from frontend_svc.engine_client import resolve_target
 from frontend_svc.router import Router
-from frontend_svc.server import FrontendServer
+from frontend_svc.server import FrontendServer, GenerationServicer
+from tests.fake_engine import SEED_ENDLESS, SEED_FAIL_LATE, SEED_REJECT, FakeEngine, start_fake_engine
+from tests.support import RPC_TIMEOUT_S, DeadlineClient, LoopThread, bad_fields, rpc_error, wait_until
 
-SEED_REJECT, SEED_FAIL_LATE, SEED_ENDLESS = 911, 912, 913
-FAKE_MAX_MODEL_LEN = 256
+FAKE_MAX_MODEL_LEN = 256  # FakeEngine's default
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it rests in the sun."
-
-
-class FakeEngine(epb_grpc.EngineCoreServiceServicer):
-    """Echoes prompt tokens, one per step; remembers what it was sent and what is still running."""
-
-    def __init__(self, vocab_size: int, step_s: float = 0.004) -> None:
-        self.vocab_size = vocab_size
-        self.step_s = step_s
-        self.added: list[epb.EngineCoreRequest] = []
-        self.aborted: list[str] = []
-        self.running: dict[str, list[Any]] = {}  # request id -> [request, tokens produced]
-
-    async def GetEngineInfo(self, request: Any, context: Any) -> epb.EngineInfo:
-        return epb.EngineInfo(model_name="fake", max_model_len=FAKE_MAX_MODEL_LEN, vocab_size=self.vocab_size,
-                              block_size=16, engine_id="fake-engine")
-
-    async def GetLoad(self, request: Any, context: Any) -> epb.EngineLoad:
-        return epb.EngineLoad(num_running=len(self.running))
-
-    async def Connect(self, request_iterator: Any, context: Any) -> Any:
-        mine: set[str] = set()
-        reader = asyncio.get_running_loop().create_task(self._read(request_iterator, mine))
-        try:
-            while True:
-                await asyncio.sleep(self.step_s)
-                outputs = [self._step(rid) for rid in sorted(mine) if rid in self.running]
-                for out in outputs:
-                    if out.finish_reason:
-                        mine.discard(out.request_id)
-                        del self.running[out.request_id]
-                if outputs:
-                    yield epb.EngineCoreOutputs(outputs=outputs, scheduler_stats=epb.SchedulerStats(
-                        num_running=len(self.running)))
-        finally:
-            reader.cancel()
-            for rid in mine:  # the stream ended: abort what it added, as the real engine does
-                self.running.pop(rid, None)
-
-    async def _read(self, request_iterator: Any, mine: set[str]) -> None:
-        async for message in request_iterator:
-            if message.WhichOneof("kind") == "add":
-                self.added.append(message.add)
-                self.running[message.add.request_id] = [message.add, 0]
-                mine.add(message.add.request_id)
-            else:
-                for rid in message.abort.request_ids:
-                    self.aborted.append(rid)
-                    self.running.pop(rid, None)
-                    mine.discard(rid)
-
-    def _step(self, rid: str) -> epb.EngineCoreOutput:
-        request, produced = self.running[rid]
-        sp = request.sampling_params
-        seed = sp.seed if sp.HasField("seed") else None
-        if seed == SEED_REJECT or (seed == SEED_FAIL_LATE and produced == 2):
-            code = epb.ERROR_CODE_RESOURCE_EXHAUSTED if seed == SEED_REJECT else epb.ERROR_CODE_UNAVAILABLE
-            return epb.EngineCoreOutput(request_id=rid, finish_reason=epb.FINISH_REASON_ERROR,
-                                        error=epb.EngineError(code=code, message="fake engine says no"))
-        prompt = request.prompt_token_ids
-        token = prompt[produced % len(prompt)]
-        self.running[rid][1] = produced = produced + 1
-        out = epb.EngineCoreOutput(request_id=rid, new_token_ids=[token])
-        limit = sp.max_tokens if sp.HasField("max_tokens") else 8
-        if token in sp.stop_token_ids:
-            out.finish_reason, out.stop_token_id = epb.FINISH_REASON_STOP, token
-        elif produced >= limit and seed != SEED_ENDLESS:
-            out.finish_reason = epb.FINISH_REASON_LENGTH
-        return out
-
-
-class LoopThread:
-    """An asyncio loop on a daemon thread; `run(coro)` runs a coroutine there and returns its result."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 20.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        async def wrapper() -> Any:
-            return fn()
-        return self.run(wrapper())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-async def start_fake_engine(fake: FakeEngine, port: int = 0,
-                            health_servicer: Any = None) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
-    epb_grpc.add_EngineCoreServiceServicer_to_server(fake, server)
-    if health_servicer is not None:
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server, bound
 
 
 def make_frontend(loop: LoopThread, tokenizer: Any, model_dir: Any, engine_port: int,
@@ -155,21 +51,6 @@ def health_of(port: int, service: str = "") -> int:
             health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
-
-
-@pytest.fixture(scope="module")
-def loop() -> Any:
-    thread = LoopThread()
-    yield thread
-    thread.close()
-
-
 @pytest.fixture(scope="module")
 def fake(tokenizer: Any) -> FakeEngine:
     return FakeEngine(vocab_size=tokenizer.vocab_size)
@@ -180,7 +61,7 @@ def stack(loop: LoopThread, fake: FakeEngine, tokenizer: Any, tiny_model_dir: An
     engine, engine_port = loop.run(start_fake_engine(fake))
     frontend = make_frontend(loop, tokenizer, tiny_model_dir, engine_port, max_concurrent_requests=3,
                              max_message_bytes=64 * 1024)
-    wait_for(lambda: health_of(frontend.bound_port) == health_pb2.HealthCheckResponse.SERVING)
+    wait_until(lambda: health_of(frontend.bound_port) == health_pb2.HealthCheckResponse.SERVING)
     yield frontend, engine_port
     loop.run(frontend.stop())
     loop.run(engine.stop(None))
@@ -188,30 +69,12 @@ def stack(loop: LoopThread, fake: FakeEngine, tokenizer: Any, tiny_model_dir: An
 
 @pytest.fixture()
 def client(stack: Any) -> Any:
-    with TandemClient(f"127.0.0.1:{stack[0].bound_port}") as c:
+    with DeadlineClient(f"127.0.0.1:{stack[0].bound_port}") as c:
         yield c
 
 
 def no_running(fake: FakeEngine) -> Callable[[], bool]:
     return lambda: not fake.running
-
-
-def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value
-
-
-def bad_fields(error: grpc.RpcError) -> list[str]:
-    status = rpc_status.from_call(error)
-    assert status is not None, "no google.rpc.Status details"
-    fields = []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            fields.extend(v.field for v in bad.field_violations)
-    return fields
 
 
 # ---- streaming ----------------------------------------------------------------------------------------
@@ -265,8 +128,8 @@ def test_stop_string_is_held_back_and_aborts_the_engine_request(client: TandemCl
     assert not any(t.endswith(stop[:k]) for t in texts[:-1] for k in range(1, len(stop)) if t)
     last = responses[-1]
     assert last.finish_reason == pb.FINISH_REASON_STOP and last.stop_string == stop
-    wait_for(lambda: fake.added[-1].request_id in fake.aborted)  # the abort follows the last response
-    wait_for(no_running(fake))
+    wait_until(lambda: fake.added[-1].request_id in fake.aborted)  # the abort follows the last response
+    wait_until(no_running(fake))
 
 
 def test_stop_token_id_is_reported(client: TandemClient, tokenizer: Any) -> None:
@@ -343,7 +206,7 @@ def test_admission_limit_is_resource_exhausted(client: TandemClient, fake: FakeE
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     for stream in streams:
         stream.cancel()
-    wait_for(no_running(fake))
+    wait_until(no_running(fake))
     assert collect(client.generate(PROMPT, max_tokens=2))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH
 
 
@@ -356,15 +219,52 @@ def test_client_cancel_aborts_in_engine(client: TandemClient, fake: FakeEngine) 
     ids = [a.request_id for a in fake.added[-2:]]
     assert all(rid in fake.running for rid in ids)
     stream.cancel()
-    wait_for(lambda: all(rid in fake.aborted for rid in ids))
-    wait_for(no_running(fake))
+    wait_until(lambda: all(rid in fake.aborted for rid in ids))
+    wait_until(no_running(fake))
+
+
+class SuspendedCallContext:
+    """Stands in for a grpc.aio ServicerContext: records done callbacks so a test can end the RPC
+    while the handler's stream is suspended at a write."""
+
+    def __init__(self) -> None:
+        self.done_callbacks: list[Callable[[Any], None]] = []
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self.done_callbacks.append(callback)
+
+    async def abort_with_status(self, status: Any) -> None:
+        raise AssertionError(f"unexpected abort: {status}")
+
+    def time_remaining(self) -> None:
+        return None
+
+
+def test_the_rpc_ending_releases_a_request_whose_stream_is_suspended(loop: LoopThread, stack: Any,
+                                                                     fake: FakeEngine) -> None:
+    """A cancel or deadline during a write can leave the handler suspended until garbage collection;
+    the RPC's done callback must abort the request in the engine and free its admission slot anyway."""
+    frontend = stack[0]
+    context = SuspendedCallContext()
+    stream = GenerationServicer(frontend).Generate(generate_request(PROMPT, seed=SEED_ENDLESS), context)
+    first = loop.run(stream.__anext__())  # the handler now sits at its yield, as in a slow write
+    assert first.token_ids
+    rid = fake.added[-1].request_id
+    assert rid in fake.running and frontend.admission.in_use == 1
+    loop.call(lambda: [callback(None) for callback in context.done_callbacks])  # the RPC ended
+    wait_until(lambda: rid in fake.aborted and rid not in fake.running)
+    assert frontend.admission.in_use == 0
+    loop.run(stream.aclose())
 
 
 def test_deadline_aborts_in_engine(client: TandemClient, fake: FakeEngine) -> None:
     error = rpc_error(lambda: list(client.generate(PROMPT, seed=SEED_ENDLESS, timeout=0.3)))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(lambda: fake.added[-1].request_id in fake.aborted)
-    wait_for(no_running(fake))
+    wait_until(lambda: fake.added[-1].request_id in fake.aborted)
+    wait_until(no_running(fake))
 
 
 # ---- the other RPCs, health, reflection -------------------------------------------------------------
@@ -405,7 +305,8 @@ def test_health_and_reflection(stack: Any) -> None:
     assert error.code() == grpc.StatusCode.NOT_FOUND
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        answer = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        answer = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                timeout=RPC_TIMEOUT_S))
     names = {s.name for s in answer.list_services_response.service}
     assert {"tandem.v1.GenerationService", "grpc.health.v1.Health",
             "grpc.reflection.v1alpha.ServerReflection"} <= names
@@ -421,7 +322,7 @@ def test_no_ready_engine_is_unavailable(loop: LoopThread, tokenizer: Any, tiny_m
     try:
         time.sleep(0.3)  # it connected and refused to route to the mismatched engine
         assert health_of(frontend.bound_port) == health_pb2.HealthCheckResponse.NOT_SERVING
-        with TandemClient(f"127.0.0.1:{frontend.bound_port}") as c:
+        with DeadlineClient(f"127.0.0.1:{frontend.bound_port}") as c:
             error = rpc_error(lambda: list(c.generate(PROMPT, max_tokens=2)))
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert c.model_info().num_ready_engines == 0
@@ -438,8 +339,8 @@ def test_engine_loss_fails_open_streams_and_recovers(loop: LoopThread, tokenizer
     frontend = make_frontend(loop, tokenizer, tiny_model_dir, engine_port)
     serving = health_pb2.HealthCheckResponse.SERVING
     try:
-        wait_for(lambda: health_of(frontend.bound_port) == serving)
-        with TandemClient(f"127.0.0.1:{frontend.bound_port}") as c:
+        wait_until(lambda: health_of(frontend.bound_port) == serving)
+        with DeadlineClient(f"127.0.0.1:{frontend.bound_port}") as c:
             streams = [c.generate(PROMPT, seed=SEED_ENDLESS) for _ in range(2)]
             for stream in streams:
                 next(stream)
@@ -449,9 +350,9 @@ def test_engine_loss_fails_open_streams_and_recovers(loop: LoopThread, tokenizer
                 error = rpc_error(lambda s=stream: list(s))
                 assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert time.monotonic() - started < 3
-            wait_for(lambda: health_of(frontend.bound_port) != serving)
+            wait_until(lambda: health_of(frontend.bound_port) != serving)
             engine, _ = loop.run(start_fake_engine(fake, port=engine_port))
-            wait_for(lambda: health_of(frontend.bound_port) == serving)
+            wait_until(lambda: health_of(frontend.bound_port) == serving)
             assert collect(c.generate(PROMPT, max_tokens=3))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH
     finally:
         loop.run(frontend.stop())
@@ -469,18 +370,18 @@ def test_a_draining_engine_gets_no_new_requests(loop: LoopThread, tokenizer: Any
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     try:
         loop.run(engine_health.set(name, serving))
-        wait_for(lambda: health_of(frontend.bound_port) == serving)
-        with TandemClient(f"127.0.0.1:{frontend.bound_port}") as c:
+        wait_until(lambda: health_of(frontend.bound_port) == serving)
+        with DeadlineClient(f"127.0.0.1:{frontend.bound_port}") as c:
             running = c.generate(PROMPT, max_tokens=30)
             next(running)
             loop.run(engine_health.set(name, not_serving))
-            wait_for(lambda: health_of(frontend.bound_port) == not_serving)
+            wait_until(lambda: health_of(frontend.bound_port) == not_serving)
             added = len(fake.added)
             error = rpc_error(lambda: list(c.generate(PROMPT, max_tokens=2)))
             assert error.code() == grpc.StatusCode.UNAVAILABLE and len(fake.added) == added
             assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH  # its own calls finish
             loop.run(engine_health.set(name, serving))
-            wait_for(lambda: health_of(frontend.bound_port) == serving)
+            wait_until(lambda: health_of(frontend.bound_port) == serving)
             assert collect(c.generate(PROMPT, max_tokens=2))[0]["finish_reason"] == pb.FINISH_REASON_LENGTH
     finally:
         loop.run(frontend.stop())
@@ -493,14 +394,14 @@ def test_drain_lets_running_calls_finish_and_refuses_new_ones(loop: LoopThread, 
     engine, engine_port = loop.run(start_fake_engine(fake))
     frontend = make_frontend(loop, tokenizer, tiny_model_dir, engine_port, drain_grace_s=0.5)
     try:
-        wait_for(lambda: health_of(frontend.bound_port) == health_pb2.HealthCheckResponse.SERVING)
-        with TandemClient(f"127.0.0.1:{frontend.bound_port}") as c:
+        wait_until(lambda: health_of(frontend.bound_port) == health_pb2.HealthCheckResponse.SERVING)
+        with DeadlineClient(f"127.0.0.1:{frontend.bound_port}") as c:
             finishing = c.generate(PROMPT, max_tokens=10)
             endless = c.generate(PROMPT, seed=SEED_ENDLESS)
             first = next(finishing)
             next(endless)
             drained = asyncio.run_coroutine_threadsafe(frontend.drain(), loop.loop)
-            wait_for(lambda: frontend.draining)
+            wait_until(lambda: frontend.draining)
             assert health_of(frontend.bound_port) == health_pb2.HealthCheckResponse.NOT_SERVING
             assert health_of(frontend.bound_port, "liveness") == health_pb2.HealthCheckResponse.SERVING
             error = rpc_error(lambda: list(c.generate(PROMPT, max_tokens=2)))
@@ -508,10 +409,13 @@ def test_drain_lets_running_calls_finish_and_refuses_new_ones(loop: LoopThread, 
             rest = list(finishing)
             assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 10
             assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
-            error = rpc_error(lambda: list(endless))  # outlived the grace period
+            error = rpc_error(lambda: list(endless))  # outlived the grace period: failed by the drain
             assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "drained before this request finished" in error.details()
+            endless_id = fake.added[-1].request_id
+            wait_until(lambda: endless_id in fake.aborted)  # aborted in the engine, not just dropped
             drained.result(10)
-        wait_for(no_running(fake))
+        wait_until(no_running(fake))
     finally:
         loop.run(frontend.stop())
         loop.run(engine.stop(None))

@@ -122,3 +122,100 @@ def test_any_chunking_gives_the_reference_output_and_never_a_partial_stop(chunke
     if matched is None:
         emitted += checker.flush()
     assert (emitted, matched) == reference(text, stops, include)
+
+
+def reference_gated(deltas, allow, stops, include):
+    """Brute force with min_tokens gating: a match counts only if it ends in a delta fed with allow=True."""
+    text = "".join(deltas)
+    allowed_ends = set()
+    pos = 0
+    for delta, ok in zip(deltas, allow):
+        if ok:
+            allowed_ends.update(range(pos + 1, pos + len(delta) + 1))
+        pos += len(delta)
+    for end in range(1, len(text) + 1):
+        if end not in allowed_ends:
+            continue
+        hits = [s for s in stops if text[:end].endswith(s)]
+        if hits:
+            stop = max(hits, key=len)
+            return (text[:end] if include else text[: end - len(stop)]), stop
+    return text, None
+
+
+def longest_held_tail(text, stops):
+    """Brute force: the longest tail of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for i in range(1, len(stop)):
+            if i <= len(text) and text.endswith(stop[:i]):
+                best = max(best, i)
+    return best
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(
+    chunked=chunked_text(),
+    stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=7), min_size=1, max_size=5),
+    include=st.booleans(),
+    gates=st.lists(st.booleans(), min_size=13, max_size=13),
+)
+def test_automaton_checker_equals_brute_force_with_min_tokens_gating(chunked, stops, include, gates):
+    """The Aho-Corasick checker against a brute-force reference: same output, same stop, and after
+    every delta exactly the longest proper-prefix tail is held back (never more, never less)."""
+    _, deltas = chunked
+    allow = gates[: len(deltas)]
+    checker = StopChecker(stops, include)
+    fed, emitted, matched = "", "", None
+    for delta, ok in zip(deltas, allow):
+        fed += delta
+        out, matched = checker.feed(delta, allow_stop=ok)
+        emitted += out
+        if matched is not None:
+            break
+        assert len(fed) - len(emitted) == longest_held_tail(fed, stops)
+    if matched is None:
+        emitted += checker.flush()
+    assert (emitted, matched) == reference_gated(deltas, allow, stops, include)
+
+
+def test_overlapping_stop_strings_earliest_end_then_longest():
+    # "abcd" ends at 4, "bc" ends at 3: "bc" wins although "abcd" starts first.
+    assert run(["abcd"], ["abcd", "bc"]) == ("a", "bc")
+    # Same end: the longest wins.
+    assert run(["xabc"], ["bc", "abc"]) == ("x", "abc")
+    # A stop string that is a suffix of a longer one ("c" in "abc") is found through failure links.
+    assert run(["ab", "c"], ["abd", "c"]) == ("ab", "c")
+
+
+def test_automaton_size_is_linear_in_the_stop_strings_total_length():
+    long_stop = "ab" * 8192  # a 16 KiB stop string
+    assert StopChecker([long_stop]).automaton.num_states == len(long_stop) + 1
+    stops = [f"{i:02d}" + "x" * 1000 for i in range(16)]
+    assert StopChecker(stops).automaton.num_states <= sum(map(len, stops)) + 1
+
+
+def test_completions_with_the_same_stop_strings_share_one_automaton():
+    stops = ["<|end|>", "\n\nUser:"]
+    checkers = [StopChecker(list(stops), False) for _ in range(16)]
+    assert all(c.automaton is checkers[0].automaton for c in checkers)
+    assert StopChecker(["other"]).automaton is not checkers[0].automaton
+
+
+def test_a_16k_stop_string_with_16_completions_stays_small_and_correct():
+    """What raised frontend memory by ~2 GB before (a set of every prefix per completion): now one shared
+    automaton of 16 Ki states; feeding text that keeps nearly matching holds back only the live tail."""
+    import tracemalloc
+
+    long_stop = "ab" * 8192
+    tracemalloc.start()
+    try:
+        checkers = [StopChecker([long_stop], False) for _ in range(16)]
+        for checker in checkers:
+            out, matched = checker.feed("ab" * 100 + "x" + "ab" * 50)
+            assert matched is None and out == "ab" * 100 + "x"  # "ab"*50 is held: it may still match
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 1024 * 1024, f"peak {peak / 2**20:.0f} MiB"
+    assert checkers[0].feed(long_stop[100:]) == ("", long_stop)

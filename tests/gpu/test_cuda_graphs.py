@@ -47,8 +47,21 @@ def test_graph_replay_matches_eager(make_model, arch: str) -> None:
     assert no_graphs is None
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
     assert graphs.num_replays == max(OUTPUT_LENS) - 1  # one prefill step, then every step replays
+    assert 0 < graphs.memory_bytes < 1 << 30  # measured net of the allocator cache (was negative)
     assert [len(t) for t in graph_tokens] == list(OUTPUT_LENS)
     assert graph_tokens == eager_tokens
+
+
+def test_short_rotary_cache_with_a_large_token_budget(make_model) -> None:
+    """The issue-11 crash: max_position_embeddings 256 < max_num_batched_tokens 8192 made the profile
+    run gather past the rotary cache (a device-side assert); the engine must start and generate."""
+    from engine_svc import LLM, SamplingParams
+
+    llm = LLM(str(make_model("qwen3", max_position_embeddings=256)), dtype="bfloat16", device="cuda",
+              attention_backend="triton", max_num_batched_tokens=8192, max_num_seqs=8)
+    assert llm.config.max_model_len == 256
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_torch_backend_on_cuda_runs_without_graphs(make_model) -> None:

@@ -1,6 +1,6 @@
 """Offline checks of the Kubernetes manifests: schema validation plus the semantics that matter.
 
-Every kustomization (base, each overlay, extras) is rendered with scripts/render_kustomize.py and
+Every kustomization (base, each overlay, extras) is rendered with `kubectl kustomize` and
 validated in strict mode against a fixed Kubernetes version using the schemas bundled with
 kubernetes-validate (no network). The semantic tests resolve container args the way the kubelet
 does (``$(VAR)`` from env / envFrom ConfigMaps) and check drain timings, probes, ports, selectors
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -42,27 +43,31 @@ ENGINE_FLAGS = {
     "num-gpu-blocks-override", "enable-prefix-caching", "no-enable-prefix-caching",
     "scheduling-policy", "attention-backend", "enforce-eager", "seed", "host", "port",
     "metrics-port", "max-waiting", "drain-grace-period",
+    "engine-token-file", "ssl-certfile", "ssl-keyfile", "ssl-ca-certs", "health-port",
 }  # fmt: skip
-FRONTEND_FLAGS = {"model", "engine", "host", "port", "metrics-port", "max-concurrent-requests", "routing"}
+FRONTEND_FLAGS = {
+    "model", "engine", "host", "port", "metrics-port", "max-concurrent-requests", "routing",
+    "engine-token-file", "api-key-file", "ssl-certfile", "ssl-keyfile", "ssl-ca-certs", "health-port",
+    "engine-ssl-certfile", "engine-ssl-keyfile", "engine-ssl-ca-certs", "engine-ssl-server-name",
+}  # fmt: skip
 BOOLEAN_FLAGS = {"enable-prefix-caching", "no-enable-prefix-caching", "enforce-eager"}
 
 
-def _load_renderer() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "render_kustomize", ROOT / "scripts" / "render_kustomize.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rk = _load_renderer()
+KUBECTL = shutil.which("kubectl")
+KUBECTL_MISSING = (
+    "kubectl is not installed: the k8s tests render every kustomization with `kubectl kustomize` "
+    "(install kubectl >= 1.27; it bundles kustomize)"
+)
 
 
 @functools.cache
 def _render_cached(name: str) -> list[dict[str, Any]]:
-    return rk.render(K8S / name)
+    if KUBECTL is None:
+        pytest.fail(KUBECTL_MISSING, pytrace=False)
+    done = subprocess.run([KUBECTL, "kustomize", str(K8S / name)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, f"kubectl kustomize k8s/{name} failed:\n{done.stderr}"
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
 def render(name: str) -> list[dict[str, Any]]:
@@ -178,12 +183,12 @@ def test_strict_validation_rejects_unknown_fields() -> None:
 
 
 def test_extras_outside_the_kustomization_are_crds_or_valid_native_objects() -> None:
-    listed = set(rk.load_kustomization(K8S / "extras").get("resources", []))
+    listed = set(yaml.safe_load((K8S / "extras" / "kustomization.yaml").read_text()).get("resources", []))
     seen_crds = set()
     for path in sorted((K8S / "extras").glob("*.yaml")):
         if path.name == "kustomization.yaml" or path.name in listed:
             continue
-        for doc in rk.load_yaml_docs(path):
+        for doc in (d for d in yaml.safe_load_all(path.read_text()) if d):
             if doc["kind"] in CRD_KINDS:
                 seen_crds.add(doc["kind"])
             else:
@@ -454,65 +459,3 @@ def test_gpu_overlay_mounts_the_model_pvc_read_only_in_both_services() -> None:
         assert set(model) == {"name", "persistentVolumeClaim"}
         assert model["persistentVolumeClaim"]["claimName"] in pvc
         assert model["persistentVolumeClaim"]["readOnly"] is True
-
-
-# ---------------------------------------------------------------------------------------------
-# The renderer itself
-
-
-def test_strategic_merge_semantics() -> None:
-    base = {
-        "spec": {
-            "containers": [{"name": "a", "args": ["x"], "env": [{"name": "K", "value": "1"}]}],
-            "volumes": [{"name": "v", "emptyDir": {}}],
-            "tolerations": [{"key": "t"}],
-        }
-    }
-    patch = {
-        "spec": {
-            "containers": [
-                {"name": "a", "args": ["y"], "env": [{"name": "L", "value": "2"}]},
-                {"name": "b", "image": "i"},
-            ],
-            "volumes": [{"name": "v", "emptyDir": None, "hostPath": {"path": "/p"}}],
-            "tolerations": [{"key": "u"}],
-        }
-    }
-    merged = rk.strategic_merge(base, patch)
-    assert merged["spec"]["containers"] == [
-        {"name": "a", "args": ["y"], "env": [{"name": "K", "value": "1"}, {"name": "L", "value": "2"}]},
-        {"name": "b", "image": "i"},
-    ]
-    assert merged["spec"]["volumes"] == [{"name": "v", "hostPath": {"path": "/p"}}]
-    assert merged["spec"]["tolerations"] == [{"key": "u"}]
-    assert base["spec"]["containers"][0]["args"] == ["x"], "inputs are not modified"
-    deleted = rk.strategic_merge(base, {"spec": {"volumes": [{"name": "v", "$patch": "delete"}]}})
-    assert deleted["spec"]["volumes"] == []
-
-
-def test_image_rewrite() -> None:
-    assert (
-        rk._rewrite_image("tandem-engine:latest", {"name": "tandem-engine", "newTag": "dev"})
-        == "tandem-engine:dev"
-    )
-    assert rk._rewrite_image("localhost:5000/x:1", {"name": "localhost:5000/x", "newName": "r/y"}) == "r/y:1"
-    assert rk._rewrite_image("x", {"name": "x", "digest": "sha256:ab"}) == "x@sha256:ab"
-
-
-def test_renderer_rejects_what_it_does_not_support(tmp_path: Path) -> None:
-    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: dev-\n")
-    with pytest.raises(rk.KustomizeError, match="namePrefix"):
-        rk.render(tmp_path)
-    (tmp_path / "kustomization.yaml").write_text("resources: [cm.yaml]\npatches: [{path: p.yaml}]\n")
-    (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n")
-    (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\n")
-    with pytest.raises(rk.KustomizeError, match="not found"):
-        rk.render(tmp_path)
-    (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n$patch: delete\n")
-    assert rk.render(tmp_path) == []
-
-
-def test_cli_prints_every_document(capsys: pytest.CaptureFixture[str]) -> None:
-    assert rk.main([str(K8S / "overlays" / "gpu")]) == 0
-    printed = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
-    assert printed == render("overlays/gpu")

@@ -177,7 +177,49 @@ def test_long_prefill_chunk_spans_several_query_blocks(device):
 @pytest.mark.parametrize("splits", [2, 3, 8])
 def test_kv_splits_and_tile_sizes_do_not_change_result(splits, device):
     batch = _filled(make_batch([(1, 45), (4, 30), (1, 2)], block_size=8, device=device, seed=splits))
-    _check(batch, num_kv_splits=splits, tile_size=32 if splits == 3 else 16)
+    _check(batch, num_kv_splits=splits, tile_size=32 if splits == 3 else 16, min_keys_per_split=1)
+
+
+# Decodes whose contexts span 1..7 tiles of 16 keys, and a prefill chunk: with up to 9 splits, some
+# requests fill every split, others leave most of them empty.
+SPLIT_REQS = [(1, 100), (1, 17), (1, 1), (1, 64), (3, 40)]
+
+
+@pytest.mark.parametrize("splits", range(1, 10))
+def test_every_split_count_including_empty_splits(splits, device):
+    batch = _filled(make_batch(SPLIT_REQS, block_size=8, device=device, seed=20 + splits))
+    _check(batch, num_kv_splits=splits, tile_size=16, min_keys_per_split=1)
+
+
+@pytest.mark.parametrize(("splits", "min_keys"), [(8, 32), (8, 48), (16, 64), (64, 16)])
+def test_min_keys_per_split_leaves_tail_splits_empty(splits, min_keys, device):
+    """What a CUDA graph does: splits chosen for the longest context, replayed for short ones. Each
+    split gets >= min_keys keys, so short contexts use their first splits and the rest exit early."""
+    batch = _filled(make_batch(SPLIT_REQS, block_size=8, device=device, seed=splits + min_keys))
+    _check(batch, num_kv_splits=splits, tile_size=16, min_keys_per_split=min_keys)
+
+
+def test_empty_split_accumulators_are_never_read(device, monkeypatch):
+    """The reduction must not read the accumulator of a split that did no work: the partial buffers
+    start as NaN, so one read of an unwritten accumulator poisons the output."""
+    batch = _filled(make_batch([(1, 20), (1, 3)], block_size=8, device=device, seed=31))
+    real_empty = torch.empty
+
+    def nan_filled(*shape, **kw):
+        out = real_empty(*shape, **kw)
+        return out.fill_(float("nan")) if out.dtype == torch.float32 else out
+
+    monkeypatch.setattr(torch, "empty", nan_filled)  # the kernel wrapper allocates partials with it
+    _check(batch, num_kv_splits=8, tile_size=16, min_keys_per_split=16)
+
+
+def test_decode_with_a_graph_sized_max_seq_len(device):
+    """max_seq_len far above every real context (a graph's bound) changes nothing but the split count."""
+    batch = _filled(make_batch([(1, 9), (1, 33), (1, 1)], block_size=8, device=device, seed=6))
+    real = int(batch.meta.query_start_loc[-1])
+    want = attention_ref(*batch.attention_args(), 0.3, *batch.limits())
+    got = unified_paged_attention(*batch.attention_args(), 0.3, 1, 4096, num_kv_splits=32, tile_size=16)
+    torch.testing.assert_close(got[:real], want[:real], atol=2e-5, rtol=2e-5)
 
 
 def test_padding_tokens_do_not_disturb_real_rows(device):

@@ -12,26 +12,20 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tests.observability.support import (
-    KV_CACHE_BYTES,
-    LoopThread,
-    Stack,
-    free_port,
-    provider,
-    serving,
-    wait_for,
-)
+from tests.observability.support import KV_CACHE_BYTES, Stack, provider
+from tests.support import LoopThread, free_port, is_serving, wait_until
 
 
 @pytest.fixture(scope="package")
 def stack(make_model: Any) -> Iterator[Stack]:
+    from tandem.telemetry import serve_metrics
+
     from engine_svc.config import config_from_args
     from engine_svc.server import EngineServer
     from engine_svc.server_cli import build_parser
     from engine_svc.telemetry import EngineMetrics, EngineTelemetry, RequestSpans
     from frontend_svc.config import FrontendConfig
     from frontend_svc.server import FrontendServer
-    from frontend_svc.telemetry.export import serve_metrics
     from frontend_svc.telemetry.metrics import FrontendMetrics
     from frontend_svc.telemetry.service import FrontendTelemetry
 
@@ -58,7 +52,7 @@ def stack(make_model: Any) -> Iterator[Stack]:
         await task
 
     engine_task = loop.run(start_engine())
-    wait_for(lambda: serving(engine.bound_port), 120)
+    wait_until(lambda: is_serving(f"127.0.0.1:{engine.bound_port}"), 120, "the engine SERVING")
     fe_config = FrontendConfig(model=str(model), engines=(f"127.0.0.1:{engine.bound_port}",),
                                host="127.0.0.1", port=0, metrics_port=0)
     frontend_tp = provider("tandem-frontend", exporter)
@@ -72,7 +66,7 @@ def stack(make_model: Any) -> Iterator[Stack]:
         return server
 
     frontend = loop.run(start_frontend())
-    wait_for(lambda: serving(frontend.bound_port))
+    wait_until(lambda: is_serving(f"127.0.0.1:{frontend.bound_port}"), 30, "the frontend SERVING")
     engine_http = serve_metrics(engine_metrics.registry, free_port(), "127.0.0.1")
     frontend_http = serve_metrics(frontend_metrics.registry, free_port(), "127.0.0.1")
     try:

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 from frontend_svc.client import generate_request
-from tests.observability.support import Stack, scrape, wait_for
+from tests.observability.support import Stack, scrape
+from tests.support import wait_until
 
 ENGINE_NAMES = ("tandem_num_requests_running", "tandem_num_requests_waiting", "tandem_kv_cache_usage_perc",
                 "tandem_num_preemptions_total", "tandem_prefix_cache_queries_total",
@@ -63,7 +64,7 @@ def mix(stack: Stack):  # type: ignore[no-untyped-def]
         base = total(fe0, "tandem_request_success_total") + total(fe0, "tandem_request_failure_total")
         eng = samples(stack.engine_metrics_port)
         return calls - base == 5 and total(eng, "tandem_num_requests_running") == 0
-    wait_for(settled, 20)
+    wait_until(settled, 20, "the gauges settled")
     return eng0, samples(stack.engine_metrics_port), fe0, samples(stack.frontend_metrics_port)
 
 

@@ -15,7 +15,8 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 from frontend_svc.client import generate_request
 from tests.observability.otlp_receiver import OtlpReceiver
-from tests.observability.support import KV_CACHE_BYTES, free_port, scrape, serving, wait_for
+from tests.observability.support import KV_CACHE_BYTES, scrape
+from tests.support import free_port, is_serving, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -57,7 +58,7 @@ def test_services_export_one_trace_to_an_otlp_receiver(make_model, tmp_path: Pat
                           "--host", "127.0.0.1", "--port", str(frontend_port),
                           "--metrics-port", str(frontend_metrics)], env, tmp_path / "frontend.log")
         try:
-            wait_for(lambda: serving(frontend_port), 120)
+            wait_until(lambda: is_serving(f"127.0.0.1:{frontend_port}"), 120, "the frontend SERVING")
             with grpc.insecure_channel(f"127.0.0.1:{frontend_port}") as channel:
                 responses = list(pb_grpc.GenerationServiceStub(channel).Generate(
                     generate_request(token_ids=[9, 8, 7, 6], max_tokens=3, ignore_eos=True), timeout=60,
@@ -66,7 +67,7 @@ def test_services_export_one_trace_to_an_otlp_receiver(make_model, tmp_path: Pat
 
             def ours() -> list:  # type: ignore[type-arg]
                 return [s for s in receiver.spans() if s.trace_id == TRACE_ID]
-            wait_for(lambda: len(ours()) >= 3, 20)
+            wait_until(lambda: len(ours()) >= 3, 20, "three spans of the trace")
             spans = {s.service: s for s in ours() if s.name != "tandem.frontend.prepare"}
             assert set(spans) == {"tandem-frontend", "tandem-engine"}
             assert spans["tandem-frontend"].parent_span_id == CLIENT_SPAN

@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from tandem.telemetry import exporter_names, provider_from_env
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 from engine_svc.protocol import (
@@ -27,8 +28,8 @@ from engine_svc.protocol import (
 )
 from engine_svc.telemetry.tracing import RequestSpans
 from frontend_svc.client import generate_request
-from frontend_svc.telemetry.export import exporter_names, provider_from_env
-from tests.observability.support import Stack, wait_for
+from tests.observability.support import Stack
+from tests.support import wait_until
 
 GENERATE = "tandem.v1.GenerationService/Generate"
 
@@ -46,7 +47,7 @@ def generate(stack: Stack, request: Any, metadata: list[tuple[str, str]] | None 
 def spans_of(stack: Stack, trace_id: int, count: int) -> list[Any]:
     def found() -> list[Any]:
         return [s for s in stack.exporter.get_finished_spans() if s.context.trace_id == trace_id]
-    wait_for(lambda: len(found()) >= count, 20)
+    wait_until(lambda: len(found()) >= count, 20, f"{count} spans")
     return found()
 
 
@@ -140,7 +141,7 @@ def test_a_call_without_traceparent_starts_a_trace_the_engine_joins(stack: Stack
     def new_servers() -> list[Any]:
         return [s for s in stack.exporter.get_finished_spans()
                 if s.name == GENERATE and s.context.trace_id not in before]
-    wait_for(lambda: len(new_servers()) == 1)
+    wait_until(lambda: len(new_servers()) == 1, 30, "one new server span")
     server = new_servers()[0]
     assert server.parent is None
     engine = spans_of(stack, server.context.trace_id, 3)

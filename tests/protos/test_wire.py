@@ -332,3 +332,41 @@ def test_outputs_to_pb_timing(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(message.outputs) == 64 and message.outputs[63].new_token_ids[0] == 1063
     with capsys.disabled():
         print(f"\n[wire] outputs_to_pb, 64 requests x 1 token: {per_step_us:.1f} us/step")
+
+
+# ---- pack_outputs: queued steps -> messages under the size limit -----------------------------------------
+
+
+def _step(step: int, num: int, id_len: int = 100) -> p.EngineCoreOutputs:
+    outs = [p.EngineCoreOutput(request_id=f"r{i}-" + "x" * id_len, new_token_ids=[step, i]) for i in range(num)]
+    return p.EngineCoreOutputs(outputs=outs, scheduler_stats=p.SchedulerStats(num_running=step), timestamp=step)
+
+
+def test_pack_outputs_coalesces_small_steps_into_one_message() -> None:
+    [message] = wire.pack_outputs([_step(1, 2), _step(2, 2)], budget=1 << 20, limit=1 << 20)
+    assert [list(o.new_token_ids) for o in message.outputs] == [[1, 0], [1, 1], [2, 0], [2, 1]]
+    assert message.scheduler_stats.num_running == 2 and message.timestamp == 2
+
+
+def test_pack_outputs_splits_in_order_under_the_budget_with_stats_last() -> None:
+    steps = [_step(s, 8) for s in range(50)]
+    budget = 4096
+    messages = list(wire.pack_outputs(steps, budget=budget, limit=budget))
+    assert len(messages) > 1 and all(m.ByteSize() <= budget for m in messages)
+    tokens = [list(o.new_token_ids) for m in messages for o in m.outputs]
+    assert tokens == [[s, i] for s in range(50) for i in range(8)]
+    assert [m.HasField("scheduler_stats") for m in messages] == [False] * (len(messages) - 1) + [True]
+    assert messages[-1].scheduler_stats.num_running == 49
+
+
+def test_an_output_larger_than_the_limit_becomes_an_error_for_its_request_alone() -> None:
+    huge = p.EngineCoreOutput(request_id="huge", new_token_ids=list(range(100_000, 110_000)))
+    small = p.EngineCoreOutput(request_id="small", new_token_ids=[1])
+    dropped: list[str] = []
+    messages = list(wire.pack_outputs([p.EngineCoreOutputs(outputs=[huge, small])], budget=8192, limit=8192,
+                                      on_oversized=dropped.append))
+    assert dropped == ["huge"] and all(m.ByteSize() <= 8192 for m in messages)
+    outs = {o.request_id: o for m in messages for o in m.outputs}
+    assert outs["huge"].finish_reason == pb.FINISH_REASON_ERROR
+    assert outs["huge"].error.code == pb.ERROR_CODE_INVALID_ARGUMENT and not outs["huge"].new_token_ids
+    assert list(outs["small"].new_token_ids) == [1]

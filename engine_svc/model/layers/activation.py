@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import activation as triton_activation  # importing kernels never imports triton
+
 _GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -16,14 +18,21 @@ _GATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedActivation(nn.Module):
-    """x [..., 2 * I] = [gate | up] -> act(gate) * up, shape [..., I]."""
+    """x [..., 2 * I] = [gate | up] -> act(gate) * up, shape [..., I].
 
-    def __init__(self, hidden_act: str = "silu") -> None:
+    `fused=True` (set by the model when it runs the Triton attention backend) computes SiLU-and-mul in
+    one Triton kernel (`kernels/activation.py`) for 2-D inputs; other activations keep the torch path.
+    """
+
+    def __init__(self, hidden_act: str = "silu", fused: bool = False) -> None:
         super().__init__()
         if hidden_act not in _GATES:
             raise ValueError(f"unsupported hidden_act {hidden_act!r} (supported: {', '.join(_GATES)})")
         self.act = _GATES[hidden_act]
+        self.fused = fused and hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            return triton_activation.silu_and_mul(x)
         half = x.shape[-1] // 2
         return self.act(x[..., :half]) * x[..., half:]

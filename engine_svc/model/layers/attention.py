@@ -28,6 +28,8 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        """`kv_written`: this step's k/v are already in the cache (a fused kernel wrote them)."""
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_written=kv_written)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

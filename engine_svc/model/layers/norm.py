@@ -1,4 +1,8 @@
-"""RMSNorm, computed in float32 like HF: weight * (x / rms(x)).to(input dtype)."""
+"""RMSNorm, computed in float32 like HF: weight * (x / rms(x)).to(input dtype).
+
+`fused=True` (set by the model when it runs the Triton attention backend) computes the same with the
+Triton kernels of `kernels/rms_norm.py`: one pass per row, and the residual add fused in place.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_svc.model.layers.linear import copy_full, make_param
+from kernels import rms_norm as triton_norm  # importing kernels never imports triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,16 +29,31 @@ class RMSNorm(nn.Module):
 
     The second form is the pre-norm decoder's "add the residual, then normalise" step in one call,
     returning the new residual stream alongside the normalised activations.
+
+    With `fused`, the second form works in place (vLLM's fused_add_rms_norm): `residual` becomes
+    x + residual and `x` its normalisation; both tensors are returned. Callers must own both.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        params_dtype: torch.dtype | None = None,
+        fused: bool = False,
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = make_param((hidden_size,), params_dtype, copy_full)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            if residual is None:
+                return triton_norm.rms_norm(x, self.weight, self.eps)
+            triton_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         x = x + residual

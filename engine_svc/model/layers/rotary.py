@@ -6,11 +6,19 @@ full head_dim (frequencies repeated for both halves), so that
     rope(x) = x * cos + roll(x, head_dim / 2) * signed_sin
 
 equals HF's `x * cos + rotate_half(x) * sin` in three ops per call.
+
+The fused Triton path (`kernels/rope.py`, used with the Triton attention backend) reads the same cache by
+position inside one kernel per layer, so the model then skips the per-forward gather: see
+`RotaryEmbedding.inputs`.
+
+Positions must be < max_position (the cache's rows). The model runner guarantees it on the host
+(max_model_len <= max_position); CPU lookups also check it, so a bad position is a clear error.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +62,17 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
     return torch.where(is_medium, smoothed, scaled)
 
 
+@dataclass
+class RotaryInputs:
+    """What the layers of one forward need to rotate q/k: the positions and the cache (fused kernel),
+    plus, on the torch path, the cache rows gathered once for all layers (cos, signed sin [T, 1, D])."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin cache of shape [max_position, 2, head_dim] in the model dtype (computed in float32)."""
 
@@ -73,6 +92,7 @@ class RotaryEmbedding(nn.Module):
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported")
         self.head_dim = head_dim
+        self.max_position = max_position
         inv_freq = _inverse_frequencies(head_dim, rope_theta, params)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
@@ -82,8 +102,26 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, signed_sin), each [T, 1, head_dim], broadcastable over heads."""
+        if positions.device.type == "cpu":  # free on CPU; on a GPU it would cost a sync
+            self.check_positions(int(positions.max()) if positions.numel() else 0)
         both = self.cos_sin_cache.index_select(0, positions)
         return both[:, 0:1], both[:, 1:2]
+
+    def inputs(self, positions: torch.Tensor, *, gather: bool) -> RotaryInputs:
+        """Rotation inputs for one forward; `gather` precomputes cos/sin rows for the torch path."""
+        if not gather:
+            return RotaryInputs(positions, self.cos_sin_cache)
+        cos, sin = self.cos_sin(positions)
+        return RotaryInputs(positions, self.cos_sin_cache, cos, sin)
+
+    def check_positions(self, max_position: int) -> None:
+        """ValueError unless `max_position` has a row in the cache."""
+        if max_position >= self.max_position:
+            raise ValueError(
+                f"position {max_position} is outside the rotary cache, which covers positions "
+                f"0..{self.max_position - 1} (the model's max_position_embeddings); sequences must be "
+                "no longer than that"
+            )
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,13 @@
 //   {"ok": false, "code", "code_name", "message", "field_violations": [field paths], "reason"}
 // where field_violations / reason come from decoding grpc-status-details-bin (google.rpc.Status with
 // BadRequest / ErrorInfo details) with protobufjs.
+//
+// Security, from the environment: TANDEM_SSL_CA_CERTS (PEM CA bundle: connect with TLS, verifying the
+// server against it), TANDEM_SSL_CERTFILE + TANDEM_SSL_KEYFILE (a client certificate for mutual TLS),
+// TANDEM_API_KEY (sent as "authorization: Bearer <key>" on every call).
 "use strict";
 
+const fs = require("fs");
 const path = require("path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
@@ -57,10 +62,24 @@ function decodeDetails(metadata) {
   return out;
 }
 
+function credentials() {
+  const env = process.env;
+  if (!env.TANDEM_SSL_CA_CERTS) return grpc.credentials.createInsecure();
+  const read = (name) => (env[name] ? fs.readFileSync(env[name]) : null);
+  return grpc.credentials.createSsl(read("TANDEM_SSL_CA_CERTS"), read("TANDEM_SSL_KEYFILE"),
+                                    read("TANDEM_SSL_CERTFILE"));
+}
+
+function callMetadata() {
+  const metadata = new grpc.Metadata();
+  if (process.env.TANDEM_API_KEY) metadata.set("authorization", `Bearer ${process.env.TANDEM_API_KEY}`);
+  return metadata;
+}
+
 function generate(client, request) {
   return new Promise((resolve) => {
     const result = { ok: true, text: "", token_ids: [], finish_reason: "", num_responses: 0, usage: null };
-    const call = client.Generate(request);
+    const call = client.Generate(request, callMetadata());
     call.on("data", (response) => {
       result.num_responses += 1;
       result.text += response.text;
@@ -85,7 +104,7 @@ async function main() {
     process.exit(2);
   }
   const GenerationService = loadService();
-  const client = new GenerationService(address, grpc.credentials.createInsecure());
+  const client = new GenerationService(address, credentials());
   const results = [];
   for (const request of JSON.parse(spec)) {
     if (request.token_ids) request.token_ids = { ids: request.token_ids };

@@ -1,4 +1,7 @@
-"""OpenTelemetry SDK set-up from the standard `OTEL_*` environment variables only (shared by both services).
+"""Telemetry set-up that both services share: OpenTelemetry from `OTEL_*`, /metrics, shutdown.
+
+It lives in the `tandem` package (beside the wire contracts) because both services import it and
+neither may import the other.
 
 Tracing is on when the environment names an exporter: `OTEL_TRACES_EXPORTER` (`otlp`, `console`, or a
 comma list; `none` turns it off) or, with that unset, an OTLP endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT` /
@@ -52,7 +55,8 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
         except ImportError as exc:
             raise RuntimeError("OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf needs the "
                                "opentelemetry-exporter-otlp-proto-http package") from exc
-        return HttpExporter()
+        exporter: SpanExporter = HttpExporter()
+        return exporter
     raise RuntimeError(f"unsupported OTEL_EXPORTER_OTLP_PROTOCOL {protocol!r} (use grpc or http/protobuf)")
 
 

@@ -1,0 +1,183 @@
+"""GGUF checkpoints (llama.cpp's one-file format) served as Llama-family models, dequantized at load.
+
+A .gguf holds the model config as metadata under llama.cpp's key names and the tensors under llama.cpp's
+names (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md), most of them quantized. Reading uses
+the `gguf` package (llama.cpp's gguf-py: metadata, tensor-name tables, numpy dequantization) and
+transformers' GGUF-key -> config-key table, so no mapping is written by hand here.
+
+- `gguf_hf_config(path)`: the Hugging Face config.json the file describes (a plain dict).
+- `iter_gguf_weights(path, names, dtype)`: (HF checkpoint name, tensor) for the wanted names, one tensor
+  at a time, dequantized straight into `dtype`: a load never holds two copies of the model.
+
+Invariants:
+- Only architectures tandem serves are accepted (`GGUF_ARCHITECTURES`), and only tensor types whose
+  dequantization is exact to float32 (`SUPPORTED_TENSOR_TYPES`); anything else is a `GGUFError` that
+  names what the file holds and what is supported, raised before any weight is read.
+- llama.cpp stores the q/k projections of the "llama" architecture permuted for its interleaved rotary
+  layout; they come back un-permuted (HF's half-split layout). Other architectures are stored as is.
+- A file without an `output.weight` tensor has tied embeddings (`tie_word_embeddings: true`).
+- The model's own dtype (`dtype` in the config) is the file's float type when its weights are plain
+  floats; a quantized file has none, and its exact dequantization is float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# GGUF "general.architecture" -> the HF architecture tandem builds for it. Mistral files say "llama".
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Plain floats plus the block formats gguf-py dequantizes (legacy and k-quants).
+SUPPORTED_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+_FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_PERMUTED_QK_ARCHS = ("llama",)
+
+
+class GGUFError(ValueError):
+    """The GGUF file cannot be served; the message says what it holds and what is supported."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    """True for an existing file named *.gguf (what `--model` accepts besides an HF directory)."""
+    p = Path(path)
+    return p.suffix.lower() == ".gguf" and p.is_file()
+
+
+@lru_cache(maxsize=4)
+def _reader(path: str) -> Any:
+    """The file's `gguf.GGUFReader` (memory-mapped; parsing the metadata takes ~2 s for a 49k vocab)."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise GGUFError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def read_metadata(path: str | Path, keys: Iterable[str] | None = None) -> dict[str, Any]:
+    """The file's metadata as Python values (all keys, or only `keys`)."""
+    fields = _reader(str(path)).fields
+    names = fields.keys() if keys is None else [k for k in keys if k in fields]
+    return {k: fields[k].contents() for k in names}
+
+
+def _architecture(path: str | Path) -> str:
+    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; tandem serves GGUF files of "
+                        f"architecture {', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, Qwen2, Qwen3)")
+    return str(arch)
+
+
+def _tensor_types(path: str | Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in _reader(str(path)).tensors}
+
+
+def check_supported(path: str | Path) -> str:
+    """The file's architecture; `GGUFError` for an unsupported architecture, tensor type or rope scaling."""
+    arch = _architecture(path)
+    types = _tensor_types(path)
+    bad = sorted({t for t in types.values() if t not in SUPPORTED_TENSOR_TYPES})
+    if bad:
+        raise GGUFError(f"{path} holds tensors of type {', '.join(bad)}, which tandem cannot dequantize; "
+                        f"supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+    scaling = read_metadata(path, [f"{arch}.rope.scaling.type"]).get(f"{arch}.rope.scaling.type")
+    if (scaling not in (None, "none")) or "rope_freqs.weight" in types:
+        raise GGUFError(f"{path} uses rope scaling ({scaling or 'rope_freqs'}), which tandem does not read "
+                        "from GGUF files; serve the original Hugging Face checkpoint instead")
+    return arch
+
+
+def native_dtype(path: str | Path) -> str:
+    """The model's own dtype: the float type of its matrices, or float32 (exact) for a quantized file."""
+    matrices = {t.tensor_type.name for t in _reader(str(path)).tensors if len(t.shape) > 1}
+    if len(matrices) == 1 and next(iter(matrices)) in _FLOAT_DTYPES:
+        return _FLOAT_DTYPES[next(iter(matrices))]
+    return "float32"
+
+
+def gguf_hf_config(path: str | Path) -> dict[str, Any]:
+    """The config.json (as a dict) of the model in a GGUF file; `GGUFError` if tandem cannot serve it."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    arch = check_supported(path)
+    meta = read_metadata(path, [f"{arch}.{k}" for k in GGUF_CONFIG_MAPPING[arch]] + [
+        f"{arch}.attention.key_length", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.padding_token_id"])
+    config: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
+    for key, name in GGUF_CONFIG_MAPPING[arch].items():
+        if name is not None and f"{arch}.{key}" in meta:
+            config[name] = meta[f"{arch}.{key}"]
+    if f"{arch}.attention.key_length" in meta:  # Qwen3's explicit head_dim
+        config["head_dim"] = meta[f"{arch}.attention.key_length"]
+    if "vocab_size" not in config:  # older files: the vocabulary's length
+        config["vocab_size"] = len(_reader(str(path)).fields["tokenizer.ggml.tokens"].data)
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("padding_token_id", "pad_token_id")):
+        if f"tokenizer.ggml.{key}" in meta:
+            config[name] = meta[f"tokenizer.ggml.{key}"]
+    config["tie_word_embeddings"] = "output.weight" not in _tensor_types(path)
+    config["dtype"] = native_dtype(path)
+    if arch != "llama":
+        config["use_sliding_window"] = False  # GGUF files carry no window; llama.cpp attends fully
+    return config
+
+
+def _name_table(path: str | Path, names: Iterable[str], num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> HF checkpoint name, for the HF names wanted (gguf-py's name map)."""
+    import gguf
+
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[_architecture(path)]
+    name_map = gguf.get_tensor_name_map(arch, num_layers)
+    table = {}
+    for hf_name in names:
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_base = name_map.get_name(base)
+        if gguf_base is not None:
+            table[f"{gguf_base}.{suffix}"] = hf_name
+    return table
+
+
+def _unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation: per head, rows (pairs interleaved) -> (first half, second half)."""
+    shape = weights.shape
+    return weights.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def iter_gguf_weights(path: str | Path, names: Iterable[str], dtype: Any) -> Iterator[tuple[str, Any]]:
+    """(HF checkpoint name, torch tensor in `dtype`) for every file tensor that maps to one of `names`.
+
+    Tensors of the file that map to no wanted name are skipped (the caller reports names never given).
+    """
+    import torch
+    from gguf.quants import dequantize
+
+    arch = check_supported(path)
+    meta = read_metadata(path, [f"{arch}.block_count", f"{arch}.attention.head_count",
+                                f"{arch}.attention.head_count_kv"])
+    heads = int(meta[f"{arch}.attention.head_count"])
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    table = _name_table(path, names, int(meta[f"{arch}.block_count"]))
+    for tensor in _reader(str(path)).tensors:
+        hf_name = table.get(tensor.name)
+        if hf_name is None:
+            continue
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        weights = weights.reshape(tuple(int(d) for d in reversed(tensor.shape)))  # ggml order is reversed
+        if arch in _PERMUTED_QK_ARCHS and ".attn_q." in tensor.name:
+            weights = _unpermute_qk(weights, heads)
+        elif arch in _PERMUTED_QK_ARCHS and ".attn_k." in tensor.name:
+            weights = _unpermute_qk(weights, kv_heads)
+        if not weights.flags.writeable:  # a plain-float tensor is a view of the read-only file map
+            weights = weights.copy()
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)

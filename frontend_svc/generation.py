@@ -1,0 +1,132 @@
+"""One generation request from admission to its end, the same for every API in front of it.
+
+The gRPC servicer (server.py) and the OpenAI-compatible HTTP API both do exactly this:
+
+    generation = frontend.open_generation(n, call)   # admission: ValidationError / ServiceError
+    try:
+        await generation.start(prepare)              # tokenize off the loop, route, submit
+        async for deltas in generation.batches():    # merged per completion for a slow reader
+            ...send them...
+    finally:
+        generation.close()                           # idempotent: aborts what is unfinished
+
+Invariants:
+- `Admission` counts completions, not calls: a generation holds n slots from before its prompt is
+  tokenized until `close()`, and a prompt still on the tokenizer pool keeps its slots until the pool is
+  done with it (so the pool's queue is bounded by the limit too).
+- `close()` may run from any callback on the loop (a gRPC done-callback, an HTTP disconnect) and more
+  than once; the first call aborts the request's unfinished completions in the engine and gives the
+  slots back, later calls do nothing.
+- `batches()` ends after every completion's finished delta; an engine error or a lost engine ends it
+  with a `ServiceError` carrying the engine's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from frontend_svc.engine_client import EngineClient, EngineUnavailable
+from frontend_svc.errors import RESOURCE_EXHAUSTED, UNAVAILABLE, ServiceError, ValidationError
+from frontend_svc.outputs import CompletionDelta
+from frontend_svc.processor import PreparedRequest, Processor
+from frontend_svc.request_state import DeltaCollector, RequestState
+from frontend_svc.telemetry.call import GenerateCall
+
+T = TypeVar("T")
+
+
+class Admission:
+    """The frontend's concurrency limit, in completions; `idle` is set while nothing holds a slot."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def take(self, slots: int, field: str) -> None:
+        """Hold `slots` or raise: ValidationError on `field` when one call alone asks for more than the
+        limit (it could never run), ServiceError RESOURCE_EXHAUSTED when the limit is reached."""
+        if slots > self.limit:
+            raise ValidationError.single(
+                field, f"asks for {slots} completions; this server runs at most {self.limit} at a time")
+        if self.in_use + slots > self.limit:
+            raise ServiceError(RESOURCE_EXHAUSTED, f"too many completions in flight (limit {self.limit}); "
+                               "retry later", "TOO_MANY_REQUESTS")
+        self.in_use += slots
+        self.idle.clear()
+
+    def give_back(self, slots: int, job: concurrent.futures.Future[Any] | None = None) -> None:
+        """Release `slots` now, or once `job` (still on the tokenizer pool) is done."""
+        if job is not None and not job.done():
+            loop = asyncio.get_running_loop()
+            job.add_done_callback(lambda _: loop.call_soon_threadsafe(self.give_back, slots))
+            return
+        self.in_use -= slots
+        if self.in_use == 0:
+            self.idle.set()
+
+
+class Generation:
+    """An admitted request: `start()`, then `batches()`, and always `close()`."""
+
+    def __init__(self, *, slots: int, call: GenerateCall, admission: Admission, engines: EngineClient,
+                 processor: Processor, pool: concurrent.futures.Executor) -> None:
+        self.slots = slots
+        self.call = call
+        self._admission = admission
+        self._engines = engines
+        self._processor = processor
+        self._pool = pool
+        self._collector = DeltaCollector()
+        self._preparing: concurrent.futures.Future[PreparedRequest] | None = None
+        self._request: RequestState | None = None
+        self._closed = False
+
+    @property
+    def prepared(self) -> PreparedRequest | None:
+        return self._request.prepared if self._request is not None else None
+
+    async def start(self, prepare: Callable[[], PreparedRequest]) -> PreparedRequest:
+        """Tokenize and validate with `prepare` on the tokenizer pool, then send the request to an engine.
+        Raises ValidationError for bad input, ServiceError UNAVAILABLE when no engine is ready."""
+        self._preparing = self._pool.submit(self.call.prepare, prepare)
+        prepared = await asyncio.wrap_future(self._preparing)
+        if self._closed:  # the client left while the prompt was being tokenized
+            raise asyncio.CancelledError
+        engine_requests = self.call.engine_requests(self._processor.engine_requests(prepared))
+        try:
+            self._request = self._engines.submit(prepared, engine_requests, self._collector)
+        except EngineUnavailable as exc:
+            raise ServiceError(UNAVAILABLE, str(exc), "NO_READY_ENGINE") from None
+        self.call.routed(self._request.connection.address, len(engine_requests))
+        return prepared
+
+    async def batches(self) -> AsyncIterator[list[CompletionDelta]]:
+        """The request's output: each item holds every completion's output since the previous item (one
+        delta per index). Ends once all completions finished; raises ServiceError on failure."""
+        request = self._request
+        if request is None:
+            raise RuntimeError("start() the generation first")
+        remaining = len(request.prepared.engine_request_ids)
+        while remaining:
+            deltas = await self._collector.get()
+            for delta in deltas:
+                if delta.error is not None:
+                    raise ServiceError(delta.error.code, delta.error.message, "ENGINE_ERROR")
+                if delta.finish_reason is not None:
+                    remaining -= 1
+                self.call.on_delta(delta)
+            yield deltas
+
+    def close(self) -> None:
+        """Abort what is unfinished in the engine and give the slots back (once; later calls no-op)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._request is not None:
+            self._engines.abort(self._request)  # a no-op once the request is done
+        self._admission.give_back(self.slots, self._preparing)

@@ -1,0 +1,10 @@
+"""An OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`)
+served by the frontend beside the gRPC API, on the same generation path (docs/openai.md).
+
+- `protocol.py`: the request and response bodies, as pydantic models (validated by the library).
+- `convert.py`: an OpenAI request -> prompts + `SamplingParams`; `CompletionDelta`s -> OpenAI bodies.
+- `errors.py`: validation and service errors -> OpenAI's JSON error shape and HTTP status.
+- `sse.py`: Server-Sent Events framing and a streaming response that always closes its generation.
+- `app.py`: the Starlette routes (auth, body limit, admission, streaming).
+- `serve.py`: uvicorn on the frontend's event loop, started and stopped with the gRPC server.
+"""

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible routes on Starlette, in front of a `FrontendServer` (docs/openai.md).
+
+  POST /v1/completions        POST /v1/chat/completions        GET /v1/models        GET /health
+
+Per generation request: read the body (at most `max_body_bytes`, checked from Content-Length before
+reading and while reading: 413) -> parse and validate it with pydantic (on a thread when it is large,
+so a big body never stalls other streams) -> check the model name and unsupported fields -> build the
+prompts and `SamplingParams` -> `Run.start` (admission, tokenization on the pool, routing) -> either
+stream SSE chunks or collect the whole response.
+
+Invariants:
+- An error before the first token is an HTTP error status with OpenAI's error body (nothing of a
+  stream was sent yet); an engine failure mid-stream is a final `data: {"error": ...}` event and
+  `data: [DONE]` (the status line already said 200).
+- A client that disconnects (mid-stream, or while a non-streaming request runs) closes the `Run`: its
+  unfinished completions are aborted in the engine and its admission slots given back.
+- With API keys, every route but `/health` needs `Authorization: Bearer <key>` (the same keys and the
+  same constant-time check as the gRPC API). `/health` is 200 only while an engine is ready and the
+  server is not draining (the readiness of the gRPC health service), else 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import pydantic
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from frontend_svc import limits
+from frontend_svc.errors import ServiceError, ValidationError
+from frontend_svc.openai import convert, sse
+from frontend_svc.openai import protocol as p
+from frontend_svc.openai.errors import (
+    ApiError,
+    FieldNames,
+    bad_request,
+    from_pydantic,
+    not_found,
+    too_large,
+    unauthorized,
+)
+from frontend_svc.openai.runner import Run, code_name, from_service
+from frontend_svc.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=pydantic.BaseModel)
+INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed on a thread
+JSON = "application/json"
+
+
+def error_response(error: ApiError) -> Response:
+    return Response(error.json(), status_code=error.status, media_type=JSON, headers=error.headers)
+
+
+class ApiKeyAuth:
+    """ASGI middleware: `Authorization: Bearer <key>` on every path but /health (keys may be None: off)."""
+
+    def __init__(self, app: ASGIApp, keys: Any) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.keys is not None and scope["path"] != "/health":
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if not self.keys.check_authorization(header.decode("latin-1") if header is not None else None):
+                await error_response(unauthorized())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class OpenAIApi:
+    """The routes, bound to one `FrontendServer`."""
+
+    def __init__(self, frontend: Any, max_body_bytes: int) -> None:
+        self.frontend = frontend
+        self.max_body_bytes = max_body_bytes
+        self.texts = convert.TokenTexts(frontend.tokenizer)
+        self.created = int(time.time())
+
+    def asgi(self) -> ASGIApp:
+        routes = [Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"])]
+        app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
+        return ApiKeyAuth(app, self.frontend.api_keys)
+
+    # ---- routes ------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        f = self.frontend
+        if f.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not f.engines.ready_engines():
+            return JSONResponse({"status": "no ready engine"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        f = self.frontend
+        card = p.ModelCard(id=f.config.model_name, created=self.created, max_model_len=f.processor.max_model_len)
+        return Response(p.ModelList(data=[card]).model_dump_json(exclude_none=True), media_type=JSON)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._guarded(request, self._completions)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._guarded(request, self._chat)
+
+    # ---- generation ----------------------------------------------------------------------------------
+    async def _guarded(self, request: Request, handler: Callable[[Request], Awaitable[Response]]) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc)
+
+    async def _completions(self, request: Request) -> Response:
+        body = await self._parse(request, p.CompletionRequest)
+        self._check(body)
+        prompts = convert.completion_prompts(body.prompt)
+        names = convert.field_names(body)
+        params = self._params(body, names, len(prompts))
+        request_id = _request_id(request)
+        builder = convert.CompletionBuilder(f"cmpl-{request_id}", self.frontend.config.model_name, body.n,
+                                            len(prompts), self.texts, params.logprobs)
+        run = Run(self.frontend, _headers(request), "/v1/completions", prompts, params, request_id,
+                  body.priority, names)
+        return await self._respond(request, run, builder, body, request_id)
+
+    async def _chat(self, request: Request) -> Response:
+        body = await self._parse(request, p.ChatCompletionRequest)
+        self._check(body)
+        names = convert.field_names(body)
+        prompt = convert.chat_prompt(body)
+        params = self._params(body, names, 1)
+        request_id = _request_id(request)
+        builder = convert.ChatBuilder(f"chatcmpl-{request_id}", self.frontend.config.model_name, body.n, 1,
+                                      self.texts, params.logprobs)
+        run = Run(self.frontend, _headers(request), "/v1/chat/completions", [prompt], params, request_id,
+                  body.priority, names)
+        return await self._respond(request, run, builder, body, request_id)
+
+    def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+        convert.served_model(body.model, self.frontend.config.model_name)
+        error = convert.unsupported(body)
+        if error is not None:
+            raise error
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+    def _params(self, body: p.CompletionRequest | p.ChatCompletionRequest, names: FieldNames,
+                num_prompts: int) -> SamplingParams:
+        try:
+            params = convert.sampling_params(body)
+        except ValidationError as exc:
+            raise names.error(exc) from None
+        limit = self.frontend.config.max_concurrent_requests
+        if num_prompts * params.n > limit:
+            raise bad_request(f"{num_prompts} prompt(s) x n={params.n} completions: this server runs at most "
+                              f"{limit} at a time", "n" if num_prompts == 1 else "prompt")
+        return params
+
+    async def _respond(self, request: Request, run: Run, builder: Any, body: Any, request_id: str) -> Response:
+        headers = {"X-Request-Id": request_id}
+        start = asyncio.ensure_future(run.start())
+        if not await _unless_disconnected(request, start):
+            return Response(status_code=499)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return sse.EventStream(_stream(run, builder, include_usage), on_close=run.close, headers=headers)
+        collect = asyncio.ensure_future(_collect(run, builder))
+        try:
+            if not await _unless_disconnected(request, collect):
+                return Response(status_code=499)
+            return Response(collect.result(), media_type=JSON, headers=headers)
+        finally:
+            run.close()
+
+    async def _parse(self, request: Request, model: type[M]) -> M:
+        raw = await read_body(request, self.max_body_bytes)
+        try:
+            if len(raw) > INLINE_PARSE_BYTES:
+                return await asyncio.to_thread(model.model_validate_json, raw)
+            return model.model_validate_json(raw)
+        except pydantic.ValidationError as exc:
+            raise from_pydantic(exc) from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; 413 when Content-Length or the bytes received exceed `limit` (nothing more is read)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise bad_request("invalid Content-Length")
+        if int(length) > limit:
+            raise too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _unless_disconnected(request: Request, task: asyncio.Future[Any]) -> bool:
+    """Wait for `task`; False (task cancelled) if the client disconnects first. Raises what `task` raises."""
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return False
+    task.result()
+    return True
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(run: Run, builder: Any) -> str:
+    try:
+        async for prompt_index, batch in run.batches():
+            for delta in batch:
+                builder.add(prompt_index, delta)
+    except ServiceError as exc:
+        run.fail(code_name(exc.code), exc.message)
+        raise from_service(exc) from None
+    run.succeed()
+    return str(builder.response())
+
+
+async def _stream(run: Run, builder: Any, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body: chunks per batch, the usage chunk if asked, `[DONE]`; an engine error as an event."""
+    try:
+        if isinstance(builder, convert.ChatBuilder):
+            yield sse.events(builder.role_chunks(include_usage))
+        async for prompt_index, batch in run.batches():
+            chunks = [c for c in (builder.chunk(prompt_index, d, include_usage) for d in batch) if c is not None]
+            if chunks:
+                yield sse.events(chunks)
+        if include_usage:
+            yield sse.event(builder.usage_chunk())
+        run.succeed()
+    except ServiceError as exc:
+        run.fail(code_name(exc.code), exc.message)
+        yield sse.event(from_service(exc).body().model_dump_json())
+    yield sse.DONE
+
+
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id (validated like the gRPC request_id) or a new one."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return uuid.uuid4().hex
+    bad = limits.request_id_violation(given)
+    if bad is not None or not given:
+        raise bad_request(f"X-Request-Id {bad.description if bad else 'must not be empty'}", "X-Request-Id")
+    return given
+
+
+def _headers(request: Request) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(not_found(request.url.path))
+    return error_response(ApiError(exc.status_code, str(exc.detail)))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error in %s", request.url.path)
+    return error_response(ApiError(500, "internal server error", type="server_error"))

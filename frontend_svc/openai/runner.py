@@ -1,0 +1,136 @@
+"""`Run`: one OpenAI request's generations, from admission to close, on the shared generation path.
+
+A request has one prompt (chat, most completions) or a batch of prompts (completions with a list): each
+prompt is one `Generation` from `FrontendServer.open_generation`, with its own telemetry call. `start`
+admits every prompt first (all or none: a later refusal closes the earlier ones), then prepares and
+submits them concurrently (tokenization runs on the frontend's pool, off the event loop).
+`batches()` yields `(prompt_index, deltas)`; with several prompts their streams are merged through a
+small bounded queue, so a slow client makes each `Generation` merge its deltas instead of queueing them
+here. `close()` is idempotent and aborts whatever is unfinished; the telemetry call of each prompt ends
+exactly once (`succeed`, or `fail` with the status it ended with; a client that went away is CANCELLED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from frontend_svc.errors import ServiceError, ValidationError
+from frontend_svc.openai.errors import ApiError, FieldNames, service_error
+from frontend_svc.outputs import CompletionDelta
+from frontend_svc.processor import Prompt
+from frontend_svc.sampling_params import SamplingParams
+
+_GRPC_NAMES = {1: "CANCELLED", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 8: "RESOURCE_EXHAUSTED",
+               13: "INTERNAL", 14: "UNAVAILABLE"}
+
+
+def code_name(code: int) -> str:
+    return _GRPC_NAMES.get(code, "UNKNOWN")
+
+
+def from_service(exc: ServiceError) -> ApiError:
+    return service_error(exc.code, exc.message, exc.reason)
+
+
+def api_error(exc: ValidationError | ServiceError, names: FieldNames) -> ApiError:
+    return names.error(exc) if isinstance(exc, ValidationError) else from_service(exc)
+
+
+class Run:
+    """The generations of one OpenAI request (one per prompt)."""
+
+    def __init__(self, frontend: Any, headers: Sequence[tuple[str, str]], route: str, prompts: Sequence[Prompt],
+                 params: SamplingParams, request_id: str, priority: int, names: FieldNames) -> None:
+        self._frontend = frontend
+        self._headers = list(headers)
+        self._route = route
+        self._prompts = list(prompts)
+        self._params = params
+        self._request_id = request_id
+        self._priority = priority
+        self._names = names
+        self._calls: list[Any] = []
+        self._generations: list[Any] = []
+        self._ended = False
+
+    async def start(self) -> None:
+        """Admit, prepare and submit every prompt; raises ApiError (everything opened is closed then)."""
+        f = self._frontend
+        try:
+            for _ in self._prompts:
+                call = f.telemetry.begin_call(self._headers, f"POST {self._route}",
+                                              {"http.request.method": "POST", "http.route": self._route})
+                self._calls.append(call)
+                self._generations.append(f.open_generation(self._params.n, call))
+            await asyncio.gather(*(g.start(self._prepare(prompt))
+                                   for g, prompt in zip(self._generations, self._prompts)))
+        except (ValidationError, ServiceError) as exc:
+            error = api_error(exc, self._names)
+            self.fail(code_name(exc.code) if isinstance(exc, ServiceError) else "INVALID_ARGUMENT", error.message)
+            self.close()
+            raise error from None
+        except BaseException:
+            self.fail("CANCELLED", "the client went away")
+            self.close()
+            raise
+
+    def _prepare(self, prompt: Prompt) -> Callable[[], Any]:
+        processor, params, request_id, priority = self._frontend.processor, self._params, self._request_id, \
+            self._priority
+        return lambda: processor.process(prompt, params, request_id=request_id, priority=priority)
+
+    async def batches(self) -> AsyncIterator[tuple[int, list[CompletionDelta]]]:
+        """(prompt index, deltas) until every completion finished; raises ServiceError from the engine."""
+        if len(self._generations) == 1:
+            async for batch in self._generations[0].batches():
+                yield 0, batch
+            return
+        queue: asyncio.Queue[tuple[int, list[CompletionDelta]] | BaseException | None] = asyncio.Queue(
+            maxsize=len(self._generations))
+
+        async def pump(index: int, generation: Any) -> None:
+            try:
+                async for batch in generation.batches():
+                    await queue.put((index, batch))
+                await queue.put(None)
+            except Exception as exc:
+                await queue.put(exc)
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(self._generations)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def succeed(self) -> None:
+        if not self._ended:
+            self._ended = True
+            for call in self._calls:
+                call.succeed()
+
+    def fail(self, code: str, message: str) -> None:
+        if not self._ended:
+            self._ended = True
+            for call in self._calls:
+                call.fail(code, message)
+
+    def close(self) -> None:
+        """Abort what is unfinished and give the admission slots back (idempotent)."""
+        if not self._ended:
+            self.fail("CANCELLED", "the client went away before the response was complete")
+        for generation in self._generations:
+            generation.close()

@@ -1,0 +1,140 @@
+"""The HTTP server: uvicorn on the frontend's own event loop, beside the gRPC server (docs/openai.md).
+
+`HttpServer.start()` binds the port itself (exclusively: a port that is taken is a `BindError`, as for
+gRPC), then runs `uvicorn.Server` as a task on the running loop. uvicorn's own signal handling is off
+(the frontend's CLI owns SIGTERM/SIGINT/SIGHUP), and so is its lifespan protocol. `stop()` stops
+accepting connections, lets in-flight responses finish for up to `grace` seconds, then cancels them
+(each cancelled stream aborts its requests in the engine).
+
+Drain order (frontend_svc/cli.py): SIGTERM -> `FrontendServer.drain()` (health and /health go 503, new
+requests on either API get UNAVAILABLE / 503, in-flight ones finish) -> `FrontendServer.stop()` ->
+`HttpServer.stop()`.
+
+TLS: with `--ssl-certfile/--ssl-keyfile` the HTTP port serves HTTPS with the same certificate (and
+with `--ssl-ca-certs` requires client certificates from that CA, like the gRPC port). `HttpTls`
+re-reads the files when they change (checked at each new handshake, at most once a second) or on
+`reload()` (SIGHUP): new connections get the new certificate, open ones keep theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Generator
+from typing import Any
+
+import uvicorn
+from tandem.security.listen import BindError, join_host_port
+from tandem.security.tls import ReloadingCredentials, TlsConfigError, TlsFiles
+
+from frontend_svc.openai.app import OpenAIApi
+
+logger = logging.getLogger(__name__)
+_RECHECK_S = 1.0
+
+
+class HttpTls(ReloadingCredentials[ssl.SSLContext]):
+    """A server `SSLContext` whose certificate is swapped in for new handshakes when the files change."""
+
+    what = "HTTP TLS certificates"
+
+    def __init__(self, files: TlsFiles) -> None:
+        files.check_server()
+        super().__init__(files)
+        self._next_check = 0.0
+        self.context = self._build()  # the listener's context: it only hands each handshake `current`
+        self.context.sni_callback = self._on_handshake
+
+    def _build(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.files.certfile or "", self.files.keyfile)
+            if self.files.ca_certs:
+                ctx.load_verify_locations(cafile=self.files.ca_certs)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsConfigError(f"cannot load the TLS certificate for the HTTP port: {exc}") from None
+        ctx.set_alpn_protocols(["http/1.1"])
+        return ctx
+
+    def _on_handshake(self, sock: ssl.SSLObject | ssl.SSLSocket, name: str | None, ctx: ssl.SSLContext) -> None:
+        now = time.monotonic()
+        if now >= self._next_check:  # a stat of the files at most once a second, not per handshake
+            self._next_check = now + _RECHECK_S
+            self.check()
+        sock.context = self.current
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers (the frontend's CLI installs its own on the loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class HttpServer:
+    """The OpenAI API of one `FrontendServer` on `host:port`."""
+
+    def __init__(self, frontend: Any, host: str, port: int, tls: TlsFiles | None = None,
+                 max_body_bytes: int | None = None) -> None:
+        self.frontend = frontend
+        self.host, self.port = host, port
+        self.tls = HttpTls(tls) if tls is not None and tls.enabled else None
+        self.api = OpenAIApi(frontend, max_body_bytes or frontend.config.max_message_bytes)
+        self.bound_port = 0
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        sock = bind(self.host, self.port)
+        self.bound_port = int(sock.getsockname()[1])
+        tls = self.tls
+        config = uvicorn.Config(self.api.asgi(), lifespan="off", log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=None, server_header=False, ws="none",
+                                ssl_context_factory=(lambda *_: tls.context) if tls is not None else None)
+        self._server = _Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise BindError(f"the HTTP server on {join_host_port(self.host, self.bound_port)} did not start")
+            await asyncio.sleep(0.01)
+        logger.info("OpenAI-compatible HTTP API on %s://%s", "https" if self.tls else "http",
+                    join_host_port(self.host, self.bound_port))
+        return self.bound_port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting; in-flight responses get `grace` seconds, then are cancelled."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=grace)
+        except asyncio.TimeoutError:
+            self._server.force_exit = True
+            for task in list(self._server.server_state.tasks):
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._task, timeout=2.0)
+        self._server = None
+
+    def reload_credentials(self) -> None:
+        if self.tls is not None:
+            self.tls.reload()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, not shared (no SO_REUSEPORT); BindError names the address."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=False)
+    except OSError as exc:
+        raise BindError(f"cannot listen on {join_host_port(host, port)} (HTTP): the port is in use or the "
+                        f"address is not on this host ({exc.strerror or exc})") from None
+    sock.setblocking(False)
+    return sock

@@ -1,0 +1,102 @@
+"""A fake `EngineCoreService` for frontend tests that need no model and no torch.
+
+It echoes each request's prompt tokens back, one per step (every `step_s`), until `max_tokens`, or, when
+the request leaves max_tokens unset, `default_max_tokens` (None: forever). A stream that ends aborts what
+it added, as the real engine does. The request's sampling seed steers it: `SEED_REJECT` fails the
+request at once (RESOURCE_EXHAUSTED), `SEED_FAIL_LATE` sends two tokens then fails it (UNAVAILABLE),
+`SEED_ENDLESS` never finishes. It records what it was sent (`added`, `aborted`), what still runs
+(`running`), and the most requests it ever had running at once (`max_running`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+from tandem.engine.v1 import engine_core_pb2 as epb
+from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
+
+SEED_REJECT, SEED_FAIL_LATE, SEED_ENDLESS = 911, 912, 913
+
+
+class FakeEngine(epb_grpc.EngineCoreServiceServicer):
+    def __init__(self, vocab_size: int, max_model_len: int = 256, step_s: float = 0.004,
+                 default_max_tokens: int | None = 8) -> None:
+        self.vocab_size, self.max_model_len, self.step_s = vocab_size, max_model_len, step_s
+        self.default_max_tokens = default_max_tokens
+        self.added: list[epb.EngineCoreRequest] = []
+        self.aborted: list[str] = []
+        self.running: dict[str, list[Any]] = {}  # request id -> [request, tokens produced]
+        self.max_running = 0
+
+    async def GetEngineInfo(self, request: Any, context: Any) -> epb.EngineInfo:
+        return epb.EngineInfo(model_name="fake", max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                              block_size=16, engine_id="fake-engine")
+
+    async def GetLoad(self, request: Any, context: Any) -> epb.EngineLoad:
+        return epb.EngineLoad(num_running=len(self.running))
+
+    async def Connect(self, request_iterator: Any, context: Any) -> Any:
+        mine: set[str] = set()
+        reader = asyncio.get_running_loop().create_task(self._read(request_iterator, mine))
+        try:
+            while True:
+                await asyncio.sleep(self.step_s)
+                outputs = [self._step(rid) for rid in sorted(mine) if rid in self.running]
+                for out in outputs:
+                    if out.finish_reason:
+                        mine.discard(out.request_id)
+                        del self.running[out.request_id]
+                if outputs:
+                    yield epb.EngineCoreOutputs(outputs=outputs, scheduler_stats=epb.SchedulerStats(
+                        num_running=len(self.running)))
+        finally:
+            reader.cancel()
+            for rid in mine:  # the stream ended: abort what it added, as the real engine does
+                self.running.pop(rid, None)
+
+    async def _read(self, request_iterator: Any, mine: set[str]) -> None:
+        async for message in request_iterator:
+            if message.WhichOneof("kind") == "add":
+                self.added.append(message.add)
+                self.running[message.add.request_id] = [message.add, 0]
+                mine.add(message.add.request_id)
+                self.max_running = max(self.max_running, len(self.running))
+            else:
+                for rid in message.abort.request_ids:
+                    self.aborted.append(rid)
+                    self.running.pop(rid, None)
+                    mine.discard(rid)
+
+    def _step(self, rid: str) -> epb.EngineCoreOutput:
+        request, produced = self.running[rid]
+        sp = request.sampling_params
+        seed = sp.seed if sp.HasField("seed") else None
+        if seed == SEED_REJECT or (seed == SEED_FAIL_LATE and produced == 2):
+            code = epb.ERROR_CODE_RESOURCE_EXHAUSTED if seed == SEED_REJECT else epb.ERROR_CODE_UNAVAILABLE
+            return epb.EngineCoreOutput(request_id=rid, finish_reason=epb.FINISH_REASON_ERROR,
+                                        error=epb.EngineError(code=code, message="fake engine says no"))
+        prompt = request.prompt_token_ids
+        token = prompt[produced % len(prompt)]
+        self.running[rid][1] = produced = produced + 1
+        out = epb.EngineCoreOutput(request_id=rid, new_token_ids=[token])
+        limit = sp.max_tokens if sp.HasField("max_tokens") else self.default_max_tokens
+        if token in sp.stop_token_ids:
+            out.finish_reason, out.stop_token_id = epb.FINISH_REASON_STOP, token
+        elif limit is not None and produced >= limit and seed != SEED_ENDLESS:
+            out.finish_reason = epb.FINISH_REASON_LENGTH
+        return out
+
+
+async def start_fake_engine(fake: FakeEngine, port: int = 0,
+                            health_servicer: Any = None) -> tuple[grpc.aio.Server, int]:
+    """Serve `fake` (and a health servicer, if given) on 127.0.0.1:port; returns the server and its port."""
+    server = grpc.aio.server()
+    epb_grpc.add_EngineCoreServiceServicer_to_server(fake, server)
+    if health_servicer is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, bound

@@ -1,0 +1,68 @@
+"""DeltaCollector: a slow reader gets every completion's output merged, in bounded memory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from frontend_svc.errors import UNAVAILABLE, ServiceError
+from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
+from frontend_svc.request_state import DeltaCollector
+
+
+def delta(index: int, step: int, *, finish: str | None = None) -> CompletionDelta:
+    d = CompletionDelta("client", index, f"<{index}.{step}>", [100 * index + step], f"engine-{index}",
+                        logprobs=[TokenLogprob(100 * index + step, -float(step), 1)])
+    if step == 0:
+        d.prompt_logprobs = [TokenLogprob(7, -0.5, 1)]
+    if finish is not None:
+        d.finish_reason, d.stop_reason, d.usage = finish, "END", Usage(3, step + 1)
+    return d
+
+
+def test_a_slow_reader_gets_one_merged_delta_per_completion() -> None:
+    collector = DeltaCollector()
+    for step in range(200):  # nobody reads while 200 steps of 2 completions arrive
+        collector.put(delta(0, step, finish="stop" if step == 199 else None))
+        if step < 120:
+            collector.put(delta(1, step))
+        assert collector.num_pending <= 2  # memory stays bounded by n, not by the lag
+    merged = asyncio.run(collector.get())
+    assert [d.index for d in merged] == [0, 1]
+    first, second = merged
+    assert first.text == "".join(f"<0.{i}>" for i in range(200))
+    assert first.token_ids == list(range(200))
+    assert [lp.token_id for lp in first.logprobs or []] == list(range(200))
+    assert first.prompt_logprobs is not None and first.prompt_logprobs[0].token_id == 7
+    assert (first.finish_reason, first.stop_reason, first.usage) == ("stop", "END", Usage(3, 200))
+    assert second.token_ids == list(range(100, 220)) and second.finish_reason is None
+    assert collector.num_pending == 0
+
+
+def test_a_failure_comes_after_the_output_already_pending() -> None:
+    async def scenario() -> tuple[list[CompletionDelta], ServiceError]:
+        collector = DeltaCollector()
+        collector.put(delta(0, 0))
+        collector.fail(ServiceError(UNAVAILABLE, "engine lost", "ENGINE_UNAVAILABLE"))
+        collector.fail(ServiceError(UNAVAILABLE, "later failure", "DRAINING"))  # the first one wins
+        pending = await collector.get()
+        with pytest.raises(ServiceError) as info:
+            await collector.get()
+        return pending, info.value
+
+    pending, error = asyncio.run(scenario())
+    assert [d.text for d in pending] == ["<0.0>"]
+    assert (error.code, error.message, error.reason) == (UNAVAILABLE, "engine lost", "ENGINE_UNAVAILABLE")
+
+
+def test_get_waits_for_output() -> None:
+    async def scenario() -> list[CompletionDelta]:
+        collector = DeltaCollector()
+        reader = asyncio.ensure_future(collector.get())
+        await asyncio.sleep(0.01)
+        assert not reader.done()
+        collector.put(delta(0, 0))
+        return await asyncio.wait_for(reader, 1.0)
+
+    assert [d.text for d in asyncio.run(scenario())] == ["<0.0>"]

@@ -1,0 +1,276 @@
+"""The OpenAI layer without a server: body validation, request -> SamplingParams, error mapping, and
+CompletionDeltas -> OpenAI chunks and responses (shapes checked against OpenAI's API reference)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pydantic
+import pytest
+
+from frontend_svc.errors import FieldViolation, ValidationError
+from frontend_svc.openai import convert, sse
+from frontend_svc.openai import protocol as p
+from frontend_svc.openai.errors import ApiError, from_pydantic, service_error
+from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
+from frontend_svc.processor import ChatPrompt
+
+
+def parse_error(model: type[pydantic.BaseModel], body: dict[str, Any]) -> ApiError:
+    with pytest.raises(pydantic.ValidationError) as info:
+        model.model_validate_json(json.dumps(body))
+    return from_pydantic(info.value)
+
+
+# ---- request bodies ---------------------------------------------------------------------------------
+
+
+def test_prompt_forms_and_strict_types() -> None:
+    assert p.CompletionRequest.model_validate_json('{"prompt": "hi"}').prompt == "hi"
+    assert p.CompletionRequest.model_validate_json('{"prompt": [1, 2]}').prompt == [1, 2]
+    assert p.CompletionRequest.model_validate_json('{"prompt": [[1], [2, 3]]}').prompt == [[1], [2, 3]]
+    body = p.CompletionRequest.model_validate_json('{"prompt": "x", "temperature": 1, "whatever": {"a": 1}}')
+    assert body.temperature == 1.0  # an integer is a number; unknown fields are ignored
+    error = parse_error(p.CompletionRequest, {"prompt": "x", "temperature": "0.5"})
+    assert (error.status, error.param) == (400, "temperature")
+    error = parse_error(p.CompletionRequest, {"prompt": [1, "a"]})
+    assert error.param == "prompt" and "list of token ids" in error.message
+    assert parse_error(p.CompletionRequest, {"n": 2}).param == "prompt"  # required
+    assert parse_error(p.CompletionRequest, {"prompt": "x", "n": True}).param == "n"
+
+
+def test_chat_params_use_openai_paths() -> None:
+    error = parse_error(p.ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}, {"content": "b"}]})
+    assert error.param == "messages.[1].role"
+    error = parse_error(p.ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]})
+    assert error.param == "messages.[0].content" and "text" in error.message
+    assert parse_error(p.ChatCompletionRequest, {"messages": []}).param == "messages"
+
+
+def test_invalid_json_is_400_without_param() -> None:
+    with pytest.raises(pydantic.ValidationError) as info:
+        p.CompletionRequest.model_validate_json(b"{nope")
+    error = from_pydantic(info.value)
+    assert error.status == 400 and error.param is None and "JSON" in error.message
+
+
+# ---- request -> generation inputs ---------------------------------------------------------------------
+
+
+def chat(**fields: Any) -> p.ChatCompletionRequest:
+    return p.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def completion(**fields: Any) -> p.CompletionRequest:
+    return p.CompletionRequest.model_validate({"prompt": "hi", **fields})
+
+
+def test_sampling_params_carry_every_field() -> None:
+    params = convert.sampling_params(completion(
+        n=3, temperature=0.5, top_p=0.9, seed=7, stop=["a", "b"], presence_penalty=0.5, frequency_penalty=-0.5,
+        top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2, ignore_eos=True, stop_token_ids=[3],
+        skip_special_tokens=False, include_stop_str_in_output=True, logprobs=2, max_tokens=9))
+    assert (params.n, params.temperature, params.top_p, params.seed, params.stop) == (3, 0.5, 0.9, 7, ["a", "b"])
+    assert (params.presence_penalty, params.frequency_penalty, params.top_k, params.min_p) == (0.5, -0.5, 5, 0.1)
+    assert (params.repetition_penalty, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (
+        1.2, 2, True, [3])
+    assert (params.skip_special_tokens, params.include_stop_str_in_output, params.logprobs, params.max_tokens) == (
+        False, True, 2, 9)
+    assert convert.sampling_params(completion(stop="x")).stop == ["x"]
+
+
+def test_defaults_follow_openai() -> None:
+    assert convert.sampling_params(completion()).max_tokens == 16  # completions: 16
+    chat_params = convert.sampling_params(chat())
+    assert chat_params.max_tokens is None and chat_params.temperature == 1.0 and chat_params.logprobs is None
+    assert convert.sampling_params(chat(max_tokens=5, max_completion_tokens=7)).max_tokens == 7
+
+
+def test_chat_logprobs_need_logprobs_true() -> None:
+    assert convert.sampling_params(chat(logprobs=True)).logprobs == 0
+    assert convert.sampling_params(chat(logprobs=True, top_logprobs=3)).logprobs == 3
+    with pytest.raises(ApiError) as info:
+        convert.sampling_params(chat(top_logprobs=3))
+    assert info.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize(("request_fields", "field", "param"), [
+    ({"top_p": 5.0}, "top_p", "top_p"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"n": 65}, "n", "n"),
+])
+def test_bad_values_name_the_openai_field(request_fields: dict[str, Any], field: str, param: str) -> None:
+    body = completion(**request_fields)
+    with pytest.raises(ValidationError) as info:
+        convert.sampling_params(body)
+    assert info.value.fields == [field]
+    error = convert.field_names(body).error(info.value)
+    assert (error.status, error.param) == (400, param)
+
+
+def test_processor_paths_map_to_the_request_fields() -> None:
+    names = convert.field_names(completion())
+    assert names.param("text") == names.param("token_ids.ids") == "prompt"
+    assert names.param("sampling_params.top_p") == "top_p"
+    chat_names = convert.field_names(chat(max_completion_tokens=5, logprobs=True))
+    assert chat_names.param("chat.messages") == "messages"
+    assert chat_names.param("sampling_params.max_tokens") == "max_completion_tokens"
+    assert chat_names.param("sampling_params.logprobs") == "top_logprobs"
+    error = chat_names.error(ValidationError([FieldViolation("chat.messages", "bad"),
+                                              FieldViolation("sampling_params.top_p", "worse")]))
+    assert error.param == "messages" and "messages: bad" in error.message and "top_p: worse" in error.message
+
+
+def test_unsupported_fields_are_rejected_not_ignored() -> None:
+    cases = [(completion(echo=True), "echo"), (completion(suffix="s"), "suffix"), (completion(best_of=3), "best_of"),
+             (completion(logit_bias={"5": 1.0}), "logit_bias"), (chat(tools=[{"type": "function"}]), "tools"),
+             (chat(response_format={"type": "json_object"}), "response_format.type")]
+    for body, param in cases:
+        error = convert.unsupported(body)
+        assert error is not None and (error.status, error.param) == (400, param)
+    assert convert.unsupported(completion(best_of=1)) is None
+    assert convert.unsupported(chat(response_format={"type": "text"})) is None
+
+
+def test_model_name_must_be_the_served_one() -> None:
+    convert.served_model(None, "m")
+    convert.served_model("m", "m")
+    with pytest.raises(ApiError) as info:
+        convert.served_model("gpt-4", "m")
+    assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
+
+
+def test_prompts_and_chat_messages() -> None:
+    assert convert.completion_prompts("a") == ["a"]
+    assert convert.completion_prompts([1, 2]) == [[1, 2]]
+    assert convert.completion_prompts(["a", "b"]) == ["a", "b"]
+    assert convert.completion_prompts([[1], [2]]) == [[1], [2]]
+    with pytest.raises(ApiError):
+        convert.completion_prompts([])
+    body = chat(messages=[{"role": "system", "content": "be brief"},
+                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                add_generation_prompt=False)
+    assert convert.chat_prompt(body) == ChatPrompt(
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}],
+        add_generation_prompt=False)
+    image = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ApiError) as info:
+        convert.chat_prompt(image)
+    assert info.value.param == "messages.[0].content.[0].type"
+
+
+# ---- errors -----------------------------------------------------------------------------------------------
+
+
+def test_service_errors_get_http_statuses() -> None:
+    busy = service_error(8, "too many", "TOO_MANY_REQUESTS")
+    assert (busy.status, busy.type, busy.headers["Retry-After"]) == (429, "rate_limit_error", "1")
+    draining = service_error(14, "draining", "DRAINING")
+    assert (draining.status, draining.type, draining.code, draining.headers["Retry-After"]) == (
+        503, "server_error", "draining", "1")
+    assert service_error(13, "boom", "ENGINE_ERROR").status == 500
+    assert service_error(3, "bad", "ENGINE_ERROR").status == 400
+    body = json.loads(draining.json())
+    assert body == {"error": {"message": "draining", "type": "server_error", "param": None, "code": "draining"}}
+
+
+# ---- responses ------------------------------------------------------------------------------------------
+
+
+def delta(index: int, text: str, ids: list[int], *, finish: str | None = None, logprobs: Any = None,
+          usage: Usage | None = None, stop_reason: Any = None) -> CompletionDelta:
+    return CompletionDelta(request_id="r", index=index, text=text, token_ids=ids, logprobs=logprobs,
+                           finish_reason=finish, usage=usage, stop_reason=stop_reason)
+
+
+def test_completion_chunks_and_response_agree(tokenizer: Any) -> None:
+    texts = convert.TokenTexts(tokenizer)
+    stream = convert.CompletionBuilder("cmpl-x", "m", 2, 2, texts, None)
+    whole = convert.CompletionBuilder("cmpl-x", "m", 2, 2, texts, None)
+    deltas = [(0, delta(0, "ab", [1, 2])), (1, delta(1, "", [3])), (1, delta(0, "c", [4])),
+              (0, delta(0, "d", [5], finish="stop", stop_reason="zz", usage=Usage(4, 3, 2))),
+              (0, delta(1, "e", [6], finish="length", usage=Usage(4, 1, 2))),
+              (1, delta(0, "", [], finish="length", usage=Usage(5, 2))),
+              (1, delta(1, "f", [7], finish="length", usage=Usage(5, 2)))]
+    chunks = [stream.chunk(i, d, with_usage=True) for i, d in deltas]
+    for i, d in deltas:
+        whole.add(i, d)
+    assert chunks[1] is None  # nothing to say yet (text held back)
+    sent = [json.loads(c) for c in chunks if c is not None]
+    assert all(c["object"] == "text_completion" and c["id"] == "cmpl-x" and c["usage"] is None for c in sent)
+    streamed: dict[int, str] = {}
+    for c in sent:
+        choice = c["choices"][0]
+        streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
+    response = json.loads(whole.response())
+    assert {c["index"]: c["text"] for c in response["choices"]} == streamed == {0: "abd", 1: "e", 2: "c", 3: "f"}
+    assert [c["finish_reason"] for c in response["choices"]] == ["stop", "length", "length", "length"]
+    assert response["choices"][0]["stop_reason"] == "zz"
+    # prompt tokens once per prompt (4 + 5), completion tokens of all four choices (3 + 1 + 2 + 2)
+    assert response["usage"] == {"prompt_tokens": 9, "completion_tokens": 8, "total_tokens": 17,
+                                 "prompt_tokens_details": {"cached_tokens": 2}}
+    assert json.loads(stream.usage_chunk())["choices"] == [] and json.loads(stream.usage_chunk())["usage"] == \
+        response["usage"]
+
+
+def test_completion_logprobs_shape(tokenizer: Any) -> None:
+    texts = convert.TokenTexts(tokenizer)
+    a, b, c = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("a", "b", "c"))
+    entries = [TokenLogprob(a, -0.5, 1, top=[(a, -0.5), (b, -1.0), (c, -2.0)]),
+               TokenLogprob(c, float("-inf"), 3, top=[(a, -0.1), (b, -0.2)])]
+    builder = convert.CompletionBuilder("cmpl-x", "m", 1, 1, texts, 2)
+    chunk = json.loads(builder.chunk(0, delta(0, "ac", [a, c], logprobs=entries), with_usage=False) or "{}")
+    logprobs = chunk["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["a", "c"]
+    assert logprobs["token_logprobs"] == [-0.5, convert.MIN_LOGPROB]  # -inf is not JSON
+    assert logprobs["text_offset"] == [0, 1]
+    # the top 2, plus the sampled token when it is not among them
+    assert logprobs["top_logprobs"] == [{"a": -0.5, "b": -1.0}, {"a": -0.1, "b": -0.2, "c": convert.MIN_LOGPROB}]
+    assert "usage" not in chunk
+
+
+def test_chat_stream_shape_and_logprobs(tokenizer: Any) -> None:
+    texts = convert.TokenTexts(tokenizer)
+    a, b = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("a", "b"))
+    builder = convert.ChatBuilder("chatcmpl-x", "m", 2, 1, texts, 1)
+    roles = [json.loads(c) for c in builder.role_chunks(with_usage=False)]
+    assert [r["choices"][0] for r in roles] == [
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        for i in range(2)]
+    assert all(r["object"] == "chat.completion.chunk" for r in roles)
+    lp = [TokenLogprob(a, -0.25, 1, top=[(a, -0.25), (b, -1.5)])]
+    first = json.loads(builder.chunk(0, delta(1, "a", [a], logprobs=lp), with_usage=True) or "{}")
+    assert first["choices"][0]["delta"] == {"content": "a"} and first["usage"] is None
+    assert first["choices"][0]["logprobs"] == {"content": [
+        {"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.25, "bytes": [97]}]}]}
+    last = json.loads(builder.chunk(0, delta(1, "", [], finish="stop", stop_reason=2, usage=Usage(3, 1)),
+                                    with_usage=True) or "{}")
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_response(tokenizer: Any) -> None:
+    builder = convert.ChatBuilder("chatcmpl-x", "m", 1, 1, convert.TokenTexts(tokenizer), None)
+    builder.add(0, delta(0, "Hel", [1, 2]))
+    builder.add(0, delta(0, "lo", [3], finish="length", usage=Usage(7, 3, 0)))
+    body = json.loads(builder.response())
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None,
+                                "finish_reason": "length", "stop_reason": None}]
+    assert body["usage"]["total_tokens"] == 10
+
+
+def test_token_bytes_are_exact_for_byte_level_tokens(tokenizer: Any) -> None:
+    """A character split over two tokens: each token's bytes are its own UTF-8 bytes, and together they
+    make the character (the decoded text of either half alone is U+FFFD)."""
+    texts = convert.TokenTexts(tokenizer)
+    ids = tokenizer.encode("€", add_special_tokens=False)
+    assert len(ids) > 1, "the tiny tokenizer should split this character"
+    assert [b for i in ids for b in texts.bytes(i)] == list("€".encode())
+    assert "\ufffd" in texts.text(ids[0])
+
+
+def test_sse_framing() -> None:
+    assert sse.event('{"a":1}') == 'data: {"a":1}\n\n'
+    assert sse.events(["1", "2"]) == "data: 1\n\ndata: 2\n\n"
+    assert sse.DONE == "data: [DONE]\n\n"

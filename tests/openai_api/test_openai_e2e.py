@@ -1,0 +1,144 @@
+"""The official `openai` client against real engine + frontend processes (`--http-port`): completions and
+chat, streaming and not, n > 1, batched prompts, stop strings, logprobs in both shapes, and a client that
+goes away mid-stream (the engine's load must come back to zero). Greedy output must equal the gRPC API's."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx2
+import openai
+import pytest
+from tandem.engine.v1 import engine_core_pb2 as epb
+from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
+
+from frontend_svc.client import TandemClient, collect
+from tests.e2e.conftest import Service, engine_service, free_port, frontend_service, wait_until
+
+pytestmark = pytest.mark.slow
+
+PROMPT_IDS = [5, 17, 42, 99, 7, 3]
+CHAT = [{"role": "user", "content": "Say something about the sea."}]
+
+
+class HttpSplit:
+    def __init__(self, engine: Service, frontend: Service, http_port: int, model: str) -> None:
+        self.engine, self.frontend, self.http_port, self.model = engine, frontend, http_port, model
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0,
+                                    timeout=60)
+
+    def load(self) -> epb.EngineLoad:
+        with grpc.insecure_channel(self.engine.address) as channel:
+            return epb_grpc.EngineCoreServiceStub(channel).GetLoad(epb.GetLoadRequest(), timeout=5)
+
+    def grpc_text(self, **kwargs: Any) -> str:
+        with TandemClient(self.frontend.address) as client:
+            return str(collect(client.generate(timeout=60, **kwargs))[0]["text"])
+
+
+@pytest.fixture(scope="module")
+def split(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpSplit]:
+    model = make_model("llama")
+    logs = tmp_path_factory.mktemp("openai-e2e-logs")
+    engine = engine_service(model, free_port(), logs)
+    http_port = free_port()
+    frontend = frontend_service(model, engine.port, free_port(), logs, "--http-port", str(http_port))
+    engine.start()
+    frontend.start()
+    try:
+        engine.wait_serving()
+        frontend.wait_serving()
+        wait_until(lambda: httpx2.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200, 30,
+                   "/health 200")
+        yield HttpSplit(engine, frontend, http_port, Path(model).name)
+    finally:
+        frontend.stop()
+        engine.stop()
+
+
+def test_completions_equal_the_grpc_api(split: HttpSplit) -> None:
+    expected = split.grpc_text(token_ids=PROMPT_IDS, max_tokens=12, temperature=0.0)
+    whole = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+                                            n=2)
+    assert [c.text for c in whole.choices] == [expected, expected] and [c.index for c in whole.choices] == [0, 1]
+    assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (6, 24)
+    streamed = {0: "", 1: ""}
+    finishes = {}
+    for chunk in split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=12,
+                                                 temperature=0, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == {0: expected, 1: expected} and finishes == {0: "length", 1: "length"}
+
+
+def test_batched_prompts_number_choices_by_prompt(split: HttpSplit) -> None:
+    other = [9, 8, 7, 6]
+    first = split.grpc_text(token_ids=PROMPT_IDS, max_tokens=6, temperature=0.0)
+    second = split.grpc_text(token_ids=other, max_tokens=6, temperature=0.0)
+    batch = split.client.completions.create(model=split.model, prompt=[PROMPT_IDS, other], max_tokens=6,
+                                            temperature=0, n=2)
+    assert [(c.index, c.text) for c in batch.choices] == [(0, first), (1, first), (2, second), (3, second)]
+    assert batch.usage is not None and batch.usage.prompt_tokens == len(PROMPT_IDS) + len(other)
+
+
+def test_stop_strings_end_the_text_before_them(split: HttpSplit) -> None:
+    full = split.grpc_text(token_ids=PROMPT_IDS, max_tokens=24, temperature=0.0)
+    found = re.search(r"[A-Za-z]{2,3}", full[4:])
+    assert found is not None, f"no visible stop string in {full!r}"
+    stop = found.group()
+    result = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=24, temperature=0,
+                                             stop=[stop, "never-there"])
+    choice = result.choices[0]
+    assert choice.text == full[: full.index(stop)] and choice.finish_reason == "stop"
+    assert choice.model_extra is not None and choice.model_extra["stop_reason"] == stop
+
+
+def test_chat_stream_with_usage_and_logprobs(split: HttpSplit) -> None:
+    whole = split.client.chat.completions.create(model=split.model, messages=CHAT, max_completion_tokens=10,
+                                                 temperature=0, logprobs=True, top_logprobs=2)
+    content = whole.choices[0].message.content
+    tokens = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert whole.usage is not None and len(tokens) == whole.usage.completion_tokens == 10  # type: ignore[arg-type]
+    for token in tokens:  # type: ignore[union-attr]
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob, abs=1e-5)  # greedy: the top one
+    # the tokens' bytes make the text (a random-weight model may emit invalid UTF-8: U+FFFD in both)
+    assert b"".join(bytes(t.bytes or []) for t in tokens).decode(errors="replace") == content  # type: ignore[union-attr]
+    chunks = list(split.client.chat.completions.create(
+        model=split.model, messages=CHAT, max_completion_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completion_logprobs_shape(split: HttpSplit) -> None:
+    result = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=5, temperature=0,
+                                             logprobs=3)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs or []) == len(logprobs.top_logprobs) == 5
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs):
+        assert 1 <= len(top) <= 4 and token in top  # the top 3, plus the sampled token if it was not there
+    assert (logprobs.text_offset or [])[0] == 0
+
+
+def test_cancel_mid_stream_brings_engine_load_back_to_zero(split: HttpSplit) -> None:
+    stream = split.client.chat.completions.create(model=split.model, messages=CHAT, max_tokens=400, n=2,
+                                                  temperature=0.8, seed=1, stream=True)
+    for received, _ in enumerate(stream, 1):
+        if received == 6:
+            break
+    load = split.load()
+    assert load.num_running + load.num_waiting == 2, load
+    stream.close()
+    wait_until(lambda: (lambda lo: lo.num_running == 0 and lo.num_waiting == 0)(split.load()), 10,
+               "engine load back to zero")

@@ -1,0 +1,69 @@
+"""Which package may import which (DESIGN.md, "Layout").
+
+- `frontend_svc` never imports torch, triton or `engine_svc` (a frontend image has none of them).
+- `engine_svc` imports `frontend_svc` only where the two are composed on purpose: the offline `LLM`
+  API (`llm.py`, re-exported lazily by `__init__.py`) and command-line glue. The engine service itself
+  (server, busy loop, core, telemetry, ...) must run without the frontend's code.
+- `kernels` depends on neither service.
+
+Every `import` statement is checked, including ones inside functions, by reading the source (nothing
+is imported, so the test is fast and sees imports that a lazy code path would hide).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ENGINE_MODULES_THAT_MAY_USE_THE_FRONTEND = {
+    "engine_svc/__init__.py",  # `from engine_svc import SamplingParams`, the offline API's names
+    "engine_svc/llm.py",  # the offline API: frontend processing + an in-process EngineCore
+    "engine_svc/cli.py",  # `tandem generate` dispatches to the frontend's client
+    "engine_svc/offline_cli.py",  # `tandem offline`, a command around llm.py
+    "engine_svc/demo_model.py",  # `tandem convert-gguf` / `make-demo-model` write the tokenizer files too
+}
+
+
+def imported_packages(path: Path) -> set[str]:
+    """Top-level package of every absolute import in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def importers(package: str, forbidden: str) -> set[str]:
+    return {str(p.relative_to(ROOT)) for p in modules(package) if forbidden in imported_packages(p)}
+
+
+@pytest.mark.parametrize("forbidden", ["torch", "triton", "engine_svc", "kernels"])
+def test_frontend_imports_no_engine_code(forbidden: str) -> None:
+    assert importers("frontend_svc", forbidden) == set()
+
+
+def test_engine_imports_the_frontend_only_for_the_offline_api_and_cli_glue() -> None:
+    offenders = importers("engine_svc", "frontend_svc") - ENGINE_MODULES_THAT_MAY_USE_THE_FRONTEND
+    assert offenders == set(), "the engine service must not depend on frontend_svc; shared code goes in tandem/"
+
+
+@pytest.mark.parametrize("forbidden", ["engine_svc", "frontend_svc"])
+def test_kernels_depend_on_no_service(forbidden: str) -> None:
+    assert importers("kernels", forbidden) == set()
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from frontend_svc.x import y\n    import torch.nn\n")
+    assert imported_packages(module) == {"frontend_svc", "torch"}

@@ -1,0 +1,96 @@
+"""What the two services' command lines share from the `tandem` package (neither imports the other):
+the signal wiring (`tandem.signals`), the TLS and engine-token flags (`tandem.security.flags`) and the
+link's message-size limit (`tandem.link`). The processes' own signal behaviour is checked end to end in
+tests/e2e (drain, a second SIGTERM, SIGHUP reloads)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from tandem.link import MAX_MESSAGE_BYTES
+from tandem.security.flags import tls_files
+from tandem.signals import ServiceSignals
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def record(self, name: str) -> None:
+        self.seen.append(name)
+
+    async def drain(self) -> None:  # a coroutine, as FrontendServer.drain is
+        await asyncio.sleep(0)
+        self.record("drain")
+
+
+async def _until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{what} never happened")
+
+
+def test_first_signal_drains_a_second_stops_with_exit_code_one_and_sighup_reloads() -> None:
+    calls = Calls()
+
+    async def main() -> ServiceSignals:
+        signals = ServiceSignals(drain=calls.drain, stop=lambda: calls.record("stop"),
+                                 reload=lambda: calls.record("reload"))
+        signals.install()
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # never send one nobody handles
+                assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.default_int_handler), sig
+            os.kill(os.getpid(), signal.SIGHUP)
+            await _until(lambda: calls.seen == ["reload"], "reload")
+            os.kill(os.getpid(), signal.SIGTERM)
+            await _until(lambda: calls.seen[-1:] == ["drain"], "drain")
+            assert signals.exit_code == 0  # a drain alone is a clean exit
+            os.kill(os.getpid(), signal.SIGINT)
+            await _until(lambda: calls.seen[-1:] == ["stop"], "stop")
+        finally:
+            signals.remove()
+        return signals
+
+    signals = asyncio.run(main())
+    assert calls.seen == ["reload", "drain", "stop"]
+    assert signals.exit_code == 1
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # removed: the test process is left as it was
+
+
+def test_later_signals_keep_stopping() -> None:
+    calls = Calls()
+    signals = ServiceSignals(drain=lambda: calls.record("drain"), stop=lambda: calls.record("stop"),
+                             reload=lambda: None)
+    for _ in range(3):
+        signals.on_shutdown_signal()
+    assert calls.seen == ["drain", "stop", "stop"] and signals.exit_code == 1
+
+
+def test_both_services_take_the_same_tls_and_token_flags() -> None:
+    from engine_svc.server_cli import build_parser as engine_parser
+    from frontend_svc.cli import build_parser as frontend_parser
+
+    tls = ["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--ssl-ca-certs", "ca.pem",
+           "--engine-token-file", "token"]
+    engine = engine_parser().parse_args(["--model", "m", *tls])
+    frontend = frontend_parser().parse_args(["--model", "m", *tls, "--engine-ssl-ca-certs", "engines-ca.pem"])
+    for args in (engine, frontend):
+        files = tls_files(args)
+        assert (files.certfile, files.keyfile, files.ca_certs, files.prefix) == ("c.pem", "k.pem", "ca.pem", "--ssl")
+        assert args.engine_token_file == "token"
+    to_engines = tls_files(frontend, "--engine-ssl")
+    assert (to_engines.certfile, to_engines.ca_certs, to_engines.prefix) == (None, "engines-ca.pem", "--engine-ssl")
+
+
+def test_the_engine_takes_its_message_limit_from_the_shared_package() -> None:
+    from engine_svc.server import server_options
+    from engine_svc.server_cli import build_parser
+
+    assert build_parser().parse_args(["--model", "m"]).max_message_bytes == MAX_MESSAGE_BYTES
+    options = dict(server_options())
+    assert options["grpc.max_send_message_length"] == options["grpc.max_receive_message_length"] == MAX_MESSAGE_BYTES
+
