@@ -60,10 +60,14 @@ class Add:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """Abort those of `request_ids` that stream `stream_id` owns (others' ids are ignored)."""
+    """Abort those of `request_ids` that stream `stream_id` owns (others' ids are ignored).
+
+    `already_ended`: the stream has already sent these requests' final output itself (an output it could
+    not send became an error): the loop forgets them before aborting, so nothing more is delivered."""
 
     stream_id: int
     request_ids: tuple[str, ...]
+    already_ended: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +132,8 @@ class BusyLoop(threading.Thread):
     def add(self, stream_id: int, request: EngineCoreRequest) -> None:
         self.inbox.put(Add(stream_id, request))
 
-    def abort(self, stream_id: int, request_ids: list[str]) -> None:
-        self.inbox.put(Abort(stream_id, tuple(request_ids)))
+    def abort(self, stream_id: int, request_ids: list[str], *, already_ended: bool = False) -> None:
+        self.inbox.put(Abort(stream_id, tuple(request_ids), already_ended))
 
     def close_stream(self, stream_id: int) -> None:
         self.inbox.put(CloseStream(stream_id))
@@ -199,8 +203,12 @@ class BusyLoop(threading.Thread):
         match message:
             case Add(stream_id, request):
                 self._add(core, stream_id, request)
-            case Abort(stream_id, request_ids):
-                core.abort_requests([r for r in request_ids if self._owner.get(r) == stream_id])
+            case Abort(stream_id, request_ids, already_ended):
+                ids = [r for r in request_ids if self._owner.get(r) == stream_id]
+                if already_ended:
+                    for rid in ids:
+                        del self._owner[rid]
+                core.abort_requests(ids)
             case CloseStream(stream_id):
                 core.abort_requests([r for r, s in self._owner.items() if s == stream_id])
             case Drain(grace_s):

@@ -7,6 +7,7 @@ model (max_model_len) are resolved by `EngineConfig.create`, which reads the mod
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -76,8 +77,9 @@ _CPU_HALF_FLAGS = {
 }
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of this machine (Linux /proc/cpuinfo; empty where there is none)."""
+    """The CPU feature flags of this machine (Linux /proc/cpuinfo; empty where there is none), read once."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -27,6 +27,9 @@ import subprocess
 import sys
 import time
 
+from tandem.security.flags import SERVER, add_api_key_args, add_engine_token_arg, add_tls_args
+from tandem.security.listen import join_host_port
+
 STOP_TIMEOUT_S = 60.0
 
 
@@ -46,12 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-metrics-port", type=int, default=0, help="the engine's Prometheus port (0: off)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for SERVING")
     s = p.add_argument_group("security (the frontend's public port; docs/security.md)")
-    s.add_argument("--ssl-certfile", default=None)
-    s.add_argument("--ssl-keyfile", default=None)
-    s.add_argument("--ssl-ca-certs", default=None, help="require client certificates from this CA")
-    s.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
-    s.add_argument("--api-key-file", default=None)
-    s.add_argument("--engine-token-file", default=None, help="token file given to both services")
+    add_tls_args(s, side=SERVER, peer="clients")
+    add_api_key_args(s)
+    add_engine_token_arg(s, SERVER)  # given to both services
     s.add_argument("--health-port", type=int, default=None,
                    help="the frontend's plaintext health port (default with TLS: a free port)")
     return p
@@ -84,7 +84,7 @@ def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[li
               "--metrics-port", str(args.engine_metrics_port), *engine_args]
     if args.engine_token_file:
         engine += ["--engine-token-file", args.engine_token_file]
-    if args.ssl_certfile and args.health_port is None:
+    if args.ssl_certfile and not args.health_port:  # readiness is polled in plaintext: it needs its own port
         args.health_port = _free_port()
     frontend = [sys.executable, "-m", "frontend_svc.cli", "--model", args.model,
                 "--engine", f"127.0.0.1:{args.engine_port}", "--host", args.host, "--port", str(args.port),
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     children.append(spawn(engine_cmd))
     children.append(spawn(frontend_cmd))
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    address = f"{host}:{args.health_port if args.health_port else args.port}"  # plaintext health
+    address = join_host_port(host, args.health_port or args.port)  # plaintext health
     failed = False
     if wait_serving(address, children, args.startup_timeout, signals):
         http = f", the OpenAI API on {args.host}:{args.http_port}" if args.http_port else ""

@@ -99,13 +99,16 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         stream = _Stream(asyncio.Queue())
         self._streams[sid] = stream
         reader = asyncio.create_task(self._read_inputs(sid, request_iterator))
-        on_oversized = functools.partial(self._drop_oversized, sid)
+        ended: set[str] = set()  # requests this stream ended itself (an output too large to send)
+        on_oversized = functools.partial(self._drop_oversized, sid, ended)
         try:
             while True:
                 item = await stream.queue.get()
                 if item is None:
                     return
                 steps = self._take_queued(item, stream.queue)
+                if ended:  # outputs queued before the busy loop forgot them: nothing follows their end
+                    steps = [_without(step, ended) for step in steps]
                 if self.spans is not None:
                     for step in steps:
                         self.spans.observe(step)
@@ -132,12 +135,14 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             steps.append(nxt)
         return steps
 
-    def _drop_oversized(self, sid: int, request_id: str) -> None:
-        """A request's output could not be sent (larger than the maximum message): stop it."""
+    def _drop_oversized(self, sid: int, ended: set[str], request_id: str) -> None:
+        """A request's output could not be sent (larger than the maximum message) and became its final,
+        error, output: stop it in the engine without a second end, and send nothing more of it."""
         logger.warning("stream %d: a request's output exceeded --max-message-bytes (%d); aborting it",
                        sid, self.max_message_bytes)
+        ended.add(request_id)
         if self.busy is not None:
-            self.busy.abort(sid, [request_id])
+            self.busy.abort(sid, [request_id], already_ended=True)
 
     async def _read_inputs(self, sid: int, request_iterator: AsyncIterator[pb.EngineCoreInput]) -> None:
         """Feed the stream's adds and aborts to the busy loop. If reading fails, the stream is ended (its
@@ -336,3 +341,8 @@ class EngineServer:
         elif self.executor is not None:  # the core never came up: still stop the TP workers
             self.executor.shutdown()  # type: ignore[attr-defined]
 
+
+def _without(step: EngineCoreOutputs, request_ids: set[str]) -> EngineCoreOutputs:
+    """`step` less the outputs of `request_ids`."""
+    return EngineCoreOutputs(outputs=[o for o in step.outputs if o.request_id not in request_ids],
+                             scheduler_stats=step.scheduler_stats, timestamp=step.timestamp)

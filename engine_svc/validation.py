@@ -1,6 +1,6 @@
 """The engine's own check of every request it is given (defence in depth: it does not trust the frontend).
 
-`request_problem(request, vocab_size)` returns why a request must be rejected, or None. The scheduler
+`request_problem(request)` returns why a request must be rejected, or None. The scheduler
 calls it when a request is added; a rejected request ends with an INVALID_ARGUMENT error output (its
 stream and every other request on it carry on).
 

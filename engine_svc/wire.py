@@ -140,7 +140,8 @@ def pack_outputs(
 
     Outputs keep their order; the last message carries the last step's scheduler stats and timestamp.
     An output that alone exceeds `limit` cannot be sent: it is replaced by an INVALID_ARGUMENT error for
-    its request (its id allowing) and `on_oversized(request_id)` is called so the engine stops it.
+    its request (its id allowing), later outputs of that request are dropped, and
+    `on_oversized(request_id)` is called so the engine stops it.
     """
     last = steps[-1]
     if len(steps) == 1:
@@ -162,9 +163,13 @@ def _split(message: pb.EngineCoreOutputs, budget: int, limit: int,
            on_oversized: Callable[[str], None]) -> Iterator[pb.EngineCoreOutputs]:
     chunk = pb.EngineCoreOutputs(timestamp=message.timestamp)
     size = 0
+    ended: set[str] = set()  # requests whose output became an error here: nothing of theirs follows it
     for out in message.outputs:
+        if out.request_id in ended:
+            continue
         out_size = out.ByteSize() + _PER_OUTPUT_OVERHEAD
         if out_size > limit - 64:
+            ended.add(out.request_id)
             on_oversized(out.request_id)
             out = _oversized_error(out, limit)
             if out is None:

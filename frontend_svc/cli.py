@@ -27,8 +27,16 @@ import os
 import sys
 
 from tandem.security.auth import API_KEY_ENV
-from tandem.security.flags import CLIENT, SERVER, add_engine_token_arg, add_tls_args, tls_files
+from tandem.security.flags import (
+    CLIENT,
+    SERVER,
+    add_api_key_args,
+    add_engine_token_arg,
+    add_tls_args,
+    tls_files,
+)
 from tandem.security.listen import BindError
+from tandem.security.tls import TlsConfigError
 from tandem.signals import ServiceSignals
 
 from frontend_svc.config import ROUTING_POLICIES, ConfigError, FrontendConfig, parse_engine_list
@@ -69,11 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_security_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("security (docs/security.md)")
     add_tls_args(s, side=SERVER, peer="clients")
-    s.add_argument("--api-key", action="append", default=[],
-                   help=f"accepted API key (repeatable; also ${API_KEY_ENV}); clients send "
-                        "'authorization: Bearer <key>'")
-    s.add_argument("--api-key-file", default=None,
-                   help="file with one accepted API key per line (re-read when it changes)")
+    add_api_key_args(s)
     add_tls_args(s, "--engine-ssl", side=CLIENT, peer="engines")
     s.add_argument("--engine-ssl-server-name", default=None,
                    help="the name the engines' certificates carry (default: the host of --engine, e.g. "
@@ -116,7 +120,12 @@ async def _serve(config: FrontendConfig) -> int:
     from frontend_svc.telemetry.service import FrontendTelemetry
 
     telemetry = FrontendTelemetry.from_env(config.model_name, config.metrics_port, config.host)
-    server = FrontendServer(config, telemetry=telemetry)
+    try:
+        server = FrontendServer(config, telemetry=telemetry)
+    except (ValueError, TlsConfigError) as exc:  # e.g. a key or token file that holds no key
+        print(f"tandem-frontend: {exc}", file=sys.stderr)
+        telemetry.shutdown()
+        return 2
     signals = ServiceSignals(drain=server.drain, stop=server.stop, reload=server.reload_credentials)
     signals.install()
     try:

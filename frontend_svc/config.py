@@ -91,6 +91,8 @@ class FrontendConfig:
                 raise ConfigError(f"{flag} {path!r} is not a readable file")
         if any(not k.strip() for k in self.api_keys):
             raise ConfigError("--api-key must not be empty")
+        if self.engine_ssl_server_name and not self.engine_tls.enabled:
+            raise ConfigError("--engine-ssl-server-name needs TLS to the engines (--engine-ssl-ca-certs)")
 
     @property
     def model_name(self) -> str:

@@ -357,12 +357,13 @@ class EngineClient:
         connection = self.router.choose(self.ready_engines(), prepared.prompt_token_ids)
         if connection is None:
             raise EngineUnavailable("no engine is ready to serve requests; retry shortly")
+        messages = [engine_request_to_pb(fields) for fields in engine_requests]  # may raise: before any state
         request = self._output_processor.add_request(prepared, collector)
         request.connection = connection
         connection.requests.add(request)
-        connection.note_sent(len(engine_requests))
-        for fields in engine_requests:
-            connection.send(engine_request_to_pb(fields))
+        connection.note_sent(len(messages))
+        for message in messages:
+            connection.send(message)
         return request
 
     def abort(self, request: RequestState) -> None:

@@ -86,10 +86,6 @@ class Generation:
         self._request: RequestState | None = None
         self._closed = False
 
-    @property
-    def prepared(self) -> PreparedRequest | None:
-        return self._request.prepared if self._request is not None else None
-
     async def start(self, prepare: Callable[[], PreparedRequest]) -> PreparedRequest:
         """Tokenize and validate with `prepare` on the tokenizer pool, then send the request to an engine.
         Raises ValidationError for bad input, ServiceError UNAVAILABLE when no engine is ready."""

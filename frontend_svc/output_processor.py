@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
+from frontend_svc.errors import INTERNAL
 from frontend_svc.outputs import CompletionDelta, CompletionError, TokenLogprob, Usage
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.request_state import DeltaCollector, RequestState
@@ -33,7 +34,6 @@ _FINISH_NAMES: tuple[str | None, ...] = (None, "stop", "length", "abort", "error
 
 
 logger = logging.getLogger(__name__)
-_INTERNAL = 13  # grpc.StatusCode.INTERNAL
 
 
 @dataclass
@@ -113,7 +113,7 @@ class OutputProcessor:
     def _fail(self, c: _Completion, to_abort: list[str]) -> CompletionDelta:
         """End a completion with an INTERNAL error and have the engine drop it."""
         delta = CompletionDelta(c.request.prepared.request_id, c.index, "", [], c.engine_id)
-        delta.finish_reason, delta.error = "error", CompletionError(_INTERNAL, "output processing failed")
+        delta.finish_reason, delta.error = "error", CompletionError(INTERNAL, "output processing failed")
         delta.usage = Usage(len(c.request.prepared.prompt_token_ids), c.num_tokens, c.num_cached)
         to_abort.append(c.engine_id)
         self._finish(c)

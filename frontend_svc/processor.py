@@ -27,7 +27,7 @@ from typing import Any
 
 from frontend_svc import limits
 from frontend_svc.errors import FieldViolation, ValidationError
-from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.sampling_params import INT32_MAX, SamplingParams
 
 _UINT64_LIMIT = 1 << 64
 _PROCESS_TAG = secrets.token_hex(4)
@@ -81,6 +81,8 @@ class Processor:
         bad_id = limits.request_id_violation(request_id) if request_id else None
         if bad_id is not None:
             violations.append(bad_id)
+        if not -INT32_MAX - 1 <= priority <= INT32_MAX:
+            violations.append(FieldViolation("priority", f"must be a 32-bit signed integer, got {priority}"))
         prompt_field, prompt_ids = self._tokenize(prompt, violations)
         violations.extend(v.with_prefix("sampling_params") for v in params.violations())
         if prompt_ids:

@@ -2,8 +2,8 @@
 
 `RequestState` (made by `OutputProcessor.add_request`) holds the request's unfinished completions: a
 completion leaves `unfinished` exactly once, when it finishes or is aborted, so `num_unfinished` and
-`done` are derived from it and never counted anywhere else (the engine client's per-engine load and the
-server's stream loop read it; nothing keeps a second count).
+`done` are derived from it (the engine client's per-engine load reads it; a `Generation` reading the
+deltas ends when it has handed out one final delta per completion).
 
 `DeltaCollector` is the request's outbox when a consumer (an API handler) reads it asynchronously. It
 holds at most one pending delta per completion: a delta arriving while the previous one is unread is

@@ -29,6 +29,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 _UINT64_LIMIT = 1 << 64
+INT32_MAX = (1 << 31) - 1  # the engine contract's integer fields (top_k, min_tokens, token ids) fit int32
 
 
 @dataclass
@@ -85,8 +86,8 @@ class SamplingParams:
             add("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             add("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            add("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            add("top_k", f"must be -1, 0 (disabled) or a positive integer below 2**31, got {self.top_k!r}")
         if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
             add("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _UINT64_LIMIT):
@@ -111,8 +112,8 @@ class SamplingParams:
         return bad
 
     def _check_min_tokens(self, add: Any, max_ok: bool) -> None:
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            add("min_tokens", f"must be >= 0, got {self.min_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
+            add("min_tokens", f"must be in [0, 2**31), got {self.min_tokens!r}")
         elif max_ok and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             add("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
@@ -130,8 +131,8 @@ class SamplingParams:
         stop_ids = self.stop_token_ids or []
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
             add("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(stop_ids)}")
-        elif not all(_is_int(t) and t >= 0 for t in stop_ids):
-            add("stop_token_ids", "stop token ids must be non-negative integers")
+        elif not all(_is_int(t) and 0 <= t <= INT32_MAX for t in stop_ids):
+            add("stop_token_ids", "stop token ids must be integers in [0, 2**31)")
 
     def engine_fields(self) -> dict[str, Any]:
         """The token-level params, keyed like `engine_svc.protocol.EngineSamplingParams`."""

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tandem.link import MAX_MESSAGE_BYTES
+from tandem.link import MAX_MESSAGE_BYTES, SERVER_PING_OPTIONS
 from tandem.security.auth import AuthInterceptor, BearerToken, KeySet
 from tandem.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
 from tandem.security.tls import ServerTls, client_tls, server_tls
@@ -82,7 +82,7 @@ def server_options(config: FrontendConfig) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        *SERVER_PING_OPTIONS,
         ("grpc.keepalive_permit_without_calls", 1),
         NO_REUSEPORT,
     ]
@@ -351,9 +351,14 @@ class FrontendServer:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    @property
+    def serving(self) -> bool:
+        """Ready for requests (gRPC readiness and the HTTP /health): an engine is ready, no drain began."""
+        return bool(self.engines.ready_engines()) and not self.draining
+
     async def _sync_health(self) -> None:
         """Health from the state at the time it runs (so out-of-order updates still end right)."""
-        serving = bool(self.engines.ready_engines()) and not self.draining
+        serving = self.serving
         for name in ("", SERVICE_NAME):
             await self.health.set(name, SERVING if serving else NOT_SERVING)
 

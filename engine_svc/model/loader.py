@@ -91,19 +91,22 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-        tensors = _safetensors_tensors(files)
+        tensors = _safetensors_tensors(files, set(checkpoint_names(model)))
     load_named_tensors(model, tensors, str(model_dir))
 
 
-def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_tensors(files: list[Path], wanted: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Every tensor name in the files; the tensor itself only for `wanted` names (others are not read)."""
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                yield name, (f.get_tensor(name) if name in wanted else None)
 
 
-def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-    """Hand each (checkpoint name, tensor) to its parameter's weight loader; check nothing is missing."""
+def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor | None]],
+                       source: str) -> None:
+    """Hand each (checkpoint name, tensor) to its parameter's weight loader; check nothing is missing.
+    A None tensor is one the caller did not read because the model does not load it."""
     packed = getattr(model, "packed_modules", {})
     table = _checkpoint_to_param(packed)
     params = dict(model.named_parameters())
@@ -112,7 +115,7 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tens
     ignored: list[str] = []
     for name, tensor in tensors:
         target, shard = _map_name(name, table)
-        if name.endswith(_SKIPPED_SUFFIXES) or target not in params:
+        if tensor is None or name.endswith(_SKIPPED_SUFFIXES) or target not in params:
             ignored.append(name)
             continue
         param = params[target]

@@ -179,28 +179,29 @@ class DecodeBuffers:
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.block_table = torch.zeros((max_batch, max_blocks_per_req), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        # pinned host mirrors: the sources of the asynchronous copies
-        self._host_ints = torch.empty((3, max_batch), dtype=torch.int64, pin_memory=pinned)
+        # pinned host mirrors, the sources of the asynchronous copies, start equal to the device tensors:
+        # each copy is a contiguous block (a strided one would go through an unpinned temporary)
+        self._host_ints = self._ints.to("cpu").pin_memory() if pinned else self._ints.clone()
         self._host_seq_lens = torch.empty(max_batch, dtype=torch.int32, pin_memory=pinned)
-        self._host_table = torch.empty((max_batch, max_blocks_per_req), dtype=torch.int32, pin_memory=pinned)
-        self._copied: torch.cuda.Event | None = None
-        self._pinned = pinned
+        self._host_table = torch.zeros((max_batch, max_blocks_per_req), dtype=torch.int32, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None  # recorded after each step's copies
 
     def load(self, step: PaddedDecodeInputs) -> None:
         """Copy a padded step into the first rows without a host sync: through the pinned mirrors,
         which are rewritten only once the previous step's copies have finished (an event)."""
         size, width = step.block_table.shape
         if self._copied is not None:
-            self._copied.synchronize()
+            self._copied.synchronize()  # returns at once before the first record()
         ints = self._host_ints.numpy()
         ints[0, :size], ints[1, :size], ints[2, :size] = step.input_ids, step.positions, step.slot_mapping
         self._host_seq_lens.numpy()[:size] = step.seq_lens
         self._host_table.numpy()[:size, :width] = step.block_table
-        self._ints[:, :size].copy_(self._host_ints[:, :size], non_blocking=True)
+        # Whole rows / the whole [3, max_batch] block: rows past `size` and columns past `width` carry
+        # what an earlier step left there, which no graph of this size reads (class invariant).
+        self._ints.copy_(self._host_ints, non_blocking=True)
         self.seq_lens[:size].copy_(self._host_seq_lens[:size], non_blocking=True)
-        self.block_table[:size, :width].copy_(self._host_table[:size, :width], non_blocking=True)
-        if self._pinned:
-            self._copied = torch.cuda.Event()
+        self.block_table[:size].copy_(self._host_table[:size], non_blocking=True)
+        if self._copied is not None:
             self._copied.record()
 
     def metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:

@@ -96,7 +96,9 @@ class Worker:
 
         The peak counts weights and activations; the profile run's throwaway KV cache is taken off it,
         since the real cache is what this budget sizes. The profile's cached blocks are released
-        afterwards, so the cache (and the CUDA graphs captured after it) can use that memory."""
+        afterwards, so the cache can use that memory. The CUDA graphs, captured after the cache is
+        allocated, are not in this budget: they come out of the (1 - gpu_memory_utilization) headroom
+        (their size is logged as "graph memory")."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         assert self.runner is not None

@@ -22,7 +22,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -99,11 +98,9 @@ class OpenAIApi:
     # ---- routes ------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         f = self.frontend
-        if f.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not f.engines.ready_engines():
-            return JSONResponse({"status": "no ready engine"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        if f.serving:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "draining" if f.draining else "no ready engine"}, status_code=503)
 
     async def models(self, request: Request) -> Response:
         f = self.frontend
@@ -225,8 +222,7 @@ async def _unless_disconnected(request: Request, task: asyncio.Future[Any]) -> b
         watch.cancel()
     if not task.done():
         task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        await asyncio.wait({task})  # its end, without its exception (and without hiding our own cancel)
         return False
     task.result()
     return True

@@ -13,7 +13,6 @@ exactly once (`succeed`, or `fail` with the status it ended with; a client that 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -22,13 +21,12 @@ from frontend_svc.openai.errors import ApiError, FieldNames, service_error
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import Prompt
 from frontend_svc.sampling_params import SamplingParams
-
-_GRPC_NAMES = {1: "CANCELLED", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 8: "RESOURCE_EXHAUSTED",
-               13: "INTERNAL", 14: "UNAVAILABLE"}
+from frontend_svc.status import code_from_number
 
 
 def code_name(code: int) -> str:
-    return _GRPC_NAMES.get(code, "UNKNOWN")
+    """The gRPC status name of a status number (the name telemetry records)."""
+    return str(code_from_number(code).name)
 
 
 def from_service(exc: ServiceError) -> ApiError:
@@ -54,7 +52,6 @@ class Run:
         self._names = names
         self._calls: list[Any] = []
         self._generations: list[Any] = []
-        self._ended = False
 
     async def start(self) -> None:
         """Admit, prepare and submit every prompt; raises ApiError (everything opened is closed then)."""
@@ -72,8 +69,12 @@ class Run:
             self.fail(code_name(exc.code) if isinstance(exc, ServiceError) else "INVALID_ARGUMENT", error.message)
             self.close()
             raise error from None
-        except BaseException:
+        except asyncio.CancelledError:
             self.fail("CANCELLED", "the client went away")
+            self.close()
+            raise
+        except BaseException as exc:
+            self.fail("INTERNAL", f"the request could not be started: {type(exc).__name__}")
             self.close()
             raise
 
@@ -113,24 +114,19 @@ class Run:
         finally:
             for task in tasks:
                 task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks)  # their ends, without their exceptions
 
     def succeed(self) -> None:
-        if not self._ended:
-            self._ended = True
-            for call in self._calls:
-                call.succeed()
+        for call in self._calls:
+            call.succeed()
 
     def fail(self, code: str, message: str) -> None:
-        if not self._ended:
-            self._ended = True
-            for call in self._calls:
-                call.fail(code, message)
+        """Each prompt's telemetry call ends once: after `succeed` or an earlier `fail` this is a no-op."""
+        for call in self._calls:
+            call.fail(code, message)
 
     def close(self) -> None:
         """Abort what is unfinished and give the admission slots back (idempotent)."""
-        if not self._ended:
-            self.fail("CANCELLED", "the client went away before the response was complete")
+        self.fail("CANCELLED", "the client went away before the response was complete")
         for generation in self._generations:
             generation.close()

@@ -29,7 +29,7 @@ from typing import Any
 
 import uvicorn
 from tandem.security.listen import BindError, join_host_port
-from tandem.security.tls import ReloadingCredentials, TlsConfigError, TlsFiles
+from tandem.security.tls import ReloadingCredentials, TlsFiles
 
 from frontend_svc.openai.app import OpenAIApi
 
@@ -50,14 +50,7 @@ class HttpTls(ReloadingCredentials[ssl.SSLContext]):
         self.context.sni_callback = self._on_handshake
 
     def _build(self) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            ctx.load_cert_chain(self.files.certfile or "", self.files.keyfile)
-            if self.files.ca_certs:
-                ctx.load_verify_locations(cafile=self.files.ca_certs)
-                ctx.verify_mode = ssl.CERT_REQUIRED
-        except (OSError, ssl.SSLError) as exc:
-            raise TlsConfigError(f"cannot load the TLS certificate for the HTTP port: {exc}") from None
+        ctx = self.files.server_context()
         ctx.set_alpn_protocols(["http/1.1"])
         return ctx
 

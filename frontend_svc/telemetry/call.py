@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from frontend_svc.errors import ValidationError
+from frontend_svc.status import code_from_number
 from frontend_svc.telemetry.metrics import FrontendMetrics
 from frontend_svc.telemetry.tracing import CallSpan, fail_span, request_attributes
 
@@ -132,7 +133,7 @@ def grpc_failure(exc: BaseException, context: Any) -> tuple[str, str]:
     if isinstance(number, grpc.StatusCode):
         code = str(number.name)
     elif isinstance(number, int):
-        code = next((c.name for c in grpc.StatusCode if c.value[0] == number), "UNKNOWN")
+        code = str(code_from_number(number).name)
     else:
         code = "UNKNOWN"
     return code, str(context.details() or code)

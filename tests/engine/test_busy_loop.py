@@ -254,3 +254,18 @@ def test_a_failing_step_fails_every_live_request_and_reports_the_error() -> None
     for stream_id, rid in ((1, "x"), (2, "y")):
         end = h.end(stream_id, rid)
         assert end.error is not None and end.error.code == ErrorCode.UNAVAILABLE and "blew up" in end.error.message
+
+
+def test_an_abort_for_a_request_its_stream_already_ended_delivers_nothing_more(harness: Harness) -> None:
+    """The server ended it (its output was too large to send, so it sent an error instead): the engine
+    must stop it and free it without a second end on the stream."""
+    loop = harness.loop
+    loop.add(1, request("ended-by-the-stream"))
+    loop.add(1, request("neighbour"))
+    harness.running(1, "ended-by-the-stream")
+    loop.abort(1, ["ended-by-the-stream"], already_ended=True)
+    wait_until(lambda: "ended-by-the-stream" not in harness.core.scheduler.requests, 10, "freed in the core")
+    count = len(harness.outputs(1, "neighbour"))
+    wait_until(lambda: len(harness.outputs(1, "neighbour")) > count + 2, 10, "the loop stepped on")
+    assert harness.ends(1, "ended-by-the-stream") == []
+    assert not harness.ends(1, "neighbour")

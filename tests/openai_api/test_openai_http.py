@@ -124,6 +124,21 @@ def test_errors_have_openai_shape_and_the_right_param(stack: HttpStack) -> None:
     assert named.headers["x-request-id"] == "trace-me-42" and named.json()["id"] == "cmpl-trace-me-42"
 
 
+@pytest.mark.parametrize("field, value", [("priority", 2**31), ("top_k", 2**31), ("min_tokens", 2**32),
+                                          ("stop_token_ids", [2**32])])
+def test_integers_beyond_the_engine_contract_are_400_and_leave_nothing_behind(stack: HttpStack, field: str,
+                                                                            value: Any) -> None:
+    """JSON integers are unbounded; the engine contract's fields are 32-bit. Too large is a 400 naming the
+    field, and no request is left registered with an engine connection (it would skew routing forever)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    response = httpx2.post(f"{stack.url}/v1/completions", headers=auth,
+                           json={"prompt": "x", "max_tokens": 2, field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+    stack.wait_engine_idle()
+    assert all(not c.requests for c in stack.frontend.engines.connections())
+
+
 def test_request_bodies_over_the_limit_are_413_and_never_stall_another_stream(stack: HttpStack) -> None:
     """A declared 64 MiB body is refused from its headers; a chunked one once the limit is crossed; bodies
     just under the limit (a 3.9 MB text prompt, 3.9 MB of token ids) are parsed on a thread and

@@ -370,3 +370,18 @@ def test_an_output_larger_than_the_limit_becomes_an_error_for_its_request_alone(
     assert outs["huge"].finish_reason == pb.FINISH_REASON_ERROR
     assert outs["huge"].error.code == pb.ERROR_CODE_INVALID_ARGUMENT and not outs["huge"].new_token_ids
     assert list(outs["small"].new_token_ids) == [1]
+
+
+def test_nothing_of_a_request_follows_the_error_its_oversized_output_became() -> None:
+    """The error is the request's end: its later outputs in the same message (steps coalesced behind a
+    slow stream) are dropped, not sent after it."""
+    huge = p.EngineCoreOutput(request_id="huge", new_token_ids=list(range(100_000, 110_000)))
+    later = p.EngineCoreOutput(request_id="huge", new_token_ids=[7], finish_reason=p.FinishReason.LENGTH)
+    other = p.EngineCoreOutput(request_id="other", new_token_ids=[1])
+    steps = [p.EngineCoreOutputs(outputs=[huge, other]), p.EngineCoreOutputs(outputs=[later])]
+    dropped: list[str] = []
+    messages = list(wire.pack_outputs(steps, budget=8192, limit=8192, on_oversized=dropped.append))
+    outs = [o for m in messages for o in m.outputs]
+    assert dropped == ["huge"]
+    assert [(o.request_id, o.finish_reason) for o in outs] == [
+        ("huge", pb.FINISH_REASON_ERROR), ("other", pb.FINISH_REASON_UNSPECIFIED)]

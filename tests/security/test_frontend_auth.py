@@ -145,6 +145,18 @@ def test_key_sources(tmp_path: Path) -> None:
         KeySet.from_sources((), str(empty), env={})
 
 
+@pytest.mark.parametrize("flag", ["--api-key-file", "--engine-token-file"])
+def test_the_frontend_refuses_a_key_file_without_a_key_in_one_line(
+        flag: str, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from frontend_svc import cli
+
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    assert cli.main(["--model", str(tiny_model_dir), "--port", "0", "--metrics-port", "0", flag, str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tandem-frontend: ") and "holds no" in err and "Traceback" not in err
+
+
 # ---- malformed requests -------------------------------------------------------------------------------
 
 CORRUPT = b"\xff\xff\xff\xff"  # not protobuf wire format

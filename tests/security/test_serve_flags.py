@@ -31,3 +31,11 @@ def test_plaintext_serve_adds_nothing() -> None:
     _engine, frontend, args = commands()
     assert "--health-port" not in frontend and "--ssl-certfile" not in frontend
     assert args.health_port is None  # type: ignore[attr-defined]
+
+
+def test_tls_with_health_port_zero_still_gets_a_plaintext_health_port() -> None:
+    """`--health-port 0` means "none given": under TLS, readiness is polled in plaintext on its own port
+    (polling the TLS port in plaintext would wait out the whole start-up timeout)."""
+    _engine, frontend, args = commands("--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--health-port", "0")
+    health_port = args.health_port  # type: ignore[attr-defined]
+    assert health_port > 0 and frontend[frontend.index("--health-port") + 1] == str(health_port)

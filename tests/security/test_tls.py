@@ -137,8 +137,15 @@ def test_reload_keeps_the_current_certificate_when_the_new_files_are_bad(
     try:
         with grpc.secure_channel(stack.address, channel_credentials(str(ca.certfile))) as channel:
             stack.wait_serving(channel)
+        good_key = issued.keyfile.read_bytes()
         issued.keyfile.write_text("")  # half-written rotation
         assert stack.frontend.tls is not None and not stack.frontend.tls.reload()
+        assert generate_code(stack.address, ssl_ca_certs=str(ca.certfile)) == grpc.StatusCode.OK
+        issued.keyfile.write_bytes(good_key[: len(good_key) // 2])  # torn
+        assert not stack.frontend.tls.reload()
+        issued.keyfile.write_bytes(ca.issue("someone-else").keyfile.read_bytes())  # not this certificate's key
+        assert not stack.frontend.tls.reload()
+        assert stack.frontend.tls.num_reloads == 0
         assert generate_code(stack.address, ssl_ca_certs=str(ca.certfile)) == grpc.StatusCode.OK
     finally:
         stack.close()
@@ -153,6 +160,8 @@ def test_tls_flags_are_validated(tiny_model_dir: Path, pki: dict[str, Any], tmp_
     with pytest.raises(ConfigError, match="--engine-ssl-certfile and --engine-ssl-keyfile go together"):
         FrontendConfig(model=str(tiny_model_dir),
                        engine_tls=TlsFiles(certfile=str(server.certfile), prefix="--engine-ssl"))
+    with pytest.raises(ConfigError, match="--engine-ssl-server-name needs TLS to the engines"):
+        FrontendConfig(model=str(tiny_model_dir), engine_ssl_server_name="tandem-engine")
 
 
 def test_tandem_generate_talks_to_a_mutual_tls_frontend(mtls: Stack, pki: dict[str, Any],

@@ -7,6 +7,7 @@
   `TlsFiles`, whose errors name the same flags.
 - `add_engine_token_arg(group, side)`: `--engine-token-file`, the token an engine requires (SERVER: the
   accepted tokens, one per line; CLIENT: the token sent, the file's first line). Both re-read on change.
+- `add_api_key_args(group)`: `--api-key` (repeatable) and `--api-key-file`, the public API's keys.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Literal
 
+from tandem.security.auth import API_KEY_ENV
 from tandem.security.tls import TlsFiles
 
 Side = Literal["server", "client"]
@@ -49,3 +51,11 @@ def add_engine_token_arg(group: argparse._ArgumentGroup, side: Side) -> None:
     text = ("file with the accepted engine token(s), one per line (re-read when it changes)" if side == SERVER
             else "file whose first line is the token the engines require (re-read when it changes)")
     group.add_argument(ENGINE_TOKEN_FLAG, default=None, help=text)
+
+
+def add_api_key_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--api-key", action="append", default=[],
+                       help=f"accepted API key (repeatable; also ${API_KEY_ENV}); clients send "
+                            "'authorization: Bearer <key>'")
+    group.add_argument("--api-key-file", default=None,
+                       help="file with one accepted API key per line (re-read when it changes)")

@@ -17,6 +17,7 @@ configuration and logs the error; a private key is never logged.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,20 @@ class TlsFiles:
     def paths(self) -> list[str]:
         return [p for p in (self.certfile, self.keyfile, self.ca_certs) if p]
 
+    def server_context(self) -> ssl.SSLContext:
+        """A server `SSLContext` from the files (client certificates required with a CA bundle). Loading
+        it is also the check that the certificate and key are whole and belong together."""
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.certfile or "", self.keyfile)
+            if self.ca_certs:
+                ctx.load_verify_locations(cafile=self.ca_certs)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsConfigError(f"{self.prefix}-certfile / {self.prefix}-keyfile / {self.prefix}-ca-certs "
+                                 f"do not load as a certificate, its private key and a CA bundle: {exc}") from None
+        return ctx
+
 
 class ReloadingCredentials(Generic[T]):
     """Credentials built from `files` (`_build`), rebuilt when the files change or on `reload()`.
@@ -142,6 +157,7 @@ class ServerTls(ReloadingCredentials[grpc.ServerCertificateConfiguration]):
         super().__init__(files)
 
     def _build(self) -> grpc.ServerCertificateConfiguration:
+        self.files.server_context()  # grpc would refuse a torn or mismatched pair later, and silently
         cert, key, ca = self.files.read()
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
