@@ -46,6 +46,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)  # ids before it are accounted for in the returned text
         self._prefix_len = len(self._decode(self._ids, skip_special_tokens=skip_special_tokens))
 
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent detokenizer in the same state (the n completions of one prompt share their
+        priming: the prompt context is decoded once, not n times)."""
+        twin = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+        twin._decode, twin._skip_special = self._decode, self._skip_special
+        twin._ids, twin._read_offset, twin._prefix_len = list(self._ids), self._read_offset, self._prefix_len
+        return twin
+
     def add(self, token_ids: Sequence[int]) -> str:
         """Feed the newly generated ids; return the text they complete ("" if none yet)."""
         if not token_ids:

@@ -47,12 +47,16 @@ class Admission:
         self.idle = asyncio.Event()
         self.idle.set()
 
-    def take(self, slots: int, field: str) -> None:
-        """Hold `slots` or raise: ValidationError on `field` when one call alone asks for more than the
-        limit (it could never run), ServiceError RESOURCE_EXHAUSTED when the limit is reached."""
+    def check_fits(self, slots: int, field: str) -> None:
+        """ValidationError on `field` when one call alone asks for more than the limit (it could never run)."""
         if slots > self.limit:
             raise ValidationError.single(
                 field, f"asks for {slots} completions; this server runs at most {self.limit} at a time")
+
+    def take(self, slots: int, field: str) -> None:
+        """Hold `slots` or raise: ValidationError (`check_fits`), or ServiceError RESOURCE_EXHAUSTED when
+        the limit is reached."""
+        self.check_fits(slots, field)
         if self.in_use + slots > self.limit:
             raise ServiceError(RESOURCE_EXHAUSTED, f"too many completions in flight (limit {self.limit}); "
                                "retry later", "TOO_MANY_REQUESTS")

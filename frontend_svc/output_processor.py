@@ -49,14 +49,13 @@ class _Completion:
     __slots__ = ("detokenizer", "engine_id", "index", "num_cached", "num_tokens", "request",
                  "sent_first", "stop_checker")
 
-    def __init__(self, request: RequestState, index: int, backend: Any) -> None:
+    def __init__(self, request: RequestState, index: int, detokenizer: IncrementalDetokenizer) -> None:
         params = request.prepared.params
         stops = params.stop_strings
         self.request = request
         self.index = index
         self.engine_id = request.prepared.engine_request_ids[index]
-        self.detokenizer = IncrementalDetokenizer(
-            backend, request.prepared.prompt_token_ids, params.skip_special_tokens)
+        self.detokenizer = detokenizer
         self.stop_checker = StopChecker(stops, params.include_stop_str_in_output) if stops else None
         self.num_tokens = 0
         self.num_cached = 0
@@ -74,8 +73,9 @@ class OutputProcessor:
     def add_request(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> RequestState:
         """Start tracking a request's n completions; its deltas go to `collector` when given."""
         request = RequestState(prepared, collector)
+        primed = IncrementalDetokenizer(self._backend, prepared.prompt_token_ids, prepared.params.skip_special_tokens)
         for index, engine_id in enumerate(prepared.engine_request_ids):
-            completion = _Completion(request, index, self._backend)
+            completion = _Completion(request, index, primed if index == 0 else primed.copy())
             self._completions[engine_id] = request.unfinished[engine_id] = completion
         return request
 

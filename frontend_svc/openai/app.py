@@ -158,12 +158,10 @@ class OpenAIApi:
                 num_prompts: int) -> SamplingParams:
         try:
             params = convert.sampling_params(body)
+            # all prompts x n completions at once, or never: each prompt's own take() could not tell
+            self.frontend.admission.check_fits(num_prompts * params.n, "n" if num_prompts == 1 else "prompt")
         except ValidationError as exc:
             raise names.error(exc) from None
-        limit = self.frontend.config.max_concurrent_requests
-        if num_prompts * params.n > limit:
-            raise bad_request(f"{num_prompts} prompt(s) x n={params.n} completions: this server runs at most "
-                              f"{limit} at a time", "n" if num_prompts == 1 else "prompt")
         return params
 
     async def _respond(self, request: Request, run: Run, builder: Any, body: Any, request_id: str) -> Response:

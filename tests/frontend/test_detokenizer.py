@@ -147,3 +147,18 @@ def test_random_token_id_prompts_follow_the_positional_definition(tokenizer, bac
         i += size
     deltas.append(det.flush())
     assert "".join(deltas) == positional_text(backend, prompt, output, skip)
+
+
+def test_a_copy_is_primed_like_the_original_and_independent_of_it(encode, encode_prompt, backend,
+                                                                  split_char_text):
+    """The n completions of one prompt share one priming (OutputProcessor copies it): each copy must then
+    produce exactly what a detokenizer of its own would, whatever the others are fed."""
+    prompt = encode_prompt("Once upon a time")
+    original = IncrementalDetokenizer(backend, prompt, True)
+    twin = original.copy()
+    first, second = encode(split_char_text + " and more"), encode(" a different ending")
+    got_first = [original.add([t]) for t in first]
+    got_second = [twin.add([t]) for t in second]
+    assert got_first == stream(backend, prompt, first)
+    assert got_second == stream(backend, prompt, second)
+    assert "".join(got_second) == backend.decode(prompt + second)[len(backend.decode(prompt)):]
