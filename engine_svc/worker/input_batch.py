@@ -146,14 +146,14 @@ class DeviceStaging:
         self._pinned = device.type == "cuda"
         self._host: dict[np.dtype, tuple[torch.Tensor, np.ndarray]] = {}
         self._dev: dict[np.dtype, torch.Tensor] = {}
-        self._copied: torch.cuda.Event | None = None
+        self._copied = torch.cuda.Event() if self._pinned else None  # recorded after each step's copies
 
     def stage(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """Device tensors with the arrays' shapes, dtypes and values (int32 / int64 / float32 / bool)."""
         if not self.copy:
             return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         if self._copied is not None:
-            self._copied.synchronize()
+            self._copied.synchronize()  # returns at once before the first record()
         offsets, totals = [], {}
         for a in arrays:
             offsets.append(totals.get(a.dtype, 0))
@@ -165,8 +165,7 @@ class DeviceStaging:
                     host[off : off + a.size] = a.reshape(-1)
         for dtype, total in totals.items():
             self._dev[dtype][:total].copy_(self._host[dtype][0][:total], non_blocking=True)
-        if self._pinned:
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
         return [self._dev[a.dtype][off : off + a.size].view(a.shape) for a, off in zip(arrays, offsets)]
 
