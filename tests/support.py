@@ -2,6 +2,7 @@
 
 - `wait_until(predicate, timeout, what)`: poll until the predicate holds, or fail naming what never came.
 - `free_port()`, `health_status(address, service)`, `is_serving(address)`.
+- `max_gap(arrivals, start, end)`: the longest silence of a stream within [start, end] (stall tests).
 - `rpc_error(call)`: the grpc.RpcError a call raises (fails the test if it raises none);
   `bad_fields(error)`: the field paths of its `google.rpc.BadRequest` details.
 - `LoopThread`: an asyncio loop on a daemon thread, for servers run in the test process.
@@ -15,6 +16,7 @@ Nothing here imports torch or engine_svc: the frontend-only tests use it too.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -75,6 +77,12 @@ def health_status(address: str, service: str = "", timeout: float = 2.0) -> int:
 
 def is_serving(address: str, service: str = "") -> bool:
     return health_status(address, service) == SERVING
+
+
+def max_gap(arrivals: Sequence[float], start: float, end: float) -> float:
+    """The longest time without an arrival within [start, end] (the edges count as arrivals)."""
+    times = [start, *(t for t in arrivals if start < t < end), end]
+    return max(b - a for a, b in itertools.pairwise(times))
 
 
 def rpc_error(call: Callable[[], object]) -> grpc.RpcError:

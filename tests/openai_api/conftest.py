@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 import httpx2
 
 from tests.security.secure_stack import Stack
-from tests.support import LoopThread, free_port, wait_until
+from tests.support import LoopThread, free_port, max_gap, wait_until
 
 
 class HttpStack(Stack):
@@ -61,8 +60,7 @@ class SseReader:
         assert self.error is None, self.error
 
     def max_gap(self, start: float, end: float) -> float:
-        times = [start, *(t for t in self.arrivals if start < t < end), end]
-        return max(b - a for a, b in itertools.pairwise(times))
+        return max_gap(self.arrivals, start, end)
 
     def stop(self) -> None:
         """Close the connection (the client going away) and wait for the reader thread."""

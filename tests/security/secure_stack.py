@@ -8,7 +8,6 @@ stream read on its own thread that records when each response arrived, to measur
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from typing import Any
@@ -19,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from frontend_svc.config import FrontendConfig
 from frontend_svc.server import FrontendServer
 from tests.fake_engine import FakeEngine, start_fake_engine
-from tests.support import LoopThread, wait_until
+from tests.support import LoopThread, max_gap, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -81,9 +80,7 @@ class Victim:
         wait_until(lambda: len(self.arrivals) >= count, timeout, "victim stream started")
 
     def max_gap(self, start: float, end: float) -> float:
-        """The longest time without a response within [start, end] (edges count as responses)."""
-        times = [start, *(t for t in self.arrivals if start < t < end), end]
-        return max(b - a for a, b in itertools.pairwise(times))
+        return max_gap(self.arrivals, start, end)
 
     def stop(self) -> None:
         self.stream.cancel()
