@@ -37,6 +37,10 @@ from tandem.v1 import generation_pb2 as pb
 from frontend_svc.client import ChatMessages, TandemClient
 
 ROOT = Path(__file__).resolve().parents[1]
+# The longest a victim stream may go without a response while another client's hostile request is
+# handled. Each attack stalled it for 1.2 s to 9.6 s before its fix; its normal gap is a few ms, and up
+# to ~0.35 s when the 2-core machine is shared with the attack's own legitimate work and other processes.
+MAX_STALL_S = 0.6
 RPC_TIMEOUT_S = 60.0  # the deadline of every test RPC that does not set a shorter one
 SERVING = health_pb2.HealthCheckResponse.SERVING
 

@@ -20,10 +20,9 @@ from tandem.security.tls import TlsFiles
 
 from tests.openai_api.conftest import HttpStack, SseReader
 from tests.security.certs import CertificateAuthority
-from tests.support import LoopThread, wait_until
+from tests.support import MAX_STALL_S, LoopThread, wait_until
 
 KEY = "sk-openai-test-5150"
-MAX_STALL_S = 0.25  # the victim's longest gap during an attack (as tests/security/test_request_limits.py)
 BIG_CONTEXT = 131_072
 
 

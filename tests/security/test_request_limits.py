@@ -18,9 +18,8 @@ import pytest
 
 from frontend_svc.client import TandemClient, collect
 from tests.security.secure_stack import Stack, Victim
-from tests.support import LoopThread, bad_fields, rpc_error
+from tests.support import MAX_STALL_S, LoopThread, bad_fields, rpc_error
 
-MAX_STALL_S = 0.25  # the victim's longest gap during an attack (seconds of stall before the fix)
 BIG_CONTEXT = 131_072  # a long-context model: a 3.9 MB prompt is within its byte budget and gets tokenized
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
