@@ -27,8 +27,8 @@ import subprocess
 import sys
 import time
 
-from tandem.security.flags import SERVER, add_api_key_args, add_engine_token_arg, add_tls_args
-from tandem.security.listen import join_host_port
+from shared_runtime.security.flags import SERVER, add_api_key_args, add_engine_token_arg, add_tls_args
+from shared_runtime.security.listen import join_host_port
 
 STOP_TIMEOUT_S = 60.0
 

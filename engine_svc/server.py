@@ -32,10 +32,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
-from tandem.link import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES, SERVER_PING_OPTIONS, message_size_options
-from tandem.security.auth import AuthInterceptor, KeySet
-from tandem.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
-from tandem.security.tls import ServerTls
 
 from engine_svc import wire
 from engine_svc.busy_loop import BusyLoop
@@ -44,6 +40,15 @@ from engine_svc.core import EngineCore
 from engine_svc.protocol import EngineCoreOutputs
 from engine_svc.telemetry import EngineTelemetry
 from engine_svc.telemetry.tracing import RequestSpans
+from shared_runtime.link import (
+    KEEPALIVE_OPTIONS,
+    MAX_MESSAGE_BYTES,
+    SERVER_PING_OPTIONS,
+    message_size_options,
+)
+from shared_runtime.security.auth import AuthInterceptor, KeySet
+from shared_runtime.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
+from shared_runtime.security.tls import ServerTls
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +62,7 @@ DEFAULT_WAITING_PER_SEQ = 4  # --max-waiting default: 4 x --max-num-seqs
 
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """Long-lived streams between frontend and engine sit idle for long stretches: keep them alive with
-    pings, and let clients ping without data (both ends take these from `tandem.link`)."""
+    pings, and let clients ping without data (both ends take these from `shared_runtime.link`)."""
     return [*KEEPALIVE_OPTIONS, *SERVER_PING_OPTIONS, *message_size_options(max_message_bytes), NO_REUSEPORT]
 
 

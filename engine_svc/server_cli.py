@@ -18,13 +18,12 @@ import asyncio
 import logging
 import sys
 
-from tandem.link import MAX_MESSAGE_BYTES
-from tandem.security.flags import SERVER, add_engine_token_arg, add_tls_args, tls_files
-from tandem.security.listen import BindError
-from tandem.security.tls import TlsConfigError
-from tandem.signals import ServiceSignals
-
 from engine_svc.config import ConfigError, add_engine_args, config_from_args
+from shared_runtime.link import MAX_MESSAGE_BYTES
+from shared_runtime.security.flags import SERVER, add_engine_token_arg, add_tls_args, tls_files
+from shared_runtime.security.listen import BindError
+from shared_runtime.security.tls import TlsConfigError
+from shared_runtime.signals import ServiceSignals
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _security(args: argparse.Namespace) -> tuple[object, object]:
     """(ServerTls or None, KeySet or None) from the flags; raises ValueError with the flag's name."""
-    from tandem.security.auth import KeySet
-    from tandem.security.tls import server_tls
+    from shared_runtime.security.auth import KeySet
+    from shared_runtime.security.tls import server_tls
 
     tls = server_tls(tls_files(args))
     tokens = None

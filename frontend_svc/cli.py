@@ -26,8 +26,9 @@ import logging
 import os
 import sys
 
-from tandem.security.auth import API_KEY_ENV
-from tandem.security.flags import (
+from frontend_svc.config import ROUTING_POLICIES, ConfigError, FrontendConfig, parse_engine_list
+from shared_runtime.security.auth import API_KEY_ENV
+from shared_runtime.security.flags import (
     CLIENT,
     SERVER,
     add_api_key_args,
@@ -35,11 +36,9 @@ from tandem.security.flags import (
     add_tls_args,
     tls_files,
 )
-from tandem.security.listen import BindError
-from tandem.security.tls import TlsConfigError
-from tandem.signals import ServiceSignals
-
-from frontend_svc.config import ROUTING_POLICIES, ConfigError, FrontendConfig, parse_engine_list
+from shared_runtime.security.listen import BindError
+from shared_runtime.security.tls import TlsConfigError
+from shared_runtime.signals import ServiceSignals
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.security.tls import TlsConfigError, TlsFiles
-
 from frontend_svc.gguf_tokenizer import is_gguf, model_limits, read_metadata
+from shared_runtime.security.tls import TlsConfigError, TlsFiles
 
 ROUTING_POLICIES = ("least-load", "prefix")
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024

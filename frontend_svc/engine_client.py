@@ -38,9 +38,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
-from tandem.link import KEEPALIVE_OPTIONS, message_size_options
-from tandem.security.auth import BearerToken, bearer_token_interceptors
-from tandem.security.tls import ClientTls
 
 from frontend_svc.convert import engine_abort_to_pb, engine_request_to_pb
 from frontend_svc.errors import UNAVAILABLE, ServiceError
@@ -48,6 +45,9 @@ from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.request_state import DeltaCollector, RequestState
 from frontend_svc.router import Router
+from shared_runtime.link import KEEPALIVE_OPTIONS, message_size_options
+from shared_runtime.security.auth import BearerToken, bearer_token_interceptors
+from shared_runtime.security.tls import ClientTls
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import sys
 import time
 
 import grpc
-from tandem.security.auth import API_KEY_ENV
 
 from frontend_svc.client import TandemClient
+from shared_runtime.security.auth import API_KEY_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:

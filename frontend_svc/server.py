@@ -23,7 +23,7 @@ Invariants:
   on the event loop, so one large prompt does not stall other calls' streams (the tokenizer releases
   the GIL while encoding; size limits reject what could never fit before any of that work).
 - With API keys configured every call but health needs `authorization: Bearer <key>`
-  (tandem/security/auth.py); malformed request bytes are INVALID_ARGUMENT (frontend_svc/decode_guard.py).
+  (shared_runtime/security/auth.py); malformed request bytes are INVALID_ARGUMENT (frontend_svc/decode_guard.py).
 """
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from tandem.link import MAX_MESSAGE_BYTES, SERVER_PING_OPTIONS
-from tandem.security.auth import AuthInterceptor, BearerToken, KeySet
-from tandem.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
-from tandem.security.tls import ServerTls, client_tls, server_tls
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -65,6 +61,10 @@ from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.telemetry.call import GenerateCall, grpc_failure
 from frontend_svc.telemetry.service import FrontendTelemetry
 from frontend_svc.tokenizer import Tokenizer
+from shared_runtime.link import MAX_MESSAGE_BYTES, SERVER_PING_OPTIONS
+from shared_runtime.security.auth import AuthInterceptor, BearerToken, KeySet
+from shared_runtime.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
+from shared_runtime.security.tls import ServerTls, client_tls, server_tls
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

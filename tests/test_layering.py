@@ -5,6 +5,7 @@
   API (`llm.py`, re-exported lazily by `__init__.py`) and command-line glue. The engine service itself
   (server, busy loop, core, telemetry, ...) must run without the frontend's code.
 - `kernels` depends on neither service.
+- `shared_runtime` (the torch-free code both services use) depends on neither service and needs no torch.
 
 Every `import` statement is checked, including ones inside functions, by reading the source (nothing
 is imported, so the test is fast and sees imports that a lazy code path would hide).
@@ -55,7 +56,7 @@ def test_frontend_imports_no_engine_code(forbidden: str) -> None:
 
 def test_engine_imports_the_frontend_only_for_the_offline_api_and_cli_glue() -> None:
     offenders = importers("engine_svc", "frontend_svc") - ENGINE_MODULES_THAT_MAY_USE_THE_FRONTEND
-    assert offenders == set(), "the engine service must not depend on frontend_svc; shared code goes in tandem/"
+    assert offenders == set(), "the engine service must not depend on frontend_svc; shared code goes in shared_runtime/"
 
 
 @pytest.mark.parametrize("forbidden", ["engine_svc", "frontend_svc"])
@@ -67,3 +68,14 @@ def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from frontend_svc.x import y\n    import torch.nn\n")
     assert imported_packages(module) == {"frontend_svc", "torch"}
+
+
+@pytest.mark.parametrize("forbidden", ["torch", "triton", "engine_svc", "frontend_svc", "kernels"])
+def test_shared_runtime_depends_on_no_service(forbidden: str) -> None:
+    assert importers("shared_runtime", forbidden) == set()
+
+
+def test_protos_package_holds_only_generated_code() -> None:
+    hand_written = {str(p.relative_to(ROOT)) for p in (ROOT / "protos").rglob("*.py")
+                    if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")) and p.name != "__init__.py"}
+    assert hand_written == set(), "hand-written runtime code belongs in shared_runtime/, not protos/"

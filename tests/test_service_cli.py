@@ -1,6 +1,6 @@
 """What the two services' command lines share from the `tandem` package (neither imports the other):
-the signal wiring (`tandem.signals`), the TLS and engine-token flags (`tandem.security.flags`) and the
-link's message-size limit (`tandem.link`). The processes' own signal behaviour is checked end to end in
+the signal wiring (`shared_runtime.signals`), the TLS and engine-token flags (`shared_runtime.security.flags`) and the
+link's message-size limit (`shared_runtime.link`). The processes' own signal behaviour is checked end to end in
 tests/e2e (drain, a second SIGTERM, SIGHUP reloads)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import asyncio
 import os
 import signal
 
-from tandem.link import MAX_MESSAGE_BYTES
-from tandem.security.flags import tls_files
-from tandem.signals import ServiceSignals
+from shared_runtime.link import MAX_MESSAGE_BYTES
+from shared_runtime.security.flags import tls_files
+from shared_runtime.signals import ServiceSignals
 
 
 class Calls:

@@ -3,7 +3,7 @@
 `EngineTelemetry` is what `EngineServer` takes: `spans` (None when tracing is off) are driven from the
 asyncio side of the Connect streams; `metrics` (None when --metrics-port is 0) is fed once per step by
 the busy loop and read at scrape time. The OTel set-up from `OTEL_*` and the /metrics server come from
-`tandem.telemetry`, which the frontend uses too.
+`shared_runtime.telemetry`, which the frontend uses too.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
-from tandem.telemetry import provider_from_env, serve_metrics, shutdown_telemetry
 
 from engine_svc.telemetry.metrics import EngineMetrics
 from engine_svc.telemetry.tracing import RequestSpans
+from shared_runtime.telemetry import provider_from_env, serve_metrics, shutdown_telemetry
 
 DEFAULT_SERVICE_NAME = "tandem-engine"
 

@@ -28,10 +28,10 @@ from collections.abc import Generator
 from typing import Any
 
 import uvicorn
-from tandem.security.listen import BindError, join_host_port
-from tandem.security.tls import ReloadingCredentials, TlsFiles
 
 from frontend_svc.openai.app import OpenAIApi
+from shared_runtime.security.listen import BindError, join_host_port
+from shared_runtime.security.tls import ReloadingCredentials, TlsFiles
 
 logger = logging.getLogger(__name__)
 _RECHECK_S = 1.0

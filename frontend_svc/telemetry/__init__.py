@@ -5,6 +5,6 @@
 - `call.py`: `GenerateCall`, one call's span + metrics from arrival to end.
 - `service.py`: `FrontendTelemetry`, what `FrontendServer` holds.
 
-The OTel SDK set-up from `OTEL_*` and the /metrics server come from `tandem.telemetry` (shared with the
+The OTel SDK set-up from `OTEL_*` and the /metrics server come from `shared_runtime.telemetry` (shared with the
 engine).
 """

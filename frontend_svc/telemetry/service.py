@@ -1,6 +1,6 @@
 """`FrontendTelemetry`: what `FrontendServer` holds — `begin_call()` per Generate call, the output
 processor and engine gauges it wires in. `FrontendTelemetry.off()` (the default) creates no spans and
-no metrics; `from_env()` reads `OTEL_*` (see `tandem.telemetry`) and serves /metrics on a port.
+no metrics; `from_env()` reads `OTEL_*` (see `shared_runtime.telemetry`) and serves /metrics on a port.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
-from tandem.telemetry import provider_from_env, serve_metrics, shutdown_telemetry
 
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.telemetry.call import GenerateCall
 from frontend_svc.telemetry.metrics import FrontendMetrics, ObservedOutputProcessor
 from frontend_svc.telemetry.tracing import CallSpan
+from shared_runtime.telemetry import provider_from_env, serve_metrics, shutdown_telemetry
 
 DEFAULT_SERVICE_NAME = "tandem-frontend"
 GENERATE_METHOD = "tandem.v1.GenerationService/Generate"

@@ -449,7 +449,7 @@ def test_outputs_queued_behind_a_slow_stream_are_split_below_the_message_limit(c
 
 
 def test_a_taken_port_is_an_error_not_a_shared_port(engine: ServerThread, config: EngineConfig) -> None:
-    from tandem.security.listen import BindError
+    from shared_runtime.security.listen import BindError
 
     second = EngineServer(config, host="127.0.0.1", port=engine.server.bound_port)
 

@@ -18,8 +18,6 @@ from tests.support import LoopThread, free_port, is_serving, wait_until
 
 @pytest.fixture(scope="package")
 def stack(make_model: Any) -> Iterator[Stack]:
-    from tandem.telemetry import serve_metrics
-
     from engine_svc.config import config_from_args
     from engine_svc.server import EngineServer
     from engine_svc.server_cli import build_parser
@@ -28,6 +26,7 @@ def stack(make_model: Any) -> Iterator[Stack]:
     from frontend_svc.server import FrontendServer
     from frontend_svc.telemetry.metrics import FrontendMetrics
     from frontend_svc.telemetry.service import FrontendTelemetry
+    from shared_runtime.telemetry import serve_metrics
 
     model = make_model("llama")
     exporter = InMemorySpanExporter()

@@ -12,7 +12,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from tandem.telemetry import exporter_names, provider_from_env
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 from engine_svc.protocol import (
@@ -28,6 +27,7 @@ from engine_svc.protocol import (
 )
 from engine_svc.telemetry.tracing import RequestSpans
 from frontend_svc.client import generate_request
+from shared_runtime.telemetry import exporter_names, provider_from_env
 from tests.observability.support import Stack
 from tests.support import wait_until
 

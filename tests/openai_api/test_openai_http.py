@@ -16,8 +16,8 @@ from typing import Any
 import httpx2
 import openai
 import pytest
-from tandem.security.tls import TlsFiles
 
+from shared_runtime.security.tls import TlsFiles
 from tests.openai_api.conftest import HttpStack, SseReader
 from tests.security.certs import CertificateAuthority
 from tests.support import MAX_STALL_S, LoopThread, wait_until

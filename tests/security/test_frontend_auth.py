@@ -14,10 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from tandem.security import auth
-from tandem.security.auth import KeySet, bearer_token
 
 from frontend_svc.client import TandemClient, collect
+from shared_runtime.security import auth
+from shared_runtime.security.auth import KeySet, bearer_token
 from tests.security.secure_stack import Stack
 from tests.support import LoopThread, wait_until
 

@@ -14,10 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from tandem.security.tls import TlsFiles
 
 from frontend_svc.client import TandemClient, channel_credentials
 from frontend_svc.config import ConfigError, FrontendConfig
+from shared_runtime.security.tls import TlsFiles
 from tests.security.certs import CertificateAuthority
 from tests.security.secure_stack import Stack, Victim
 from tests.support import LoopThread
@@ -78,8 +78,7 @@ def test_health_and_reflection_work_under_tls(mtls: Stack, pki: dict[str, Any]) 
 
 def test_the_plaintext_health_port_serves_health_only(loop: LoopThread, tokenizer: Any, tiny_model_dir: Path,
                                                        pki: dict[str, Any]) -> None:
-    from tandem.security.listen import join_host_port
-
+    from shared_runtime.security.listen import join_host_port
     from tests.support import free_port
 
     server = pki["server"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from tandem.security.tls import ServerTls
+from shared_runtime.security.tls import ServerTls
 
 NO_REUSEPORT = ("grpc.so_reuseport", 0)
 

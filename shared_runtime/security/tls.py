@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from tandem.security.filewatch import FileWatch
+from shared_runtime.security.filewatch import FileWatch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

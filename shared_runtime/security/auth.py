@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from tandem.security.filewatch import FileWatch
+from shared_runtime.security.filewatch import FileWatch
 
 logger = logging.getLogger(__name__)
 

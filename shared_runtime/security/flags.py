@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 from typing import Literal
 
-from tandem.security.auth import API_KEY_ENV
-from tandem.security.tls import TlsFiles
+from shared_runtime.security.auth import API_KEY_ENV
+from shared_runtime.security.tls import TlsFiles
 
 Side = Literal["server", "client"]
 SERVER: Side = "server"

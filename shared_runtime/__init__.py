@@ -1,0 +1,9 @@
+"""Torch-free runtime code that both services (frontend and engine) use.
+
+- `security/` — TLS and certificate rotation, API keys and the engine token, listening ports, their flags.
+- `telemetry.py` — OpenTelemetry set-up from the standard `OTEL_*` variables, the Prometheus /metrics server.
+- `link.py` — the frontend <-> engine link: message-size limit and keepalive settings.
+- `signals.py` — drain / force stop / reload wiring for SIGTERM, SIGINT and SIGHUP.
+
+Nothing here imports torch, `frontend_svc` or `engine_svc` (tests/test_layering.py).
+"""
