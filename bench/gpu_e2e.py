@@ -167,7 +167,7 @@ class Engine:
 
     def run(self, work: list[tuple[list[int], int]], temperature: float) -> TandemRun:
         """Queue every request, step until all finish; time each step that ran the model."""
-        from engine_svc.protocol import EngineCoreRequest, EngineSamplingParams
+        from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams
 
         for prompt, max_tokens in work:
             params = EngineSamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)

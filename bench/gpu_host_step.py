@@ -66,8 +66,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     from engine_svc.config import EngineConfig
     from engine_svc.core import EngineCore
-    from engine_svc.protocol import EngineCoreRequest, EngineSamplingParams
     from engine_svc.tiny_model import make_tiny_model
+    from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -117,7 +117,7 @@ def make_engine(model_dir: Path, args: argparse.Namespace, max_num_seqs: int) ->
 
 
 def add_requests(core: Any, batch: int, args: argparse.Namespace, first_id: int) -> None:
-    from engine_svc.protocol import EngineCoreRequest, EngineSamplingParams
+    from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams
 
     vocab = core.vocab_size
     for i in range(batch):

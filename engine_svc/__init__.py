@@ -15,7 +15,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from frontend_svc.sampling_params import SamplingParams
+        from shared_runtime.contract import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_svc.core import EngineCore
-from engine_svc.protocol import (
+from shared_runtime.contract import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

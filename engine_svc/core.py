@@ -19,14 +19,14 @@ import time
 
 from engine_svc.config import EngineConfig
 from engine_svc.executor.base import Executor, make_executor
-from engine_svc.protocol import (
+from engine_svc.request import Request, RequestStatus
+from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.sched.scheduler import Scheduler
+from shared_runtime.contract import (
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
 )
-from engine_svc.request import Request, RequestStatus
-from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine_svc.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,10 @@
 
 This is the only engine module that composes frontend_svc's processing (tokenize, validate,
 detokenize, stop strings) with an in-process EngineCore. The loop is exactly what the split does over
-gRPC: prepared requests -> EngineCoreRequest -> step() -> EngineCoreOutputs -> output processor,
-with stop-string matches turned into engine aborts.
+gRPC, with the same objects: the processor's `EngineCoreRequest`s (shared_runtime/contract.py) go to
+the core as they are; each step's `EngineCoreOutputs` reaches the output processor in the one shape it
+reads, protobuf (converted as the engine service does, shared_runtime/to_pb.py); stop-string matches
+become engine aborts.
 """
 
 from __future__ import annotations
@@ -15,21 +17,15 @@ from typing import Any
 
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.protocol import EngineCoreRequest, EngineSamplingParams
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.outputs import RequestOutput, RequestOutputAccumulator
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor
-from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.tokenizer import Tokenizer
+from shared_runtime.contract import SamplingParams
+from shared_runtime.to_pb import outputs_to_pb
 
 Prompt = str | list[int] | ChatPrompt
 Conversation = Sequence[Mapping[str, str]]
-
-
-def to_engine_request(fields: dict[str, Any]) -> EngineCoreRequest:
-    fields = dict(fields)
-    fields["sampling_params"] = EngineSamplingParams(**fields["sampling_params"])
-    return EngineCoreRequest(**fields)
 
 
 class LLM:
@@ -109,13 +105,13 @@ class LLM:
 
     def _submit(self, prepared: PreparedRequest) -> None:
         self.output_processor.add_request(prepared)
-        for fields in self.processor.engine_requests(prepared):
-            self.engine.add_request(to_engine_request(fields))
+        for request in self.processor.engine_requests(prepared):
+            self.engine.add_request(request)
 
     def _run(self, acc: RequestOutputAccumulator, num_requests: int, use_tqdm: bool) -> None:
         bar = _ProgressBar(num_requests) if use_tqdm else None
         while self.engine.has_unfinished_requests():
-            processed = self.output_processor.process_outputs(self.engine.step())
+            processed = self.output_processor.process_outputs(outputs_to_pb(self.engine.step()))
             if processed.reqs_to_abort:
                 self.engine.abort_requests(processed.reqs_to_abort)
             for delta in processed.deltas:

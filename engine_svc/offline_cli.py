@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine_svc.config import config_from_args
     from engine_svc.llm import LLM
-    from frontend_svc.sampling_params import SamplingParams
+    from shared_runtime.contract import SamplingParams
 
     cfg = config_from_args(args)
     engine_args = {k: v for k, v in vars(cfg).items() if k not in ("model", "architecture", "model_dtype")}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 
-from engine_svc.protocol import (
+from shared_runtime.contract import (
     EngineCoreRequest,
     EngineSamplingParams,
     EventType,

@@ -2,7 +2,7 @@
 
 Each `Connect` stream gets an id and an asyncio queue. The busy loop delivers one `EngineCoreOutputs`
 per step per stream (thread-safe hand-off onto the event loop); the stream's writer converts it to
-protobuf here, off the busy loop, and coalesces steps that queued up while it was writing - into
+protobuf here (engine_svc/packing.py), off the busy loop, and coalesces steps that queued up while it was writing - into
 messages of at most `COALESCE_TARGET_BYTES` (or the configured maximum message size, if smaller), so a
 slow reader gets more, smaller messages, never one its channel refuses (which would end the stream
 and every request on it). A single request's output larger than the maximum is replaced by an
@@ -33,13 +33,14 @@ from grpc_reflection.v1alpha import reflection
 from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
-from engine_svc import wire
 from engine_svc.busy_loop import BusyLoop
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.protocol import EngineCoreOutputs
+from engine_svc.packing import pack_outputs
 from engine_svc.telemetry import EngineTelemetry
 from engine_svc.telemetry.tracing import RequestSpans
+from shared_runtime.contract import EngineCoreOutputs
+from shared_runtime.from_pb import request_from_pb
 from shared_runtime.link import (
     KEEPALIVE_OPTIONS,
     MAX_MESSAGE_BYTES,
@@ -49,6 +50,7 @@ from shared_runtime.link import (
 from shared_runtime.security.auth import AuthInterceptor, KeySet
 from shared_runtime.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
 from shared_runtime.security.tls import ServerTls
+from shared_runtime.to_pb import stats_to_load_pb
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +119,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
                 if self.spans is not None:
                     for step in steps:
                         self.spans.observe(step)
-                for message in wire.pack_outputs(steps, self.message_budget, self.max_message_bytes,
-                                                 on_oversized):
+                for message in pack_outputs(steps, self.message_budget, self.max_message_bytes, on_oversized):
                     yield message
         finally:
             reader.cancel()
@@ -158,7 +159,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "add":
-                    request = wire.request_from_pb(msg.add)
+                    request = request_from_pb(msg.add)
                     if self.spans is not None:
                         self.spans.start(sid, request)
                     busy.add(sid, request)
@@ -188,7 +189,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         )
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:
-        return wire.stats_to_load_pb(self.busy.stats if self.busy else None)
+        return stats_to_load_pb(self.busy.stats if self.busy else None)
 
     def end_all_streams(self) -> None:
         for stream in self._streams.values():

@@ -1,15 +1,14 @@
-"""Conversions between protobuf messages and the frontend library's objects.
+"""The public gRPC API (`tandem.v1`) <-> the frontend library's objects.
 
-Public side (`tandem.v1`): GenerateRequest -> prompt + `SamplingParams`, `CompletionDelta` ->
-GenerateResponse. Internal side (`tandem.engine.v1`): the processor's EngineCoreRequest field dicts ->
-protobuf (built directly: the frontend never imports engine_svc).
+GenerateRequest -> prompt + `SamplingParams` (the one place the gRPC API's sampling fields are mapped;
+the OpenAI API's is frontend_svc/openai/convert.py), `CompletionDelta` -> GenerateResponse. What goes to
+the engine is converted by shared_runtime/to_pb.py.
 
 Invariants:
 - An unset optional SamplingParams field means the documented default (temperature, top_p,
   repetition_penalty 1.0; max_tokens None = fill the context window; skip_special_tokens true);
   n 0 or 1 means one completion.
 - Validation errors carry dot paths of the public proto (`sampling_params.top_p`, `prompt`, ...).
-- `None` in an engine sampling dict leaves the optional pb field unset (the engine's default).
 """
 
 from __future__ import annotations
@@ -17,15 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.v1 import generation_pb2 as pb
 
-from frontend_svc.errors import FieldViolation, ValidationError
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from frontend_svc.processor import ChatPrompt, Prompt
-from frontend_svc.sampling_params import SamplingParams
-
-MAX_N = 64  # completions per request; more is almost surely a client bug
+from shared_runtime.contract import SamplingParams
+from shared_runtime.violations import FieldViolation, ValidationError
 
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -57,8 +53,6 @@ def chat_from_pb(chat: pb.Chat) -> ChatPrompt:
 def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """Validated `SamplingParams`; raises `ValidationError` with `sampling_params.*` paths."""
     has = msg.HasField
-    if msg.n > MAX_N:
-        raise ValidationError.single("sampling_params.n", f"must be at most {MAX_N}, got {msg.n}")
     try:
         return SamplingParams(
             temperature=msg.temperature if has("temperature") else 1.0,
@@ -124,25 +118,3 @@ def _logprobs_into(dst: Any, entries: Sequence[TokenLogprob]) -> None:
         add_top = item.top_logprobs.add
         for token_id, logprob in entry.top:
             add_top(token_id=token_id, logprob=logprob)
-
-
-# ---- internal requests -------------------------------------------------------------------------------
-
-
-def engine_request_to_pb(fields: dict[str, Any]) -> epb.EngineCoreInput:
-    """An EngineCoreInput adding the request described by one `Processor.engine_requests()` dict."""
-    sampling = {k: v for k, v in fields["sampling_params"].items() if v is not None}
-    request = epb.EngineCoreRequest(
-        request_id=fields["request_id"],
-        prompt_token_ids=fields["prompt_token_ids"],
-        sampling_params=epb.EngineSamplingParams(**sampling),
-        eos_token_ids=fields["eos_token_ids"],
-        arrival_time=fields["arrival_time"],
-        priority=fields["priority"],
-        trace_headers=fields.get("trace_headers") or {},
-    )
-    return epb.EngineCoreInput(add=request)
-
-
-def engine_abort_to_pb(engine_request_ids: Sequence[str]) -> epb.EngineCoreInput:
-    return epb.EngineCoreInput(abort=epb.AbortRequests(request_ids=list(engine_request_ids)))

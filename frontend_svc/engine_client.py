@@ -39,15 +39,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
-from frontend_svc.convert import engine_abort_to_pb, engine_request_to_pb
 from frontend_svc.errors import UNAVAILABLE, ServiceError
-from frontend_svc.output_processor import OutputProcessor
+from frontend_svc.output_processor import OutputProcessor, ProcessedOutputs
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.request_state import DeltaCollector, RequestState
 from frontend_svc.router import Router
+from shared_runtime.contract import EngineCoreRequest
 from shared_runtime.link import KEEPALIVE_OPTIONS, message_size_options
 from shared_runtime.security.auth import BearerToken, bearer_token_interceptors
 from shared_runtime.security.tls import ClientTls
+from shared_runtime.to_pb import abort_to_pb, add_to_pb
 
 logger = logging.getLogger(__name__)
 
@@ -282,15 +283,18 @@ class EngineClient:
         *,
         router: Router | None = None,
         on_change: Callable[[], None] = lambda: None,
+        on_processed: Callable[[ProcessedOutputs], None] | None = None,
         dns_refresh_s: float = 5.0,
         channels: ChannelFactory | None = None,
     ) -> None:
+        """`on_processed` sees what the output processor handed out for each engine message (telemetry)."""
         self.targets = tuple(targets)
         self.channels = channels or ChannelFactory()
         self.vocab_size = vocab_size
         self.router = router or Router()
         self._output_processor = output_processor
         self._on_change = on_change
+        self._on_processed = on_processed
         self._dns_refresh_s = dns_refresh_s
         self._connections: dict[str, EngineConnection] = {}
         self._retired: set[EngineConnection] = set()  # left the target set; closed once idle
@@ -350,14 +354,14 @@ class EngineClient:
     def connections(self) -> list[EngineConnection]:
         return list(self._connections.values())
 
-    def submit(self, prepared: PreparedRequest, engine_requests: Sequence[dict[str, Any]],
+    def submit(self, prepared: PreparedRequest, engine_requests: Sequence[EngineCoreRequest],
                collector: DeltaCollector) -> RequestState:
         """Send the request's n engine requests to one ready engine; raise EngineUnavailable if none.
         Its deltas (or one ServiceError) arrive in `collector`."""
         connection = self.router.choose(self.ready_engines(), prepared.prompt_token_ids)
         if connection is None:
             raise EngineUnavailable("no engine is ready to serve requests; retry shortly")
-        messages = [engine_request_to_pb(fields) for fields in engine_requests]  # may raise: before any state
+        messages = [add_to_pb(request) for request in engine_requests]  # may raise: before any state
         request = self._output_processor.add_request(prepared, collector)
         request.connection = connection
         connection.requests.add(request)
@@ -370,7 +374,7 @@ class EngineClient:
         """Stop a request's unfinished completions, here and in the engine (no-op once done)."""
         engine_ids = self._forget(request)
         if engine_ids:
-            request.connection.send(engine_abort_to_pb(engine_ids))
+            request.connection.send(abort_to_pb(engine_ids))
 
     def fail_all(self, code: int, message: str, reason: str) -> None:
         """End every open request with a ServiceError and abort it in its engine (e.g. a drain's end)."""
@@ -406,8 +410,10 @@ class EngineClient:
         if message.HasField("scheduler_stats"):
             connection.note_stats(message.scheduler_stats)
         processed = self._output_processor.process_outputs(message)
+        if self._on_processed is not None:
+            self._on_processed(processed)
         if processed.reqs_to_abort:
-            connection.send(engine_abort_to_pb(processed.reqs_to_abort))
+            connection.send(abort_to_pb(processed.reqs_to_abort))
         for request in processed.finished:
             self._release(request)
 

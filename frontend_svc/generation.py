@@ -29,11 +29,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from frontend_svc.engine_client import EngineClient, EngineUnavailable
-from frontend_svc.errors import RESOURCE_EXHAUSTED, UNAVAILABLE, ServiceError, ValidationError
+from frontend_svc.errors import RESOURCE_EXHAUSTED, UNAVAILABLE, ServiceError
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import PreparedRequest, Processor
 from frontend_svc.request_state import DeltaCollector, RequestState
 from frontend_svc.telemetry.call import GenerateCall
+from shared_runtime.violations import ValidationError
 
 T = TypeVar("T")
 
@@ -97,7 +98,7 @@ class Generation:
         prepared = await asyncio.wrap_future(self._preparing)
         if self._closed:  # the client left while the prompt was being tokenized
             raise asyncio.CancelledError
-        engine_requests = self.call.engine_requests(self._processor.engine_requests(prepared))
+        engine_requests = self._processor.engine_requests(prepared, self.call.trace_headers())
         try:
             self._request = self._engines.submit(prepared, engine_requests, self._collector)
         except EngineUnavailable as exc:

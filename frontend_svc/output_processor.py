@@ -1,8 +1,9 @@
 """The output processor: engine outputs (token ids) -> per-completion text deltas.
 
-It consumes `EngineCoreOutputs`-shaped objects by attribute name, so the in-process msgspec structs
-(`engine_svc.protocol`) and the `tandem.engine.v1` protobuf messages both work. For each live engine
-request it detokenizes incrementally, checks stop strings and reports finishes. Invariants:
+It consumes one shape: the `tandem.engine.v1.EngineCoreOutputs` protobuf message, as it arrives from an
+engine (the offline API converts its in-process step with shared_runtime/to_pb.py; why protobuf and not
+the contract structs: shared_runtime/contract.py). For each live engine request it detokenizes
+incrementally, checks stop strings and reports finishes. Invariants:
 - Each completion gets exactly one finished delta (its last); afterwards its engine id is forgotten and
   any later engine output for it (e.g. the acknowledgement of an abort) is ignored.
 - A stop-string match finishes the completion here at once and puts its engine id in `reqs_to_abort`
@@ -13,14 +14,20 @@ request it detokenizes incrementally, checks stop strings and reports finishes. 
   one record of which completions are still running; this processor only indexes them by engine id.
 - A request added with a `DeltaCollector` gets its deltas there (merged for a slow reader); the others'
   deltas are returned in `ProcessedOutputs.deltas` (the offline API folds them itself).
+- With `log_stats`, each step's engine-clock queue times (first SCHEDULED - QUEUED of a request) are
+  handed out in `ProcessedOutputs.queue_times` for telemetry to record; nothing here records metrics.
 Nothing here formats strings or logs per token.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+from tandem.engine.v1 import engine_core_pb2 as epb
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.errors import INTERNAL
@@ -31,6 +38,7 @@ from frontend_svc.stop import StopChecker
 
 # Indexed by the wire FinishReason number (0 = unspecified, 1 stop, 2 length, 3 abort, 4 error).
 _FINISH_NAMES: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")
+_QUEUED, _SCHEDULED = epb.REQUEST_EVENT_TYPE_QUEUED, epb.REQUEST_EVENT_TYPE_SCHEDULED
 
 
 logger = logging.getLogger(__name__)
@@ -41,6 +49,7 @@ class ProcessedOutputs:
     deltas: list[CompletionDelta] = field(default_factory=list)  # of requests without a collector
     reqs_to_abort: list[str] = field(default_factory=list)  # engine ids finished by a stop string
     finished: list[RequestState] = field(default_factory=list)  # requests whose last completion ended
+    queue_times: list[float] = field(default_factory=list)  # engine-clock seconds, with log_stats only
 
 
 class _Completion:
@@ -51,7 +60,7 @@ class _Completion:
 
     def __init__(self, request: RequestState, index: int, detokenizer: IncrementalDetokenizer) -> None:
         params = request.prepared.params
-        stops = params.stop_strings
+        stops = params.stop
         self.request = request
         self.index = index
         self.engine_id = request.prepared.engine_request_ids[index]
@@ -65,9 +74,11 @@ class _Completion:
 class OutputProcessor:
     """Turns engine outputs into `CompletionDelta`s for every request added with `add_request`."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        """`tokenizer`: the frontend `Tokenizer` (its `.backend` is the `tokenizers.Tokenizer`)."""
+    def __init__(self, tokenizer: Any, log_stats: bool = False) -> None:
+        """`tokenizer`: the frontend `Tokenizer` (its `.backend` is the `tokenizers.Tokenizer`);
+        `log_stats`: hand out queue times in each `ProcessedOutputs`."""
         self._backend = getattr(tokenizer, "backend", tokenizer)
+        self._log_stats = log_stats
         self._completions: dict[str, _Completion] = {}  # engine id -> unfinished completion (an index)
 
     def add_request(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> RequestState:
@@ -87,13 +98,16 @@ class OutputProcessor:
             self._finish(completion)
         return engine_ids
 
-    def process_outputs(self, engine_core_outputs: Any) -> ProcessedOutputs:
+    def process_outputs(self, engine_core_outputs: epb.EngineCoreOutputs) -> ProcessedOutputs:
         """Process one step's `EngineCoreOutputs`; outputs for unknown/finished ids are ignored."""
         result = ProcessedOutputs()
+        log_stats = self._log_stats
         for output in engine_core_outputs.outputs:
             completion = self._completions.get(output.request_id)
             if completion is None:
                 continue
+            if log_stats and output.events:
+                _note_queue_time(output.events, result.queue_times)
             try:
                 delta = self._process_one(completion, output, result.reqs_to_abort)
             except Exception:  # a fault in one completion's processing must not fail the others
@@ -119,22 +133,22 @@ class OutputProcessor:
         self._finish(c)
         return delta
 
-    def _process_one(self, c: _Completion, output: Any, to_abort: list[str]) -> CompletionDelta | None:
+    def _process_one(self, c: _Completion, output: epb.EngineCoreOutput,
+                     to_abort: list[str]) -> CompletionDelta | None:
         params = c.request.prepared.params
         new_ids = list(output.new_token_ids)
         c.num_tokens += len(new_ids)
         if output.num_cached_tokens:
             c.num_cached = output.num_cached_tokens
         finish = _finish_name(output.finish_reason)
-        error = _error_of(output)
-        if error is not None:
-            finish = "error"
+        error = None
+        if output.HasField("error"):
+            finish, error = "error", CompletionError(output.error.code, output.error.message)
         stop_reason: str | int | None = None
         text_ids = new_ids
-        if finish == "stop":
-            stop_reason = _optional_field(output, "stop_token_id")
-            if (stop_reason is not None and not params.include_stop_str_in_output
-                    and new_ids and new_ids[-1] == stop_reason):
+        if finish == "stop" and output.HasField("stop_token_id"):
+            stop_reason = output.stop_token_id
+            if not params.include_stop_str_in_output and new_ids and new_ids[-1] == stop_reason:
                 text_ids = new_ids[:-1]
         text = c.detokenizer.add(text_ids) if text_ids else ""
         if finish is not None:  # the completion ends here: release bytes withheld mid-character
@@ -168,26 +182,22 @@ class OutputProcessor:
 
 
 def _finish_name(reason: int) -> str | None:
-    reason = int(reason)
     return _FINISH_NAMES[reason] if 0 <= reason < len(_FINISH_NAMES) else "error"
 
 
-def _optional_field(message: Any, name: str) -> Any:
-    """The field's value or None when unset, for msgspec structs (None) and protobuf (HasField)."""
-    has_field = getattr(message, "HasField", None)
-    if has_field is not None:
-        return getattr(message, name) if has_field(name) else None
-    return getattr(message, name, None)
+def _note_queue_time(events: RepeatedCompositeFieldContainer[epb.RequestEvent], into: list[float]) -> None:
+    """Append first SCHEDULED - QUEUED (engine clock) when this output carries both."""
+    queued = scheduled = None
+    for event in events:
+        if event.type == _QUEUED:
+            queued = event.timestamp
+        elif event.type == _SCHEDULED and scheduled is None:
+            scheduled = event.timestamp
+    if queued is not None and scheduled is not None:
+        into.append(max(0.0, scheduled - queued))
 
 
-def _error_of(output: Any) -> CompletionError | None:
-    error = _optional_field(output, "error")
-    if error is None:
-        return None
-    return CompletionError(int(error.code), str(error.message))
-
-
-def _logprob_list(entries: Any, backend: Any) -> list[TokenLogprob] | None:
+def _logprob_list(entries: Sequence[epb.TokenLogprobs], backend: Any) -> list[TokenLogprob] | None:
     """Engine logprob entries as `TokenLogprob`s (with the token's text when `backend` is given)."""
     if not entries:
         return None

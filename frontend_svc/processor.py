@@ -1,15 +1,15 @@
 """The request processor: prompt (text, token ids or chat) + SamplingParams -> validated token ids.
 
 `Processor.process()` tokenizes and validates one client request and returns a `PreparedRequest`;
-`Processor.engine_requests()` expands it into the n EngineCoreRequest field dicts the engine needs
-(the engine only knows n = 1). Invariants:
+`Processor.engine_requests()` expands it into the n `EngineCoreRequest`s the engine needs (the engine
+only knows n = 1; shared_runtime/contract.py). Invariants:
 - Validation collects every violation before raising one `ValidationError`; each violation's field is
   the dot path in the public proto (`text`, `token_ids.ids`, `chat.messages`, `sampling_params.*`).
 - A `PreparedRequest` has a non-empty prompt, every id in [0, vocab_size), and leaves room for
   `max_tokens` (or at least one token) within `max_model_len`.
 - Engine request ids are unique within this process (a per-process random tag plus a counter), even
   when clients reuse their `request_id`.
-- Size limits (frontend_svc/limits.py: request_id, prompt bytes, chat messages, token count) are
+- Size limits (shared_runtime/limits.py: request_id, prompt bytes, chat messages, token count) are
   checked before anything is tokenized or rendered, so an oversized prompt costs next to nothing.
 - `process` is thread-safe: the gRPC server runs it on a small thread pool, off the event loop (the
   tokenizer releases the GIL while it encodes).
@@ -21,15 +21,14 @@ import itertools
 import secrets
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend_svc import limits
-from frontend_svc.errors import FieldViolation, ValidationError
-from frontend_svc.sampling_params import INT32_MAX, SamplingParams
+from shared_runtime import limits
+from shared_runtime.contract import EngineCoreRequest, SamplingParams
+from shared_runtime.violations import FieldViolation, ValidationError
 
-_UINT64_LIMIT = 1 << 64
 _PROCESS_TAG = secrets.token_hex(4)
 _request_counter = itertools.count()
 
@@ -81,10 +80,10 @@ class Processor:
         bad_id = limits.request_id_violation(request_id) if request_id else None
         if bad_id is not None:
             violations.append(bad_id)
-        if not -INT32_MAX - 1 <= priority <= INT32_MAX:
+        if not limits.INT32_MIN <= priority <= limits.INT32_MAX:
             violations.append(FieldViolation("priority", f"must be a 32-bit signed integer, got {priority}"))
         prompt_field, prompt_ids = self._tokenize(prompt, violations)
-        violations.extend(v.with_prefix("sampling_params") for v in params.violations())
+        violations.extend(v.with_prefix("sampling_params") for v in params.violations(self.vocab_size))
         if prompt_ids:
             self._check_lengths(prompt_field, prompt_ids, params, violations)
         if violations:
@@ -101,24 +100,24 @@ class Processor:
             prompt=prompt if isinstance(prompt, str) else None,
         )
 
-    def engine_requests(self, prepared: PreparedRequest) -> list[dict[str, Any]]:
-        """The fields of one EngineCoreRequest per completion (seeded completions get seed + index)."""
-        base = prepared.params.engine_fields()
-        requests = []
-        for index, engine_id in enumerate(prepared.engine_request_ids):
-            sampling = dict(base, stop_token_ids=list(base["stop_token_ids"]))
-            if base["seed"] is not None:
-                sampling["seed"] = (base["seed"] + index) % _UINT64_LIMIT
-            requests.append({
-                "request_id": engine_id,
-                "prompt_token_ids": list(prepared.prompt_token_ids),
-                "sampling_params": sampling,
-                "eos_token_ids": list(prepared.eos_token_ids),
-                "arrival_time": prepared.arrival_time,
-                "priority": prepared.priority,
-                "trace_headers": {},
-            })
-        return requests
+    def engine_requests(self, prepared: PreparedRequest,
+                        trace_headers: Mapping[str, str] | None = None) -> list[EngineCoreRequest]:
+        """One EngineCoreRequest per completion (completion i samples with seed + i when seeded), each
+        carrying `trace_headers` (the caller's trace context, for the engine's span). They share the
+        prepared prompt and EOS lists: nothing downstream mutates them."""
+        params = prepared.params
+        return [
+            EngineCoreRequest(
+                request_id=engine_id,
+                prompt_token_ids=prepared.prompt_token_ids,
+                sampling_params=params.engine_params(seed_offset=index),
+                eos_token_ids=prepared.eos_token_ids,
+                arrival_time=prepared.arrival_time,
+                priority=prepared.priority,
+                trace_headers=dict(trace_headers or {}),
+            )
+            for index, engine_id in enumerate(prepared.engine_request_ids)
+        ]
 
     def _tokenize(self, prompt: Prompt, violations: list[FieldViolation]) -> tuple[str, list[int]]:
         """(the prompt's field path, its token ids); appends violations and returns [] when bad."""

@@ -41,7 +41,7 @@ from grpc_reflection.v1alpha import reflection
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from frontend_svc import limits, status
+from frontend_svc import status
 from frontend_svc.config import FrontendConfig
 from frontend_svc.convert import (
     chat_from_pb,
@@ -52,19 +52,21 @@ from frontend_svc.convert import (
 )
 from frontend_svc.decode_guard import DecodeGuardInterceptor
 from frontend_svc.engine_client import ChannelFactory, EngineClient
-from frontend_svc.errors import UNAVAILABLE, ServiceError, ValidationError
+from frontend_svc.errors import UNAVAILABLE, ServiceError
 from frontend_svc.generation import Admission, Generation
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import PreparedRequest, Processor
 from frontend_svc.router import Router
-from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.telemetry.call import GenerateCall, grpc_failure
 from frontend_svc.telemetry.service import FrontendTelemetry
 from frontend_svc.tokenizer import Tokenizer
+from shared_runtime import limits
+from shared_runtime.contract import SamplingParams
 from shared_runtime.link import MAX_MESSAGE_BYTES, SERVER_PING_OPTIONS
 from shared_runtime.security.auth import AuthInterceptor, BearerToken, KeySet
 from shared_runtime.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
 from shared_runtime.security.tls import ServerTls, client_tls, server_tls
+from shared_runtime.violations import ValidationError
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -172,12 +174,13 @@ class FrontendServer:
                                   or self.tokenizer.model_max_length or DEFAULT_MAX_MODEL_LEN)
         self.processor = Processor(self.tokenizer, max_model_len=self._model_max_len,
                                    vocab_size=vocab_size, model_name=config.model_name)
-        self.output_processor: OutputProcessor = self.telemetry.output_processor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.telemetry.logs_stats)
         self.api_keys = KeySet.from_sources(config.api_keys, config.api_key_file, env={})
         self.tls: ServerTls | None = server_tls(config.tls)
         token = BearerToken(config.engine_token_file) if config.engine_token_file else None
         self.engines = EngineClient(config.engines, self.output_processor, vocab_size,
                                     router=Router(config.routing), on_change=self._engines_changed,
+                                    on_processed=self.telemetry.observe_step if self.telemetry.logs_stats else None,
                                     dns_refresh_s=config.dns_refresh_s,
                                     channels=ChannelFactory(client_tls(config.engine_tls), token,
                                                             config.engine_ssl_server_name))

@@ -19,7 +19,8 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from frontend_svc.errors import ServiceError, ValidationError
+from frontend_svc.errors import ServiceError
+from shared_runtime.violations import ValidationError
 
 DOMAIN = "tandem"
 _RETRY_DELAY_S = {grpc.StatusCode.UNAVAILABLE: 1.0, grpc.StatusCode.RESOURCE_EXHAUSTED: 0.5}

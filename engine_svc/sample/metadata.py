@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_svc.protocol import EngineSamplingParams
+from shared_runtime.contract import EngineSamplingParams
 
 # Temperatures below this are greedy (division by such a small number is numerically meaningless).
 GREEDY_TEMPERATURE_EPS = 1e-5

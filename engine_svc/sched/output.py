@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine_svc.protocol import EngineSamplingParams
+from shared_runtime.contract import EngineSamplingParams
 
 
 class NewRequestData(msgspec.Struct, kw_only=True, array_like=True, gc=False):

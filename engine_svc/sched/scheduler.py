@@ -29,15 +29,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine_svc.kv.kv_cache_manager import KVCacheManager
-from engine_svc.protocol import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineError,
-    ErrorCode,
-    EventType,
-    SchedulerStats,
-    TokenLogprobs,
-)
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import (
     CachedRequestData,
@@ -47,6 +38,15 @@ from engine_svc.sched.output import (
 )
 from engine_svc.sched.request_queue import make_request_queue
 from engine_svc.validation import request_problem
+from shared_runtime.contract import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineError,
+    ErrorCode,
+    EventType,
+    SchedulerStats,
+    TokenLogprobs,
+)
 
 SampledLogprobs = tuple[float, int, list[int], list[float]]
 
@@ -355,7 +355,7 @@ class Scheduler:
         )
 
     def _why_unservable(self, request: Request) -> str | None:
-        problem = request_problem(request)  # ids, sampling values, sizes (engine_svc/validation.py)
+        problem = request_problem(request, self.vocab_size)  # ids, sampling values, sizes (validation.py)
         if problem is not None:
             return problem
         n = request.num_prompt_tokens

@@ -19,7 +19,7 @@ from typing import Any
 from opentelemetry import propagate
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
-from engine_svc.protocol import EngineCoreOutputs, EngineCoreRequest, ErrorCode, EventType, FinishReason
+from shared_runtime.contract import EngineCoreOutputs, EngineCoreRequest, ErrorCode, EventType, FinishReason
 
 _EVENT_NAMES = {EventType.QUEUED: "queued", EventType.SCHEDULED: "scheduled",
                 EventType.PREEMPTED: "preempted", EventType.FIRST_TOKEN: "first_token",

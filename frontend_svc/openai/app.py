@@ -36,8 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend_svc import limits
-from frontend_svc.errors import ServiceError, ValidationError
+from frontend_svc.errors import ServiceError
 from frontend_svc.openai import convert, sse
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import (
@@ -50,7 +49,9 @@ from frontend_svc.openai.errors import (
     unauthorized,
 )
 from frontend_svc.openai.runner import Run, code_name, from_service
-from frontend_svc.sampling_params import SamplingParams
+from shared_runtime import limits
+from shared_runtime.contract import SamplingParams
+from shared_runtime.violations import ValidationError
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=pydantic.BaseModel)

@@ -1,8 +1,8 @@
 """OpenAI requests -> what the generation path takes; `CompletionDelta`s -> OpenAI bodies.
 
 Requests: `served_model`, `unsupported`, `completion_prompts` / `chat_prompt` and `sampling_params` turn
-a validated body into prompts and one `SamplingParams` (the processor then validates values, so both
-APIs share one set of rules), and `field_names` says how to name a rejected field in the OpenAI request.
+a validated body into prompts and one `SamplingParams` (which validates itself with the contract's
+rules, shared_runtime/contract.py, so both APIs share one set), and `field_names` says how to name a rejected field in the OpenAI request.
 
 Responses: `ChoiceIndex` numbers choices (prompt index * n + completion index, as vLLM does for
 batched prompts); `CompletionBuilder` and `ChatBuilder` turn deltas into stream chunks (one per delta
@@ -22,13 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend_svc.convert import MAX_N
-from frontend_svc.errors import ValidationError
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, model_not_found
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from frontend_svc.processor import ChatPrompt, Prompt
-from frontend_svc.sampling_params import SamplingParams
+from shared_runtime.contract import SamplingParams
 
 MIN_LOGPROB = -9999.0
 _TOKEN_CACHE_LIMIT = 1 << 16
@@ -111,9 +109,9 @@ def logprobs_of(request: p.CompletionRequest | p.ChatCompletionRequest) -> int |
 
 
 def sampling_params(request: p.CompletionRequest | p.ChatCompletionRequest) -> SamplingParams:
-    """One completion's `SamplingParams`; raises ValidationError (bare field names, `field_names` maps)."""
-    if request.n > MAX_N:
-        raise ValidationError.single("n", f"must be at most {MAX_N}, got {request.n}")
+    """The request's `SamplingParams` (the one place OpenAI's sampling fields are mapped); raises
+    ValidationError (bare field names, which `field_names` maps to OpenAI's)."""
+    stop = request.stop
     return SamplingParams(
         temperature=_or(request.temperature, 1.0),
         top_p=_or(request.top_p, 1.0),
@@ -122,8 +120,8 @@ def sampling_params(request: p.CompletionRequest | p.ChatCompletionRequest) -> S
         seed=request.seed,
         max_tokens=max_tokens_of(request),
         min_tokens=request.min_tokens,
-        stop=request.stop,
-        stop_token_ids=request.stop_token_ids,
+        stop=[stop] if isinstance(stop, str) else stop or [],
+        stop_token_ids=request.stop_token_ids or [],
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         presence_penalty=_or(request.presence_penalty, 0.0),

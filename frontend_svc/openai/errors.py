@@ -25,8 +25,8 @@ from typing import Any
 
 import pydantic
 
-from frontend_svc.errors import ValidationError
 from frontend_svc.openai.protocol import ErrorInfo, ErrorResponse
+from shared_runtime.violations import ValidationError
 
 # gRPC status code number -> HTTP status (as grpc-gateway maps them).
 _HTTP_STATUS = {1: 499, 2: 500, 3: 400, 4: 504, 5: 404, 6: 409, 7: 403, 8: 429, 9: 400, 10: 409, 11: 400,

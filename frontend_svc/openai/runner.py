@@ -16,12 +16,13 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from frontend_svc.errors import ServiceError, ValidationError
+from frontend_svc.errors import ServiceError
 from frontend_svc.openai.errors import ApiError, FieldNames, service_error
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import Prompt
-from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.status import code_from_number
+from shared_runtime.contract import SamplingParams
+from shared_runtime.violations import ValidationError
 
 
 def code_name(code: int) -> str:

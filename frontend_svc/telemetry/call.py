@@ -1,8 +1,8 @@
 """`GenerateCall`: what one generation call reports — its span and its metrics — from arrival to end.
 
 The same for every API (gRPC Generate, the HTTP completions endpoints). In order: `prepare` (validation
-+ tokenization, traced as a child span), `engine_requests` (adds the propagation headers), `routed`,
-`on_delta` per delta handed to the client, then exactly one of `succeed` / `fail`. Per delta the work
++ tokenization, traced as a child span), `trace_headers` (the context the engine requests carry),
+`routed`, `on_delta` per delta handed to the client, then exactly one of `succeed` / `fail`. Per delta the work
 is a clock read and, at most, two histogram observations; nothing is formatted or logged.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import grpc
 
-from frontend_svc.errors import ValidationError
 from frontend_svc.status import code_from_number
 from frontend_svc.telemetry.metrics import FrontendMetrics
 from frontend_svc.telemetry.tracing import CallSpan, fail_span, request_attributes
+from shared_runtime.violations import ValidationError
 
 
 class GenerateCall:
@@ -66,13 +66,9 @@ class GenerateCall:
                                       "tandem.request.n": len(prepared.engine_request_ids)})
         return prepared
 
-    def engine_requests(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Give every engine request (one per completion) this call's trace context."""
-        headers = self.span.trace_headers()
-        if headers:
-            for fields in requests:
-                fields["trace_headers"] = dict(headers)
-        return requests
+    def trace_headers(self) -> dict[str, str]:
+        """This call's trace context, for the engine requests it sends (W3C propagation headers)."""
+        return self.span.trace_headers()
 
     def routed(self, engine: str, num_engine_requests: int) -> None:
         self.span.set_attributes({"tandem.engine.address": engine})

@@ -18,9 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from frontend_svc.output_processor import OutputProcessor, ProcessedOutputs
-
-QUEUED, SCHEDULED = 1, 2  # tandem.engine.v1.RequestEventType numbers
+from frontend_svc.output_processor import ProcessedOutputs
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -63,21 +61,10 @@ class FrontendMetrics:
         """Export per-engine gauges, read at scrape time from `connections()` (EngineConnection-like)."""
         self.registry.register(_EngineCollector(self.model_name, connections))
 
-    def observe_engine_events(self, engine_core_outputs: Any) -> None:
-        """Queue times from one engine message (msgspec or protobuf): outputs carrying QUEUED."""
-        for output in engine_core_outputs.outputs:
-            events = output.events
-            if not events:
-                continue
-            queued = scheduled = None
-            for event in events:
-                kind = int(event.type)
-                if kind == QUEUED:
-                    queued = event.timestamp
-                elif kind == SCHEDULED and scheduled is None:
-                    scheduled = event.timestamp
-            if queued is not None and scheduled is not None:
-                self.queue_time.observe(max(0.0, scheduled - queued))
+    def observe_step(self, processed: ProcessedOutputs) -> None:
+        """What one engine message's processing handed out: its requests' queue times (engine clock)."""
+        for seconds in processed.queue_times:
+            self.queue_time.observe(seconds)
 
 
 class _EngineCollector(Collector):
@@ -98,15 +85,3 @@ class _EngineCollector(Collector):
             load.add_metric(key, float(c.load))
             in_flight.add_metric(key, float(c.num_in_flight))
         return [ready, load, in_flight]
-
-
-class ObservedOutputProcessor(OutputProcessor):
-    """An OutputProcessor that also feeds each engine message's events to `FrontendMetrics`."""
-
-    def __init__(self, tokenizer: Any, metrics: FrontendMetrics) -> None:
-        super().__init__(tokenizer)
-        self._metrics = metrics
-
-    def process_outputs(self, engine_core_outputs: Any) -> ProcessedOutputs:
-        self._metrics.observe_engine_events(engine_core_outputs)
-        return super().process_outputs(engine_core_outputs)

@@ -1,5 +1,5 @@
-"""`FrontendTelemetry`: what `FrontendServer` holds — `begin_call()` per Generate call, the output
-processor and engine gauges it wires in. `FrontendTelemetry.off()` (the default) creates no spans and
+"""`FrontendTelemetry`: what `FrontendServer` holds — `begin_call()` per Generate call, `observe_step`
+for what the output processor hands out per engine message, and the engine gauges it wires in. `FrontendTelemetry.off()` (the default) creates no spans and
 no metrics; `from_env()` reads `OTEL_*` (see `shared_runtime.telemetry`) and serves /metrics on a port.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 
-from frontend_svc.output_processor import OutputProcessor
+from frontend_svc.output_processor import ProcessedOutputs
 from frontend_svc.telemetry.call import GenerateCall
-from frontend_svc.telemetry.metrics import FrontendMetrics, ObservedOutputProcessor
+from frontend_svc.telemetry.metrics import FrontendMetrics
 from frontend_svc.telemetry.tracing import CallSpan
 from shared_runtime.telemetry import provider_from_env, serve_metrics, shutdown_telemetry
 
@@ -54,10 +54,14 @@ class FrontendTelemetry:
         span = CallSpan(self.tracer, metadata, method, attributes)
         return GenerateCall(span, self.metrics, self.model_name)
 
-    def output_processor(self, tokenizer: Any) -> OutputProcessor:
-        if self.metrics is None:
-            return OutputProcessor(tokenizer)
-        return ObservedOutputProcessor(tokenizer, self.metrics)
+    @property
+    def logs_stats(self) -> bool:
+        """Whether the output processor should hand out per-step stats (metrics are on)."""
+        return self.metrics is not None
+
+    def observe_step(self, processed: ProcessedOutputs) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_step(processed)
 
     def watch_engines(self, connections: Callable[[], Iterable[Any]]) -> None:
         if self.metrics is not None:

@@ -124,7 +124,7 @@ def details(error: grpc.RpcError) -> tuple[list[str], str]:
 
 
 def test_greedy_concurrent_streams_equal_the_offline_api(client: DeadlineClient, llm: Any) -> None:
-    from frontend_svc.sampling_params import SamplingParams
+    from shared_runtime.contract import SamplingParams
 
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS), use_tqdm=False)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -145,7 +145,7 @@ def test_greedy_concurrent_streams_equal_the_offline_api(client: DeadlineClient,
 
 
 def test_seeded_n_completions_equal_the_offline_api(client: DeadlineClient, llm: Any) -> None:
-    from frontend_svc.sampling_params import SamplingParams
+    from shared_runtime.contract import SamplingParams
 
     params = dict(n=3, seed=5, temperature=1.0, max_tokens=8, ignore_eos=True)
     want = llm.generate([PROMPTS[0]], SamplingParams(**params), use_tqdm=False)[0]

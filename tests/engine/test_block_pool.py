@@ -10,8 +10,8 @@ import pytest
 
 from engine_svc.kv.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
 from engine_svc.kv.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from engine_svc.protocol import EngineCoreRequest, EngineSamplingParams
 from engine_svc.request import Request
+from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 

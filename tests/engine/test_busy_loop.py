@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from engine_svc.busy_loop import BusyLoop, LoopState, UnknownMessageError
-from engine_svc.protocol import (
+from shared_runtime.contract import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -8,8 +8,8 @@ import pytest
 
 from engine_svc.kv.block_hash import hash_block_tokens
 from engine_svc.kv.kv_cache_manager import KVCacheManager
-from engine_svc.protocol import EngineCoreRequest, EngineSamplingParams
 from engine_svc.request import Request
+from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams
 
 BS = 4
 

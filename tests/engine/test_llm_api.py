@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_svc import LLM, SamplingParams
-from frontend_svc.errors import ValidationError
+from shared_runtime.violations import ValidationError
 
 
 @pytest.fixture(scope="module")

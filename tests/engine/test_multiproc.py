@@ -24,8 +24,8 @@ from engine_svc.executor import codec
 from engine_svc.executor.codec import Op, WorkerInfo
 from engine_svc.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from engine_svc.executor.worker_proc import FAULT_ENV, parse_fault
-from engine_svc.protocol import EngineSamplingParams
 from engine_svc.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from shared_runtime.contract import EngineSamplingParams
 from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(90)

@@ -9,11 +9,11 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine_svc.protocol import EngineSamplingParams
 from engine_svc.sample.logprobs import compute_prompt_logprobs
 from engine_svc.sample.metadata import RequestSamplingState, build_sampling_metadata
 from engine_svc.sample.penalties import apply_penalties
 from engine_svc.sample.sampler import Sampler, scale_and_filter
+from shared_runtime.contract import EngineSamplingParams
 
 CPU = torch.device("cpu")
 SETTINGS = settings(

@@ -13,7 +13,10 @@ from typing import Any
 
 import pytest
 
-from engine_svc.protocol import (
+from engine_svc.request import Request, RequestStatus
+from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.sched.scheduler import Scheduler
+from shared_runtime.contract import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -22,9 +25,6 @@ from engine_svc.protocol import (
     EventType,
     FinishReason,
 )
-from engine_svc.request import Request, RequestStatus
-from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine_svc.sched.scheduler import Scheduler
 
 MakeSched = Callable[..., Scheduler]
 EMPTY_RUN = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

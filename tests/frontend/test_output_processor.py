@@ -1,14 +1,18 @@
-"""OutputProcessor + RequestOutputAccumulator over EngineCoreOutputs-shaped input."""
+"""OutputProcessor + RequestOutputAccumulator over `tandem.engine.v1.EngineCoreOutputs`.
+
+Steps are written as contract structs and converted with shared_runtime/to_pb.py, as the engine sends them.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from engine_svc import protocol as p
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.outputs import RequestOutputAccumulator
 from frontend_svc.processor import Processor
-from frontend_svc.sampling_params import SamplingParams
+from shared_runtime import contract as p
+from shared_runtime.contract import SamplingParams
+from shared_runtime.to_pb import outputs_to_pb
 
 EOS = 1  # <|eos|>, a special token in the tiny tokenizer
 GEN = " the boats rocked against their ropes"
@@ -29,7 +33,7 @@ def out(rid, ids=(), finish=p.FinishReason.UNSPECIFIED, **kwargs):
 
 
 def step(op, *outputs):
-    return op.process_outputs(p.EngineCoreOutputs(outputs=list(outputs)))
+    return op.process_outputs(outputs_to_pb(p.EngineCoreOutputs(outputs=list(outputs))))
 
 
 def add_state(op, processor, params, prompt="Mara walked", request_id=None):
@@ -232,8 +236,9 @@ def test_without_logprobs_deltas_carry_none(op, processor, encode):
     assert delta.logprobs is None and delta.prompt_logprobs is None
 
 
-def test_protobuf_outputs_work_too(op, processor, encode):
-    pb = pytest.importorskip("tandem.engine.v1.engine_core_pb2")
+def test_outputs_parsed_from_the_wire(op, processor, encode):
+    from tandem.engine.v1 import engine_core_pb2 as pb
+
     prepared = add(op, processor, SamplingParams(n=2))
     first, second = prepared.engine_request_ids
     ids = encode(" the boats")
@@ -266,3 +271,14 @@ def test_a_fault_in_one_completion_fails_only_that_completion(op, processor, enc
     assert by_id[healthy_id].finish_reason is None and by_id[healthy_id].token_ids == ids[:1]
     later = step(op, out(broken_id, ids[1:2]), out(healthy_id, ids[1:2], p.FinishReason.LENGTH))
     assert [d.engine_request_id for d in later.deltas] == [healthy_id]
+
+
+def test_queue_times_are_handed_out_as_data_with_log_stats(tokenizer, processor, encode):
+    queued, scheduled = p.EventType.QUEUED, p.EventType.SCHEDULED
+    events = [p.RequestEvent(queued, 100.0), p.RequestEvent(scheduled, 100.25), p.RequestEvent(scheduled, 101.0)]
+    for log_stats, expected in ((True, [0.25]), (False, [])):
+        op = OutputProcessor(tokenizer, log_stats=log_stats)
+        rid = add(op, processor, SamplingParams()).engine_request_ids[0]
+        first = step(op, out(rid, encode(" the"), events=events), out("unknown", [5], events=events))
+        assert first.queue_times == expected  # one per known request that carries both events
+        assert step(op, out(rid, encode(" boats"), p.FinishReason.LENGTH)).queue_times == []

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from frontend_svc.errors import ValidationError
 from frontend_svc.processor import ChatPrompt, Processor
-from frontend_svc.sampling_params import SamplingParams
+from shared_runtime.contract import ENGINE_FIELDS, EngineCoreRequest, EngineSamplingParams, SamplingParams
+from shared_runtime.violations import ValidationError
 
 MAX_LEN = 64
 CHAT = ChatPrompt([{"role": "user", "content": "Where are the boats?"}])
@@ -98,37 +98,50 @@ def test_all_violations_are_reported_together(processor):
 
 
 def test_engine_requests_fan_out_with_distinct_seeds(processor):
-    protocol = pytest.importorskip("engine_svc.protocol")
-    prepared = processor.process([0, 5, 6], SamplingParams(n=3, seed=41, stop="x", stop_token_ids=[9]))
-    requests = processor.engine_requests(prepared)
-    assert [r["request_id"] for r in requests] == prepared.engine_request_ids
-    assert [r["sampling_params"]["seed"] for r in requests] == [41, 42, 43]
-    for fields in requests:
-        assert set(fields) == set(protocol.EngineCoreRequest.__struct_fields__)
-        assert fields["prompt_token_ids"] == [0, 5, 6] and fields["trace_headers"] == {}
-        assert fields["eos_token_ids"] == prepared.eos_token_ids
-        sampling = protocol.EngineSamplingParams(**fields["sampling_params"])
-        protocol.EngineCoreRequest(**{**fields, "sampling_params": sampling})
-    requests[0]["sampling_params"]["stop_token_ids"].append(1)
-    assert requests[1]["sampling_params"]["stop_token_ids"] == [9]  # no shared lists
+    prepared = processor.process([0, 5, 6], SamplingParams(n=3, seed=41, stop="x", stop_token_ids=[9], top_k=-1))
+    requests = processor.engine_requests(prepared, {"traceparent": "00-abc"})
+    assert [r.request_id for r in requests] == prepared.engine_request_ids
+    assert [r.sampling_params.seed for r in requests] == [41, 42, 43]
+    for request in requests:
+        assert type(request) is EngineCoreRequest and type(request.sampling_params) is EngineSamplingParams
+        assert request.prompt_token_ids == [0, 5, 6] and request.trace_headers == {"traceparent": "00-abc"}
+        assert request.eos_token_ids == prepared.eos_token_ids and request.arrival_time == prepared.arrival_time
+        assert request.sampling_params.top_k == -1 and request.sampling_params.stop_token_ids == [9]
+    requests[0].sampling_params.stop_token_ids.append(1)
+    requests[0].trace_headers["tracestate"] = "x"
+    assert requests[1].sampling_params.stop_token_ids == [9] == prepared.params.stop_token_ids  # no shared lists
+    assert requests[1].trace_headers == {"traceparent": "00-abc"}
+    assert processor.engine_requests(prepared)[0].trace_headers == {}
+
+
+def test_engine_requests_carry_every_engine_field():
+    """`engine_params` copies every token-level field, so a new one needs no code here."""
+    values = {"temperature": 0.5, "top_p": 0.5, "top_k": 7, "min_p": 0.1, "seed": 3, "max_tokens": 9,
+              "min_tokens": 2, "stop_token_ids": [4], "ignore_eos": True, "presence_penalty": 0.5,
+              "frequency_penalty": -0.5, "repetition_penalty": 1.5, "logprobs": 2, "prompt_logprobs": 1}
+    assert set(values) == set(ENGINE_FIELDS)
+    engine = SamplingParams(**values, stop=["x"], n=2).engine_params()
+    assert {name: getattr(engine, name) for name in ENGINE_FIELDS} == values
 
 
 def test_unseeded_and_wrapping_seeds(processor):
     unseeded = processor.engine_requests(processor.process([5], SamplingParams(n=2)))
-    assert [r["sampling_params"]["seed"] for r in unseeded] == [None, None]
+    assert [r.sampling_params.seed for r in unseeded] == [None, None]
     top = (1 << 64) - 1
     wrapped = processor.engine_requests(processor.process([5], SamplingParams(n=2, seed=top)))
-    assert [r["sampling_params"]["seed"] for r in wrapped] == [top, 0]
+    assert [r.sampling_params.seed for r in wrapped] == [top, 0]
 
 
 def test_processing_modules_import_neither_torch_nor_the_engine():
     import subprocess
     import sys
 
-    modules = ["errors", "sampling_params", "processor", "detokenizer", "stop", "outputs", "output_processor"]
+    modules = ["frontend_svc." + m for m in ("errors", "processor", "detokenizer", "stop", "outputs",
+                                             "output_processor")]
+    modules += ["shared_runtime.contract", "shared_runtime.limits", "shared_runtime.to_pb", "shared_runtime.from_pb"]
     code = (
         "import sys\n"
-        + "".join(f"import frontend_svc.{m}\n" for m in modules)
+        + "".join(f"import {m}\n" for m in modules)
         + "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'engine_svc')]\n"
         + "assert not bad, bad\n"
     )
@@ -160,7 +173,7 @@ def counting(tokenizer):
 
 
 def test_an_oversized_text_prompt_is_rejected_without_tokenizing(counting):
-    from frontend_svc.limits import max_prompt_bytes
+    from shared_runtime.limits import max_prompt_bytes
 
     counter, processor = counting
     limit = max_prompt_bytes(MAX_LEN)
@@ -172,7 +185,7 @@ def test_an_oversized_text_prompt_is_rejected_without_tokenizing(counting):
 
 
 def test_an_oversized_chat_is_rejected_without_rendering(counting):
-    from frontend_svc.limits import max_prompt_bytes
+    from shared_runtime.limits import max_prompt_bytes
 
     counter, processor = counting
     many = ChatPrompt([{"role": "user", "content": "hi"}] * (MAX_LEN + 1))

@@ -1,4 +1,5 @@
-"""SamplingParams: defaults, normalization, the validation table, and engine_fields()."""
+"""SamplingParams (shared_runtime/contract.py): defaults, normalization, the validation table shared by
+frontend and engine, and engine_params()."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import math
 
 import pytest
 
-from frontend_svc.errors import FieldViolation, ValidationError
-from frontend_svc.sampling_params import SamplingParams
+from shared_runtime.contract import EngineSamplingParams, SamplingParams
+from shared_runtime.violations import FieldViolation, ValidationError
 
 NAN, INF = math.nan, math.inf
 
@@ -37,6 +38,7 @@ BAD_PARAMS = [
     ({"logprobs": 21}, "logprobs"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"n": 0}, "n"),
+    ({"n": 65}, "n"),  # at most MAX_N (64) completions
     ({"stop": ""}, "stop"),
     ({"stop": ["ok", ""]}, "stop"),
     ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
@@ -60,6 +62,7 @@ GOOD_PARAMS = [
     {"seed": 0}, {"seed": (1 << 64) - 1}, {"max_tokens": None, "min_tokens": 1000},
     {"max_tokens": 1, "min_tokens": 1}, {"presence_penalty": -2.0, "frequency_penalty": 2.0},
     {"repetition_penalty": 1e-3}, {"logprobs": 0}, {"logprobs": 20, "prompt_logprobs": 0}, {"n": 4},
+    {"n": 64},
     {"stop": [f"{i:02d}" + "x" * 1022 for i in range(16)], "stop_token_ids": list(range(1024))},
 ]
 
@@ -93,16 +96,29 @@ def test_defaults_and_stop_normalization():
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
 
 
-def test_engine_fields_match_the_engine_struct():
-    protocol = pytest.importorskip("engine_svc.protocol")
+def test_engine_params_are_the_token_level_part():
     params = SamplingParams(temperature=0.5, top_k=-1, seed=7, stop="x", stop_token_ids=[5], logprobs=2, n=3)
-    fields = params.engine_fields()
-    assert set(fields) == set(protocol.EngineSamplingParams.__struct_fields__)
-    assert fields["top_k"] == 0  # -1 (disabled) is sent as 0
-    assert fields["seed"] == 7 and fields["stop_token_ids"] == [5] and fields["logprobs"] == 2
-    protocol.EngineSamplingParams(**fields)  # constructible as-is
-    fields["stop_token_ids"].append(9)
+    engine = params.engine_params()
+    assert type(engine) is EngineSamplingParams
+    assert set(EngineSamplingParams.__struct_fields__) < set(SamplingParams.__struct_fields__)
+    assert (engine.top_k, engine.seed, engine.stop_token_ids, engine.logprobs) == (-1, 7, [5], 2)
+    assert params.engine_params(seed_offset=2).seed == 9
+    engine.stop_token_ids.append(9)
     assert params.stop_token_ids == [5]  # a copy, not the params' own list
+
+
+def test_the_engine_side_runs_the_same_rules():
+    """What the engine checks (EngineSamplingParams.violations) is the frontend's rule set without
+    the text-level fields: a bad value is named the same way on both sides."""
+    bad = {"top_p": 1.5, "logprobs": 21, "stop_token_ids": list(range(1025))}
+    expected = [FieldViolation("top_p", "must be in (0, 1], got 1.5"),
+                FieldViolation("stop_token_ids", "at most 1024 stop token ids are allowed, got 1025"),
+                FieldViolation("logprobs", "must be in [0, 20], got 21")]
+    assert EngineSamplingParams(**bad).violations() == expected
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(**bad)
+    assert info.value.violations == expected
+    assert EngineSamplingParams().violations() == []
 
 
 def test_validation_error_needs_a_violation_and_prefixes():

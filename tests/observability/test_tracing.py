@@ -14,7 +14,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from engine_svc.protocol import (
+from engine_svc.telemetry.tracing import RequestSpans
+from frontend_svc.client import generate_request
+from shared_runtime.contract import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -25,8 +27,6 @@ from engine_svc.protocol import (
     FinishReason,
     RequestEvent,
 )
-from engine_svc.telemetry.tracing import RequestSpans
-from frontend_svc.client import generate_request
 from shared_runtime.telemetry import exporter_names, provider_from_env
 from tests.observability.support import Stack
 from tests.support import wait_until

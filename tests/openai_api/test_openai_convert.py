@@ -9,12 +9,12 @@ from typing import Any
 import pydantic
 import pytest
 
-from frontend_svc.errors import FieldViolation, ValidationError
 from frontend_svc.openai import convert, sse
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import ApiError, from_pydantic, service_error
 from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
 from frontend_svc.processor import ChatPrompt
+from shared_runtime.violations import FieldViolation, ValidationError
 
 
 def parse_error(model: type[pydantic.BaseModel], body: dict[str, Any]) -> ApiError:

@@ -1,4 +1,4 @@
-"""engine_svc.wire: struct <-> protobuf conversion of the EngineCore contract.
+"""shared_runtime.to_pb / from_pb: contract structs <-> protobuf, and engine_svc.packing.
 
 Float values are chosen to be exact in float32 where the wire carries float32 (logprobs, kv_cache_usage).
 """
@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.v1 import generation_pb2 as public_pb
 
-from engine_svc import protocol as p
-from engine_svc import wire
+from engine_svc.packing import pack_outputs
+from shared_runtime import contract as p
+from shared_runtime import from_pb, to_pb
 
 
 def _over_the_wire(message):  # type: ignore[no-untyped-def]
@@ -61,6 +62,12 @@ def test_messages_mirror_the_structs_field_for_field(struct, message) -> None:  
     assert set(struct.__struct_fields__) == set(message.DESCRIPTOR.fields_by_name)
 
 
+def test_the_public_sampling_params_are_the_contracts() -> None:
+    """Every field of the contract's SamplingParams is in the public proto under its name, and back: a
+    field added on one side only fails here."""
+    assert set(p.SamplingParams.__struct_fields__) == set(public_pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
 def test_optional_fields_are_the_structs_nullable_ones() -> None:
     nullable = {"seed", "max_tokens", "logprobs", "prompt_logprobs"}
     defaults_not_zero = {"temperature", "top_p", "repetition_penalty"}
@@ -102,27 +109,27 @@ def _full_request() -> p.EngineCoreRequest:
 
 def test_request_round_trip_keeps_every_field_exactly() -> None:
     request = _full_request()
-    message = _over_the_wire(wire.request_to_pb(request))
-    assert wire.request_from_pb(message) == request
+    message = _over_the_wire(to_pb.request_to_pb(request))
+    assert from_pb.request_from_pb(message) == request
 
 
 def test_request_round_trip_of_defaults_keeps_none_and_explicit_zero_apart() -> None:
     request = p.EngineCoreRequest(
         request_id="r", prompt_token_ids=[5], sampling_params=p.EngineSamplingParams(logprobs=0)
     )
-    message = _over_the_wire(wire.request_to_pb(request))
+    message = _over_the_wire(to_pb.request_to_pb(request))
     params = message.sampling_params
     assert params.HasField("logprobs") and params.logprobs == 0
     assert not params.HasField("prompt_logprobs") and not params.HasField("seed")
     assert not params.HasField("max_tokens")
-    back = wire.request_from_pb(message)
+    back = from_pb.request_from_pb(message)
     assert back == request
     assert back.sampling_params.logprobs == 0 and back.sampling_params.prompt_logprobs is None
 
 
 def test_unset_sampling_params_read_as_struct_defaults_not_proto_zeros() -> None:
     message = pb.EngineCoreRequest(request_id="r", prompt_token_ids=[1])
-    request = wire.request_from_pb(message)
+    request = from_pb.request_from_pb(message)
     assert request.sampling_params == p.EngineSamplingParams()
     assert request.sampling_params.temperature == 1.0 and request.sampling_params.top_p == 1.0
     assert request.sampling_params.repetition_penalty == 1.0
@@ -130,16 +137,35 @@ def test_unset_sampling_params_read_as_struct_defaults_not_proto_zeros() -> None
 
 def test_greedy_temperature_zero_survives() -> None:
     params = p.EngineSamplingParams(temperature=0.0)
-    message = _over_the_wire(wire.sampling_params_to_pb(params))
+    message = _over_the_wire(to_pb.sampling_params_to_pb(params))
     assert message.HasField("temperature")
-    assert wire.sampling_params_from_pb(message).temperature == 0.0
+    assert from_pb.sampling_params_from_pb(message).temperature == 0.0
+
+
+def test_a_frontend_sampling_params_sends_its_token_level_part() -> None:
+    params = p.SamplingParams(temperature=0.5, stop=["x"], n=2, include_stop_str_in_output=True)
+    message = _over_the_wire(to_pb.sampling_params_to_pb(params))
+    assert from_pb.sampling_params_from_pb(message) == params.engine_params()
+
+
+@settings(derandomize=True, max_examples=40, deadline=None)
+@given(params=st.builds(
+    p.EngineSamplingParams,
+    temperature=st.floats(0, 2), top_p=st.floats(0, 1), top_k=st.integers(-1, 2**31 - 1),
+    min_p=st.floats(0, 1), seed=st.none() | st.integers(0, 2**64 - 1),
+    max_tokens=st.none() | st.integers(0, 2**32 - 1), min_tokens=st.integers(0, 2**32 - 1),
+    stop_token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=3), ignore_eos=st.booleans(),
+    presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2), repetition_penalty=st.floats(0, 9),
+    logprobs=st.none() | st.integers(0, 2**32 - 1), prompt_logprobs=st.none() | st.integers(0, 2**32 - 1)))
+def test_sampling_params_round_trip_property(params: p.EngineSamplingParams) -> None:
+    assert from_pb.sampling_params_from_pb(_over_the_wire(to_pb.sampling_params_to_pb(params))) == params
 
 
 def test_add_and_abort_inputs() -> None:
-    add = _over_the_wire(wire.add_to_pb(_full_request()))
+    add = _over_the_wire(to_pb.add_to_pb(_full_request()))
     assert add.WhichOneof("kind") == "add"
-    assert wire.request_from_pb(add.add) == _full_request()
-    abort = _over_the_wire(wire.abort_to_pb(iter(["a", "b"])))
+    assert from_pb.request_from_pb(add.add) == _full_request()
+    abort = _over_the_wire(to_pb.abort_to_pb(iter(["a", "b"])))
     assert abort.WhichOneof("kind") == "abort"
     assert list(abort.abort.request_ids) == ["a", "b"]
 
@@ -206,7 +232,7 @@ def _full_outputs() -> p.EngineCoreOutputs:
 
 def test_outputs_round_trip_keeps_every_field() -> None:
     outputs = _full_outputs()
-    back = wire.outputs_from_pb(_over_the_wire(wire.outputs_to_pb(outputs)))
+    back = from_pb.outputs_from_pb(_over_the_wire(to_pb.outputs_to_pb(outputs)))
     assert back == outputs
     assert isinstance(back.outputs[1].finish_reason, p.FinishReason)
     assert isinstance(back.outputs[0].events[0].type, p.EventType)
@@ -214,7 +240,7 @@ def test_outputs_round_trip_keeps_every_field() -> None:
 
 
 def test_outputs_pb_reads_like_the_struct_by_attribute_name() -> None:
-    message = wire.outputs_to_pb(_full_outputs())
+    message = to_pb.outputs_to_pb(_full_outputs())
     stopped = message.outputs[1]
     assert stopped.finish_reason == p.FinishReason.STOP == pb.FINISH_REASON_STOP
     assert stopped.HasField("stop_token_id") and stopped.stop_token_id == 0
@@ -227,16 +253,16 @@ def test_outputs_pb_reads_like_the_struct_by_attribute_name() -> None:
 
 def test_outputs_without_stats_round_trip_to_none() -> None:
     outputs = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput(request_id="x", new_token_ids=[1])])
-    message = _over_the_wire(wire.outputs_to_pb(outputs))
+    message = _over_the_wire(to_pb.outputs_to_pb(outputs))
     assert not message.HasField("scheduler_stats")
-    assert wire.outputs_from_pb(message) == outputs
+    assert from_pb.outputs_from_pb(message) == outputs
 
 
 def test_default_fields_are_not_written() -> None:
     """A plain one-token output costs only its id and token on the wire."""
     outputs = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput(request_id="abc", new_token_ids=[300])])
     expected = pb.EngineCoreOutputs(outputs=[pb.EngineCoreOutput(request_id="abc", new_token_ids=[300])])
-    assert wire.outputs_to_pb(outputs).SerializeToString() == expected.SerializeToString()
+    assert to_pb.outputs_to_pb(outputs).SerializeToString() == expected.SerializeToString()
 
 
 def test_float32_fields_round_to_float32() -> None:
@@ -248,7 +274,7 @@ def test_float32_fields_round_to_float32() -> None:
         ],
         scheduler_stats=p.SchedulerStats(kv_cache_usage=0.1),
     )
-    back = wire.outputs_from_pb(_over_the_wire(wire.outputs_to_pb(outputs)))
+    back = from_pb.outputs_from_pb(_over_the_wire(to_pb.outputs_to_pb(outputs)))
     assert back.outputs[0].new_logprobs[0].logprob == pytest.approx(-0.1, rel=1e-7)
     assert back.scheduler_stats is not None
     assert back.scheduler_stats.kv_cache_usage == pytest.approx(0.1, rel=1e-7)
@@ -283,7 +309,7 @@ _output = st.builds(
 @given(outputs=st.lists(_output, max_size=4), timestamp=st.floats(0, 2e9))
 def test_outputs_round_trip_property(outputs: list[p.EngineCoreOutput], timestamp: float) -> None:
     struct = p.EngineCoreOutputs(outputs=outputs, timestamp=timestamp)
-    assert wire.outputs_from_pb(_over_the_wire(wire.outputs_to_pb(struct))) == struct
+    assert from_pb.outputs_from_pb(_over_the_wire(to_pb.outputs_to_pb(struct))) == struct
 
 
 # ---- load ----------------------------------------------------------------------------------------------
@@ -292,7 +318,7 @@ def test_outputs_round_trip_property(outputs: list[p.EngineCoreOutput], timestam
 def test_stats_to_load_pb() -> None:
     stats = _full_outputs().scheduler_stats
     assert stats is not None
-    load = _over_the_wire(wire.stats_to_load_pb(stats))
+    load = _over_the_wire(to_pb.stats_to_load_pb(stats))
     assert load == pb.EngineLoad(
         num_running=3,
         num_waiting=2,
@@ -302,14 +328,14 @@ def test_stats_to_load_pb() -> None:
         prefix_cache_queries=2**40,
         prefix_cache_hits=1024,
     )
-    assert wire.stats_to_load_pb(None) == pb.EngineLoad()
+    assert to_pb.stats_to_load_pb(None) == pb.EngineLoad()
 
 
 def test_stats_round_trip() -> None:
     stats = _full_outputs().scheduler_stats
     assert stats is not None
-    assert wire.stats_from_pb(_over_the_wire(wire.stats_to_pb(stats))) == stats
-    assert msgspec.structs.asdict(wire.stats_from_pb(pb.SchedulerStats())) == msgspec.structs.asdict(
+    assert from_pb.stats_from_pb(_over_the_wire(to_pb.stats_to_pb(stats))) == stats
+    assert msgspec.structs.asdict(from_pb.stats_from_pb(pb.SchedulerStats())) == msgspec.structs.asdict(
         p.SchedulerStats()
     )
 
@@ -327,7 +353,7 @@ def test_outputs_to_pb_timing(capsys: pytest.CaptureFixture[str]) -> None:
     rounds = 300
     start = time.perf_counter()
     for _ in range(rounds):
-        message = wire.outputs_to_pb(outputs)
+        message = to_pb.outputs_to_pb(outputs)
     per_step_us = (time.perf_counter() - start) / rounds * 1e6
     assert len(message.outputs) == 64 and message.outputs[63].new_token_ids[0] == 1063
     with capsys.disabled():
@@ -343,7 +369,7 @@ def _step(step: int, num: int, id_len: int = 100) -> p.EngineCoreOutputs:
 
 
 def test_pack_outputs_coalesces_small_steps_into_one_message() -> None:
-    [message] = wire.pack_outputs([_step(1, 2), _step(2, 2)], budget=1 << 20, limit=1 << 20)
+    [message] = pack_outputs([_step(1, 2), _step(2, 2)], budget=1 << 20, limit=1 << 20)
     assert [list(o.new_token_ids) for o in message.outputs] == [[1, 0], [1, 1], [2, 0], [2, 1]]
     assert message.scheduler_stats.num_running == 2 and message.timestamp == 2
 
@@ -351,7 +377,7 @@ def test_pack_outputs_coalesces_small_steps_into_one_message() -> None:
 def test_pack_outputs_splits_in_order_under_the_budget_with_stats_last() -> None:
     steps = [_step(s, 8) for s in range(50)]
     budget = 4096
-    messages = list(wire.pack_outputs(steps, budget=budget, limit=budget))
+    messages = list(pack_outputs(steps, budget=budget, limit=budget))
     assert len(messages) > 1 and all(m.ByteSize() <= budget for m in messages)
     tokens = [list(o.new_token_ids) for m in messages for o in m.outputs]
     assert tokens == [[s, i] for s in range(50) for i in range(8)]
@@ -363,8 +389,8 @@ def test_an_output_larger_than_the_limit_becomes_an_error_for_its_request_alone(
     huge = p.EngineCoreOutput(request_id="huge", new_token_ids=list(range(100_000, 110_000)))
     small = p.EngineCoreOutput(request_id="small", new_token_ids=[1])
     dropped: list[str] = []
-    messages = list(wire.pack_outputs([p.EngineCoreOutputs(outputs=[huge, small])], budget=8192, limit=8192,
-                                      on_oversized=dropped.append))
+    messages = list(pack_outputs([p.EngineCoreOutputs(outputs=[huge, small])], budget=8192, limit=8192,
+                                 on_oversized=dropped.append))
     assert dropped == ["huge"] and all(m.ByteSize() <= 8192 for m in messages)
     outs = {o.request_id: o for m in messages for o in m.outputs}
     assert outs["huge"].finish_reason == pb.FINISH_REASON_ERROR
@@ -380,7 +406,7 @@ def test_nothing_of_a_request_follows_the_error_its_oversized_output_became() ->
     other = p.EngineCoreOutput(request_id="other", new_token_ids=[1])
     steps = [p.EngineCoreOutputs(outputs=[huge, other]), p.EngineCoreOutputs(outputs=[later])]
     dropped: list[str] = []
-    messages = list(wire.pack_outputs(steps, budget=8192, limit=8192, on_oversized=dropped.append))
+    messages = list(pack_outputs(steps, budget=8192, limit=8192, on_oversized=dropped.append))
     outs = [o for m in messages for o in m.outputs]
     assert dropped == ["huge"]
     assert [(o.request_id, o.finish_reason) for o in outs] == [

@@ -1,20 +1,32 @@
-"""Per-request size limits, checked before any expensive work (tokenizing, rendering a chat).
+"""Every bound on what one request may ask for, written once for both services.
 
-They live here, not in a gRPC handler, so every API in front of the processor (the gRPC service, an
-HTTP API) applies the same ones: `Processor.process` calls them, `SamplingParams` checks the stop
-limits. Each check returns a `FieldViolation` (field = the dot path in `tandem.v1.GenerateRequest`) or
-None.
+The frontend checks them for its clients (field-path errors, before any expensive work); the engine
+checks them again for whatever reaches it over `Connect` (defence in depth: it does not trust the
+frontend). The sampling rules that use them are `SamplingParams.violations()` in
+shared_runtime/contract.py; the size checks below run before tokenization.
 
-The limits, and why:
-- `request_id`: at most 256 bytes of printable ASCII (0x20-0x7E). It is echoed in every response and
-  is part of every engine request id, so an unbounded id multiplies into every message.
+The bounds, and why:
+- Request id: the client's at most 256 bytes of printable ASCII (0x20-0x7E): it is echoed in every
+  response and is part of every engine request id. The engine takes ids of up to 512 bytes (the
+  frontend's ids are the client's plus a short suffix).
+- n: at most 64 completions per request (more is almost surely a client bug; each is an engine request).
+- Logprobs: top-N of at most 20 per token (OpenAI's bound; each costs a top-k over the vocabulary).
+- Stop strings: at most 16 of at most 1024 characters (like TGI's --max-stop-sequences, but roomier):
+  the stop checker is linear in their total length, and the text held back while one might still match
+  is shorter than the longest.
+- Token-id lists (stop_token_ids, eos_token_ids): at most 1024 ids; the engine scans them per token.
+- Penalties: presence and frequency in [-2, 2] (OpenAI's range).
+- Integers on the engine link are 32-bit (top_k, min_tokens, token ids, priority) or, for seeds, 64-bit.
+- Trace headers: at most 8 entries of at most 1024 bytes each.
 - Text prompt: at most `max_model_len * PROMPT_BYTES_PER_TOKEN` UTF-8 bytes. The factor (32) is far
-  above what real tokenizers produce (about 4 bytes per token for English, under 8 for code or CJK),
-  so a prompt this check rejects could never fit in the context window anyway; it only spares the
-  tokenizer (and everyone waiting for it) from megabytes that are bound to be rejected.
+  above what real tokenizers produce (about 4 bytes per token for English, under 8 for code or CJK), so
+  a prompt this rejects could never fit the context window anyway; it only spares the tokenizer (and
+  everyone waiting for it) from megabytes that are bound to be rejected.
 - Chat: at most `max_model_len` messages (every message renders to at least one token) and the same
   byte budget over all roles and contents, checked before the template runs.
 - Token-id prompt: the count is checked against max_model_len before the ids are copied or scanned.
+
+Each size check returns a `FieldViolation` (field = the dot path in `tandem.v1.GenerateRequest`) or None.
 """
 
 from __future__ import annotations
@@ -22,9 +34,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from frontend_svc.errors import FieldViolation
+from shared_runtime.violations import FieldViolation
 
 MAX_REQUEST_ID_BYTES = 256
+MAX_ENGINE_REQUEST_ID_BYTES = 512
+MAX_N = 64
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_TOKEN_IDS = 1024
+PENALTY_BOUND = 2.0
+INT32_MAX = (1 << 31) - 1
+INT32_MIN = -(1 << 31)
+UINT64_LIMIT = 1 << 64
+MAX_TRACE_HEADERS = 8
+MAX_TRACE_HEADER_BYTES = 1024
 PROMPT_BYTES_PER_TOKEN = 32
 
 

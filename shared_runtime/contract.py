@@ -1,0 +1,311 @@
+"""The request contract: one definition of what a request asks for and what the engine answers.
+
+Both services and the offline API use these msgspec structs (no torch, no protobuf):
+
+- `SamplingParams` is how to sample one client request, with vLLM's names and defaults. The frontend's
+  API mappers build it (frontend_svc/convert.py for gRPC, frontend_svc/openai/convert.py for OpenAI),
+  the offline `LLM` takes it from its caller. Constructing one normalizes it (a single stop string
+  becomes a list) and validates it.
+- `EngineSamplingParams` is its token-level part, the part that crosses the link: `SamplingParams` is
+  an `EngineSamplingParams` plus what only the frontend acts on (`stop`, `include_stop_str_in_output`,
+  `n`, `skip_special_tokens`). `SamplingParams.engine_params()` copies every engine field, so a new
+  token-level field is declared once, here (and in the protos, and mapped from each public API).
+- `EngineCoreRequest` is one engine request (n is always 1 there), built by the frontend's `Processor`
+  and handed to the engine as it is (offline) or through protobuf (shared_runtime/to_pb.py, then
+  shared_runtime/from_pb.py on the engine).
+- `violations()` is the one set of sampling rules: ranges, n, logprobs, stop limits, min/max tokens,
+  ids against the vocabulary. The frontend prefixes its results with the public field path; the engine
+  (engine_svc/validation.py) runs the same rules on what arrives over the wire. The bounds live in
+  shared_runtime/limits.py.
+- The output structs (`EngineCoreOutputs` and below) are what the engine core produces each step. They
+  mirror `tandem.engine.v1` field for field (the same names and enum numbers).
+
+Why the frontend reads engine outputs as protobuf, not as these structs: outputs are the per-token
+path. The engine converts one step's structs to protobuf once (about 0.5 us per output, on its asyncio
+thread), and the frontend's output processor reads the received `tandem.engine.v1.EngineCoreOutputs`
+directly - also typed, by its generated stubs. Converting it back to structs in the frontend would cost
+about 2.2 us more per output (1.3 -> 3.5 us to read an output; /work/notes/i19.md has the script) out
+of a budget of 15 us per streamed token. The offline API converts its in-process step to protobuf the
+same way (shared_runtime/to_pb.py), so the output processor has exactly one input shape.
+
+Invariants:
+- `EngineCoreOutputs` is one message per engine step; it carries every request that produced something
+  that step (new tokens, a finish, an error) and the scheduler stats after the step.
+- A request appears with `finish_reason != UNSPECIFIED` (or an `error`) exactly once, in its last output.
+- The engine never mutates a request's sampling params (offline, they are shared with the caller's).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from numbers import Integral, Real
+from typing import Any
+
+import msgspec
+
+from shared_runtime import limits
+from shared_runtime.violations import FieldViolation, ValidationError
+
+# ---- requests ----------------------------------------------------------------------------------------
+
+
+class EngineSamplingParams(msgspec.Struct, kw_only=True):
+    """Sampling as the engine sees it: token-level only (stop strings are the frontend's business).
+
+    `temperature == 0` means greedy. `max_tokens is None` means "up to max_model_len".
+    `top_k <= 0` (or >= vocab) disables top-k; `top_p == 1` and `min_p == 0` disable those filters.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-N logprobs per sampled token (0 = only the sampled token's)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token
+
+    def violations(self, vocab_size: int | None = None) -> list[FieldViolation]:
+        """Every problem with these params (bare field names); empty when they are valid. Token ids are
+        checked against `vocab_size` when it is known."""
+        return sampling_violations(self, (), 1, vocab_size)
+
+
+ENGINE_FIELDS: tuple[str, ...] = EngineSamplingParams.__struct_fields__
+
+
+class SamplingParams(EngineSamplingParams, kw_only=True):
+    """How to sample one client request (vLLM's `SamplingParams`): the engine's fields plus the text-level
+    ones the frontend acts on. Constructing one normalizes and validates it (`ValidationError`, which is
+    a `ValueError`, naming every bad field).
+
+    Invariant: `stop` is a list of at most `MAX_STOP_STRINGS` non-empty strings of at most
+    `MAX_STOP_STRING_CHARS` characters; `stop_token_ids` a list of at most `MAX_TOKEN_IDS` ids.
+    """
+
+    max_tokens: int | None = 16  # vLLM's default; None = fill the context window
+    stop: list[str] = msgspec.field(default_factory=list)  # a single string is accepted too
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        stop: object = self.stop
+        if stop is None:
+            self.stop = []
+        elif isinstance(stop, str):
+            self.stop = [stop]
+        elif not isinstance(stop, list):
+            self.stop = list(self.stop)
+        stop_ids: object = self.stop_token_ids
+        if stop_ids is None:
+            self.stop_token_ids = []
+        elif not isinstance(stop_ids, list):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `ValidationError` listing every bad field (bare names, e.g. `top_p`)."""
+        violations = self.violations(vocab_size)
+        if violations:
+            raise ValidationError(violations)
+
+    def violations(self, vocab_size: int | None = None) -> list[FieldViolation]:
+        return sampling_violations(self, self.stop, self.n, vocab_size)
+
+    def engine_params(self, seed_offset: int = 0) -> EngineSamplingParams:
+        """The token-level params of one engine request: every `EngineSamplingParams` field (lists and
+        maps copied: the request owns them), the seed offset by `seed_offset` (completion i of n samples
+        with seed + i, so they differ)."""
+        fields: dict[str, Any] = {name: _own(getattr(self, name)) for name in ENGINE_FIELDS}
+        engine = EngineSamplingParams(**fields)
+        if engine.seed is not None:
+            engine.seed = (engine.seed + seed_offset) % limits.UINT64_LIMIT
+        return engine
+
+
+def _own(value: object) -> object:
+    return value.copy() if isinstance(value, (list, dict)) else value
+
+
+def sampling_violations(p: EngineSamplingParams, stop: Sequence[str], n: int,
+                        vocab_size: int | None) -> list[FieldViolation]:
+    """The sampling rules, for either side: `p`'s fields, and the frontend's `stop` and `n` (the engine
+    passes none and 1). Messages are built only for what fails."""
+    bad: list[FieldViolation] = []
+
+    def add(name: str, description: str) -> None:
+        bad.append(FieldViolation(name, description))
+
+    if not _is_finite(p.temperature) or p.temperature < 0:
+        add("temperature", f"must be a finite number >= 0, got {p.temperature!r}")
+    if not _is_finite(p.top_p) or not 0 < p.top_p <= 1:
+        add("top_p", f"must be in (0, 1], got {p.top_p!r}")
+    if not _is_int(p.top_k) or not -1 <= p.top_k <= limits.INT32_MAX:
+        add("top_k", f"must be -1, 0 (disabled) or a positive integer below 2**31, got {p.top_k!r}")
+    if not _is_finite(p.min_p) or not 0 <= p.min_p <= 1:
+        add("min_p", f"must be in [0, 1], got {p.min_p!r}")
+    if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < limits.UINT64_LIMIT):
+        add("seed", f"must be an integer in [0, 2**64), got {p.seed!r}")
+    max_ok = p.max_tokens is None or (_is_int(p.max_tokens) and p.max_tokens >= 1)
+    if not max_ok:
+        add("max_tokens", f"must be at least 1, got {p.max_tokens!r}")
+    if not _is_int(p.min_tokens) or not 0 <= p.min_tokens <= limits.INT32_MAX:
+        add("min_tokens", f"must be in [0, 2**31), got {p.min_tokens!r}")
+    elif max_ok and p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        add("min_tokens", f"must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}")
+    _check_stops(add, stop, p.stop_token_ids)
+    for name, value in (("presence_penalty", p.presence_penalty), ("frequency_penalty", p.frequency_penalty)):
+        if not _is_finite(value) or not -limits.PENALTY_BOUND <= value <= limits.PENALTY_BOUND:
+            add(name, f"must be in [-2, 2], got {value!r}")
+    if not _is_finite(p.repetition_penalty) or p.repetition_penalty <= 0:
+        add("repetition_penalty", f"must be a finite number > 0, got {p.repetition_penalty!r}")
+    for name, top in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
+        if top is not None and (not _is_int(top) or not 0 <= top <= limits.MAX_LOGPROBS):
+            add(name, f"must be in [0, {limits.MAX_LOGPROBS}], got {top!r}")
+    if not _is_int(n) or not 1 <= n <= limits.MAX_N:
+        add("n", f"must be in [1, {limits.MAX_N}], got {n!r}")
+    return bad
+
+
+def _check_stops(add: Callable[[str, str], None], stops: Sequence[str], stop_ids: Sequence[int]) -> None:
+    if len(stops) > limits.MAX_STOP_STRINGS:
+        add("stop", f"at most {limits.MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    elif not all(isinstance(s, str) for s in stops):
+        add("stop", "every stop string must be a string")
+    elif any(s == "" for s in stops):
+        add("stop", "stop strings must not be empty")
+    elif any(len(s) > limits.MAX_STOP_STRING_CHARS for s in stops):
+        add("stop", f"a stop string may have at most {limits.MAX_STOP_STRING_CHARS} characters, "
+                    f"got {max(len(s) for s in stops)}")
+    if len(stop_ids) > limits.MAX_TOKEN_IDS:
+        add("stop_token_ids", f"at most {limits.MAX_TOKEN_IDS} stop token ids are allowed, got {len(stop_ids)}")
+    elif not all(_is_int(t) and 0 <= t <= limits.INT32_MAX for t in stop_ids):
+        add("stop_token_ids", "stop token ids must be integers in [0, 2**31)")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True):
+    """One request to the engine: token ids in, token ids out. n is always 1 here."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: EngineSamplingParams
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    arrival_time: float = 0.0
+    priority: int = 0
+    trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+# ---- outputs -----------------------------------------------------------------------------------------
+
+
+class FinishReason(enum.IntEnum):
+    """Same numbers as `tandem.engine.v1.FinishReason` and the public `tandem.v1.FinishReason`."""
+
+    UNSPECIFIED = 0
+    STOP = 1  # EOS, a stop token id, or (frontend) a stop string
+    LENGTH = 2  # max_tokens or the model's context limit
+    ABORT = 3  # aborted by the client / frontend / a drain
+    ERROR = 4  # the engine could not serve it; see EngineCoreOutput.error
+
+
+class EventType(enum.IntEnum):
+    """Same numbers as `tandem.engine.v1.RequestEventType`."""
+
+    UNSPECIFIED = 0
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+    FIRST_TOKEN = 4
+    FINISHED = 5
+
+
+class ErrorCode(enum.IntEnum):
+    """gRPC status codes the frontend maps an engine error to (values = grpc.StatusCode numbers)."""
+
+    UNSPECIFIED = 0
+    INVALID_ARGUMENT = 3
+    RESOURCE_EXHAUSTED = 8
+    INTERNAL = 13
+    UNAVAILABLE = 14
+
+
+class TokenLogprobs(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    """Logprob of one position: the chosen token, its rank in the distribution (1 = most likely),
+    and the top-N alternatives in descending order."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+
+
+class RequestEvent(msgspec.Struct, array_like=True, gc=False):
+    """A scheduling event with the engine's wall-clock timestamp (time.time())."""
+
+    type: EventType
+    timestamp: float
+
+
+class EngineError(msgspec.Struct, kw_only=True, gc=False):
+    code: ErrorCode
+    message: str
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, gc=False):
+    """What one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
+    # Sent once, with the request's first output, when prompt_logprobs was asked for. Position 0 has no
+    # logprob (nothing precedes it), so this holds len(prompt) - 1 entries, for positions 1..len-1.
+    prompt_logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
+    stop_token_id: int | None = None  # the EOS / stop token that finished it, if one did
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    events: list[RequestEvent] = msgspec.field(default_factory=list)
+    error: EngineError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != FinishReason.UNSPECIFIED
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True, gc=False):
+    """Load after a step; frontends route on (num_running + num_waiting)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # blocks in use / total blocks, in [0, 1]
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # cumulative, in tokens
+    prefix_cache_hits: int = 0  # cumulative, in tokens
+    num_preemptions: int = 0  # cumulative
+    num_scheduled_tokens: int = 0  # this step
+    num_prompt_tokens: int = 0  # this step: prompt tokens computed
+    num_generation_tokens: int = 0  # this step: tokens sampled
+
+
+class EngineCoreOutputs(msgspec.Struct, kw_only=True, gc=False):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
