@@ -134,7 +134,9 @@ class TandemClient:
         return str(self.stub.Detokenize(request, timeout=timeout, metadata=self.metadata).text)
 
     def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+        info: pb.GetModelInfoResponse = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
+                                                                metadata=self.metadata)
+        return info
 
     def close(self) -> None:
         self.channel.close()
@@ -169,7 +171,9 @@ class AsyncTandemClient:
         return list(response.token_ids)
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+        info: pb.GetModelInfoResponse = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
+                                                                      metadata=self.metadata)
+        return info
 
     async def close(self) -> None:
         await self.channel.close()

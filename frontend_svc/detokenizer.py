@@ -23,8 +23,9 @@ and each step decodes the window and returns what lies past `len(prefix)`. Invar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+
+import tokenizers
 
 _REPLACEMENT_CHAR = "\ufffd"
 _MIN_PROMPT_CONTEXT = 4
@@ -37,10 +38,11 @@ class IncrementalDetokenizer:
     __slots__ = ("_decode", "_ids", "_prefix_len", "_read_offset", "_skip_special")
 
     def __init__(
-        self, tokenizer_backend: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+        self, tokenizer_backend: tokenizers.Tokenizer, prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
     ) -> None:
         """`tokenizer_backend` is a `tokenizers.Tokenizer` (the fast tokenizer behind the wrapper)."""
-        self._decode = tokenizer_backend.decode
+        self._decode: Callable[..., str] = tokenizer_backend.decode
         self._skip_special = skip_special_tokens
         self._ids: list[int] = prompt_context(tokenizer_backend, prompt_token_ids)
         self._read_offset = len(self._ids)  # ids before it are accounted for in the returned text
@@ -81,7 +83,7 @@ class IncrementalDetokenizer:
         return delta
 
 
-def prompt_context(backend: Any, prompt_token_ids: Sequence[int]) -> list[int]:
+def prompt_context(backend: tokenizers.Tokenizer, prompt_token_ids: Sequence[int]) -> list[int]:
     """A short suffix of the prompt that starts on a character boundary, used to prime the window.
 
     Takes at least the last few tokens (so leading-space rules see real context) and grows the

@@ -263,7 +263,7 @@ async def _is_serving(channel: grpc.aio.Channel) -> bool:
         answer = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=INFO_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         return exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND)
-    return answer.status != health_pb2.HealthCheckResponse.NOT_SERVING
+    return bool(answer.status != health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 async def _drain(outbox: asyncio.Queue[epb.EngineCoreInput]) -> AsyncIterator[epb.EngineCoreInput]:
@@ -374,14 +374,14 @@ class EngineClient:
         """Stop a request's unfinished completions, here and in the engine (no-op once done)."""
         engine_ids = self._forget(request)
         if engine_ids:
-            request.connection.send(abort_to_pb(engine_ids))
+            _connection_of(request).send(abort_to_pb(engine_ids))
 
     def fail_all(self, code: int, message: str, reason: str) -> None:
         """End every open request with a ServiceError and abort it in its engine (e.g. a drain's end)."""
         for connection in [*self._connections.values(), *self._retired]:  # retired ones may still hold requests
             for request in list(connection.requests):
                 self.abort(request)
-                request.collector.fail(ServiceError(code, message, reason))
+                request.fail(ServiceError(code, message, reason))
 
     # ---- called by connections -----------------------------------------------------------------------
     def accepts(self, connection: EngineConnection, info: epb.EngineInfo) -> bool:
@@ -400,7 +400,7 @@ class EngineClient:
         """The stream broke: every request on it ends with UNAVAILABLE (the engine aborted them)."""
         for request in list(connection.requests):
             self._forget(request)
-            request.collector.fail(ServiceError(UNAVAILABLE, message, "ENGINE_UNAVAILABLE"))
+            request.fail(ServiceError(UNAVAILABLE, message, "ENGINE_UNAVAILABLE"))
         self._close_if_idle(connection)
         if was_ready:
             self.connection_changed()
@@ -427,7 +427,7 @@ class EngineClient:
 
     def _release(self, request: RequestState) -> None:
         """A done request leaves its connection (which closes if it was retired and is now idle)."""
-        connection = request.connection
+        connection = _connection_of(request)
         connection.requests.discard(request)
         self._close_if_idle(connection)
 
@@ -437,6 +437,13 @@ class EngineClient:
             task = asyncio.get_running_loop().create_task(connection.close())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+
+def _connection_of(request: RequestState) -> EngineConnection:
+    """The connection a submitted request was sent on (`submit` sets it before anything can read it)."""
+    connection = request.connection
+    assert connection is not None, "the request was never submitted"
+    return connection
 
 
 def is_dns_target(target: str) -> bool:

@@ -19,24 +19,69 @@ Invariants:
   slots back, later calls do nothing.
 - `batches()` ends after every completion's finished delta; an engine error or a lost engine ends it
   with a `ServiceError` carrying the engine's code.
+
+`GenerationBackend` is everything an API layer may use of the frontend (as vLLM's API server sees only
+an `EngineClient`): `FrontendServer` implements it, the OpenAI layer takes nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from frontend_svc.engine_client import EngineClient, EngineUnavailable
 from frontend_svc.errors import RESOURCE_EXHAUSTED, UNAVAILABLE, ServiceError
 from frontend_svc.outputs import CompletionDelta
-from frontend_svc.processor import PreparedRequest, Processor
+from frontend_svc.processor import PreparedRequest, Processor, Prompt
 from frontend_svc.request_state import DeltaCollector, RequestState
 from frontend_svc.telemetry.call import GenerateCall
+from frontend_svc.tokenizer import Tokenizer
+from shared_runtime.contract import SamplingParams
+from shared_runtime.security.auth import KeySet
 from shared_runtime.violations import ValidationError
 
 T = TypeVar("T")
+
+
+class GenerationBackend(Protocol):
+    """The frontend as an API layer in front of it sees it."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """The context window requests are validated against (the ready engines' smallest)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """For the text of single tokens (logprobs); prompts go through `process`."""
+
+    @property
+    def api_keys(self) -> KeySet | None: ...
+
+    @property
+    def serving(self) -> bool:
+        """An engine is ready and no drain began."""
+
+    @property
+    def draining(self) -> bool: ...
+
+    def check_fits(self, slots: int, field: str) -> None:
+        """ValidationError on `field` when `slots` completions could never run at once."""
+
+    def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
+                   attributes: dict[str, str]) -> GenerateCall:
+        """One generation call's telemetry (trace context from `headers`)."""
+
+    def open_generation(self, num_completions: int, call: GenerateCall) -> Generation:
+        """Admit a request of `num_completions` (ValidationError / ServiceError when it cannot be)."""
+
+    def process(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None,
+                priority: int) -> PreparedRequest:
+        """Tokenize and validate (blocking: run it through `Generation.start`)."""
 
 
 class Admission:
@@ -103,7 +148,8 @@ class Generation:
             self._request = self._engines.submit(prepared, engine_requests, self._collector)
         except EngineUnavailable as exc:
             raise ServiceError(UNAVAILABLE, str(exc), "NO_READY_ENGINE") from None
-        self.call.routed(self._request.connection.address, len(engine_requests))
+        connection = self._request.connection
+        self.call.routed(connection.address if connection is not None else "", len(engine_requests))
         return prepared
 
     async def batches(self) -> AsyncIterator[list[CompletionDelta]]:

@@ -66,7 +66,10 @@ def hf_tokenizer_from_gguf(metadata: dict[str, Any]) -> tuple[Any, list[int]]:
             convert_gguf_tokenizer,
         )
     except ImportError:  # older releases: the same table and converter in integrations.ggml
-        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+        from transformers.integrations.ggml import (  # type: ignore[attr-defined,no-redef]
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
 
     if "tokenizer.ggml.tokens" not in metadata:
         raise ValueError("the GGUF file holds no tokenizer (no tokenizer.ggml.tokens)")
@@ -85,7 +88,7 @@ def hf_tokenizer_from_gguf(metadata: dict[str, Any]) -> tuple[Any, list[int]]:
             init_kwargs[name] = tokens[int(token_id)]
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
     limits = model_limits(metadata)
-    hf = PreTrainedTokenizerFast(
+    hf = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=backend, **init_kwargs, **extra, clean_up_tokenization_spaces=False,
         model_max_length=limits.get("max_position_embeddings", int(1e30)),
     )

@@ -52,7 +52,7 @@ class ProcessedOutputs:
     queue_times: list[float] = field(default_factory=list)  # engine-clock seconds, with log_stats only
 
 
-class _Completion:
+class Completion:
     """Per engine request state: detokenizer, stop checker, counters."""
 
     __slots__ = ("detokenizer", "engine_id", "index", "num_cached", "num_tokens", "request",
@@ -79,14 +79,14 @@ class OutputProcessor:
         `log_stats`: hand out queue times in each `ProcessedOutputs`."""
         self._backend = getattr(tokenizer, "backend", tokenizer)
         self._log_stats = log_stats
-        self._completions: dict[str, _Completion] = {}  # engine id -> unfinished completion (an index)
+        self._completions: dict[str, Completion] = {}  # engine id -> unfinished completion (an index)
 
     def add_request(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> RequestState:
         """Start tracking a request's n completions; its deltas go to `collector` when given."""
         request = RequestState(prepared, collector)
         primed = IncrementalDetokenizer(self._backend, prepared.prompt_token_ids, prepared.params.skip_special_tokens)
         for index, engine_id in enumerate(prepared.engine_request_ids):
-            completion = _Completion(request, index, primed if index == 0 else primed.copy())
+            completion = Completion(request, index, primed if index == 0 else primed.copy())
             self._completions[engine_id] = request.unfinished[engine_id] = completion
         return request
 
@@ -124,7 +124,7 @@ class OutputProcessor:
                 result.finished.append(request)
         return result
 
-    def _fail(self, c: _Completion, to_abort: list[str]) -> CompletionDelta:
+    def _fail(self, c: Completion, to_abort: list[str]) -> CompletionDelta:
         """End a completion with an INTERNAL error and have the engine drop it."""
         delta = CompletionDelta(c.request.prepared.request_id, c.index, "", [], c.engine_id)
         delta.finish_reason, delta.error = "error", CompletionError(INTERNAL, "output processing failed")
@@ -133,7 +133,7 @@ class OutputProcessor:
         self._finish(c)
         return delta
 
-    def _process_one(self, c: _Completion, output: epb.EngineCoreOutput,
+    def _process_one(self, c: Completion, output: epb.EngineCoreOutput,
                      to_abort: list[str]) -> CompletionDelta | None:
         params = c.request.prepared.params
         new_ids = list(output.new_token_ids)
@@ -175,7 +175,7 @@ class OutputProcessor:
             self._finish(c)
         return delta
 
-    def _finish(self, c: _Completion) -> None:
+    def _finish(self, c: Completion) -> None:
         """Forget a finished completion: it leaves the index and its request's unfinished set."""
         del self._completions[c.engine_id]
         del c.request.unfinished[c.engine_id]

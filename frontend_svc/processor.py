@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from shared_runtime import limits
 from shared_runtime.contract import EngineCoreRequest, SamplingParams
@@ -58,10 +58,20 @@ class PreparedRequest:
     prompt: str | None = None  # the prompt text when the client sent text
 
 
+class PromptTokenizer(Protocol):
+    """What the processor needs of a tokenizer (frontend_svc/tokenizer.py's `Tokenizer` has it)."""
+
+    eos_token_ids: list[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
 class Processor:
     """Tokenizes and validates requests for one model."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, model_name: str) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, max_model_len: int, vocab_size: int, model_name: str) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size

@@ -15,11 +15,15 @@ Everything here runs on one asyncio loop.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from frontend_svc.errors import ServiceError
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import PreparedRequest
+
+if TYPE_CHECKING:  # both import this module
+    from frontend_svc.engine_client import EngineConnection
+    from frontend_svc.output_processor import Completion
 
 
 class DeltaCollector:
@@ -74,8 +78,8 @@ class RequestState:
     def __init__(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> None:
         self.prepared = prepared
         self.collector = collector  # None: deltas are returned by process_outputs (the offline API)
-        self.unfinished: dict[str, Any] = {}  # engine request id -> its running completion
-        self.connection: Any = None  # the engine connection it was sent on (set by the engine client)
+        self.unfinished: dict[str, Completion] = {}  # engine request id -> its running completion
+        self.connection: EngineConnection | None = None  # the engine it was sent on (set by the engine client)
 
     @property
     def num_unfinished(self) -> int:
@@ -84,3 +88,8 @@ class RequestState:
     @property
     def done(self) -> bool:
         return not self.unfinished
+
+    def fail(self, error: ServiceError) -> None:
+        """End the request with `error` for its reader (a request without a collector has none)."""
+        if self.collector is not None:
+            self.collector.fail(error)

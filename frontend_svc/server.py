@@ -32,8 +32,8 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -55,7 +55,7 @@ from frontend_svc.engine_client import ChannelFactory, EngineClient
 from frontend_svc.errors import UNAVAILABLE, ServiceError
 from frontend_svc.generation import Admission, Generation
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.processor import PreparedRequest, Processor
+from frontend_svc.processor import PreparedRequest, Processor, Prompt
 from frontend_svc.router import Router
 from frontend_svc.telemetry.call import GenerateCall, grpc_failure
 from frontend_svc.telemetry.service import FrontendTelemetry
@@ -67,6 +67,9 @@ from shared_runtime.security.auth import AuthInterceptor, BearerToken, KeySet
 from shared_runtime.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
 from shared_runtime.security.tls import ServerTls, client_tls, server_tls
 from shared_runtime.violations import ValidationError
+
+if TYPE_CHECKING:  # starlette and uvicorn load only with --http-port
+    from frontend_svc.openai.serve import HttpServer
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -94,7 +97,7 @@ def default_tokenizer_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-class GenerationServicer(pb_grpc.GenerationServiceServicer):  # type: ignore[misc]
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, frontend: FrontendServer) -> None:
         self._f = frontend
 
@@ -197,7 +200,7 @@ class FrontendServer:
         self._stopped = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self.http: Any = None  # the OpenAI-compatible HTTP API (frontend_svc/openai/serve.py), with --http-port
+        self.http: HttpServer | None = None  # the OpenAI-compatible HTTP API, with --http-port
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> int:
@@ -222,7 +225,8 @@ class FrontendServer:
         if self.config.http_port:
             from frontend_svc.openai.serve import HttpServer  # starlette and uvicorn load only when asked for
 
-            self.http = HttpServer(self, self.config.host, self.config.http_port, self.config.tls)
+            self.http = HttpServer(self, self.config.host, self.config.http_port, self.config.max_message_bytes,
+                                   self.config.tls)
             await self.http.start()
         logger.info("frontend listening on %s (%s%s); engines: %s",
                     join_host_port(self.config.host, self.bound_port), self._security_summary(),
@@ -277,6 +281,26 @@ class FrontendServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    # ---- what an API layer uses (generation.GenerationBackend) ---------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.max_model_len
+
+    def check_fits(self, slots: int, field: str) -> None:
+        self.admission.check_fits(slots, field)
+
+    def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
+                   attributes: dict[str, str]) -> GenerateCall:
+        return self.telemetry.begin_call(headers, method, attributes)
+
+    def process(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None,
+                priority: int) -> PreparedRequest:
+        return self.processor.process(prompt, params, request_id=request_id, priority=priority)
 
     # ---- used by the servicer ----------------------------------------------------------------------
     def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:

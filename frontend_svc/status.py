@@ -16,6 +16,7 @@ from typing import NoReturn
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -32,7 +33,7 @@ def code_from_number(number: int) -> grpc.StatusCode:
     return _CODES_BY_NUMBER.get(int(number), grpc.StatusCode.UNKNOWN)
 
 
-def _pack(message: object) -> any_pb2.Any:
+def _pack(message: Message) -> any_pb2.Any:
     detail = any_pb2.Any()
     detail.Pack(message)
     return detail

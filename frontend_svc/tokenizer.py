@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from frontend_svc import gguf_tokenizer
@@ -37,7 +38,7 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: Any, generation_eos_ids: Iterable[int] = ()) -> None:
         """``hf_tokenizer``: a transformers fast tokenizer; ``generation_eos_ids``: extra EOS ids."""
         self._hf = hf_tokenizer
-        self.backend = hf_tokenizer.backend_tokenizer
+        self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
         """The ``tokenizers.Tokenizer`` (for ``tokenizers.decoders.DecodeStream``)."""
         self.vocab_size: int = len(hf_tokenizer)
         """Number of ids, added tokens included."""
@@ -87,9 +88,10 @@ class Tokenizer:
         """The chat template applied to ``messages`` (dicts with ``role`` and ``content``), as text."""
         if not self.has_chat_template:
             raise ChatTemplateError("this model has no chat template; send a text or token_ids prompt")
-        return self._hf.apply_chat_template(
+        text: str = self._hf.apply_chat_template(
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
         )
+        return text
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True

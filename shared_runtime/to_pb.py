@@ -78,7 +78,7 @@ def outputs_to_pb(outputs: c.EngineCoreOutputs) -> pb.EngineCoreOutputs:
         if out.prompt_logprobs:
             _logprobs_into(dst.prompt_logprobs, out.prompt_logprobs)
         if out.finish_reason:
-            dst.finish_reason = out.finish_reason
+            dst.finish_reason = out.finish_reason  # type: ignore[assignment]
         if out.stop_token_id is not None:
             dst.stop_token_id = out.stop_token_id
         if out.num_cached_tokens:
@@ -88,7 +88,7 @@ def outputs_to_pb(outputs: c.EngineCoreOutputs) -> pb.EngineCoreOutputs:
             for event in out.events:
                 add_event(type=event.type, timestamp=event.timestamp)
         if out.error is not None:
-            dst.error.code = out.error.code
+            dst.error.code = out.error.code  # type: ignore[assignment]
             dst.error.message = out.error.message
     if outputs.scheduler_stats is not None:
         msg.scheduler_stats.CopyFrom(stats_to_pb(outputs.scheduler_stats))

@@ -37,6 +37,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_svc.errors import ServiceError
+from frontend_svc.generation import GenerationBackend
 from frontend_svc.openai import convert, sse
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import (
@@ -51,12 +52,14 @@ from frontend_svc.openai.errors import (
 from frontend_svc.openai.runner import Run, code_name, from_service
 from shared_runtime import limits
 from shared_runtime.contract import SamplingParams
+from shared_runtime.security.auth import KeySet
 from shared_runtime.violations import ValidationError
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=pydantic.BaseModel)
 INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed on a thread
 JSON = "application/json"
+Builder = convert.CompletionBuilder | convert.ChatBuilder
 
 
 def error_response(error: ApiError) -> Response:
@@ -66,7 +69,7 @@ def error_response(error: ApiError) -> Response:
 class ApiKeyAuth:
     """ASGI middleware: `Authorization: Bearer <key>` on every path but /health (keys may be None: off)."""
 
-    def __init__(self, app: ASGIApp, keys: Any) -> None:
+    def __init__(self, app: ASGIApp, keys: KeySet | None) -> None:
         self.app = app
         self.keys = keys
 
@@ -80,9 +83,9 @@ class ApiKeyAuth:
 
 
 class OpenAIApi:
-    """The routes, bound to one `FrontendServer`."""
+    """The routes, bound to one frontend (`GenerationBackend`: nothing else of it is used here)."""
 
-    def __init__(self, frontend: Any, max_body_bytes: int) -> None:
+    def __init__(self, frontend: GenerationBackend, max_body_bytes: int) -> None:
         self.frontend = frontend
         self.max_body_bytes = max_body_bytes
         self.texts = convert.TokenTexts(frontend.tokenizer)
@@ -105,7 +108,7 @@ class OpenAIApi:
 
     async def models(self, request: Request) -> Response:
         f = self.frontend
-        card = p.ModelCard(id=f.config.model_name, created=self.created, max_model_len=f.processor.max_model_len)
+        card = p.ModelCard(id=f.model_name, created=self.created, max_model_len=f.max_model_len)
         return Response(p.ModelList(data=[card]).model_dump_json(exclude_none=True), media_type=JSON)
 
     async def completions(self, request: Request) -> Response:
@@ -128,7 +131,7 @@ class OpenAIApi:
         names = convert.field_names(body)
         params = self._params(body, names, len(prompts))
         request_id = _request_id(request)
-        builder = convert.CompletionBuilder(f"cmpl-{request_id}", self.frontend.config.model_name, body.n,
+        builder = convert.CompletionBuilder(f"cmpl-{request_id}", self.frontend.model_name, body.n,
                                             len(prompts), self.texts, params.logprobs)
         run = Run(self.frontend, _headers(request), "/v1/completions", prompts, params, request_id,
                   body.priority, names)
@@ -141,14 +144,14 @@ class OpenAIApi:
         prompt = convert.chat_prompt(body)
         params = self._params(body, names, 1)
         request_id = _request_id(request)
-        builder = convert.ChatBuilder(f"chatcmpl-{request_id}", self.frontend.config.model_name, body.n, 1,
+        builder = convert.ChatBuilder(f"chatcmpl-{request_id}", self.frontend.model_name, body.n, 1,
                                       self.texts, params.logprobs)
         run = Run(self.frontend, _headers(request), "/v1/chat/completions", [prompt], params, request_id,
                   body.priority, names)
         return await self._respond(request, run, builder, body, request_id)
 
     def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
-        convert.served_model(body.model, self.frontend.config.model_name)
+        convert.served_model(body.model, self.frontend.model_name)
         error = convert.unsupported(body)
         if error is not None:
             raise error
@@ -160,12 +163,13 @@ class OpenAIApi:
         try:
             params = convert.sampling_params(body)
             # all prompts x n completions at once, or never: each prompt's own take() could not tell
-            self.frontend.admission.check_fits(num_prompts * params.n, "n" if num_prompts == 1 else "prompt")
+            self.frontend.check_fits(num_prompts * params.n, "n" if num_prompts == 1 else "prompt")
         except ValidationError as exc:
             raise names.error(exc) from None
         return params
 
-    async def _respond(self, request: Request, run: Run, builder: Any, body: Any, request_id: str) -> Response:
+    async def _respond(self, request: Request, run: Run, builder: Builder,
+                       body: p.CompletionRequest | p.ChatCompletionRequest, request_id: str) -> Response:
         headers = {"X-Request-Id": request_id}
         start = asyncio.ensure_future(run.start())
         if not await _unless_disconnected(request, start):
@@ -232,7 +236,7 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _collect(run: Run, builder: Any) -> str:
+async def _collect(run: Run, builder: Builder) -> str:
     try:
         async for prompt_index, batch in run.batches():
             for delta in batch:
@@ -244,7 +248,7 @@ async def _collect(run: Run, builder: Any) -> str:
     return str(builder.response())
 
 
-async def _stream(run: Run, builder: Any, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(run: Run, builder: Builder, include_usage: bool) -> AsyncIterator[str]:
     """The SSE body: chunks per batch, the usage chunk if asked, `[DONE]`; an engine error as an event."""
     try:
         if isinstance(builder, convert.ChatBuilder):

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
 
 from frontend_svc.errors import ServiceError
+from frontend_svc.generation import Generation, GenerationBackend
 from frontend_svc.openai.errors import ApiError, FieldNames, service_error
 from frontend_svc.outputs import CompletionDelta
-from frontend_svc.processor import Prompt
+from frontend_svc.processor import PreparedRequest, Prompt
 from frontend_svc.status import code_from_number
+from frontend_svc.telemetry.call import GenerateCall
 from shared_runtime.contract import SamplingParams
 from shared_runtime.violations import ValidationError
 
@@ -41,8 +42,9 @@ def api_error(exc: ValidationError | ServiceError, names: FieldNames) -> ApiErro
 class Run:
     """The generations of one OpenAI request (one per prompt)."""
 
-    def __init__(self, frontend: Any, headers: Sequence[tuple[str, str]], route: str, prompts: Sequence[Prompt],
-                 params: SamplingParams, request_id: str, priority: int, names: FieldNames) -> None:
+    def __init__(self, frontend: GenerationBackend, headers: Sequence[tuple[str, str]], route: str,
+                 prompts: Sequence[Prompt], params: SamplingParams, request_id: str, priority: int,
+                 names: FieldNames) -> None:
         self._frontend = frontend
         self._headers = list(headers)
         self._route = route
@@ -51,16 +53,16 @@ class Run:
         self._request_id = request_id
         self._priority = priority
         self._names = names
-        self._calls: list[Any] = []
-        self._generations: list[Any] = []
+        self._calls: list[GenerateCall] = []
+        self._generations: list[Generation] = []
 
     async def start(self) -> None:
         """Admit, prepare and submit every prompt; raises ApiError (everything opened is closed then)."""
         f = self._frontend
         try:
             for _ in self._prompts:
-                call = f.telemetry.begin_call(self._headers, f"POST {self._route}",
-                                              {"http.request.method": "POST", "http.route": self._route})
+                call = f.begin_call(self._headers, f"POST {self._route}",
+                                    {"http.request.method": "POST", "http.route": self._route})
                 self._calls.append(call)
                 self._generations.append(f.open_generation(self._params.n, call))
             await asyncio.gather(*(g.start(self._prepare(prompt))
@@ -79,10 +81,10 @@ class Run:
             self.close()
             raise
 
-    def _prepare(self, prompt: Prompt) -> Callable[[], Any]:
-        processor, params, request_id, priority = self._frontend.processor, self._params, self._request_id, \
+    def _prepare(self, prompt: Prompt) -> Callable[[], PreparedRequest]:
+        process, params, request_id, priority = self._frontend.process, self._params, self._request_id, \
             self._priority
-        return lambda: processor.process(prompt, params, request_id=request_id, priority=priority)
+        return lambda: process(prompt, params, request_id=request_id, priority=priority)
 
     async def batches(self) -> AsyncIterator[tuple[int, list[CompletionDelta]]]:
         """(prompt index, deltas) until every completion finished; raises ServiceError from the engine."""
@@ -93,7 +95,7 @@ class Run:
         queue: asyncio.Queue[tuple[int, list[CompletionDelta]] | BaseException | None] = asyncio.Queue(
             maxsize=len(self._generations))
 
-        async def pump(index: int, generation: Any) -> None:
+        async def pump(index: int, generation: Generation) -> None:
             try:
                 async for batch in generation.batches():
                     await queue.put((index, batch))

@@ -25,10 +25,10 @@ import socket
 import ssl
 import time
 from collections.abc import Generator
-from typing import Any
 
 import uvicorn
 
+from frontend_svc.generation import GenerationBackend
 from frontend_svc.openai.app import OpenAIApi
 from shared_runtime.security.listen import BindError, join_host_port
 from shared_runtime.security.tls import ReloadingCredentials, TlsFiles
@@ -71,14 +71,14 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """The OpenAI API of one `FrontendServer` on `host:port`."""
+    """The OpenAI API of one frontend (`GenerationBackend`) on `host:port`; request bodies of at most
+    `max_body_bytes`."""
 
-    def __init__(self, frontend: Any, host: str, port: int, tls: TlsFiles | None = None,
-                 max_body_bytes: int | None = None) -> None:
-        self.frontend = frontend
+    def __init__(self, frontend: GenerationBackend, host: str, port: int, max_body_bytes: int,
+                 tls: TlsFiles | None = None) -> None:
         self.host, self.port = host, port
         self.tls = HttpTls(tls) if tls is not None and tls.enabled else None
-        self.api = OpenAIApi(frontend, max_body_bytes or frontend.config.max_message_bytes)
+        self.api = OpenAIApi(frontend, max_body_bytes)
         self.bound_port = 0
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None

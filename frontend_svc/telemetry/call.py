@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from frontend_svc.outputs import CompletionDelta
+from frontend_svc.processor import PreparedRequest
 from frontend_svc.status import code_from_number
 from frontend_svc.telemetry.metrics import FrontendMetrics
 from frontend_svc.telemetry.tracing import CallSpan, fail_span, request_attributes
@@ -47,7 +49,7 @@ class GenerateCall:
         self._finish_reason: str | None = None
         self._ended = False
 
-    def prepare(self, fn: Callable[[], Any]) -> Any:
+    def prepare(self, fn: Callable[[], PreparedRequest]) -> PreparedRequest:
         """Run `fn()` (validate + tokenize) under a child span; ValidationError passes through."""
         child = self.span.child("tandem.frontend.prepare")
         try:
@@ -75,7 +77,7 @@ class GenerateCall:
         if self._metrics is not None:
             self._metrics.engine_requests.labels(self._model_name, engine).inc(num_engine_requests)
 
-    def on_delta(self, delta: Any) -> None:
+    def on_delta(self, delta: CompletionDelta) -> None:
         if delta.token_ids:
             now = time.monotonic()
             metrics = self._metrics
