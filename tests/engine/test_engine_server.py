@@ -30,6 +30,8 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.server import EngineServer
+from shared_runtime.contract import SamplingParams
+from shared_runtime.violations import ValidationError, describe
 from tests.engine_stream import EngineStream, StepWitness, engine_idle, engine_load
 from tests.support import health_status, wait_until
 
@@ -387,6 +389,32 @@ def test_invalid_requests_are_rejected_one_by_one_and_the_stream_carries_on(
     stream.wait_finished("healthy")
     assert len(stream.tokens("healthy")) == 30 and stream.error is None
     wait_until(lambda: engine_idle(engine.address), what="every block back")
+
+
+# (raw sampling fields the frontend would refuse; the engine must refuse them with the same words)
+FRONTEND_REFUSES = [
+    {"top_p": 1.5},
+    {"logprobs": 21, "min_p": 2.0},
+    {"min_tokens": 9},  # > max_tokens (4)
+    {"frequency_penalty": -3.0, "stop_token_ids": list(range(1025))},
+]
+
+
+@pytest.mark.parametrize("bad", FRONTEND_REFUSES, ids=lambda bad: ",".join(bad))
+def test_the_engine_refuses_raw_requests_with_the_frontends_own_rules(stream: EngineStream,
+                                                                      bad: dict[str, Any]) -> None:
+    """One rule set (shared_runtime/contract.py): what the frontend refuses with field paths, the engine
+    refuses too when it arrives raw over Connect, naming the same fields with the same descriptions."""
+    sampling = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True, **bad}
+    with pytest.raises(ValidationError) as frontend:
+        SamplingParams(**sampling)
+    request_id = "raw-" + "-".join(bad)
+    _raw_add(stream, request_id, prompt(52), sampling=bad)
+    stream.wait_finished(request_id)
+    [out] = stream.outputs(request_id)
+    assert out.error.code == epb.ERROR_CODE_INVALID_ARGUMENT
+    assert out.error.message == describe(v.with_prefix("sampling_params") for v in frontend.value.violations)
+    assert sorted(frontend.value.fields) == sorted(bad)  # each bad value named once, by its field
 
 
 def test_prompts_longer_than_max_model_len_are_rejected(engine: ServerThread, stream: EngineStream,
