@@ -73,6 +73,7 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
             prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
             n=max(msg.n, 1),
             skip_special_tokens=msg.skip_special_tokens if has("skip_special_tokens") else True,
+            logit_bias=dict(msg.logit_bias),
         )
     except ValidationError as exc:
         raise ValidationError(v.with_prefix("sampling_params") for v in exc.violations) from None

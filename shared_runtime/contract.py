@@ -72,6 +72,7 @@ class EngineSamplingParams(msgspec.Struct, kw_only=True):
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-N logprobs per sampled token (0 = only the sampled token's)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
 
     def violations(self, vocab_size: int | None = None) -> list[FieldViolation]:
         """Every problem with these params (bare field names); empty when they are valid. Token ids are
@@ -88,7 +89,8 @@ class SamplingParams(EngineSamplingParams, kw_only=True):
     a `ValueError`, naming every bad field).
 
     Invariant: `stop` is a list of at most `MAX_STOP_STRINGS` non-empty strings of at most
-    `MAX_STOP_STRING_CHARS` characters; `stop_token_ids` a list of at most `MAX_TOKEN_IDS` ids.
+    `MAX_STOP_STRING_CHARS` characters; `stop_token_ids` a list of at most `MAX_TOKEN_IDS` ids;
+    `logit_bias` maps at most `MAX_LOGIT_BIAS` token ids to biases clamped to [-100, 100].
     """
 
     max_tokens: int | None = 16  # vLLM's default; None = fill the context window
@@ -110,6 +112,11 @@ class SamplingParams(EngineSamplingParams, kw_only=True):
             self.stop_token_ids = []
         elif not isinstance(stop_ids, list):
             self.stop_token_ids = list(self.stop_token_ids)
+        bias: object = self.logit_bias
+        if bias is None:
+            self.logit_bias = {}
+        elif isinstance(bias, dict):  # clamped to [-100, 100], as vLLM does
+            self.logit_bias = {token: _clamped(value) for token, value in bias.items()}
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -168,6 +175,7 @@ def sampling_violations(p: EngineSamplingParams, stop: Sequence[str], n: int,
             add(name, f"must be in [-2, 2], got {value!r}")
     if not _is_finite(p.repetition_penalty) or p.repetition_penalty <= 0:
         add("repetition_penalty", f"must be a finite number > 0, got {p.repetition_penalty!r}")
+    _check_logit_bias(add, p.logit_bias, vocab_size)
     for name, top in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
         if top is not None and (not _is_int(top) or not 0 <= top <= limits.MAX_LOGPROBS):
             add(name, f"must be in [0, {limits.MAX_LOGPROBS}], got {top!r}")
@@ -190,6 +198,25 @@ def _check_stops(add: Callable[[str, str], None], stops: Sequence[str], stop_ids
         add("stop_token_ids", f"at most {limits.MAX_TOKEN_IDS} stop token ids are allowed, got {len(stop_ids)}")
     elif not all(_is_int(t) and 0 <= t <= limits.INT32_MAX for t in stop_ids):
         add("stop_token_ids", "stop token ids must be integers in [0, 2**31)")
+
+
+def _check_logit_bias(add: Callable[[str, str], None], bias: dict[int, float], vocab_size: int | None) -> None:
+    if len(bias) > limits.MAX_LOGIT_BIAS:
+        add("logit_bias", f"at most {limits.MAX_LOGIT_BIAS} entries are allowed, got {len(bias)}")
+        return
+    id_bound = vocab_size if vocab_size is not None else limits.INT32_MAX + 1
+    bad_id = next((t for t in bias if not (_is_int(t) and 0 <= t < id_bound)), None)
+    if bad_id is not None:
+        add("logit_bias", f"token id {bad_id!r} is outside the vocabulary [0, {id_bound})")
+    elif not all(_is_finite(b) and -limits.LOGIT_BIAS_BOUND <= b <= limits.LOGIT_BIAS_BOUND for b in bias.values()):
+        add("logit_bias", "every bias must be a number in [-100, 100]")
+
+
+def _clamped(bias: float) -> float:
+    """A finite bias clamped to [-100, 100] (as vLLM does); anything else is left for `violations`."""
+    if not _is_finite(bias):
+        return bias
+    return min(limits.LOGIT_BIAS_BOUND, max(-limits.LOGIT_BIAS_BOUND, bias))
 
 
 def _is_int(value: object) -> bool:

@@ -15,6 +15,9 @@ The bounds, and why:
   the stop checker is linear in their total length, and the text held back while one might still match
   is shorter than the longest.
 - Token-id lists (stop_token_ids, eos_token_ids): at most 1024 ids; the engine scans them per token.
+- logit_bias: at most 1024 entries (the bound of the token-id lists; each entry is one scattered add to
+  its row's logits per sampled token), biases in [-100, 100] as OpenAI documents them (the frontend
+  clamps to this range, as vLLM does; the engine refuses a raw value outside it).
 - Penalties: presence and frequency in [-2, 2] (OpenAI's range).
 - Integers on the engine link are 32-bit (top_k, min_tokens, token ids, priority) or, for seeds, 64-bit.
 - Trace headers: at most 8 entries of at most 1024 bytes each.
@@ -43,6 +46,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_BOUND = 100.0
 PENALTY_BOUND = 2.0
 INT32_MAX = (1 << 31) - 1
 INT32_MIN = -(1 << 31)

@@ -71,8 +71,12 @@ class RequestSamplingState:
         held = set(eos_token_ids) | set(params.stop_token_ids)
         self.min_tokens_held_ids = sorted(t for t in held if 0 <= t < vocab_size)
         self.min_tokens = params.min_tokens if self.min_tokens_held_ids else 0
+        # logit_bias as two CPU tensors, built once; None for the (usual) request without one.
+        bias = params.logit_bias
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.int64) if bias else None
+        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None
         # The row is "plain" (argmax of the raw logits is the whole job) once it has this many outputs.
-        plain_ever = self.is_greedy and not self.has_penalties and params.logprobs is None
+        plain_ever = self.is_greedy and not self.has_penalties and params.logprobs is None and not bias
         self.plain_after: float = self.min_tokens if plain_ever else _NEVER
 
         self.generator: torch.Generator | None = None
@@ -167,6 +171,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [B] float32; disabled rows hold 0.0
     seeded: list[tuple[int, RequestSamplingState]] | None = None  # (row, state), random rows only
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to set -inf
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, biases) to add
     penalties: PenaltyMetadata | None = None
     num_logprobs: list[int | None] | None = None  # per row: top-N asked for, None = not asked
 
@@ -176,6 +181,7 @@ class SamplingMetadata:
         return (
             self.all_greedy
             and self.min_tokens_mask is None
+            and self.logit_bias is None
             and self.penalties is None
             and self.num_logprobs is None
         )
@@ -201,6 +207,7 @@ def build_sampling_metadata(states: list[RequestSamplingState], device: torch.de
     if not all_greedy:
         _add_random_sampling(meta, states, greedy, device)
     meta.min_tokens_mask = _min_tokens_mask(states, device)
+    meta.logit_bias = _logit_bias(states, device)
     meta.penalties = _penalty_metadata(states, device)
     if any(s.params.logprobs is not None for s in states):
         meta.num_logprobs = [s.params.logprobs for s in states]
@@ -239,6 +246,25 @@ def _min_tokens_mask(
     if not rows:
         return None
     return device_tensor(rows, torch.int64, device), device_tensor(cols, torch.int64, device)
+
+
+def _logit_bias(
+    states: list[RequestSamplingState], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The biased rows' (row, token id, bias) triples, one per entry; None when no row has a bias."""
+    rows: list[int] = []
+    ids: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for i, s in enumerate(states):
+        if s.bias_ids is not None and s.bias_values is not None:
+            rows.append(i)
+            ids.append(s.bias_ids)
+            values.append(s.bias_values)
+    if not rows:
+        return None
+    counts = torch.tensor([t.numel() for t in ids], dtype=torch.int64)
+    row_index = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
+    return to_device(row_index, device), to_device(torch.cat(ids), device), to_device(torch.cat(values), device)
 
 
 def _penalty_metadata(states: list[RequestSamplingState], device: torch.device) -> PenaltyMetadata | None:

@@ -1,7 +1,8 @@
-"""Logit adjustments that run before temperature: min_tokens masking and the three penalties.
+"""Logit adjustments that run before temperature: min_tokens masking, logit_bias and the three penalties.
 
-Both functions modify `logits` ([B, V] float32) in place. Dense [R, V] count tensors are built only for
-the R rows that have a penalty.
+Each function modifies `logits` ([B, V] float32) in place. Dense [R, V] count tensors are built only for
+the R rows that have a penalty; masks and biases are sparse (one scattered write per entry), so a row
+without any costs nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ def apply_min_tokens(logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tenso
     """Set logits[rows[j], ids[j]] = -inf: EOS / stop ids of rows that have not reached min_tokens."""
     rows, ids = mask
     logits.index_put_((rows, ids), torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """logits[rows[j], ids[j]] += biases[j] (OpenAI / vLLM logit_bias; ids are distinct within a row)."""
+    rows, ids, values = bias
+    logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, pm: PenaltyMetadata) -> None:

@@ -2,14 +2,16 @@
 
 Pipeline (vLLM V1 semantics):
   1. logprobs, when asked, are taken from the raw logits (see logprobs.py);
-  2. min_tokens masks EOS / stop ids, then repetition, frequency and presence penalties (penalties.py);
+  2. min_tokens masks EOS / stop ids, logit_bias is added, then repetition, frequency and presence
+     penalties (penalties.py) - vLLM V1's order;
   3. greedy rows: argmax (ties -> lowest index);
   4. random rows: divide by temperature, min-p, top-k, top-p (filters.py), then sample with the
      exponential race: argmax(probs / q), q ~ Exp(1) i.i.d. — which picks token t with probability
      probs[t]. Seeded rows draw q from their own generator, one [V] draw per sampled token, so their
      tokens depend only on (seed, logits), never on the rest of the batch or their row.
 
-When every row is plain greedy (no penalties, min_tokens or logprobs) the call is a single argmax.
+When every row is plain greedy (no penalties, min_tokens, logit_bias or logprobs) the call is a single
+argmax.
 The caller's logits tensor is never modified.
 """
 
@@ -22,7 +24,7 @@ import torch
 from engine_svc.sample.filters import apply_min_p, apply_top_k_only, apply_top_k_top_p
 from engine_svc.sample.logprobs import LogprobsTensors, SampleLogprob, sampled_logprobs
 from engine_svc.sample.metadata import SamplingMetadata
-from engine_svc.sample.penalties import apply_min_tokens, apply_penalties
+from engine_svc.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         if meta.min_tokens_mask is not None:
             apply_min_tokens(logits, meta.min_tokens_mask)
+        if meta.logit_bias is not None:
+            apply_logit_bias(logits, meta.logit_bias)
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
         sampled = logits.argmax(dim=-1) if meta.all_greedy else _sample_random(logits, meta)

@@ -27,6 +27,7 @@ from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, model_
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from frontend_svc.processor import ChatPrompt, Prompt
 from shared_runtime.contract import SamplingParams
+from shared_runtime.violations import ValidationError
 
 MIN_LOGPROB = -9999.0
 _TOKEN_CACHE_LIMIT = 1 << 16
@@ -43,8 +44,6 @@ def served_model(requested: str | None, served: str) -> None:
 
 def unsupported(request: p.CompletionRequest | p.ChatCompletionRequest) -> ApiError | None:
     """400 for a field tandem knows but does not implement (never silently ignored)."""
-    if request.logit_bias:
-        return bad_request("logit_bias is not supported", "logit_bias")
     if isinstance(request, p.CompletionRequest):
         if request.echo:
             return bad_request("echo is not supported", "echo")
@@ -130,7 +129,20 @@ def sampling_params(request: p.CompletionRequest | p.ChatCompletionRequest) -> S
         logprobs=logprobs_of(request),
         n=request.n,
         skip_special_tokens=request.skip_special_tokens,
+        logit_bias=_logit_bias(request.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings (JSON keys); values are clamped and
+    checked by `SamplingParams`."""
+    token_ids: dict[int, float] = {}
+    for token, value in (bias or {}).items():
+        if not (token.isascii() and token.isdigit()):
+            raise ValidationError.single("logit_bias", f"keys must be token ids (non-negative integers), "
+                                                       f"got {token[:32]!r}")
+        token_ids[int(token)] = value
+    return token_ids
 
 
 def _or(value: Any, default: Any) -> Any:

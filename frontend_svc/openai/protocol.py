@@ -5,12 +5,13 @@ Requests follow OpenAI's API reference plus vLLM's extra sampling fields (`top_k
 `include_stop_str_in_output`, `priority`). Decisions (docs/openai.md):
 - Unknown fields are ignored, as vLLM does and as the OpenAI SDKs expect of compatible servers (their
   `extra_body` is how clients send vendor fields); fields that are known but not supported
-  (`echo`, `suffix`, `best_of` > n, `logit_bias`, `tools`, `functions`, a non-text `response_format`)
+  (`echo`, `suffix`, `best_of` > n, `tools`, `functions`, a non-text `response_format`)
   are rejected with 400 naming the field, never silently ignored (convert.py).
 - Types are strict (`"0.5"` is not a number, `1` is not a bool), as OpenAI's own API is; an integer is
   accepted where a number is expected.
 - Value ranges are checked by `SamplingParams` and the processor (one source of truth for both APIs);
-  this module only checks shapes.
+  this module only checks shapes, and bounds the size of `logit_bias` while parsing (a body of a
+  million entries is refused before anything walks it on the event loop).
 
 Responses are validated models too. Stream chunks are dumped with `exclude_unset=True` (the fields the
 builder sets, nulls included, appear — e.g. `"finish_reason": null` — and untouched defaults such as
@@ -22,6 +23,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from shared_runtime import limits
 
 
 class _Request(BaseModel):
@@ -45,7 +48,7 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=limits.MAX_LOGIT_BIAS)
     user: str | None = None
     # vLLM's extra sampling fields
     top_k: int | None = None

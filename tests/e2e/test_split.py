@@ -157,6 +157,22 @@ def test_seeded_n_completions_equal_the_offline_api(client: DeadlineClient, llm:
         assert out[index]["finish_reason"] == pb.FINISH_REASON_LENGTH
 
 
+def test_logit_bias_equals_the_offline_api_and_forces_a_token(client: DeadlineClient, llm: Any) -> None:
+    """The offline API is the reference here (tests/engine/test_llm_api.py holds it to transformers' logits
+    plus the bias); a +100 bias forces its token even when sampling."""
+    from shared_runtime.contract import SamplingParams
+
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    free = llm.generate([PROMPTS[1]], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    bias = {free[0]: -100.0, free[2]: -100.0, 42: 5.0}
+    want = llm.generate([PROMPTS[1]], SamplingParams(**greedy, logit_bias=bias), use_tqdm=False)[0].outputs[0]
+    got = collect(client.generate(PROMPTS[1], **greedy, logit_bias=bias))[0]
+    assert got["token_ids"] == want.token_ids != free and got["text"] == want.text
+    forced = collect(client.generate(PROMPTS[1], temperature=1.0, seed=4, max_tokens=6, ignore_eos=True,
+                                     logit_bias={42: 100.0}))[0]
+    assert forced["token_ids"] == [42] * 6
+
+
 def test_stop_string_is_never_sent_in_part(client: DeadlineClient) -> None:
     full = collect(client.generate(PROMPTS[2], temperature=0, max_tokens=GREEDY_TOKENS))[0]["text"]
     middle = len(full) // 2

@@ -372,6 +372,8 @@ BAD_ENGINE_REQUESTS = [
     ("nan-arrival", {"arrival_time": NAN}, "arrival_time"),
     ("x" * 600, {}, "request id"),
     ("huge-trace", {"trace_headers": {f"k{i}": "v" for i in range(50)}}, "trace_headers"),
+    ("bias-out-of-vocab", {"sampling": {"logit_bias": {10**6: 1.0}}}, "logit_bias"),
+    ("bias-too-large", {"sampling": {"logit_bias": {5: 500.0}}}, "logit_bias"),  # raw: not clamped, refused
 ]
 
 
@@ -397,6 +399,7 @@ FRONTEND_REFUSES = [
     {"logprobs": 21, "min_p": 2.0},
     {"min_tokens": 9},  # > max_tokens (4)
     {"frequency_penalty": -3.0, "stop_token_ids": list(range(1025))},
+    {"logit_bias": {5: NAN}},
 ]
 
 

@@ -96,6 +96,35 @@ def test_prompt_logprobs_match_transformers(llm: LLM, llama_dir) -> None:
         assert got == pytest.approx(expected, abs=1e-4)
 
 
+def test_greedy_with_logit_bias_matches_transformers(llm: LLM, llama_dir) -> None:
+    """The reference: transformers' logits of the same model plus the bias, argmax, token by token."""
+    prompt, steps = [3, 17, 99, 250, 7, 42], 10
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    bias = {free[0]: -100.0, free[1]: -100.0, 321: 6.0, 77: 4.5, 500: -3.0}
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logit_bias=bias),
+                       use_tqdm=False)[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    dense = torch.zeros(llm.engine.vocab_size)
+    dense[list(bias)] = torch.tensor(list(bias.values()))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int((hf(torch.tensor([ids])).logits[0, -1].float() + dense).argmax()))
+    assert out.token_ids == ids[len(prompt):]
+    assert out.token_ids != free and free[0] not in out.token_ids  # the bias changed the output
+    forced = llm.generate([prompt], SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True,
+                                                   logit_bias={5: 250.0}), use_tqdm=False)[0].outputs[0]
+    assert forced.token_ids == [5] * 4  # +100 (250, clamped) outweighs this model's logits
+
+
+def test_logit_bias_ids_must_be_in_the_vocabulary(llm: LLM) -> None:
+    with pytest.raises(ValidationError) as err:
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2, logit_bias={llm.engine.vocab_size: 1.0}),
+                     use_tqdm=False)
+    assert err.value.fields == ["sampling_params.logit_bias"]
+
+
 def test_bad_input_raises_a_validation_error_naming_the_field(llm: LLM) -> None:
     with pytest.raises(ValidationError) as err:
         llm.generate([[llm.engine.vocab_size + 5]], SamplingParams(max_tokens=2), use_tqdm=False)

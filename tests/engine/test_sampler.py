@@ -1,4 +1,4 @@
-"""Tests for engine_svc/sample: filters, penalties, min_tokens, seeds, greedy, logprobs, temperature."""
+"""Tests for engine_svc/sample: filters, penalties, min_tokens, logit_bias, seeds, greedy, logprobs, temperature."""
 
 from __future__ import annotations
 
@@ -405,3 +405,53 @@ def test_prompt_logprobs_over_several_chunks_match_a_direct_computation():
         assert logprob == pytest.approx(lp[p, token].item(), abs=1e-6)
         assert rank == 1 + int((lp[p] > lp[p, token]).sum())
         assert top_ids == lp[p].topk(3).indices.tolist()
+
+
+# ---------------------------------------------------------------- logit_bias
+
+
+@SETTINGS
+@given(data=st.data(), vocab=st.integers(2, 30), num_rows=st.integers(1, 5))
+def test_greedy_with_logit_bias_is_the_argmax_of_logits_plus_bias(data, vocab, num_rows):
+    """Reference: torch directly, logits + a dense bias row; rows without a bias are untouched."""
+    logits = torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(vocab * 7 + num_rows))
+    states, dense = [], torch.zeros(num_rows, vocab)
+    for row in range(num_rows):
+        bias = data.draw(st.dictionaries(st.integers(0, vocab - 1), st.floats(-100, 100), max_size=vocab))
+        states.append(state(vocab, temperature=0.0, logit_bias=bias))
+        for token, value in bias.items():
+            dense[row, token] = value
+    expected = logits + dense
+    top2 = expected.topk(2, dim=-1).values
+    assume(bool((top2[:, 0] - top2[:, 1] > 1e-4).all()))  # no near-tie for the argmax
+    out = sample(states, logits.clone())
+    assert out.sampled_token_ids.tolist() == expected.argmax(dim=-1).tolist()
+
+
+def test_a_large_positive_bias_forces_its_token_for_random_rows_too():
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3))
+    forced = state(vocab, temperature=1.0, top_k=5, top_p=0.9, seed=1, logit_bias={41: 100.0})
+    banned = state(vocab, temperature=0.0, logit_bias={int(logits[1].argmax()): -100.0})
+    plain = state(vocab, temperature=0.0)
+    for _ in range(20):
+        out = sample([forced, banned, plain], logits.clone()).sampled_token_ids.tolist()
+        assert out[0] == 41  # survives top-k / top-p: the bias comes before them
+        assert out[1] == int(logits[1].topk(2).indices[1])  # the greedy token is banned: the runner-up
+        assert out[2] == int(logits[2].argmax())
+
+
+def test_logit_bias_costs_rows_without_one_nothing_and_leaves_logprobs_raw():
+    vocab = 20
+    plain = [state(vocab, temperature=0.0), state(vocab, temperature=0.0)]
+    assert build_sampling_metadata(plain, CPU).is_plain_greedy  # no bias anywhere: a single argmax
+    biased = [plain[0], state(vocab, temperature=0.0, logit_bias={3: 50.0, 7: -2.0}, logprobs=1)]
+    meta = build_sampling_metadata(biased, CPU)
+    assert meta.logit_bias is not None and not meta.is_plain_greedy
+    rows, ids, values = meta.logit_bias
+    assert (rows.tolist(), ids.tolist(), values.tolist()) == ([1, 1], [3, 7], [50.0, -2.0])  # the biased row only
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    out = sampler(logits, meta)
+    assert out.sampled_token_ids.tolist() == [int(logits[0].argmax()), 3]
+    [_, (logprob, _, _, _)] = out.logprobs_lists()
+    assert logprob == pytest.approx(float(torch.log_softmax(logits[1], -1)[3]))  # the model's, not biased

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ EVERY_FIELD: dict[str, Any] = {
     "min_tokens": 2, "stop": ["a", "b"], "stop_token_ids": [3, 4], "include_stop_str_in_output": True,
     "ignore_eos": True, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.25,
     "logprobs": 2, "prompt_logprobs": 1, "n": 3, "skip_special_tokens": False,
+    "logit_bias": {5: 1.5, 9: -100.0},
 }
 
 
@@ -36,5 +38,6 @@ def test_unset_fields_are_the_documented_defaults() -> None:
 
 def test_bad_values_carry_public_field_paths() -> None:
     with pytest.raises(ValidationError) as info:
-        sampling_params_from_pb(pb.SamplingParams(top_p=1.5, n=65))
-    assert info.value.fields == ["sampling_params.top_p", "sampling_params.n"]
+        sampling_params_from_pb(pb.SamplingParams(top_p=1.5, n=65, logit_bias={3: math.nan}))
+    assert info.value.fields == ["sampling_params.top_p", "sampling_params.logit_bias", "sampling_params.n"]
+    assert sampling_params_from_pb(pb.SamplingParams(logit_bias={3: 1e6})).logit_bias == {3: 100.0}

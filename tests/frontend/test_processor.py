@@ -118,7 +118,8 @@ def test_engine_requests_carry_every_engine_field():
     """`engine_params` copies every token-level field, so a new one needs no code here."""
     values = {"temperature": 0.5, "top_p": 0.5, "top_k": 7, "min_p": 0.1, "seed": 3, "max_tokens": 9,
               "min_tokens": 2, "stop_token_ids": [4], "ignore_eos": True, "presence_penalty": 0.5,
-              "frequency_penalty": -0.5, "repetition_penalty": 1.5, "logprobs": 2, "prompt_logprobs": 1}
+              "frequency_penalty": -0.5, "repetition_penalty": 1.5, "logprobs": 2, "prompt_logprobs": 1,
+              "logit_bias": {3: -1.5}}
     assert set(values) == set(ENGINE_FIELDS)
     engine = SamplingParams(**values, stop=["x"], n=2).engine_params()
     assert {name: getattr(engine, name) for name in ENGINE_FIELDS} == values

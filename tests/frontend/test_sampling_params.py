@@ -46,6 +46,11 @@ BAD_PARAMS = [
     ({"stop": ["x" * 1025]}, "stop"),  # of at most 1024 characters
     ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),  # at most 1024 stop ids
     ({"temperature": "hot"}, "temperature"),
+    ({"logit_bias": {5: NAN}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),  # token ids are integers (the OpenAI mapper converts keys)
+    ({"logit_bias": {5: "up"}}, "logit_bias"),
+    ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, "logit_bias"),  # at most 1024 entries
 ]
 
 
@@ -62,7 +67,7 @@ GOOD_PARAMS = [
     {"seed": 0}, {"seed": (1 << 64) - 1}, {"max_tokens": None, "min_tokens": 1000},
     {"max_tokens": 1, "min_tokens": 1}, {"presence_penalty": -2.0, "frequency_penalty": 2.0},
     {"repetition_penalty": 1e-3}, {"logprobs": 0}, {"logprobs": 20, "prompt_logprobs": 0}, {"n": 4},
-    {"n": 64},
+    {"n": 64}, {"logit_bias": dict.fromkeys(range(1024), -100.0)}, {"logit_bias": {0: 100.0, 2**31 - 1: -0.5}},
     {"stop": [f"{i:02d}" + "x" * 1022 for i in range(16)], "stop_token_ids": list(range(1024))},
 ]
 
@@ -94,6 +99,16 @@ def test_defaults_and_stop_normalization():
     assert params.stop == ["###"] and params.stop_token_ids == []
     assert SamplingParams().stop == []
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
+def test_logit_bias_is_clamped_like_vllm_and_checked_against_the_vocabulary():
+    params = SamplingParams(logit_bias={5: 250.0, 6: -1e9, 7: 0.5})
+    assert params.logit_bias == {5: 100.0, 6: -100.0, 7: 0.5}
+    assert params.violations(vocab_size=8) == []
+    assert [v.field for v in params.violations(vocab_size=7)] == ["logit_bias"]  # id 7 is not in [0, 7)
+    assert SamplingParams(logit_bias=None).logit_bias == {}
+    raw = EngineSamplingParams(logit_bias={5: 250.0})  # what the engine gets raw is not clamped: refused
+    assert [v.field for v in raw.violations(vocab_size=8)] == ["logit_bias"]
 
 
 def test_engine_params_are_the_token_level_part():

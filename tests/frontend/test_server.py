@@ -108,6 +108,13 @@ def test_unset_sampling_fields_take_documented_defaults(client: TandemClient, fa
     assert len(out[0]["token_ids"]) == 8
 
 
+def test_logit_bias_reaches_the_engine_clamped(client: TandemClient, fake: FakeEngine) -> None:
+    list(client.generate(token_ids=[5, 6, 7], max_tokens=2, logit_bias={5: 1e4, 9: -0.5}))
+    assert dict(fake.added[-1].sampling_params.logit_bias) == {5: 100.0, 9: -0.5}
+    list(client.generate(token_ids=[5, 6, 7], max_tokens=2))
+    assert not fake.added[-1].sampling_params.logit_bias  # nothing sent when none is asked
+
+
 def test_n_completions_are_indexed(client: TandemClient, fake: FakeEngine) -> None:
     before = len(fake.added)
     out = collect(client.generate(PROMPT, n=3, max_tokens=4, seed=7))
@@ -162,6 +169,7 @@ BAD_REQUESTS = [
     (dict(prompt="hi", stop=[""]), ["sampling_params.stop"]),
     (dict(prompt="", top_p=2.0, min_p=-1.0), ["text", "sampling_params.top_p", "sampling_params.min_p"]),
     (dict(chat=[]), ["chat.messages"]),
+    (dict(prompt="hi", logit_bias={10**6: 1.0}), ["sampling_params.logit_bias"]),  # outside the vocabulary
 ]
 
 

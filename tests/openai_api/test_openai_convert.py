@@ -55,6 +55,16 @@ def test_invalid_json_is_400_without_param() -> None:
     assert error.status == 400 and error.param is None and "JSON" in error.message
 
 
+def test_an_oversized_logit_bias_is_refused_while_parsing() -> None:
+    """Bounded by the body model (parsed off the event loop when large), before the mapper walks it."""
+    body = json.dumps({"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(1025)}})
+    with pytest.raises(pydantic.ValidationError) as info:
+        p.CompletionRequest.model_validate_json(body)
+    error = from_pydantic(info.value)
+    assert (error.status, error.param) == (400, "logit_bias")
+    assert p.CompletionRequest.model_validate_json(body.replace(', "1024": 1.0', "")).logit_bias is not None
+
+
 # ---- request -> generation inputs ---------------------------------------------------------------------
 
 
@@ -70,14 +80,17 @@ def test_sampling_params_carry_every_field() -> None:
     params = convert.sampling_params(completion(
         n=3, temperature=0.5, top_p=0.9, seed=7, stop=["a", "b"], presence_penalty=0.5, frequency_penalty=-0.5,
         top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2, ignore_eos=True, stop_token_ids=[3],
-        skip_special_tokens=False, include_stop_str_in_output=True, logprobs=2, max_tokens=9))
+        skip_special_tokens=False, include_stop_str_in_output=True, logprobs=2, max_tokens=9,
+        logit_bias={"5": 2.0, "0": -100}))
     assert (params.n, params.temperature, params.top_p, params.seed, params.stop) == (3, 0.5, 0.9, 7, ["a", "b"])
     assert (params.presence_penalty, params.frequency_penalty, params.top_k, params.min_p) == (0.5, -0.5, 5, 0.1)
     assert (params.repetition_penalty, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (
         1.2, 2, True, [3])
     assert (params.skip_special_tokens, params.include_stop_str_in_output, params.logprobs, params.max_tokens) == (
         False, True, 2, 9)
+    assert params.logit_bias == {5: 2.0, 0: -100.0}  # OpenAI's string keys are token ids
     assert convert.sampling_params(completion(stop="x")).stop == ["x"]
+    assert convert.sampling_params(chat(logit_bias={"7": 1e4})).logit_bias == {7: 100.0}  # clamped, as vLLM
 
 
 def test_defaults_follow_openai() -> None:
@@ -99,6 +112,8 @@ def test_chat_logprobs_need_logprobs_true() -> None:
     ({"top_p": 5.0}, "top_p", "top_p"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"n": 65}, "n", "n"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias", "logit_bias"),
+    ({"logit_bias": {"-3": 1.0}}, "logit_bias", "logit_bias"),
 ])
 def test_bad_values_name_the_openai_field(request_fields: dict[str, Any], field: str, param: str) -> None:
     body = completion(**request_fields)
@@ -124,12 +139,13 @@ def test_processor_paths_map_to_the_request_fields() -> None:
 
 def test_unsupported_fields_are_rejected_not_ignored() -> None:
     cases = [(completion(echo=True), "echo"), (completion(suffix="s"), "suffix"), (completion(best_of=3), "best_of"),
-             (completion(logit_bias={"5": 1.0}), "logit_bias"), (chat(tools=[{"type": "function"}]), "tools"),
+             (chat(tools=[{"type": "function"}]), "tools"),
              (chat(response_format={"type": "json_object"}), "response_format.type")]
     for body, param in cases:
         error = convert.unsupported(body)
         assert error is not None and (error.status, error.param) == (400, param)
     assert convert.unsupported(completion(best_of=1)) is None
+    assert convert.unsupported(completion(logit_bias={"5": 1.0})) is None  # supported (vLLM semantics)
     assert convert.unsupported(chat(response_format={"type": "text"})) is None
 
 

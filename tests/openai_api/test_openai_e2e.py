@@ -131,6 +131,29 @@ def test_completion_logprobs_shape(split: HttpSplit) -> None:
     assert (logprobs.text_offset or [])[0] == 0
 
 
+def test_logit_bias_with_string_keys_equals_the_grpc_api(split: HttpSplit) -> None:
+    """OpenAI's `logit_bias` (token ids as string keys) means what the gRPC API's does; +100 forces a token."""
+    with TandemClient(split.frontend.address) as client:
+        def grpc(**kwargs: Any) -> dict[str, Any]:
+            return dict(collect(client.generate(timeout=60, **kwargs))[0])
+
+        free = grpc(token_ids=PROMPT_IDS, temperature=0, max_tokens=8)["token_ids"]
+        bias = {free[0]: -100.0, free[1]: -100.0}
+        expected = grpc(token_ids=PROMPT_IDS, temperature=0, max_tokens=8, logit_bias=bias)
+        forced = grpc(chat=CHAT, temperature=0.7, seed=1, max_tokens=5, logit_bias={42: 100.0})
+    assert expected["token_ids"] != free and forced["token_ids"] == [42] * 5
+    whole = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+                                            logit_bias={str(k): v for k, v in bias.items()})
+    assert whole.choices[0].text == expected["text"]
+    chat = split.client.chat.completions.create(model=split.model, messages=CHAT, max_completion_tokens=5,
+                                                temperature=0.7, seed=1, logit_bias={"42": 100})
+    assert chat.choices[0].message.content == forced["text"]  # the same five forced tokens, as text
+    with pytest.raises(openai.BadRequestError) as info:
+        split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2,
+                                        logit_bias={"99999999": 1.0})
+    assert info.value.body["param"] == "logit_bias"  # type: ignore[index]
+
+
 def test_cancel_mid_stream_brings_engine_load_back_to_zero(split: HttpSplit) -> None:
     stream = split.client.chat.completions.create(model=split.model, messages=CHAT, max_tokens=400, n=2,
                                                   temperature=0.8, seed=1, stream=True)

@@ -115,6 +115,7 @@ PUBLIC_FIELDS: dict[Descriptor, dict[str, tuple[int, int, bool, bool]]] = {
         "prompt_logprobs": (16, UINT32, True, False),
         "n": (17, UINT32, False, False),
         "skip_special_tokens": (18, BOOL, True, False),
+        "logit_bias": (19, MESSAGE, False, True),  # map<uint32, float>
     },
     gpb.GenerateResponse.DESCRIPTOR: {
         "request_id": (1, STRING, False, False),

@@ -99,6 +99,7 @@ def _full_request() -> p.EngineCoreRequest:
             repetition_penalty=1.2,
             logprobs=0,
             prompt_logprobs=5,
+            logit_bias={7: -100.0, 2**32 - 1: 0.125},
         ),
         eos_token_ids=[2, 32000],
         arrival_time=1_700_000_000.123456,
@@ -156,7 +157,8 @@ def test_a_frontend_sampling_params_sends_its_token_level_part() -> None:
     max_tokens=st.none() | st.integers(0, 2**32 - 1), min_tokens=st.integers(0, 2**32 - 1),
     stop_token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=3), ignore_eos=st.booleans(),
     presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2), repetition_penalty=st.floats(0, 9),
-    logprobs=st.none() | st.integers(0, 2**32 - 1), prompt_logprobs=st.none() | st.integers(0, 2**32 - 1)))
+    logprobs=st.none() | st.integers(0, 2**32 - 1), prompt_logprobs=st.none() | st.integers(0, 2**32 - 1),
+    logit_bias=st.dictionaries(st.integers(0, 2**32 - 1), st.floats(-100, 100), max_size=4)))
 def test_sampling_params_round_trip_property(params: p.EngineSamplingParams) -> None:
     assert from_pb.sampling_params_from_pb(_over_the_wire(to_pb.sampling_params_to_pb(params))) == params
 

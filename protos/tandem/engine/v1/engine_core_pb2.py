@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tandem/engine/v1/engine_core.proto\x12\x10tandem.engine.v1\"\x7f\n\x0f\x45ngineCoreInput\x12\x32\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32#.tandem.engine.v1.EngineCoreRequestH\x00\x12\x30\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1f.tandem.engine.v1.AbortRequestsH\x00\x42\x06\n\x04kind\"\xc4\x02\n\x11\x45ngineCoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12?\n\x0fsampling_params\x18\x03 \x01(\x0b\x32&.tandem.engine.v1.EngineSamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12L\n\rtrace_headers\x18\x07 \x03(\x0b\x32\x35.tandem.engine.v1.EngineCoreRequest.TraceHeadersEntry\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc3\x03\n\x14\x45ngineSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"$\n\rAbortRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x96\x01\n\x11\x45ngineCoreOutputs\x12\x33\n\x07outputs\x18\x01 \x03(\x0b\x32\".tandem.engine.v1.EngineCoreOutput\x12\x39\n\x0fscheduler_stats\x18\x02 \x01(\x0b\x32 .tandem.engine.v1.SchedulerStats\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\"\x8c\x03\n\x10\x45ngineCoreOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x35\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\x1f.tandem.engine.v1.TokenLogprobs\x12\x38\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1f.tandem.engine.v1.TokenLogprobs\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.tandem.engine.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12.\n\x06\x65vents\x18\x08 \x03(\x0b\x32\x1e.tandem.engine.v1.RequestEvent\x12,\n\x05\x65rror\x18\t \x01(\x0b\x32\x1d.tandem.engine.v1.EngineErrorB\x10\n\x0e_stop_token_id\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"S\n\x0cRequestEvent\x12\x30\n\x04type\x18\x01 \x01(\x0e\x32\".tandem.engine.v1.RequestEventType\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\"I\n\x0b\x45ngineError\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.tandem.engine.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xaf\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\t \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\x12\x1d\n\x15num_generation_tokens\x18\x0b \x01(\r\"\x16\n\x14GetEngineInfoRequest\"\xca\x02\n\nEngineInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x08 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x19\n\x11scheduling_policy\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x11\n\tengine_id\x18\r \x01(\t\x12\x15\n\reos_token_ids\x18\x0e \x03(\r\"\x10\n\x0eGetLoadRequest\"\xba\x01\n\nEngineLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xde\x01\n\x10RequestEventType\x12\"\n\x1eREQUEST_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_EVENT_TYPE_QUEUED\x10\x01\x12 \n\x1cREQUEST_EVENT_TYPE_SCHEDULED\x10\x02\x12 \n\x1cREQUEST_EVENT_TYPE_PREEMPTED\x10\x03\x12\"\n\x1eREQUEST_EVENT_TYPE_FIRST_TOKEN\x10\x04\x12\x1f\n\x1bREQUEST_EVENT_TYPE_FINISHED\x10\x05*\xa0\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\r\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0e\x32\x8c\x02\n\x11\x45ngineCoreService\x12U\n\x07\x43onnect\x12!.tandem.engine.v1.EngineCoreInput\x1a#.tandem.engine.v1.EngineCoreOutputs(\x01\x30\x01\x12U\n\rGetEngineInfo\x12&.tandem.engine.v1.GetEngineInfoRequest\x1a\x1c.tandem.engine.v1.EngineInfo\x12I\n\x07GetLoad\x12 .tandem.engine.v1.GetLoadRequest\x1a\x1c.tandem.engine.v1.EngineLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tandem/engine/v1/engine_core.proto\x12\x10tandem.engine.v1\"\x7f\n\x0f\x45ngineCoreInput\x12\x32\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32#.tandem.engine.v1.EngineCoreRequestH\x00\x12\x30\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1f.tandem.engine.v1.AbortRequestsH\x00\x42\x06\n\x04kind\"\xc4\x02\n\x11\x45ngineCoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12?\n\x0fsampling_params\x18\x03 \x01(\x0b\x32&.tandem.engine.v1.EngineSamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12L\n\rtrace_headers\x18\x07 \x03(\x0b\x32\x35.tandem.engine.v1.EngineCoreRequest.TraceHeadersEntry\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc0\x04\n\x14\x45ngineSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12I\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x35.tandem.engine.v1.EngineSamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"$\n\rAbortRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x96\x01\n\x11\x45ngineCoreOutputs\x12\x33\n\x07outputs\x18\x01 \x03(\x0b\x32\".tandem.engine.v1.EngineCoreOutput\x12\x39\n\x0fscheduler_stats\x18\x02 \x01(\x0b\x32 .tandem.engine.v1.SchedulerStats\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\"\x8c\x03\n\x10\x45ngineCoreOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x35\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\x1f.tandem.engine.v1.TokenLogprobs\x12\x38\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1f.tandem.engine.v1.TokenLogprobs\x12\x35\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1e.tandem.engine.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12.\n\x06\x65vents\x18\x08 \x03(\x0b\x32\x1e.tandem.engine.v1.RequestEvent\x12,\n\x05\x65rror\x18\t \x01(\x0b\x32\x1d.tandem.engine.v1.EngineErrorB\x10\n\x0e_stop_token_id\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"S\n\x0cRequestEvent\x12\x30\n\x04type\x18\x01 \x01(\x0e\x32\".tandem.engine.v1.RequestEventType\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\"I\n\x0b\x45ngineError\x12)\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1b.tandem.engine.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xaf\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x1c\n\x14num_scheduled_tokens\x18\t \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\x12\x1d\n\x15num_generation_tokens\x18\x0b \x01(\r\"\x16\n\x14GetEngineInfoRequest\"\xca\x02\n\nEngineInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x08 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x19\n\x11scheduling_policy\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x11\n\tengine_id\x18\r \x01(\t\x12\x15\n\reos_token_ids\x18\x0e \x03(\r\"\x10\n\x0eGetLoadRequest\"\xba\x01\n\nEngineLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xde\x01\n\x10RequestEventType\x12\"\n\x1eREQUEST_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_EVENT_TYPE_QUEUED\x10\x01\x12 \n\x1cREQUEST_EVENT_TYPE_SCHEDULED\x10\x02\x12 \n\x1cREQUEST_EVENT_TYPE_PREEMPTED\x10\x03\x12\"\n\x1eREQUEST_EVENT_TYPE_FIRST_TOKEN\x10\x04\x12\x1f\n\x1bREQUEST_EVENT_TYPE_FINISHED\x10\x05*\xa0\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\r\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0e\x32\x8c\x02\n\x11\x45ngineCoreService\x12U\n\x07\x43onnect\x12!.tandem.engine.v1.EngineCoreInput\x1a#.tandem.engine.v1.EngineCoreOutputs(\x01\x30\x01\x12U\n\rGetEngineInfo\x12&.tandem.engine.v1.GetEngineInfoRequest\x1a\x1c.tandem.engine.v1.EngineInfo\x12I\n\x07GetLoad\x12 .tandem.engine.v1.GetLoadRequest\x1a\x1c.tandem.engine.v1.EngineLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINECOREREQUEST_TRACEHEADERSENTRY']._loaded_options = None
   _globals['_ENGINECOREREQUEST_TRACEHEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2698
-  _globals['_FINISHREASON']._serialized_end=2843
-  _globals['_REQUESTEVENTTYPE']._serialized_start=2846
-  _globals['_REQUESTEVENTTYPE']._serialized_end=3068
-  _globals['_ERRORCODE']._serialized_start=3071
-  _globals['_ERRORCODE']._serialized_end=3231
+  _globals['_ENGINESAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_ENGINESAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2823
+  _globals['_FINISHREASON']._serialized_end=2968
+  _globals['_REQUESTEVENTTYPE']._serialized_start=2971
+  _globals['_REQUESTEVENTTYPE']._serialized_end=3193
+  _globals['_ERRORCODE']._serialized_start=3196
+  _globals['_ERRORCODE']._serialized_end=3356
   _globals['_ENGINECOREINPUT']._serialized_start=56
   _globals['_ENGINECOREINPUT']._serialized_end=183
   _globals['_ENGINECOREREQUEST']._serialized_start=186
@@ -46,29 +48,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINECOREREQUEST_TRACEHEADERSENTRY']._serialized_start=459
   _globals['_ENGINECOREREQUEST_TRACEHEADERSENTRY']._serialized_end=510
   _globals['_ENGINESAMPLINGPARAMS']._serialized_start=513
-  _globals['_ENGINESAMPLINGPARAMS']._serialized_end=964
-  _globals['_ABORTREQUESTS']._serialized_start=966
-  _globals['_ABORTREQUESTS']._serialized_end=1002
-  _globals['_ENGINECOREOUTPUTS']._serialized_start=1005
-  _globals['_ENGINECOREOUTPUTS']._serialized_end=1155
-  _globals['_ENGINECOREOUTPUT']._serialized_start=1158
-  _globals['_ENGINECOREOUTPUT']._serialized_end=1554
-  _globals['_TOKENLOGPROBS']._serialized_start=1556
-  _globals['_TOKENLOGPROBS']._serialized_end=1665
-  _globals['_REQUESTEVENT']._serialized_start=1667
-  _globals['_REQUESTEVENT']._serialized_end=1750
-  _globals['_ENGINEERROR']._serialized_start=1752
-  _globals['_ENGINEERROR']._serialized_end=1825
-  _globals['_SCHEDULERSTATS']._serialized_start=1828
-  _globals['_SCHEDULERSTATS']._serialized_end=2131
-  _globals['_GETENGINEINFOREQUEST']._serialized_start=2133
-  _globals['_GETENGINEINFOREQUEST']._serialized_end=2155
-  _globals['_ENGINEINFO']._serialized_start=2158
-  _globals['_ENGINEINFO']._serialized_end=2488
-  _globals['_GETLOADREQUEST']._serialized_start=2490
-  _globals['_GETLOADREQUEST']._serialized_end=2506
-  _globals['_ENGINELOAD']._serialized_start=2509
-  _globals['_ENGINELOAD']._serialized_end=2695
-  _globals['_ENGINECORESERVICE']._serialized_start=3234
-  _globals['_ENGINECORESERVICE']._serialized_end=3502
+  _globals['_ENGINESAMPLINGPARAMS']._serialized_end=1089
+  _globals['_ENGINESAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=935
+  _globals['_ENGINESAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=983
+  _globals['_ABORTREQUESTS']._serialized_start=1091
+  _globals['_ABORTREQUESTS']._serialized_end=1127
+  _globals['_ENGINECOREOUTPUTS']._serialized_start=1130
+  _globals['_ENGINECOREOUTPUTS']._serialized_end=1280
+  _globals['_ENGINECOREOUTPUT']._serialized_start=1283
+  _globals['_ENGINECOREOUTPUT']._serialized_end=1679
+  _globals['_TOKENLOGPROBS']._serialized_start=1681
+  _globals['_TOKENLOGPROBS']._serialized_end=1790
+  _globals['_REQUESTEVENT']._serialized_start=1792
+  _globals['_REQUESTEVENT']._serialized_end=1875
+  _globals['_ENGINEERROR']._serialized_start=1877
+  _globals['_ENGINEERROR']._serialized_end=1950
+  _globals['_SCHEDULERSTATS']._serialized_start=1953
+  _globals['_SCHEDULERSTATS']._serialized_end=2256
+  _globals['_GETENGINEINFOREQUEST']._serialized_start=2258
+  _globals['_GETENGINEINFOREQUEST']._serialized_end=2280
+  _globals['_ENGINEINFO']._serialized_start=2283
+  _globals['_ENGINEINFO']._serialized_end=2613
+  _globals['_GETLOADREQUEST']._serialized_start=2615
+  _globals['_GETLOADREQUEST']._serialized_end=2631
+  _globals['_ENGINELOAD']._serialized_start=2634
+  _globals['_ENGINELOAD']._serialized_end=2820
+  _globals['_ENGINECORESERVICE']._serialized_start=3359
+  _globals['_ENGINECORESERVICE']._serialized_end=3627
 # @@protoc_insertion_point(module_scope)
