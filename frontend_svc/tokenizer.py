@@ -39,7 +39,8 @@ class Tokenizer:
         """``hf_tokenizer``: a transformers fast tokenizer; ``generation_eos_ids``: extra EOS ids."""
         self._hf = hf_tokenizer
         self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
-        """The ``tokenizers.Tokenizer`` (for ``tokenizers.decoders.DecodeStream``)."""
+        """The Rust ``tokenizers.Tokenizer``: ``encode``/``decode`` here, and the incremental detokenizer's
+        decodes (frontend_svc/detokenizer.py: a prefix/read-offset window, not ``DecodeStream``)."""
         self.vocab_size: int = len(hf_tokenizer)
         """Number of ids, added tokens included."""
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
