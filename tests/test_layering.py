@@ -1,4 +1,4 @@
-"""Which package may import which (DESIGN.md, "Layout").
+"""Which package may import which (docs/architecture.md, "Layout: which package may import which").
 
 - `frontend_svc` never imports torch, triton or `engine_svc` (a frontend image has none of them).
 - `engine_svc` imports `frontend_svc` only where the two are composed on purpose: the offline `LLM`

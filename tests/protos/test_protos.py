@@ -1,7 +1,8 @@
-"""The protobuf contracts: generated code is fresh, buf lint passes, and DESIGN.md's names and numbers hold.
+"""The protobuf contracts: generated code is fresh, buf lint passes, and the contract's names and numbers hold.
 
-The names and numbers below are copied from DESIGN.md ("Public API contract", "Internal contract"); they
-are what clients in other languages compile against, so a change here is a breaking change.
+The names and numbers below are the public and internal API contracts of docs/architecture.md
+("Contracts"); they are what clients in other languages compile against, so a change here is a breaking
+change.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def test_buf_lint_passes() -> None:
 
 # ---- the contract --------------------------------------------------------------------------------------
 
-# (message, {field: (number, type, optional/presence-tracked, repeated)}) exactly as DESIGN.md writes them.
+# (message, {field: (number, type, optional/presence-tracked, repeated)}), as docs/architecture.md's
+# "Contracts" and the protos' own comments define them.
 PUBLIC_FIELDS: dict[Descriptor, dict[str, tuple[int, int, bool, bool]]] = {
     gpb.GenerateRequest.DESCRIPTOR: {
         "request_id": (1, STRING, False, False),
