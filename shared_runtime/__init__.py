@@ -1,5 +1,9 @@
 """Torch-free runtime code that both services (frontend and engine) use.
 
+- `contract.py` — the request contract: `SamplingParams`, `EngineCoreRequest`, the per-step outputs, and
+  the one set of sampling rules (`violations()`) both services enforce; `limits.py` — every bound, once;
+  `violations.py` — `FieldViolation` / `ValidationError`.
+- `to_pb.py`, `from_pb.py` — contract structs <-> `tandem.engine.v1` protobuf, one module per direction.
 - `security/` — TLS and certificate rotation, API keys and the engine token, listening ports, their flags.
 - `telemetry.py` — OpenTelemetry set-up from the standard `OTEL_*` variables, the Prometheus /metrics server.
 - `link.py` — the frontend <-> engine link: message-size limit and keepalive settings.
