@@ -21,11 +21,11 @@ Both services and the offline API use these msgspec structs (no torch, no protob
   mirror `tandem.engine.v1` field for field (the same names and enum numbers).
 
 Why the frontend reads engine outputs as protobuf, not as these structs: outputs are the per-token
-path. The engine converts one step's structs to protobuf once (about 0.5 us per output, on its asyncio
+path. The engine converts one step's structs to protobuf once (about 0.6 us per output, on its asyncio
 thread), and the frontend's output processor reads the received `tandem.engine.v1.EngineCoreOutputs`
 directly - also typed, by its generated stubs. Converting it back to structs in the frontend would cost
-about 2.2 us more per output (1.3 -> 3.5 us to read an output; /work/notes/i19.md has the script) out
-of a budget of 15 us per streamed token. The offline API converts its in-process step to protobuf the
+about 2.2 us more per output (1.3 -> 3.5 us to read one; `python bench/output_shapes.py`) out of a
+budget of 15 us of frontend CPU per streamed token. The offline API converts its in-process step to protobuf the
 same way (shared_runtime/to_pb.py), so the output processor has exactly one input shape.
 
 Invariants:
