@@ -24,8 +24,8 @@ $(STAMP): $(BIN)/python pyproject.toml package.json
 		else $(BIN)/pip install -q torch==2.13.0; fi; fi
 	$(BIN)/pip install -q -e ".[frontend,engine,triton,dev]"
 	$(BIN)/pip install -q --no-deps $(DEMO_PKG)
-	# npm install (it follows package-lock.json): npm ci rejects a lockfile without buf's binaries for
-	# other platforms, which npm itself leaves out.
+	# npm install follows package-lock.json, which lists buf's optional binaries for every platform (so an
+	# install on any of them leaves the lockfile unchanged).
 	npm install --no-audit --no-fund --loglevel=error
 	touch $(STAMP)
 
