@@ -1,4 +1,8 @@
-"""RMSNorm, computed in float32 like HF: weight * (x / rms(x)).to(input dtype).
+"""RMSNorm: weight * x / rms(x), with the statistics in float32 like HF.
+
+One fused torch kernel per call in every dtype (it accumulates half types in float32): no float32 copy of
+the activations and no conversion back. In float32 this is HF's computation exactly; in half types the
+weight is applied before the result is rounded once (HF rounds, then multiplies by the weight).
 
 `fused=True` (set by the model when it runs the Triton attention backend) computes the same with the
 Triton kernels of `kernels/rms_norm.py`: one pass per row, and the residual add fused in place.
@@ -17,11 +21,9 @@ from kernels import rms_norm as triton_norm  # importing kernels never imports t
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise over the last dim; `weight` broadcasts against x (shape [D] or e.g. [H, D])."""
     dim = (x.shape[-1],)
-    if x.dtype == torch.float32:
-        if weight.dim() == 1:
-            return F.rms_norm(x, dim, weight, eps)
-        return F.rms_norm(x, dim, None, eps) * weight
-    return F.rms_norm(x.float(), dim, None, eps).to(x.dtype) * weight
+    if weight.dim() == 1:
+        return F.rms_norm(x, dim, weight, eps)
+    return F.rms_norm(x, dim, None, eps) * weight
 
 
 class RMSNorm(nn.Module):
