@@ -3,7 +3,9 @@
 KV cache layout, per layer: `kv_cache` is a tensor of shape
     [2, num_blocks, block_size, num_kv_heads, head_dim]
 where index 0 holds keys and 1 holds values. Token slot `s` lives at block `s // block_size`,
-offset `s % block_size`.
+offset `s % block_size`. A backend may order a block's two middle dims differently: it allocates its
+caches with `kv_cache_shape` (the torch backend keeps blocks head-major, [.., num_kv_heads, block_size, ..]);
+blocks, slots and the bytes per block are the same either way.
 
 A batch is ragged: requests are laid out one after another in the flattened token dimension. Request
 `i` owns query tokens `query_start_loc[i] : query_start_loc[i+1]`; its context after this step has
@@ -49,12 +51,16 @@ class AttentionBackend(Protocol):
 
     name: str
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's cache in this backend's layout."""
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,  # this step's key/value are already in kv_cache

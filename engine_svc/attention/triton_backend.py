@@ -27,6 +27,11 @@ class TritonAttentionBackend:
         self._kv_write = kv_write
         self._attend = unified_paged_attention
 
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The contract's layout (engine_svc/attention/backend.py), which the kernels index."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
     def forward(
         self,
         query: torch.Tensor,

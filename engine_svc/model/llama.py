@@ -205,6 +205,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.attn_backend = backend  # its kv_cache_shape lays out the caches this model reads
         self.fused_kernels = fused_kernels_wanted(backend) if fused is None else fused
         self.model = LlamaModel(config, variant, backend, dtype, self.fused_kernels)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)

@@ -215,7 +215,8 @@ class ModelRunner:
         m, dev, bs = self.model, self.device, self.batch.block_size
         blocks = -(-lens[0] // bs)
         dtype = next(m.parameters()).dtype
-        caches = [torch.zeros((2, blocks, bs, m.num_kv_heads, m.head_dim), dtype=dtype, device=dev)
+        caches = [torch.zeros(m.attn_backend.kv_cache_shape(blocks, bs, m.num_kv_heads, m.head_dim), dtype=dtype,
+                              device=dev)
                   for _ in range(m.num_layers)]
         positions = np.concatenate([np.arange(n) for n in lens])  # every sequence in blocks 0..blocks-1
         qsl = np.concatenate([[0], np.cumsum(lens)])

@@ -114,7 +114,7 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         m, runner = self.model, self.runner
         assert m is not None and runner is not None
-        shape = (2, num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
+        shape = m.attn_backend.kv_cache_shape(num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
         runner.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                             for _ in range(m.num_layers)]
         # -- CUDA graphs hook: capture decode graphs now that the cache exists (None when off) --

@@ -116,7 +116,7 @@ def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 def _new_caches(model) -> list[torch.Tensor]:
     # Large finite garbage: attending to a slot that was never written changes the output. (Finite,
     # because the backend's contract is a finite cache: masked positions are weighted by an exact 0.)
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    shape = model.attn_backend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
     gen = torch.Generator().manual_seed(1234)
     return [1e4 * torch.randn(shape, generator=gen) for _ in range(model.num_layers)]
 

@@ -54,6 +54,10 @@ class Batch:
             self.reqs.append((q, k, v))
             tables.append(blocks)
             slots.append(req_slots[seq_len - q_len :])
+        # filled in the contract's token-major layout, handed to the backend in its own (head-major) one
+        self.token_major = self.cache
+        self.cache = self.cache.transpose(2, 3).contiguous()
+        assert self.cache.shape == TorchAttentionBackend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
         width = max(len(t) for t in tables)
         q_lens = [q for q, _ in shape]
         seq_lens = [s for _, s in shape]
@@ -84,8 +88,8 @@ SHAPES = {
     "prefill_only": [(9, 9)],
     "prefill_after_context": [(5, 12)],
     "mixed": [(1, 6), (1, 17), (1, 4), (5, 12), (6, 6), (3, 3), (2, 9)],
-    # Eight long and twelve short decodes, interleaved: attended in two length groups, then reassembled.
-    "decodes_in_length_groups": [(1, 12), (1, 2), (1, 11), (1, 3), (1, 10), (1, 3)] * 3 + [(1, 12), (1, 9)],
+    # Eleven long and nine short decodes, interleaved: attended in two length groups, then reassembled.
+    "decodes_in_length_groups": [(1, 12), (1, 3), (1, 11), (1, 3), (1, 10), (1, 3)] * 3 + [(1, 12), (1, 10)],
 }
 
 
@@ -96,13 +100,15 @@ def test_decodes_are_grouped_by_length():
     groups = _group_decodes(lens)
     assert len(groups) == 2
     assert sorted(i for g in groups for i in g) == list(range(len(lens)))
-    assert {lens[i] for i in groups[0]} == {9, 10, 11, 12} and {lens[i] for i in groups[1]} == {2, 3}
+    assert {lens[i] for i in groups[0]} == {10, 11, 12} and {lens[i] for i in groups[1]} == {3}
     assert _group_decodes([5, 4, 1]) == [[0, 1, 2]]  # too few to split: one group, original order
 
 
+@pytest.mark.parametrize("bmm_from", [1, 10**6])  # decodes attended by batched GEMMs / by one SDPA call
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_matches_dense_reference(shape, num_kv_heads):
+def test_matches_dense_reference(shape, num_kv_heads, bmm_from, monkeypatch):
+    monkeypatch.setattr("engine_svc.attention.torch_backend._BMM_MIN_DECODES", bmm_from)
     batch = Batch(SHAPES[shape], num_kv_heads, seed=len(shape) + num_kv_heads)
     out = TorchAttentionBackend().forward(*batch.inputs(), batch.cache, batch.meta, SCALE)
     assert out.shape == (sum(q for q, _ in SHAPES[shape]), NUM_HEADS, HEAD_DIM)
@@ -111,10 +117,11 @@ def test_matches_dense_reference(shape, num_kv_heads):
 
 def test_writes_new_kv_through_slot_mapping_only():
     batch = Batch(SHAPES["mixed"], num_kv_heads=2, seed=3)
-    before = batch.cache.clone()
+    before = batch.token_major.clone()
     _, k, v = batch.inputs()
     TorchAttentionBackend().forward(*batch.inputs(), batch.cache, batch.meta, SCALE)
-    flat, flat_before = batch.cache.view(2, -1, 2, HEAD_DIM), before.view(2, -1, 2, HEAD_DIM)
+    after = batch.cache.transpose(2, 3).contiguous()  # back to token-major: slot s = block s // 4, offset s % 4
+    flat, flat_before = after.view(2, -1, 2, HEAD_DIM), before.view(2, -1, 2, HEAD_DIM)
     slots = batch.meta.slot_mapping
     assert torch.equal(flat[0, slots], k) and torch.equal(flat[1, slots], v)
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)

@@ -241,11 +241,12 @@ def test_backend_matches_reference_on_mixed_batch(device):
 def test_backend_matches_torch_backend(device):
     torch_backend = pytest.importorskip("engine_svc.attention.torch_backend")
     batch = make_batch(MIXED, block_size=4, kv_heads=2, group=4, head_dim=48, device=device, seed=13)
-    cache_triton, cache_torch = batch.kv_cache.clone(), batch.kv_cache.clone()
+    # the torch backend keeps blocks head-major: the same cache with block_size and kv_heads swapped
+    cache_triton, cache_torch = batch.kv_cache.clone(), batch.kv_cache.transpose(2, 3).contiguous()
     args = (batch.query, batch.key, batch.value)
     got = TritonAttentionBackend().forward(*args, cache_triton, batch.meta, 0.2)
     want = torch_backend.TorchAttentionBackend().forward(*args, cache_torch, batch.meta, 0.2)
-    assert torch.equal(cache_triton, cache_torch)
+    assert torch.equal(cache_triton, cache_torch.transpose(2, 3))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
