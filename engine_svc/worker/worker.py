@@ -11,6 +11,7 @@ import logging
 import torch
 
 from engine_svc.config import EngineConfig
+from engine_svc.model.layers.cpu_gemm import prepack_linears, prepack_wanted
 from engine_svc.model.registry import resolve_dtype
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.worker.cuda_graphs import maybe_capture_decode_graphs
@@ -53,6 +54,8 @@ class Worker:
         torch.manual_seed(self.config.seed)
         backend = make_attention_backend(self.config.resolved_attention_backend)
         self.model = load_model(self.config.model, dtype=self.dtype, device=self.device, attn_backend=backend)
+        if prepack_wanted(self.dtype, self.device):
+            prepack_linears(self.model)
         self.runner = ModelRunner(
             self.model,
             device=self.device,

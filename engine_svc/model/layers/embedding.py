@@ -16,6 +16,7 @@ from engine_svc.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from engine_svc.model.layers.cpu_gemm import PackedWeight, packed_linear
 from engine_svc.model.layers.linear import make_param
 
 
@@ -57,12 +58,16 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection sharded like the embedding; each rank's logits are all-gathered."""
+class ParallelLMHead(VocabParallelEmbedding, PackedWeight):
+    """Output projection sharded like the embedding; each rank's logits are all-gathered. Packed for
+    oneDNN by `cpu_gemm.prepack_linears` (a tied head keeps the embedding's plain table too)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (full vocabulary on every rank)."""
-        logits = F.linear(hidden, self.weight)
+        if self.packed is not None:
+            logits = packed_linear(hidden, self.packed, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

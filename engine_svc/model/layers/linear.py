@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_svc.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from engine_svc.model.layers.cpu_gemm import PackedWeight, packed_linear
 
 # weight_loader(param, full checkpoint tensor, shard_id): copies this rank's slice into param.
 WeightLoader = Callable[[torch.Tensor, torch.Tensor, Any], None]
@@ -57,8 +58,10 @@ def _copy_rows(dst: torch.Tensor, loaded: torch.Tensor, start: int) -> None:
     dst.copy_(src)
 
 
-class _TPLinear(nn.Module):
-    """Shared plumbing: rank/size resolution and a [out, in] weight plus optional bias."""
+class _TPLinear(PackedWeight):
+    """Shared plumbing: rank/size resolution and a [out, in] weight plus optional bias.
+
+    After `cpu_gemm.prepack_linears` the weight lives packed for oneDNN in `packed` (see cpu_gemm.py)."""
 
     def __init__(
         self,
@@ -82,8 +85,14 @@ class _TPLinear(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         raise NotImplementedError
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + bias, through the packed weight when there is one."""
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(_TPLinear):
@@ -211,7 +220,7 @@ class RowParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self.matmul(x, self.bias)
         # Only rank 0 adds the bias, so the sum over ranks contains it exactly once.
-        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        out = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
