@@ -98,16 +98,30 @@ def cpu_supports(dtype: str) -> bool:
     return any(flag in cpu_flags() for flag in _CPU_HALF_FLAGS.get(dtype, ()))
 
 
+# x86 flags of bfloat16 dot-product instructions (AVX512-BF16's vdpbf16ps, AMX tiles): there oneDNN's bf16
+# GEMMs (and the half-size weight reads) beat float32, measured in BENCHMARKS.md ("vs vLLM-CPU").
+_CPU_FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_is_faster() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (a float32 model then runs in bfloat16)."""
+    return any(flag in cpu_flags() for flag in _CPU_FAST_BF16_FLAGS)
+
+
 def default_dtype(model_dtype: str | None, device: str) -> str:
-    """`--dtype auto`, as vLLM resolves it: the model's own dtype where the device computes in it.
+    """`--dtype auto`, as vLLM resolves it: the model's own dtype where the device computes in it, and
+    bfloat16 for a float32 model where the device has fast bfloat16.
 
     On CUDA a half-precision checkpoint keeps its dtype and a float32 (or unnamed) one runs in bfloat16.
-    On CPU the model's dtype is kept when it is float32 or a half type the CPU supports natively
-    (`cpu_supports`), else float32.
+    On CPU a half-precision checkpoint keeps its dtype where the CPU supports it natively (`cpu_supports`),
+    else float32; a float32 (or unnamed) one runs in bfloat16 on CPUs with bfloat16 dot-product
+    instructions (`cpu_bf16_is_faster`: AVX512-BF16 or AMX), else in float32.
     """
     if device == "cuda":
         return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
-    if model_dtype is not None and cpu_supports(model_dtype):
+    if model_dtype in (None, "float32"):
+        return "bfloat16" if cpu_bf16_is_faster() else "float32"
+    if cpu_supports(model_dtype):
         return model_dtype
     return "float32"
 
@@ -222,6 +236,9 @@ class EngineConfig:
         if self.dtype == "auto" and self.model_dtype in ("bfloat16", "float16") and self.torch_dtype_name == "float32":
             logger.info("the model is %s but this CPU has no native %s support: running in float32 "
                         "(--dtype %s forces it)", self.model_dtype, self.model_dtype, self.model_dtype)
+        elif self.dtype == "auto" and self.torch_dtype_name == "bfloat16" and self.model_dtype != "bfloat16":
+            logger.info("the model is %s; this CPU has bfloat16 dot-product instructions: running in bfloat16 "
+                        "(--dtype float32 keeps float32)", self.model_dtype or "float32")
         elif self.dtype in ("bfloat16", "float16") and not cpu_supports(self.dtype):
             logger.warning("--dtype %s on a CPU without native %s support: torch emulates it, slowly",
                            self.dtype, self.dtype)
@@ -270,8 +287,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--model", required=True, help="Hugging Face model directory, or a .gguf file (dequantized at load)")
     a("--served-model-name", default=None, help="name reported to clients (default: the directory name)")
     a("--dtype", default="auto", choices=DTYPES,
-      help="auto: the model's own dtype where the device computes in it natively (else float32 on CPU, "
-           "bfloat16 on CUDA)")
+      help="auto: the model's own dtype where the device computes in it natively; a float32 model runs in "
+           "bfloat16 on CUDA and on CPUs with bfloat16 dot-product instructions (AVX512-BF16, AMX)")
     a("--device", default="auto", choices=DEVICES)
     a("--tensor-parallel-size", "-tp", type=int, default=1)
     a("--block-size", type=int, default=16)

@@ -47,7 +47,10 @@ def test_defaults_follow_the_model_and_device(llama_dir) -> None:
     cfg = EngineConfig.create(model=str(llama_dir), device="cpu")
     assert cfg.max_model_len == 2048  # the tiny model's max_position_embeddings
     assert cfg.max_num_batched_tokens == 8192
-    assert cfg.torch_dtype_name == "float32" and cfg.resolved_attention_backend == "torch"
+    from engine_svc.config import cpu_bf16_is_faster
+
+    assert cfg.torch_dtype_name == ("bfloat16" if cpu_bf16_is_faster() else "float32")  # a float32 model
+    assert cfg.resolved_attention_backend == "torch"
     assert cfg.enable_prefix_caching and cfg.architecture == "LlamaForCausalLM"
     with pytest.raises(AttributeError):
         cfg.block_size = 32  # type: ignore[misc]  # frozen
@@ -97,7 +100,9 @@ def _with_dtype(llama_dir, tmp_path, dtype: str):
         ("bfloat16", {"avx512f"}, "cpu", "float32"),  # no native bf16: float32
         ("float16", {"avx512_bf16"}, "cpu", "float32"),
         ("float16", {"avx512_fp16"}, "cpu", "float16"),
-        ("float32", {"avx512_bf16"}, "cpu", "float32"),  # a float32 model stays float32 on CPU
+        ("float32", {"avx512_bf16"}, "cpu", "bfloat16"),  # bf16 dot products: a float32 model runs in bf16
+        ("float32", {"amx_bf16"}, "cpu", "bfloat16"),
+        ("float32", {"avx512f", "bf16"}, "cpu", "float32"),  # no bf16 dot products on x86 / Arm: float32
         ("float32", set(), "cuda", "bfloat16"),
         ("float16", set(), "cuda", "float16"),
     ],
