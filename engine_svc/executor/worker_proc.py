@@ -96,9 +96,7 @@ def _run(args: WorkerArgs) -> int:
     def parent_alive() -> bool:
         return os.getppid() == args.parent_pid
 
-    if args.config.device != "cuda":
-        _share_cpu_threads(args.config.tensor_parallel_size)
-    worker = _make_worker(args)
+    worker = _make_worker(args)  # a CPU worker takes its share of the cores (worker/cpu_threads.py)
     backend = "nccl" if args.config.device == "cuda" else "gloo"
     init_tp_group(args.rank, args.config.tensor_parallel_size, backend, args.dist_init_method)
     commands = ShmBroadcastQueue.attach_reader(args.commands)
@@ -152,11 +150,3 @@ def _min_over_ranks(value: int, worker: Any) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=getattr(worker, "device", "cpu"))
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
-
-
-def _share_cpu_threads(world_size: int) -> None:
-    """On CPU the ranks share the host's cores: give each its share of intra-op threads, or the ranks
-    oversubscribe the cores and every collective waits on a descheduled peer."""
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

@@ -14,6 +14,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.model.layers.cpu_gemm import prepack_linears, prepack_wanted
 from engine_svc.model.registry import resolve_dtype
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.worker.cpu_threads import set_cpu_threads
 from engine_svc.worker.cuda_graphs import maybe_capture_decode_graphs
 from engine_svc.worker.model_runner import ModelRunner
 
@@ -46,6 +47,8 @@ class Worker:
                                    "use --device cpu")
             torch.cuda.set_device(self.rank)
             return torch.device("cuda", self.rank)
+        threads = set_cpu_threads(self.config.tensor_parallel_size)
+        logger.info("CPU worker rank %d: %d intra-op threads", self.rank, threads)
         return torch.device("cpu")
 
     def load_model(self) -> None:
