@@ -8,7 +8,9 @@ directly.
 Invariants: every request passed to `add_request` ends exactly once in some step's outputs (finished,
 aborted, or rejected with an error), and its KV blocks are back in the pool when it does.
 `max_model_len` is what the engine serves and advertises: the configured value, lowered at start to what
-the KV cache holds (`num_blocks * block_size`) so that any request within it fits alone in the cache.
+the KV cache holds (`num_blocks * block_size`) so that any request within it fits alone in the cache. The
+executor computes it (`effective_max_model_len`) and hands it to every worker before they size anything,
+so workers, their persistent batch and the CUDA-graph heuristics use the same value.
 """
 
 from __future__ import annotations
@@ -33,33 +35,13 @@ logger = logging.getLogger(__name__)
 _NOTHING_RAN = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
-def effective_max_model_len(config: EngineConfig, num_blocks: int) -> int:
-    """The configured max_model_len, lowered (with a warning) to the tokens the KV cache can hold.
-
-    As vLLM does: a context the cache cannot hold would be cut short silently (finish reason LENGTH
-    below max_tokens); lowering it up front lets the frontend's length check reject such requests.
-    """
-    configured = int(config.max_model_len or 0)
-    capacity = num_blocks * config.block_size
-    if capacity >= configured:
-        return configured
-    logger.warning(
-        "the KV cache holds %d tokens (%d blocks x %d), fewer than max_model_len=%d: serving with "
-        "max_model_len=%d. Give the cache more memory (--kv-cache-memory-bytes, --gpu-memory-utilization, "
-        "--num-gpu-blocks-override) or pass --max-model-len %d to silence this.",
-        capacity, num_blocks, config.block_size, configured, capacity, capacity,
-    )
-    return capacity
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.executor = executor or make_executor(config)
         self.num_blocks = self.executor.initialize()
         self.vocab_size = self.executor.vocab_size
-        max_model_len = effective_max_model_len(config, self.num_blocks)
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len = self.executor.max_model_len  # what the workers were sized for
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,

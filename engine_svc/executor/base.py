@@ -6,20 +6,56 @@ worker process per rank. The engine core depends only on this interface.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 
 from engine_svc.config import EngineConfig
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
+
+def effective_max_model_len(config: EngineConfig, num_blocks: int) -> int:
+    """The configured max_model_len, lowered (with a warning) to the tokens the KV cache can hold.
+
+    As vLLM does: a context the cache cannot hold would be cut short silently (finish reason LENGTH
+    below max_tokens); lowering it up front lets the frontend's length check reject such requests.
+    """
+    configured = int(config.max_model_len or 0)
+    capacity = num_blocks * config.block_size
+    if capacity >= configured:
+        return configured
+    logger.warning(
+        "the KV cache holds %d tokens (%d blocks x %d), fewer than max_model_len=%d: serving with "
+        "max_model_len=%d. Give the cache more memory (--kv-cache-memory-bytes, --gpu-memory-utilization, "
+        "--num-gpu-blocks-override) or pass --max-model-len %d to silence this.",
+        capacity, num_blocks, config.block_size, configured, capacity, capacity,
+    )
+    return capacity
+
 
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.max_model_len = int(config.max_model_len or 0)  # the served value once initialize() ran
+
+    def initialize(self) -> int:
+        """Load the model on every worker and size the KV cache (the minimum over ranks); then hand every
+        worker the block count and the served max_model_len (`effective_max_model_len`) in one message,
+        before any of them sizes its persistent batch, staging buffers or CUDA graphs. Returns the number
+        of blocks; `max_model_len` is the served value afterwards."""
+        num_blocks = self.determine_num_blocks()
+        self.max_model_len = effective_max_model_len(self.config, num_blocks)
+        self.initialize_cache(num_blocks, self.max_model_len)
+        return num_blocks
 
     @abstractmethod
-    def initialize(self) -> int:
-        """Load the model on every worker, size and allocate the KV cache; return the number of blocks
-        (the minimum over ranks)."""
+    def determine_num_blocks(self) -> int:
+        """Load the model on every worker and measure how many KV blocks fit: the minimum over ranks."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Every worker allocates `num_blocks` KV blocks and sizes its batch for `max_model_len`."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

@@ -2,7 +2,8 @@
 
 Commands (engine -> every worker, through the broadcast queue):
     LOAD_MODEL   no body      load the model, size the KV cache; rank 0 answers with `WorkerInfo`
-    INIT_CACHE   int          allocate that many KV blocks; rank 0 answers with an empty ack
+    INIT_CACHE   CacheSpec    allocate that many KV blocks, size the batch for the served max_model_len;
+                              rank 0 answers with an empty ack
     EXECUTE      SchedulerOutput                         rank 0 answers with `ModelRunnerOutput`
     SHUTDOWN     no body      leave the busy loop (no answer)
 
@@ -35,14 +36,22 @@ class WorkerInfo(msgspec.Struct, array_like=True):
     kv_block_bytes: int
 
 
+class CacheSpec(msgspec.Struct, array_like=True):
+    """INIT_CACHE's body, the same for every rank: the KV blocks to allocate (the minimum over ranks) and the
+    max_model_len the engine serves (the configured one, lowered to what those blocks hold)."""
+
+    num_blocks: int
+    max_model_len: int
+
+
 _encoder = msgspec.msgpack.Encoder()
 _so_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-_int_decoder = msgspec.msgpack.Decoder(int)
+_cache_spec_decoder = msgspec.msgpack.Decoder(CacheSpec)
 _out_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
 _info_decoder = msgspec.msgpack.Decoder(WorkerInfo)
 _BODY_DECODERS: dict[Op, msgspec.msgpack.Decoder[Any] | None] = {
     Op.LOAD_MODEL: None,
-    Op.INIT_CACHE: _int_decoder,
+    Op.INIT_CACHE: _cache_spec_decoder,
     Op.EXECUTE: _so_decoder,
     Op.SHUTDOWN: None,
 }

@@ -39,6 +39,7 @@ from typing import Any, NoReturn, cast
 from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.executor.base import Executor
 from engine_svc.executor.codec import (
+    CacheSpec,
     Op,
     WorkerInfo,
     decode_runner_output,
@@ -117,13 +118,16 @@ class MultiprocExecutor(Executor):
         self._commands.release_peer_ends()
 
     # ---- the Executor interface --------------------------------------------------------------------
-    def initialize(self) -> int:
+    def determine_num_blocks(self) -> int:
         self._call(encode_command(Op.LOAD_MODEL))
         self._info = self._call_and_wait(decode_worker_info)  # type: ignore[assignment]
         assert self._info is not None
-        self._call(encode_command(Op.INIT_CACHE, self._info.num_blocks))
-        self._call_and_wait(None)
         return self._info.num_blocks
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """One broadcast carries both values to every rank (the shm queue is the collective)."""
+        self._call(encode_command(Op.INIT_CACHE, CacheSpec(num_blocks, max_model_len)))
+        self._call_and_wait(None)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._call(encode_command(Op.EXECUTE, scheduler_output))

@@ -8,12 +8,13 @@ from engine_svc.worker.worker import Worker
 
 
 class UniprocExecutor(Executor):
-    def initialize(self) -> int:
+    def determine_num_blocks(self) -> int:
         self.worker = Worker(self.config, rank=0)
         self.worker.load_model()
-        num_blocks = self.worker.determine_num_blocks()
-        self.worker.initialize_cache(num_blocks)
-        return num_blocks
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.worker.initialize_cache(num_blocks, max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

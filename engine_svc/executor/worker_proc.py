@@ -28,6 +28,7 @@ from typing import Any, cast
 from engine_svc.config import EngineConfig
 from engine_svc.executor.codec import (
     ACK,
+    CacheSpec,
     Op,
     WorkerInfo,
     decode_command,
@@ -132,7 +133,8 @@ def _busy_loop(
                 WorkerInfo(num_blocks, int(worker.model.vocab_size), worker.kv_block_bytes)
             )
         elif op is Op.INIT_CACHE:
-            worker.initialize_cache(body)
+            spec = cast(CacheSpec, body)
+            worker.initialize_cache(spec.num_blocks, spec.max_model_len)
             answer = ACK
         else:  # SHUTDOWN
             return

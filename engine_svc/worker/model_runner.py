@@ -54,8 +54,9 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len  # the configured value until set_max_model_len
         self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.staging = DeviceStaging(device)
         self.sampler = Sampler()
@@ -65,6 +66,17 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # Set by Worker.initialize_cache when decode steps may replay CUDA graphs (CUDA + triton only).
         self.cuda_graphs: DecodeCudaGraphs | None = None
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Size the persistent batch (and what CUDA graphs read) for the max_model_len the engine serves,
+        which it may have lowered below the configured one to what the KV cache holds. Before any step.
+        The profile run, which sizes the cache, uses the configured value."""
+        if len(self.batch.row_of):
+            raise RuntimeError("set_max_model_len must run before the first step")
+        if not 1 <= max_model_len <= self.max_model_len:
+            raise ValueError(f"served max_model_len {max_model_len} must be in [1, {self.max_model_len}]")
+        self.max_model_len = max_model_len
+        self.batch = InputBatch(self.max_num_seqs, max_model_len, self.block_size)
 
     # ---- state updates -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -1,7 +1,8 @@
 """One worker per device: loads its shard of the model, owns the KV cache, runs steps.
 
-Lifecycle (driven by an executor): `load_model()` -> `determine_num_blocks()` -> `initialize_cache(n)`
-(the executor passes the minimum over all ranks) -> `execute_model(so)` per step.
+Lifecycle (driven by an executor): `load_model()` -> `determine_num_blocks()` ->
+`initialize_cache(n, max_model_len)` (the executor passes the minimum over all ranks and the max_model_len
+the engine serves) -> `execute_model(so)` per step.
 """
 
 from __future__ import annotations
@@ -117,9 +118,12 @@ class Worker:
                     peak / 2**20, dummy_cache_bytes / 2**20)
         return int(total * self.config.gpu_memory_utilization - peak)
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate the KV cache, then size the persistent batch and capture CUDA graphs for the served
+        `max_model_len` (the executor's value, the same on every rank; at most the configured one)."""
         m, runner = self.model, self.runner
         assert m is not None and runner is not None
+        runner.set_max_model_len(max_model_len)
         shape = m.attn_backend.kv_cache_shape(num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
         runner.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                             for _ in range(m.num_layers)]

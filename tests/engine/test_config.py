@@ -135,10 +135,10 @@ def test_cpu_bf16_support_agrees_with_torch() -> None:
 
 
 def test_max_model_len_is_lowered_to_what_the_kv_cache_holds(llama_dir, caplog) -> None:
-    from engine_svc.core import effective_max_model_len
+    from engine_svc.executor.base import effective_max_model_len
 
     cfg = EngineConfig.create(model=str(llama_dir), max_model_len=128, block_size=16)
-    with caplog.at_level("WARNING", logger="engine_svc.core"):
+    with caplog.at_level("WARNING", logger="engine_svc.executor.base"):
         assert effective_max_model_len(cfg, num_blocks=8) == 128  # 128 tokens fit: unchanged
         assert not caplog.records
         assert effective_max_model_len(cfg, num_blocks=4) == 64

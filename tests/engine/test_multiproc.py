@@ -52,8 +52,8 @@ class FakeWorker:
     def determine_num_blocks(self) -> int:
         return 100 - 10 * self.rank
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.num_blocks, self.max_model_len = num_blocks, max_model_len
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         import torch
@@ -134,7 +134,8 @@ def test_runner_output_and_commands_round_trip() -> None:
         prompt_logprobs={"a": [(7, -2.0, 3, [1], [-0.1])]},
     )
     assert codec.decode_runner_output(codec.encode_runner_output(out)) == out
-    assert codec.decode_command(codec.encode_command(Op.INIT_CACHE, 42)) == (Op.INIT_CACHE, 42)
+    spec = codec.CacheSpec(num_blocks=42, max_model_len=640)
+    assert codec.decode_command(codec.encode_command(Op.INIT_CACHE, spec)) == (Op.INIT_CACHE, spec)
     assert codec.decode_command(codec.encode_command(Op.SHUTDOWN)) == (Op.SHUTDOWN, None)
     info = WorkerInfo(num_blocks=3, vocab_size=9, kv_block_bytes=64)
     assert codec.decode_worker_info(codec.encode_worker_info(info)) == info
