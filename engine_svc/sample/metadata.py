@@ -17,11 +17,20 @@ Invariants:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from shared_runtime.contract import EngineSamplingParams
+
+if TYPE_CHECKING:
+    from engine_svc.sample.columns import SamplingColumns
+
+# Puts host arrays on the device: the worker's staging (engine_svc/worker/staging.py) or `pinned_copies`.
+Stage = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
 
 # Temperatures below this are greedy (division by such a small number is numerically meaningless).
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -41,6 +50,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def pinned_copies(device: torch.device) -> Stage:
+    """A `Stage` that pins each array on its own (no persistent buffers): for callers without a worker."""
+    return lambda arrays: [to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for a in arrays]
 
 
 class RequestSamplingState:
@@ -156,6 +170,49 @@ class PenaltyMetadata:
 
 
 @dataclass
+class StepSamplingParams:
+    """The parameters of a step's sampling rows that the sampler reads as tensors: whether every row is
+    greedy, and the random rows' temperature and filters (None: no row uses the feature). Built from the
+    requests' states (`step_sampling_params`) or gathered from the persistent batch's columns
+    (`SamplingColumns.params_for`), which give identical values."""
+
+    all_greedy: bool
+    temperature: torch.Tensor | None = None  # [B] float32; greedy rows hold 1.0; None if all greedy
+    greedy_rows: torch.Tensor | None = None  # [B] bool; None unless greedy and random rows are mixed
+    top_k: torch.Tensor | None = None  # [B] int64; disabled rows hold 0
+    top_k_max: int = 0
+    top_p: torch.Tensor | None = None  # [B] float32; disabled rows hold 1.0
+    min_p: torch.Tensor | None = None  # [B] float32; disabled rows hold 0.0
+
+
+def effective_top_k(top_k: int, vocab_size: int) -> int:
+    """top_k as the sampler applies it: 0 (off) unless it keeps fewer tokens than the vocabulary."""
+    return top_k if 0 < top_k < vocab_size else 0
+
+
+def step_sampling_params(states: list[RequestSamplingState], device: torch.device) -> StepSamplingParams:
+    """The rows' parameters straight from their states, one fresh device tensor per field in use."""
+    greedy = [s.is_greedy for s in states]
+    out = StepSamplingParams(all_greedy=all(greedy))
+    if out.all_greedy:
+        return out
+    params = [s.params for s in states]
+    out.temperature = device_tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32,
+                                    device)
+    if any(greedy):
+        out.greedy_rows = device_tensor(greedy, torch.bool, device)
+    top_k = [effective_top_k(p.top_k, s.vocab_size) for p, s in zip(params, states)]
+    if any(top_k):
+        out.top_k = device_tensor(top_k, torch.int64, device)
+        out.top_k_max = max(top_k)
+    if any(p.top_p < 1.0 for p in params):
+        out.top_p = device_tensor([p.top_p for p in params], torch.float32, device)
+    if any(p.min_p > 0.0 for p in params):
+        out.min_p = device_tensor([p.min_p for p in params], torch.float32, device)
+    return out
+
+
+@dataclass
 class SamplingMetadata:
     """Everything the sampler needs for one step, one row per request in batch order.
 
@@ -190,10 +247,16 @@ class SamplingMetadata:
 _PLAIN_GREEDY = SamplingMetadata(all_greedy=True)
 
 
-def build_sampling_metadata(states: list[RequestSamplingState], device: torch.device) -> SamplingMetadata:
+def build_sampling_metadata(
+    states: list[RequestSamplingState], device: torch.device, *, columns: SamplingColumns | None = None,
+    rows: np.ndarray | None = None, stage: Stage | None = None,
+) -> SamplingMetadata:
     """Gather the batch's sampling knobs into tensors on `device` (row i = states[i]).
 
-    Pass only the rows that sample this step (a seeded row advances its stream when sampled).
+    Pass only the rows that sample this step (a seeded row advances its stream when sampled). With
+    `columns` (the worker's persistent per-row parameters) and `rows` (states[i] lives in batch row
+    rows[i]), temperature and filters come from the columns, copied only when the rows changed; per-step
+    arrays (min_tokens masks, penalty tokens) go up through `stage` (default: one pinned copy each).
     The returned object is read-only: the all-plain-greedy case returns one shared instance.
 
     Cost when every row is plain greedy: one comparison per row, no tensors.
@@ -201,42 +264,26 @@ def build_sampling_metadata(states: list[RequestSamplingState], device: torch.de
     if all(len(s.output_token_ids) >= s.plain_after for s in states):
         return _PLAIN_GREEDY
 
-    greedy = [s.is_greedy for s in states]
-    all_greedy = all(greedy)
-    meta = SamplingMetadata(all_greedy=all_greedy)
-    if not all_greedy:
-        _add_random_sampling(meta, states, greedy, device)
-    meta.min_tokens_mask = _min_tokens_mask(states, device)
-    meta.logit_bias = _logit_bias(states, device)
-    meta.penalties = _penalty_metadata(states, device)
+    if columns is not None and rows is not None:
+        params = columns.params_for(rows)
+    else:
+        params = step_sampling_params(states, device)
+    meta = SamplingMetadata(
+        all_greedy=params.all_greedy, temperature=params.temperature, greedy_rows=params.greedy_rows,
+        top_k=params.top_k, top_k_max=params.top_k_max, top_p=params.top_p, min_p=params.min_p,
+    )
+    if not params.all_greedy:
+        meta.seeded = [(i, s) for i, s in enumerate(states) if s.generator is not None] or None
+    stage = stage or pinned_copies(device)
+    meta.min_tokens_mask = _min_tokens_mask(states, stage)
+    meta.logit_bias = _logit_bias(states, stage)
+    meta.penalties = _penalty_metadata(states, stage)
     if any(s.params.logprobs is not None for s in states):
         meta.num_logprobs = [s.params.logprobs for s in states]
     return meta
 
 
-def _add_random_sampling(
-    meta: SamplingMetadata, states: list[RequestSamplingState], greedy: list[bool], device: torch.device
-) -> None:
-    params = [s.params for s in states]
-    temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-    meta.temperature = device_tensor(temps, torch.float32, device)
-    if any(greedy):
-        meta.greedy_rows = device_tensor(greedy, torch.bool, device)
-    top_k = [p.top_k if 0 < p.top_k < s.vocab_size else 0 for p, s in zip(params, states)]
-    if any(top_k):
-        meta.top_k = device_tensor(top_k, torch.int64, device)
-        meta.top_k_max = max(top_k)
-    if any(p.top_p < 1.0 for p in params):
-        meta.top_p = device_tensor([p.top_p for p in params], torch.float32, device)
-    if any(p.min_p > 0.0 for p in params):
-        meta.min_p = device_tensor([p.min_p for p in params], torch.float32, device)
-    seeded = [(i, s) for i, s in enumerate(states) if s.generator is not None]
-    meta.seeded = seeded or None
-
-
-def _min_tokens_mask(
-    states: list[RequestSamplingState], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _min_tokens_mask(states: list[RequestSamplingState], stage: Stage) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows: list[int] = []
     cols: list[int] = []
     for i, s in enumerate(states):
@@ -245,11 +292,12 @@ def _min_tokens_mask(
             cols.extend(s.min_tokens_held_ids)
     if not rows:
         return None
-    return device_tensor(rows, torch.int64, device), device_tensor(cols, torch.int64, device)
+    row_ids, col_ids = stage([np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)])
+    return row_ids, col_ids
 
 
 def _logit_bias(
-    states: list[RequestSamplingState], device: torch.device
+    states: list[RequestSamplingState], stage: Stage
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The biased rows' (row, token id, bias) triples, one per entry; None when no row has a bias."""
     rows: list[int] = []
@@ -262,38 +310,40 @@ def _logit_bias(
             values.append(s.bias_values)
     if not rows:
         return None
-    counts = torch.tensor([t.numel() for t in ids], dtype=torch.int64)
-    row_index = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
-    return to_device(row_index, device), to_device(torch.cat(ids), device), to_device(torch.cat(values), device)
+    counts = np.array([t.numel() for t in ids], dtype=np.int64)
+    row_index = np.repeat(np.array(rows, dtype=np.int64), counts)
+    staged_rows, staged_ids, staged_values = stage([row_index, torch.cat(ids).numpy(), torch.cat(values).numpy()])
+    return staged_rows, staged_ids, staged_values
 
 
-def _penalty_metadata(states: list[RequestSamplingState], device: torch.device) -> PenaltyMetadata | None:
+def _penalty_metadata(states: list[RequestSamplingState], stage: Stage) -> PenaltyMetadata | None:
     rows = [i for i, s in enumerate(states) if s.has_penalties]
     if not rows:
         return None
     pen = [states[i] for i in rows]
-
-    def floats(values: list[float]) -> torch.Tensor:
-        return device_tensor(values, torch.float32, device)
-
     out_ids = [s.output_ids_tensor() for s in pen]
-    out_lens = torch.tensor([t.numel() for t in out_ids], dtype=torch.int64)
-    meta = PenaltyMetadata(
-        rows=device_tensor(rows, torch.int64, device),
-        presence=floats([s.params.presence_penalty for s in pen]),
-        frequency=floats([s.params.frequency_penalty for s in pen]),
-        repetition=None,
-        output_rows=to_device(torch.repeat_interleave(torch.arange(len(pen)), out_lens), device),
-        output_tokens=to_device(torch.cat(out_ids), device),
-        prompt_rows=None,
-        prompt_tokens=None,
-    )
+    out_lens = np.array([t.numel() for t in out_ids], dtype=np.int64)
+    arrays = [
+        np.array(rows, dtype=np.int64),
+        np.array([s.params.presence_penalty for s in pen], dtype=np.float32),
+        np.array([s.params.frequency_penalty for s in pen], dtype=np.float32),
+        np.repeat(np.arange(len(pen), dtype=np.int64), out_lens),
+        torch.cat(out_ids).numpy(),
+    ]
     rep = [j for j, s in enumerate(pen) if s.has_repetition_penalty]
     if rep:
-        meta.repetition = floats([s.params.repetition_penalty for s in pen])
         prompt_ids = [pen[j].prompt_ids_tensor() for j in rep]
-        prompt_lens = torch.tensor([t.numel() for t in prompt_ids], dtype=torch.int64)
-        meta.prompt_rows = to_device(torch.repeat_interleave(torch.tensor(rep, dtype=torch.int64), prompt_lens),
-                                     device)
-        meta.prompt_tokens = to_device(torch.cat(prompt_ids), device)
+        prompt_lens = np.array([t.numel() for t in prompt_ids], dtype=np.int64)
+        arrays += [
+            np.array([s.params.repetition_penalty for s in pen], dtype=np.float32),
+            np.repeat(np.array(rep, dtype=np.int64), prompt_lens),
+            torch.cat(prompt_ids).numpy(),
+        ]
+    staged = stage(arrays)
+    meta = PenaltyMetadata(
+        rows=staged[0], presence=staged[1], frequency=staged[2], repetition=None,
+        output_rows=staged[3], output_tokens=staged[4], prompt_rows=None, prompt_tokens=None,
+    )
+    if rep:
+        meta.repetition, meta.prompt_rows, meta.prompt_tokens = staged[5:8]
     return meta

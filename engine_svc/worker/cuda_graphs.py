@@ -13,14 +13,14 @@ What is captured:
   of n requests replays the smallest captured size B >= n.
 
 Padding: rows n..B-1 of a replay are dummy requests: token 0 at position 0, cache slot -1 (the KV
-write kernel skips negative slots, so dummies never touch the KV cache), seq_len 1 and a block-table
-row of zeros (attention reads one key of block 0 and the result is thrown away). Nothing leaks into
-real rows: apart from attention, which reads only the cache, every op of the model is row-wise.
+write kernel skips negative slots, so dummies never touch the KV cache), seq_len 1 and block 0 (attention
+reads one key of block 0 and the result is thrown away). Nothing leaks into real rows: apart from
+attention, which reads only the cache, every op of the model is row-wise.
 
-Static buffers (`DecodeBuffers`): a graph reads fixed device tensors sized for the largest batch;
-`replay` writes the step's padded inputs into pinned host mirrors and copies their first B rows up
-asynchronously (three copies, no host sync). `query_start_loc` of a decode-only batch is always
-0, 1, ..., B, so it is written once.
+Static buffers: a graph reads the device tensors of the runner's `StepStaging` (engine_svc/worker/
+staging.py), the same ones eager steps read; their capacity is fixed, so their addresses never change.
+`replay` has the staging write the step's inputs, padded in place, into its pinned host arrays and copy
+them up asynchronously (no host sync, no per-step allocation).
 
 Host values: a graph cannot see host values that change between replays. The triton backend reads two
 host ints: max_query_len (1 for every decode-only step: it selects the decode path) and max_seq_len
@@ -44,21 +44,18 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-import numpy as np
 import torch
 
-from engine_svc.attention.backend import AttentionMetadata
 from engine_svc.worker.input_batch import StepInputs
+from engine_svc.worker.staging import StepStaging
 
 if TYPE_CHECKING:
     from engine_svc.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-PAD_SLOT = -1  # the KV write kernel skips negative slots
 _T = TypeVar("_T")
 
 
@@ -123,102 +120,6 @@ def graphs_off_reason(
     return None
 
 
-# ---- host-side padding ------------------------------------------------------------------------
-@dataclass
-class PaddedDecodeInputs:
-    """A decode-only step's inputs padded to a captured size B; rows n..B-1 are dummy requests."""
-
-    input_ids: np.ndarray  # [B] int64; 0 for padding
-    positions: np.ndarray  # [B] int64; 0 for padding
-    slot_mapping: np.ndarray  # [B] int64; PAD_SLOT for padding
-    seq_lens: np.ndarray  # [B] int32; 1 for padding
-    block_table: np.ndarray  # [B, W] int32, W = the step's block-table width (>= 1); zeros for padding
-
-
-def _padded(values: np.ndarray, size: int, fill: int, dtype: type) -> np.ndarray:
-    out: np.ndarray = np.full(size, fill, dtype=dtype)
-    out[: len(values)] = values
-    return out
-
-
-def pad_decode_inputs(inputs: StepInputs, size: int) -> PaddedDecodeInputs:
-    """Pad a decode-only step (one token per request, so token i belongs to request i) to `size` rows."""
-    n = len(inputs.req_ids)
-    if inputs.num_decodes != n or len(inputs.input_ids) != n:
-        raise ValueError("pad_decode_inputs needs a decode-only step (every q_len == 1)")
-    if n > size:
-        raise ValueError(f"a batch of {n} requests does not fit a graph of size {size}")
-    width = inputs.block_table.shape[1]
-    table = np.zeros((size, max(width, 1)), dtype=np.int32)
-    table[:n, :width] = inputs.block_table
-    return PaddedDecodeInputs(
-        input_ids=_padded(inputs.input_ids, size, 0, np.int64),
-        positions=_padded(inputs.positions, size, 0, np.int64),
-        slot_mapping=_padded(inputs.slot_mapping, size, PAD_SLOT, np.int64),
-        seq_lens=_padded(inputs.seq_lens, size, 1, np.int32),
-        block_table=table,
-    )
-
-
-# ---- static device buffers --------------------------------------------------------------------
-class DecodeBuffers:
-    """The device tensors captured graphs read their inputs from, sized for the largest batch.
-
-    Invariants: every row starts as a dummy request (see the module docstring); `load` overwrites rows
-    [0, B) of a B-row step (block table: columns [0, W) of the step's width), and a graph of size B reads
-    nothing else, except block-table columns past W, which attention never reads because it only looks
-    up the blocks of the first seq_len positions. `query_start_loc` is 0..max_batch for good.
-    """
-
-    def __init__(self, max_batch: int, max_blocks_per_req: int, device: torch.device) -> None:
-        pinned = device.type == "cuda"
-        # input ids, positions and slots share one [3, max_batch] tensor: one copy loads all three
-        self._ints = torch.zeros((3, max_batch), dtype=torch.int64, device=device)
-        self._ints[2].fill_(PAD_SLOT)
-        self.input_ids, self.positions, self.slot_mapping = self._ints.unbind(0)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros((max_batch, max_blocks_per_req), dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        # pinned host mirrors, the sources of the asynchronous copies, start equal to the device tensors:
-        # each copy is a contiguous block (a strided one would go through an unpinned temporary)
-        self._host_ints = self._ints.to("cpu").pin_memory() if pinned else self._ints.clone()
-        self._host_seq_lens = torch.empty(max_batch, dtype=torch.int32, pin_memory=pinned)
-        self._host_table = torch.zeros((max_batch, max_blocks_per_req), dtype=torch.int32, pin_memory=pinned)
-        self._copied = torch.cuda.Event() if pinned else None  # recorded after each step's copies
-
-    def load(self, step: PaddedDecodeInputs) -> None:
-        """Copy a padded step into the first rows without a host sync: through the pinned mirrors,
-        which are rewritten only once the previous step's copies have finished (an event)."""
-        size, width = step.block_table.shape
-        if self._copied is not None:
-            self._copied.synchronize()  # returns at once before the first record()
-        ints = self._host_ints.numpy()
-        ints[0, :size], ints[1, :size], ints[2, :size] = step.input_ids, step.positions, step.slot_mapping
-        self._host_seq_lens.numpy()[:size] = step.seq_lens
-        self._host_table.numpy()[:size, :width] = step.block_table
-        # Whole rows / the whole [3, max_batch] block: rows past `size` and columns past `width` carry
-        # what an earlier step left there, which no graph of this size reads (class invariant).
-        self._ints.copy_(self._host_ints, non_blocking=True)
-        self.seq_lens[:size].copy_(self._host_seq_lens[:size], non_blocking=True)
-        self.block_table[:size].copy_(self._host_table[:size], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-
-    def metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
-        """Metadata over the first `size` rows; host fields are bounds / placeholders (see module doc)."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size],
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[max_seq_len] * size,
-            num_decodes=size,
-        )
-
-
 # ---- capture and replay -----------------------------------------------------------------------
 class DecodeCudaGraphs:
     """One captured model forward per decode batch size, replayed by the model runner.
@@ -234,7 +135,7 @@ class DecodeCudaGraphs:
         kv_caches: list[torch.Tensor],
         *,
         sizes: Sequence[int],
-        max_blocks_per_req: int,
+        staging: StepStaging,
         block_size: int,
         device: torch.device,
     ) -> None:
@@ -242,8 +143,9 @@ class DecodeCudaGraphs:
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         self.device = device
-        self.max_seq_len = max_blocks_per_req * block_size
-        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks_per_req, device)
+        self.staging = staging
+        # the longest context a replay may see: the served max_model_len, in whole blocks
+        self.max_seq_len = staging.block_table.device.shape[1] * block_size
         self.num_replays = 0
         self.memory_bytes = 0  # device memory the captured graphs hold (set by capture)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -254,16 +156,16 @@ class DecodeCudaGraphs:
 
     def forward_static(self, size: int) -> torch.Tensor:
         """The model over the first `size` rows of the buffers: exactly what a graph captures."""
-        b = self.buffers
-        meta = b.metadata(size, self.max_seq_len)
-        return self.model(b.input_ids[:size], b.positions[:size], self.kv_caches, meta)  # type: ignore[no-any-return]
+        tokens = self.staging.tokens.device
+        meta = self.staging.graph_metadata(size, self.max_seq_len)
+        return self.model(tokens[0, :size], tokens[1, :size], self.kv_caches, meta)  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, into one shared memory pool (needs the KV cache allocated).
 
         Each size first runs once eagerly, so Triton compiles that size's kernel variants outside the
-        capture. The buffers hold dummy requests only, so capturing writes nothing to the KV cache.
+        capture. The staging buffers hold dummy requests only, so capturing writes nothing to the KV cache.
         """
         start = time.perf_counter()
         _, used = memory_held_by(
@@ -290,7 +192,7 @@ class DecodeCudaGraphs:
 
     def replay(self, inputs: StepInputs, size: int) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step of n <= size requests."""
-        self.buffers.load(pad_decode_inputs(inputs, size))
+        self.staging.stage_inputs(inputs, pad_to=size)
         out = self._run(size)
         self.num_replays += 1
         return out[: len(inputs.req_ids)]
@@ -306,7 +208,7 @@ def maybe_capture_decode_graphs(
     kv_caches: list[torch.Tensor],
     *,
     device: torch.device,
-    max_blocks_per_req: int,
+    staging: StepStaging,
 ) -> DecodeCudaGraphs | None:
     """Capture decode graphs when the settings allow (`graphs_off_reason`), else None.
 
@@ -326,7 +228,7 @@ def maybe_capture_decode_graphs(
         model,
         kv_caches,
         sizes=capture_sizes(config.max_num_seqs),
-        max_blocks_per_req=max_blocks_per_req,
+        staging=staging,
         block_size=config.block_size,
         device=device,
     )

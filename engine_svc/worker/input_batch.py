@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 @dataclass
@@ -122,59 +121,3 @@ class InputBatch:
             num_decodes=len(decode_ids),
             sample_mask=seq_lens >= self.num_tokens[rows],
         )
-
-
-class DeviceStaging:
-    """Moves one step's host arrays to the device without making the host wait for the device.
-
-    On a CPU device the arrays are returned as zero-copy tensors. On CUDA they are packed, per dtype,
-    into one persistent pinned host buffer and sent with one `non_blocking` copy into a persistent
-    device buffer; the returned tensors are views into it. Safety, without a sync:
-    - device side: the views stay valid until the next `stage`; every kernel that reads them was
-      queued on the stream before the next step's copy, so stream order protects them;
-    - host side: before overwriting the pinned buffers, `stage` waits for an event recorded after the
-      previous copy (long finished in practice, since each step ends by reading sampled tokens back).
-    Buffers grow (doubling) when a step needs more; they never shrink.
-
-    `copy=True` on a CPU device runs the packing and copying logic with ordinary CPU tensors, so that it
-    can be tested without a GPU.
-    """
-
-    def __init__(self, device: torch.device, *, copy: bool | None = None) -> None:
-        self.device = device
-        self.copy = device.type == "cuda" if copy is None else copy
-        self._pinned = device.type == "cuda"
-        self._host: dict[np.dtype, tuple[torch.Tensor, np.ndarray]] = {}
-        self._dev: dict[np.dtype, torch.Tensor] = {}
-        self._copied = torch.cuda.Event() if self._pinned else None  # recorded after each step's copies
-
-    def stage(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        """Device tensors with the arrays' shapes, dtypes and values (int32 / int64 / float32 / bool)."""
-        if not self.copy:
-            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        if self._copied is not None:
-            self._copied.synchronize()  # returns at once before the first record()
-        offsets, totals = [], {}
-        for a in arrays:
-            offsets.append(totals.get(a.dtype, 0))
-            totals[a.dtype] = offsets[-1] + a.size
-        for dtype, total in totals.items():
-            host = self._host_buffer(dtype, total)
-            for a, off in zip(arrays, offsets):
-                if a.dtype == dtype:
-                    host[off : off + a.size] = a.reshape(-1)
-        for dtype, total in totals.items():
-            self._dev[dtype][:total].copy_(self._host[dtype][0][:total], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        return [self._dev[a.dtype][off : off + a.size].view(a.shape) for a, off in zip(arrays, offsets)]
-
-    def _host_buffer(self, dtype: np.dtype, size: int) -> np.ndarray:
-        have = self._host.get(dtype)
-        if have is None or have[1].size < size:
-            capacity = max(size, 2 * (have[1].size if have is not None else 0), 1024)
-            tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-            host = torch.empty(capacity, dtype=tdtype, pin_memory=self._pinned)
-            self._host[dtype] = (host, host.numpy())
-            self._dev[dtype] = torch.empty(capacity, dtype=tdtype, device=self.device)
-        return self._host[dtype][1]

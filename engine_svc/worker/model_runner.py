@@ -5,9 +5,11 @@ new requests arrive in full, cached ones as diffs, and finished/preempted ids ar
 step is laid out. Only requests whose scheduled tokens reach the end of their known tokens sample.
 
 Host/device discipline (what keeps a GPU busy): a step reads nothing back from the device until the
-sampled tokens, its one sync, at the very end. Inputs go up through `DeviceStaging` (pinned memory,
-async copies) or the CUDA-graph buffers; sampling metadata is built on the host and copied the same
-way; so the forward, the logits and the sampler are queued back to back while the host moves on.
+sampled tokens, its one sync, at the very end. Everything goes up through one `StepStaging` (persistent
+pinned buffers, async copies, one event): the inputs of eager steps and CUDA-graph replays alike, the
+sampling parameters (per-row columns of the persistent batch, copied only when the batch changes:
+sample/columns.py) and the per-step sampling arrays; so the forward, the logits and the sampler are
+queued back to back while the host moves on.
 Positions never reach max_position (the rotary cache's rows): max_model_len is checked against it here,
 and the persistent batch cannot hold a token past max_model_len.
 """
@@ -18,17 +20,14 @@ import numpy as np
 import torch
 
 from engine_svc.attention.backend import AttentionMetadata
+from engine_svc.sample.columns import SamplingColumns
 from engine_svc.sample.logprobs import compute_prompt_logprobs
-from engine_svc.sample.metadata import (
-    RequestSamplingState,
-    SamplingMetadata,
-    build_sampling_metadata,
-    device_tensor,
-)
+from engine_svc.sample.metadata import RequestSamplingState, SamplingMetadata, build_sampling_metadata
 from engine_svc.sample.sampler import Sampler
 from engine_svc.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine_svc.worker.cuda_graphs import DecodeCudaGraphs
-from engine_svc.worker.input_batch import DeviceStaging, InputBatch, StepInputs
+from engine_svc.worker.input_batch import InputBatch, StepInputs
+from engine_svc.worker.staging import StepStaging
 
 
 def profile_seq_lens(num_tokens: int, max_model_len: int, max_num_seqs: int) -> list[int]:
@@ -46,7 +45,7 @@ def profile_seq_lens(num_tokens: int, max_model_len: int, max_num_seqs: int) -> 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_num_seqs: int,
-                 max_model_len: int, block_size: int, vocab_size: int) -> None:
+                 max_model_len: int, block_size: int, vocab_size: int, max_num_batched_tokens: int) -> None:
         max_position = getattr(model, "max_position", None)
         if max_position is not None and max_model_len > max_position:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {max_position} rotary positions "
@@ -56,9 +55,9 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len  # the configured value until set_max_model_len
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size)
-        self.staging = DeviceStaging(device)
+        self._size_for(max_model_len)
         self.sampler = Sampler()
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.num_prompt_tokens: dict[str, int] = {}
@@ -75,8 +74,17 @@ class ModelRunner:
             raise RuntimeError("set_max_model_len must run before the first step")
         if not 1 <= max_model_len <= self.max_model_len:
             raise ValueError(f"served max_model_len {max_model_len} must be in [1, {self.max_model_len}]")
+        self._size_for(max_model_len)
+
+    def _size_for(self, max_model_len: int) -> None:
+        """The persistent batch, the staging buffers and the sampling columns, for `max_model_len`."""
         self.max_model_len = max_model_len
         self.batch = InputBatch(self.max_num_seqs, max_model_len, self.block_size)
+        self.staging = StepStaging(
+            self.device, max_tokens=max(self.max_num_batched_tokens, self.max_num_seqs), max_reqs=self.max_num_seqs,
+            max_blocks_per_req=self.batch.block_table.shape[1],
+        )
+        self.sampling_columns = SamplingColumns(self.max_num_seqs, self.staging)
 
     # ---- state updates -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -106,12 +114,13 @@ class ModelRunner:
     def _add(self, new: NewRequestData) -> None:
         if new.req_id in self.batch:  # resumed after preemption without an explicit drop
             self._drop(new.req_id)
-        self.batch.add(new.req_id, new.token_ids, new.block_ids, new.num_computed_tokens)
+        row = self.batch.add(new.req_id, new.token_ids, new.block_ids, new.num_computed_tokens)
         prompt = new.token_ids[: new.num_prompt_tokens]
-        self.sampling_states[new.req_id] = RequestSamplingState(
+        state = self.sampling_states[new.req_id] = RequestSamplingState(
             new.sampling_params, prompt, new.eos_token_ids, self.vocab_size,
             output_token_ids=list(new.token_ids[new.num_prompt_tokens :]), device=self.device,
         )
+        self.sampling_columns.set_row(row, state)
         self.num_prompt_tokens[new.req_id] = new.num_prompt_tokens
         if new.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs_wanted[new.req_id] = new.sampling_params.prompt_logprobs
@@ -131,12 +140,20 @@ class ModelRunner:
         inputs = self.batch.prepare(so.num_scheduled_tokens)
         sample_idx = np.flatnonzero(inputs.sample_mask)
         last_token = inputs.query_start_loc[1:][sample_idx] - 1  # the hidden row each sampling request reads
+        self.staging.begin_step()
         hidden, sample_rows = self._forward(inputs, last_token)
         sampled = [-1] * len(inputs.req_ids)
         logprobs = None
-        if len(sample_idx):
+        if not len(sample_idx):
+            self.staging.end_step()
+        else:
             states = [self.sampling_states[inputs.req_ids[i]] for i in sample_idx]
-            meta: SamplingMetadata = build_sampling_metadata(states, self.device)
+            row_of = self.batch.row_of
+            batch_rows = np.fromiter((row_of[inputs.req_ids[i]] for i in sample_idx), np.int64, len(sample_idx))
+            meta: SamplingMetadata = build_sampling_metadata(
+                states, self.device, columns=self.sampling_columns, rows=batch_rows, stage=self.staging.stage_arrays,
+            )
+            self.staging.end_step()
             rows = hidden[: len(sample_idx)] if sample_rows is None else hidden.index_select(0, sample_rows)
             out = self.sampler(self.model.compute_logits(rows), meta)
             tokens = out.sampled_token_ids.tolist()  # the step's one device -> host sync
@@ -156,31 +173,25 @@ class ModelRunner:
         first len(last_token) rows): a CUDA graph replay for a decode-only step that fits a captured
         size, else the eager model call."""
         first_rows = bool(np.array_equal(last_token, np.arange(len(last_token))))
+        rows = None if first_rows else self.staging.stage_sample_rows(last_token)
         if self.cuda_graphs is not None:
             size = self.cuda_graphs.size_for(inputs)
             if size is not None:
-                return self.cuda_graphs.replay(inputs, size), None if first_rows else self._stage_one(last_token)
-        staged = self.staging.stage([
-            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc.astype(np.int32),
-            inputs.seq_lens.astype(np.int32), inputs.block_table, last_token,
-        ])
-        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_table, rows = staged
+                return self.cuda_graphs.replay(inputs, size), rows
+        staged = self.staging.stage_inputs(inputs)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=block_table,
+            slot_mapping=staged.slot_mapping,
+            query_start_loc=staged.query_start_loc,
+            seq_lens=staged.seq_lens,
+            block_table=staged.block_table,
             max_query_len=int(inputs.query_lens.max()),
             max_seq_len=int(inputs.seq_lens.max()),
             query_lens_cpu=inputs.query_lens.tolist(),
             seq_lens_cpu=inputs.seq_lens.tolist(),
             num_decodes=inputs.num_decodes,
         )
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return hidden, None if first_rows else rows
-
-    def _stage_one(self, values: np.ndarray) -> torch.Tensor:
-        return device_tensor(values.tolist(), torch.int64, self.device)
+        hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
+        return hidden, rows
 
     @staticmethod
     def _scatter_logprobs(out: object, sample_idx: np.ndarray, batch_size: int) -> list | None:

@@ -67,6 +67,7 @@ class Worker:
             max_model_len=int(self.config.max_model_len or 0),
             block_size=self.config.block_size,
             vocab_size=self.model.vocab_size,
+            max_num_batched_tokens=int(self.config.max_num_batched_tokens or self.config.max_model_len or 0),
         )
 
     @property
@@ -129,8 +130,7 @@ class Worker:
                             for _ in range(m.num_layers)]
         # -- CUDA graphs hook: capture decode graphs now that the cache exists (None when off) --
         runner.cuda_graphs = maybe_capture_decode_graphs(
-            self.config, m, runner.kv_caches, device=self.device,
-            max_blocks_per_req=runner.batch.block_table.shape[1],
+            self.config, m, runner.kv_caches, device=self.device, staging=runner.staging,
         )
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

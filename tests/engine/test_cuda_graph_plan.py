@@ -1,8 +1,9 @@
 """The CPU-checkable parts of decode CUDA graphs (engine_svc/worker/cuda_graphs.py).
 
 Pure planning is driven with plain data: the capture-size list, padding to the next size, decode-only
-detection and the eager fallbacks, when graphs are switched off. The padding and the static buffers are
-then checked end to end on CPU with the triton backend (interpreter): a `DecodeCudaGraphs` whose
+detection and the eager fallbacks, when graphs are switched off. The padding (in place, in the runner's
+`StepStaging`, tests/engine/test_staging.py) is then checked end to end on CPU with the triton backend
+(interpreter): a `DecodeCudaGraphs` whose
 "replay" runs the would-be-captured forward eagerly must give the same tokens as the plain eager runner,
 and its dummy rows must never write the KV cache. Only the capture/replay calls themselves need a GPU
 (tests/gpu/test_cuda_graphs.py).
@@ -12,23 +13,20 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
 from engine_svc.config import EngineConfig
 from engine_svc.worker.cuda_graphs import (
-    PAD_SLOT,
-    DecodeBuffers,
     DecodeCudaGraphs,
     capture_sizes,
     graph_batch_size,
     graphs_off_reason,
     maybe_capture_decode_graphs,
-    pad_decode_inputs,
     padded_batch_size,
 )
 from engine_svc.worker.input_batch import InputBatch, StepInputs
+from engine_svc.worker.staging import StepStaging
 
 SIZES_256 = capture_sizes(256)
 
@@ -134,59 +132,9 @@ def test_graphs_off_reasons() -> None:
 
 def test_no_capture_on_cpu() -> None:
     config = EngineConfig(model="unused", device="cpu", attention_backend="triton")
-    got = maybe_capture_decode_graphs(config, torch.nn.Identity(), [], device=torch.device("cpu"),
-                                      max_blocks_per_req=4)
+    staging = StepStaging(torch.device("cpu"), max_tokens=8, max_reqs=8, max_blocks_per_req=4)
+    got = maybe_capture_decode_graphs(config, torch.nn.Identity(), [], device=torch.device("cpu"), staging=staging)
     assert got is None
-
-
-# ---- host padding and static buffers -----------------------------------------------------------
-def _three_decodes() -> StepInputs:
-    batch = _batch_with({"a": (6, 5), "b": (9, 8), "c": (2, 1)})
-    return batch.prepare({"a": 1, "b": 1, "c": 1})
-
-
-def test_pad_decode_inputs() -> None:
-    step = _three_decodes()  # blocks: a = 10, 11; b = 12, 13, 14; c = 15 (block_size 4)
-    padded = pad_decode_inputs(step, 4)
-    assert padded.input_ids.tolist() == [*step.input_ids.tolist(), 0]
-    assert padded.positions.tolist() == [5, 8, 1, 0]
-    assert padded.slot_mapping.tolist() == [11 * 4 + 1, 14 * 4 + 0, 15 * 4 + 1, PAD_SLOT]
-    assert padded.seq_lens.tolist() == [6, 9, 2, 1]
-    assert padded.seq_lens.dtype == np.int32 and padded.block_table.dtype == np.int32
-    assert padded.block_table.tolist() == [[10, 11, 0], [12, 13, 14], [15, 0, 0], [0, 0, 0]]
-
-
-def test_pad_decode_inputs_rejects_prefill_and_overflow() -> None:
-    batch = _batch_with({"a": (6, 5), "c": (3, 0)})
-    with pytest.raises(ValueError, match="decode-only"):
-        pad_decode_inputs(batch.prepare({"a": 1, "c": 3}), 4)
-    with pytest.raises(ValueError, match="does not fit"):
-        pad_decode_inputs(_three_decodes(), 2)
-
-
-def test_buffers_start_as_dummy_requests() -> None:
-    buf = DecodeBuffers(max_batch=8, max_blocks_per_req=5, device=torch.device("cpu"))
-    assert buf.slot_mapping.tolist() == [PAD_SLOT] * 8
-    assert buf.seq_lens.tolist() == [1] * 8
-    assert buf.query_start_loc.tolist() == list(range(9))
-    assert buf.block_table.shape == (8, 5) and not buf.block_table.any()
-
-
-def test_buffers_load_and_metadata() -> None:
-    buf = DecodeBuffers(max_batch=8, max_blocks_per_req=5, device=torch.device("cpu"))
-    buf.load(pad_decode_inputs(_three_decodes(), 4))
-    assert buf.seq_lens.tolist() == [6, 9, 2, 1, 1, 1, 1, 1]
-    assert buf.slot_mapping[:4].tolist() == [45, 56, 61, PAD_SLOT]
-    assert buf.block_table[:4, :3].tolist() == [[10, 11, 0], [12, 13, 14], [15, 0, 0], [0, 0, 0]]
-
-    meta = buf.metadata(4, max_seq_len=20)
-    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert meta.seq_lens.tolist() == [6, 9, 2, 1]
-    assert meta.block_table.shape == (4, 5)
-    assert (meta.max_query_len, meta.max_seq_len, meta.num_decodes, meta.num_reqs) == (1, 20, 4, 4)
-    # Views, not copies: a later load is what the captured graph sees.
-    buf.load(pad_decode_inputs(_three_decodes(), 4))
-    assert meta.seq_lens.data_ptr() == buf.seq_lens.data_ptr()
 
 
 # ---- end to end on CPU: everything except the capture itself -----------------------------------
@@ -200,8 +148,7 @@ class EagerReplayGraphs(DecodeCudaGraphs):
 def _stub_graphs(llm, sizes: list[int]) -> EagerReplayGraphs:
     worker = llm.engine.executor.worker
     runner = worker.runner
-    return EagerReplayGraphs(worker.model, runner.kv_caches, sizes=sizes,
-                             max_blocks_per_req=runner.batch.block_table.shape[1],
+    return EagerReplayGraphs(worker.model, runner.kv_caches, sizes=sizes, staging=runner.staging,
                              block_size=llm.config.block_size, device=worker.device)
 
 
@@ -254,8 +201,9 @@ def test_dummy_rows_never_write_the_cache(triton_llm) -> None:
     runner = worker.runner
     block_size = triton_llm.config.block_size
     caches = [torch.zeros_like(c[:, :4]) for c in runner.kv_caches]  # a fresh 4-block cache
-    graphs = EagerReplayGraphs(worker.model, caches, sizes=[4], max_blocks_per_req=4,
-                               block_size=block_size, device=worker.device)
+    staging = StepStaging(worker.device, max_tokens=8, max_reqs=4, max_blocks_per_req=4)
+    graphs = EagerReplayGraphs(worker.model, caches, sizes=[4], staging=staging, block_size=block_size,
+                               device=worker.device)
     batch = InputBatch(max_num_reqs=4, max_model_len=4 * block_size, block_size=block_size)
     batch.add("only", list(range(20, 26)), [2], num_computed=5)  # its 6th token lands in slot 2*bs + 5
     step = batch.prepare({"only": 1})

@@ -45,8 +45,8 @@ class RecordingWorker(Worker):
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         seen: dict[str, int] = {}
 
-        def graphs(*args: Any, max_blocks_per_req: int, **kwargs: Any) -> None:
-            seen["blocks"] = max_blocks_per_req  # what the CUDA-graph split heuristic is built with
+        def graphs(*args: Any, staging: Any, **kwargs: Any) -> None:
+            seen["blocks"] = staging.block_table.device.shape[1]  # what the CUDA-graph heuristic reads
 
         worker_module.maybe_capture_decode_graphs = graphs  # type: ignore[assignment]
         super().initialize_cache(num_blocks, max_model_len)
@@ -69,8 +69,8 @@ def _run_to_the_limit(core: EngineCore) -> None:
 def test_the_served_max_model_len_sizes_the_worker(llama_dir, monkeypatch) -> None:
     seen: dict[str, int] = {}
 
-    def graphs(*args: Any, max_blocks_per_req: int, **kwargs: Any) -> None:
-        seen["blocks"] = max_blocks_per_req
+    def graphs(*args: Any, staging: Any, **kwargs: Any) -> None:
+        seen["blocks"] = staging.block_table.device.shape[1]
 
     monkeypatch.setattr(worker_module, "maybe_capture_decode_graphs", graphs)
     core = EngineCore(_config(llama_dir))

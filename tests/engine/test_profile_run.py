@@ -8,7 +8,6 @@ died at start. On CPU the same gather raises, so these tests catch it without a 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -93,7 +92,7 @@ def test_runner_refuses_max_model_len_past_the_rotary_cache(make_model):
     worker = _worker(make_model, "torch", 64)
     with pytest.raises(ValueError, match="max_model_len 65 exceeds the model's 64 rotary positions"):
         ModelRunner(worker.model, device=torch.device("cpu"), max_num_seqs=4, max_model_len=65, block_size=16,
-                    vocab_size=worker.model.vocab_size)
+                    vocab_size=worker.model.vocab_size, max_num_batched_tokens=64)
 
 
 def test_out_of_range_position_is_a_clear_error_not_a_gather_fault(make_model):
@@ -142,23 +141,3 @@ def test_memory_held_by_returns_the_result():
     alloc = FakeAllocator(total=100, in_use=10, cached=0)
     result, held = memory_held_by(lambda: "done", free_bytes=alloc.free_bytes, release_cached=alloc.release_cached)
     assert (result, held) == ("done", 0)
-
-
-# ---- staging inputs to the device --------------------------------------------------------------
-def test_device_staging_packs_and_copies_by_dtype():
-    from engine_svc.worker.input_batch import DeviceStaging
-
-    staging = DeviceStaging(torch.device("cpu"), copy=True)  # the CUDA path's packing, on CPU tensors
-    a = np.arange(5, dtype=np.int64)
-    b = np.arange(6, dtype=np.int32).reshape(2, 3)
-    c = np.array([7, 8], dtype=np.int64)
-    ta, tb, tc = staging.stage([a, b, c])
-    assert ta.tolist() == a.tolist() and tb.tolist() == b.tolist() and tc.tolist() == c.tolist()
-    assert (ta.dtype, tb.dtype, tc.dtype) == (torch.int64, torch.int32, torch.int64)
-    assert ta.data_ptr() != a.ctypes.data  # copies, not views of the host arrays
-    big = np.arange(5000, dtype=np.int64)  # grows past the initial capacity
-    (tbig,) = staging.stage([big])
-    assert tbig.tolist() == big.tolist()
-    zero_copy = DeviceStaging(torch.device("cpu"))
-    (view,) = zero_copy.stage([a])
-    assert view.data_ptr() == a.ctypes.data

@@ -1,0 +1,197 @@
+"""One host -> device staging path for a worker: every step input, CUDA-graph replays and sampling metadata.
+
+`StepStaging` owns persistent buffer pairs (`Twin`): a host array (pinned on CUDA) and a device tensor of
+the same shape, allocated once. The host writes a step's values into the host arrays and sends them up
+with asynchronous copies; the model reads the device tensors. The same pairs serve eager steps and CUDA
+graph replays (a graph captured the device tensors' addresses, which never change: their capacity is
+fixed at construction, for the largest step the scheduler can build), and the sampler's parameters
+(`sample/columns.py`) and per-step arrays (`stage_arrays`) go through pairs of the same object.
+
+Safety without syncs (on CUDA):
+- device side: a device tensor is rewritten only by a copy queued after every kernel of the previous step
+  that read it, so stream order protects it;
+- host side: `begin_step` waits for an event recorded by `end_step` after the previous step's last copy,
+  so no pinned array is rewritten while a copy from it may still be running (long finished in practice:
+  each step ends by reading the sampled tokens back). One event covers every pair.
+
+On a CPU device the host array and the device tensor are one tensor (nothing is copied), unless
+`copy=True`, which runs the copying logic with two CPU tensors so that tests can check it without a GPU
+(`num_copies` counts the copies issued).
+
+Inputs of a step (`stage_inputs`): token ids, positions and slots share one [3, max_tokens] int64 pair sent
+whole (one copy; a strided prefix would go through an unpinned temporary); query_start_loc, seq_lens, the
+block table (whole rows of the served max_model_len's width) and the sampled rows go up as prefixes. For a
+graph replay (`pad_to`) rows n..B-1 become dummy requests in place: token 0 at position 0, slot PAD_SLOT
+(the KV write kernel skips negative slots), seq_len 1, block 0; query_start_loc continues 0, 1, .., B.
+Block-table columns past a row's ceil(seq_len / block_size) blocks keep what an earlier step left there:
+attention never reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_svc.attention.backend import AttentionMetadata
+from engine_svc.worker.input_batch import StepInputs
+
+PAD_SLOT = -1  # the KV write kernel skips negative slots
+
+
+class Twin:
+    """A host array and its device twin of one shape and dtype (the same tensor on CPU without copying)."""
+
+    def __init__(self, staging: StepStaging, shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> None:
+        self._staging = staging
+        host = torch.full(shape, fill, dtype=dtype, pin_memory=staging.pinned)
+        self.host_tensor = host
+        self.host: np.ndarray = host.numpy()
+        self.device = host.to(staging.device, copy=True) if staging.copy else host
+
+    def upload(self, rows: int | None = None) -> torch.Tensor:
+        """Copy the first `rows` rows (all when None) up; returns the device view of them."""
+        dev = self.device if rows is None else self.device[:rows]
+        if self._staging.copy:
+            src = self.host_tensor if rows is None else self.host_tensor[:rows]
+            dev.copy_(src, non_blocking=True)
+            self._staging.num_copies += 1
+        return dev
+
+
+@dataclass
+class StagedInputs:
+    """Device views of one step's inputs (valid until the next step's `stage_inputs`)."""
+
+    input_ids: torch.Tensor  # [T] (T = the padded size for a graph replay)
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_blocks_per_req] int32
+
+
+class StepStaging:
+    """The worker's staging buffers; see the module docstring. Capacities: `max_tokens` tokens a step,
+    `max_reqs` requests, `max_blocks_per_req` block-table columns (the served max_model_len's)."""
+
+    def __init__(
+        self, device: torch.device, *, max_tokens: int, max_reqs: int, max_blocks_per_req: int,
+        copy: bool | None = None,
+    ) -> None:
+        self.device = device
+        self.copy = device.type == "cuda" if copy is None else copy
+        self.pinned = device.type == "cuda"
+        self.num_copies = 0
+        self.max_tokens, self.max_reqs = max_tokens, max_reqs
+        self._copied = torch.cuda.Event() if self.pinned else None  # recorded after each step's last copy
+        # Every row starts as a dummy request (see the module docstring), on the device too.
+        self.tokens = self.twin((3, max_tokens), torch.int64)  # input ids, positions, slots
+        self.tokens.host[2].fill(PAD_SLOT)
+        self.tokens.upload()
+        self.query_start_loc = self.twin((max_reqs + 1,), torch.int32)
+        self.query_start_loc.host[:] = np.arange(max_reqs + 1)
+        self.query_start_loc.upload()
+        self.seq_lens = self.twin((max_reqs,), torch.int32, fill=1)
+        self.block_table = self.twin((max_reqs, max(max_blocks_per_req, 1)), torch.int32)
+        self.sample_rows = self.twin((max_reqs,), torch.int64)
+        self._scratch: dict[np.dtype, Twin] = {}
+        self._scratch_used: dict[np.dtype, int] = {}  # elements handed out this step, per dtype
+        self.num_copies = 0
+
+    def twin(self, shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> Twin:
+        return Twin(self, shape, dtype, fill)
+
+    # ---- step boundaries ---------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before writing any host array: the previous step's copies have finished reading them."""
+        if self._copied is not None:
+            self._copied.synchronize()  # returns at once before the first record()
+        self._scratch_used.clear()
+
+    def end_step(self) -> None:
+        """After the step's last copy."""
+        if self._copied is not None:
+            self._copied.record()
+
+    # ---- inputs ------------------------------------------------------------------------------------
+    def stage_inputs(self, inputs: StepInputs, pad_to: int | None = None) -> StagedInputs:
+        """The step's inputs on the device; `pad_to` B pads a decode-only step of n <= B requests with
+        dummy requests to B rows (a CUDA-graph replay)."""
+        n, num_tokens = len(inputs.req_ids), len(inputs.input_ids)
+        tokens = self.tokens.host
+        tokens[0, :num_tokens] = inputs.input_ids
+        tokens[1, :num_tokens] = inputs.positions
+        tokens[2, :num_tokens] = inputs.slot_mapping
+        self.query_start_loc.host[: n + 1] = inputs.query_start_loc
+        self.seq_lens.host[:n] = inputs.seq_lens
+        width = inputs.block_table.shape[1]
+        self.block_table.host[:n, :width] = inputs.block_table
+        rows = n
+        if pad_to is not None:
+            if inputs.num_decodes != n or num_tokens != n or n > pad_to:
+                raise ValueError(f"padding to {pad_to} needs a decode-only step of at most {pad_to} requests")
+            tokens[:2, n:pad_to] = 0
+            tokens[2, n:pad_to] = PAD_SLOT
+            self.query_start_loc.host[n + 1 : pad_to + 1] = np.arange(n + 1, pad_to + 1)
+            self.seq_lens.host[n:pad_to] = 1
+            self.block_table.host[n:pad_to, 0] = 0
+            rows = num_tokens = pad_to
+        ids, positions, slots = self.tokens.upload()[:, :num_tokens]
+        return StagedInputs(ids, positions, slots, self.query_start_loc.upload(rows + 1),
+                            self.seq_lens.upload(rows), self.block_table.upload(rows))
+
+    def stage_sample_rows(self, rows: np.ndarray) -> torch.Tensor:
+        """Indices [n] int64 on the device (the hidden rows to sample)."""
+        self.sample_rows.host[: len(rows)] = rows
+        return self.sample_rows.upload(len(rows))
+
+    def graph_metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
+        """Attention metadata over the first `size` rows of the device buffers, for a graph to capture.
+        Host fields are bounds / placeholders: a graph cannot see host values that change between replays
+        (engine_svc/worker/cuda_graphs.py)."""
+        return AttentionMetadata(
+            slot_mapping=self.tokens.device[2, :size],
+            query_start_loc=self.query_start_loc.device[: size + 1],
+            seq_lens=self.seq_lens.device[:size],
+            block_table=self.block_table.device[:size],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[max_seq_len] * size,
+            num_decodes=size,
+        )
+
+    # ---- variable-size arrays ------------------------------------------------------------------------
+    def stage_arrays(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Device tensors with the arrays' shapes and values, packed per dtype into growable scratch pairs
+        after whatever this step already staged there (one copy per dtype per call); valid until the next
+        step. A pair that must grow is replaced; tensors staged earlier keep the old one alive."""
+        offsets, ends = [], dict(self._scratch_used)
+        for a in arrays:
+            offsets.append(ends.get(a.dtype, 0))
+            ends[a.dtype] = offsets[-1] + a.size
+        devices = {}
+        for dtype, end in ends.items():
+            start = self._scratch_used.get(dtype, 0)
+            if end == start:
+                continue
+            twin = self._scratch_twin(dtype, end)
+            for a, off in zip(arrays, offsets):
+                if a.dtype == dtype:
+                    twin.host[off : off + a.size] = a.reshape(-1)
+            devices[dtype] = twin.upload(end)
+            self._scratch_used[dtype] = end
+        return [devices[a.dtype][off : off + a.size].view(a.shape) if a.size else
+                torch.empty(a.shape, dtype=torch.from_numpy(a).dtype, device=self.device)
+                for a, off in zip(arrays, offsets)]
+
+    def _scratch_twin(self, dtype: np.dtype, size: int) -> Twin:
+        have = self._scratch.get(dtype)
+        if have is None or have.host.size < size:
+            capacity = max(size, 2 * (have.host.size if have is not None else 0), 1024)
+            tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+            self._scratch[dtype] = self.twin((capacity,), tdtype)
+        return self._scratch[dtype]
