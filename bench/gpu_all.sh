@@ -4,6 +4,7 @@
 #   here, once:      bash ../shared/gpu/prepare.sh        # stages wheels + on-device.sh in .gpu/
 #   on the device:   run(command="bash bench/gpu_all.sh", carry=[".gpu"])           # ~8 min
 #                    run(command="bash bench/gpu_all.sh hf", carry=[".gpu"])        # HF baseline, ~6 min
+#                    run(command="bash bench/gpu_all.sh host", carry=[".gpu"])      # host time per step, ~3 min
 #
 # Stages (default: tests kernels profile e2e): pass stage names to run a subset. Each stage has its own
 # timeout, so one hang still leaves every other log. The device tool caps a call at 10 minutes.
@@ -38,7 +39,10 @@ for s in "${stages[@]}"; do
              stage gpu_profile_unfused 90 env TANDEM_FUSED_KERNELS=0 python bench/gpu_profile.py --batch 1 64 ;;
     e2e)     stage gpu_e2e 200 python bench/gpu_e2e.py --skip-hf ;;
     hf)      stage gpu_e2e_hf 560 python bench/gpu_e2e.py --hf-batch-size 128 ;;
-    *)       echo "unknown stage $s (tests kernels profile e2e hf)"; exit 2 ;;
+    host)    stage gpu_host_step 240 python bench/gpu_host_step.py --device cuda --attention-backend triton
+             stage gpu_host_step_t06 240 python bench/gpu_host_step.py --device cuda --attention-backend triton \
+               --temperature 0.6 ;;
+    *)       echo "unknown stage $s (tests kernels profile e2e hf host)"; exit 2 ;;
   esac
 done
 echo; cat "$OUT/summary.txt"
