@@ -8,9 +8,9 @@ oversubscribe them.
 
 `tandem serve` runs the frontend beside the engine on the same cores and still gives the engine all of
 them: on the 2-core development machine the engine with one thread (a core left to the frontend, as
-vLLM's CPU backend reserves one) served 35% fewer tokens per second with 40% higher inter-token latency
-than with two (BENCHMARKS.md): the frontend needs ~5% of a core per 16 streams, the engine's GEMMs need
-every core.
+vLLM's CPU backend reserves one) served a third fewer tokens per second at 31% higher median inter-token
+latency than with two (BENCHMARKS.md, issue 23): the frontend needs ~5% of a core per 16 streams, the
+engine's GEMMs need every core.
 """
 
 from __future__ import annotations
