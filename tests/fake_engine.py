@@ -1,7 +1,9 @@
-"""A fake `EngineCoreService` for frontend tests that need no model and no torch.
+"""A fake `EngineCoreService` for frontend tests (and bench/frontend_capacity.py) that need no model and no torch.
 
-It echoes each request's prompt tokens back, one per step (every `step_s`), until `max_tokens`, or, when
-the request leaves max_tokens unset, `default_max_tokens` (None: forever). A stream that ends aborts what
+It echoes each request's prompt tokens back (or, when given, cycles through `output_ids` instead), one per
+step (every `step_s`; 0 = as fast as the stream takes them), until `max_tokens`, or, when the request
+leaves max_tokens unset, `default_max_tokens` (None: forever). A request that asks for logprobs gets a
+made-up entry per token (the token at rank 1, then the next top-N ids). A stream that ends aborts what
 it added, as the real engine does. The request's sampling seed steers it: `SEED_REJECT` fails the
 request at once (RESOURCE_EXHAUSTED), `SEED_FAIL_LATE` sends two tokens then fails it (UNAVAILABLE),
 `SEED_ENDLESS` never finishes. It records what it was sent (`added`, `aborted`), what still runs
@@ -23,9 +25,10 @@ SEED_REJECT, SEED_FAIL_LATE, SEED_ENDLESS = 911, 912, 913
 
 class FakeEngine(epb_grpc.EngineCoreServiceServicer):
     def __init__(self, vocab_size: int, max_model_len: int = 256, step_s: float = 0.004,
-                 default_max_tokens: int | None = 8) -> None:
+                 default_max_tokens: int | None = 8, output_ids: list[int] | None = None) -> None:
         self.vocab_size, self.max_model_len, self.step_s = vocab_size, max_model_len, step_s
         self.default_max_tokens = default_max_tokens
+        self.output_ids = output_ids
         self.added: list[epb.EngineCoreRequest] = []
         self.aborted: list[str] = []
         self.running: dict[str, list[Any]] = {}  # request id -> [request, tokens produced]
@@ -78,10 +81,14 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
             code = epb.ERROR_CODE_RESOURCE_EXHAUSTED if seed == SEED_REJECT else epb.ERROR_CODE_UNAVAILABLE
             return epb.EngineCoreOutput(request_id=rid, finish_reason=epb.FINISH_REASON_ERROR,
                                         error=epb.EngineError(code=code, message="fake engine says no"))
-        prompt = request.prompt_token_ids
-        token = prompt[produced % len(prompt)]
+        source = self.output_ids or request.prompt_token_ids
+        token = source[produced % len(source)]
         self.running[rid][1] = produced = produced + 1
         out = epb.EngineCoreOutput(request_id=rid, new_token_ids=[token])
+        if sp.HasField("logprobs"):
+            top = [(token + k) % self.vocab_size for k in range(sp.logprobs)]
+            out.new_logprobs.add(token_id=token, logprob=-0.5, rank=1, top_token_ids=top,
+                                 top_logprobs=[-0.5 - k for k in range(len(top))])
         limit = sp.max_tokens if sp.HasField("max_tokens") else self.default_max_tokens
         if token in sp.stop_token_ids:
             out.finish_reason, out.stop_token_id = epb.FINISH_REASON_STOP, token

@@ -1,0 +1,390 @@
+"""Frontend capacity: the CPU the frontend spends per streamed token, with the engine taken out of the way.
+
+Three kinds of processes, each on its own:
+- engine: tests/fake_engine.py's `FakeEngine` on a real gRPC `EngineCoreService` endpoint at full speed
+  (step_s = 0: the next step as soon as the stream took the previous one), emitting a fixed English
+  passage (SmolLM2 tokens, a few multi-byte characters) one token per request per step;
+- frontend: the real `tandem-frontend` process with SmolLM2-135M-Instruct's tokenizer (the GGUF file
+  `make install` puts in the environment), `--http-port`, and its defaults otherwise (Prometheus metrics on);
+- clients: `--clients` processes sharing `--streams` concurrent streams of `--tokens` tokens each (a chat
+  prompt, greedy). gRPC clients keep each response as raw bytes and parse only the last one (its usage);
+  SSE clients read the raw HTTP response and parse only the usage chunk, so the clients stay cheap.
+
+For each API (gRPC `Generate`; OpenAI `/v1/chat/completions` with stream: true over SSE) and each case
+(plain; 4 stop strings that never match; top-5 logprobs; both) it prints
+
+    frontend us/tok   CPU time (user + system) of the frontend process during the run / tokens delivered
+    client us/tok     the same for all client processes together (they must not be the bottleneck)
+    engine us/tok     the same for the fake engine
+    tok/msg           tokens delivered per response message (gRPC) or SSE event: 1.0 means every token went
+                      out on its own, i.e. the clients kept up and nothing was coalesced for a slow reader
+    tok/s             tokens delivered per second of wall time
+
+Tokens delivered = the completion_tokens of each stream's final usage. Rounds alternate APIs and cases
+so that drift on a noisy machine does not favour one; the summary is the median over rounds.
+
+    python bench/frontend_capacity.py [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
+        [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--profile DIR]
+
+`--profile DIR` (`pip install py-spy` first) runs `py-spy record` on the frontend during each measurement and writes its samples per
+API and case there (collapsed stacks: `flamegraph.pl` or speedscope draw them; PYSPY_NATIVE=1 adds native
+frames). py-spy's sampling costs the frontend CPU: do not report the numbers of a profiled run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+APIS = ("grpc", "openai")
+CASES = ("plain", "stop", "logprobs", "stop+logprobs")
+STOP_STRINGS = ["\nUser:", "<|im_end|>", "THE END", "###"]  # none occurs in the passage
+TOP_LOGPROBS = 5
+QUESTION = "Tell me a long story about a lighthouse keeper."
+GENERATE = "/tandem.v1.GenerationService/Generate"
+START_TIMEOUT_S = 120.0
+PASSAGE = (
+    "The lighthouse stood at the edge of the world, or so it seemed to Mara on the night she arrived. "
+    "Waves broke against the rocks below, and the wind carried salt and the smell of rain. She climbed "
+    "the spiral stairs, counting each step: one hundred and twelve. At the top, the great lens turned "
+    "slowly, throwing its beam across the water in long, patient sweeps. \"Every ship that passes owes "
+    "you a little,\" the old keeper had told her, handing over the keys and a thermos of café au lait. "
+    "She smiled at that — a naïve thought, perhaps, but a kind one. Over the following weeks she learned "
+    "the rhythm of the place: oil the gears at dawn, log the weather at noon, polish the brass before "
+    "dusk. Fishermen waved from their boats; once, a child on a ferry shouted \"Bonjour!\" and she waved "
+    "back until the ferry was a speck. In winter the storms came in from the north, and the tower hummed "
+    "like a struck bell. Mara wrote letters she never sent, read every book on the single shelf twice, "
+    "and began to paint the sea in all its moods: grey, green, silver, and on rare mornings a blue so "
+    "clear it hurt to look at. 🌊 When spring returned, a boat brought supplies and a note from the "
+    "keeper: he was well, he missed the light, and he hoped she had found what she was looking for. "
+    "She folded the note, put it in her pocket, and climbed the stairs again.\n\n"
+)
+
+
+# ---- the fake engine's process -------------------------------------------------------------------------
+
+
+def serve_engine(port: int, vocab_size: int, max_model_len: int, output_ids: list[int]) -> None:
+    from tests.fake_engine import FakeEngine, start_fake_engine
+
+    async def main() -> None:
+        fake = FakeEngine(vocab_size, max_model_len=max_model_len, step_s=0.0, default_max_tokens=None,
+                          output_ids=output_ids)
+        server, _ = await start_fake_engine(fake, port)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+# ---- the clients' processes ----------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    api: str
+    streams: int
+    payload: bytes  # a serialized GenerateRequest, or an HTTP request
+    address: str
+
+
+@dataclass
+class Result:
+    tokens: int
+    messages: int
+    cpu_s: float
+    wall_s: float
+    error: str | None = None
+
+
+def client_loop(jobs: Any, results: Any) -> None:
+    """One client process: run each job's streams at once and report what they received."""
+    import grpc
+
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        start_cpu, start = time.process_time(), time.perf_counter()
+        try:
+            if job.api == "grpc":
+                tokens, messages = asyncio.run(_grpc_streams(grpc, job))
+            else:
+                tokens, messages = asyncio.run(_sse_streams(job))
+            error = None
+        except Exception as exc:  # reported to the parent, which stops
+            tokens = messages = 0
+            error = f"{type(exc).__name__}: {exc}"
+        results.put(Result(tokens, messages, time.process_time() - start_cpu, time.perf_counter() - start, error))
+
+
+async def _grpc_streams(grpc: Any, job: Job) -> tuple[int, int]:
+    from tandem.v1 import generation_pb2 as pb
+
+    async with grpc.aio.insecure_channel(job.address) as channel:
+        generate = channel.unary_stream(GENERATE)  # no (de)serializers: bytes in, bytes out
+
+        async def one() -> tuple[int, int]:
+            last, count = b"", 0
+            async for message in generate(job.payload):
+                last, count = message, count + 1
+            return pb.GenerateResponse.FromString(last).usage.completion_tokens, count
+
+        done = await asyncio.gather(*(one() for _ in range(job.streams)))
+    return sum(t for t, _ in done), sum(m for _, m in done)
+
+
+async def _sse_streams(job: Job) -> tuple[int, int]:
+    host, port = job.address.rsplit(":", 1)
+
+    async def one() -> tuple[int, int]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(job.payload)
+        parts = []
+        while data := await reader.read(1 << 16):
+            parts.append(data)
+        writer.close()
+        return _sse_usage(b"".join(parts))
+
+    done = await asyncio.gather(*(one() for _ in range(job.streams)))
+    return sum(t for t, _ in done), sum(m for _, m in done)
+
+
+def _sse_usage(raw: bytes) -> tuple[int, int]:
+    """(completion tokens from the usage chunk, events that carried output) of one raw HTTP response."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"HTTP error: {raw[:300]!r}")
+    events = [e for e in _dechunk(body).split(b"\n\n") if e.startswith(b"data: ")]
+    usage = json.loads(events[-2][len(b"data: "):])["usage"]  # the last before [DONE]
+    return int(usage["completion_tokens"]), len(events) - 3  # not the role chunk, usage and [DONE]
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, pos = [], 0
+    while True:
+        end = body.index(b"\r\n", pos)
+        size = int(body[pos:end].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(body[end + 2 : end + 2 + size])
+        pos = end + 2 + size + 2
+
+
+# ---- the parent ----------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def case_params(case: str) -> tuple[list[str], bool]:
+    return (STOP_STRINGS if "stop" in case else []), "logprobs" in case
+
+
+def grpc_payload(case: str, tokens: int) -> bytes:
+    from tandem.v1 import generation_pb2 as pb
+
+    stops, logprobs = case_params(case)
+    request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=QUESTION)],
+                                              add_generation_prompt=True))
+    sp = request.sampling_params
+    sp.temperature, sp.max_tokens, sp.ignore_eos = 0.0, tokens, True
+    sp.stop.extend(stops)
+    if logprobs:
+        sp.logprobs = TOP_LOGPROBS
+    return request.SerializeToString()
+
+
+def http_payload(case: str, tokens: int, address: str) -> bytes:
+    stops, logprobs = case_params(case)
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": tokens,
+                            "temperature": 0.0, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if stops:
+        body["stop"] = stops
+    if logprobs:
+        body["logprobs"], body["top_logprobs"] = True, TOP_LOGPROBS
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + data
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[Any] = []
+        self.frontend: subprocess.Popen[bytes] | None = None
+        self.log_dir = Path(tempfile.mkdtemp(prefix="frontend-capacity-"))
+
+    def start(self) -> None:
+        from engine_svc.demo_model import demo_gguf_path
+        from frontend_svc.gguf_tokenizer import model_limits, read_metadata
+        from frontend_svc.tokenizer import Tokenizer
+
+        gguf = Path(self.args.model) if self.args.model else demo_gguf_path()
+        vocab_size = model_limits(read_metadata(gguf))["vocab_size"]
+        passage_ids = Tokenizer.from_pretrained(gguf).encode(PASSAGE, add_special_tokens=False)
+        ctx = mp.get_context("spawn")
+        engine_port, self.grpc_port, self.http_port = free_port(), free_port(), free_port()
+        engine = ctx.Process(target=serve_engine, args=(engine_port, vocab_size, 8192, passage_ids), daemon=True)
+        engine.start()
+        self.engine_pid = engine.pid
+        self.procs.append(engine)
+        frontend_bin = Path(sys.executable).parent / "tandem-frontend"
+        argv = [str(frontend_bin) if frontend_bin.exists() else shutil.which("tandem-frontend") or "tandem-frontend",
+                "--model", str(gguf), "--engine", f"127.0.0.1:{engine_port}", "--host", "127.0.0.1",
+                "--port", str(self.grpc_port), "--http-port", str(self.http_port), "--metrics-port", str(free_port()),
+                "--max-concurrent-requests", str(max(512, self.args.streams)), "--log-level", "WARNING"]
+        log = open(self.log_dir / "frontend.log", "wb")  # noqa: SIM115 - lives as long as the process
+        self.frontend = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.jobs = [ctx.Queue() for _ in range(self.args.clients)]
+        self.results = ctx.Queue()
+        for queue in self.jobs:
+            client = ctx.Process(target=client_loop, args=(queue, self.results), daemon=True)
+            client.start()
+            self.procs.append(client)
+        self.client_pids = [p.pid for p in self.procs[1:]]
+        self._wait_serving()
+
+    def _wait_serving(self) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                assert self.frontend is not None
+                if self.frontend.poll() is not None:
+                    raise RuntimeError(f"the frontend exited: {(self.log_dir / 'frontend.log').read_text()}")
+                try:
+                    answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise RuntimeError("the frontend did not become ready")
+
+    def measure(self, api: str, case: str, streams: int, tokens: int, profile: Path | None = None) -> dict[str, float]:
+        assert self.frontend is not None
+        if api == "grpc":
+            address, payload = f"127.0.0.1:{self.grpc_port}", grpc_payload(case, tokens)
+        else:
+            address = f"127.0.0.1:{self.http_port}"
+            payload = http_payload(case, tokens, address)
+        shares = [streams // len(self.jobs) + (i < streams % len(self.jobs)) for i in range(len(self.jobs))]
+        spy = self._spy(profile) if profile is not None else None
+        frontend0, engine0 = cpu_seconds(self.frontend.pid), cpu_seconds(self.engine_pid)
+        start = time.perf_counter()
+        for queue, share in zip(self.jobs, shares):
+            queue.put(Job(api, share, payload, address))
+        results = [self.results.get() for _ in self.jobs]
+        wall = time.perf_counter() - start
+        frontend_s, engine_s = cpu_seconds(self.frontend.pid) - frontend0, cpu_seconds(self.engine_pid) - engine0
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait()
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise RuntimeError(f"{api}/{case}: {errors[0]}")
+        delivered = sum(r.tokens for r in results)
+        if delivered != streams * tokens:
+            raise RuntimeError(f"{api}/{case}: {delivered} tokens delivered, expected {streams * tokens}")
+        return {"frontend": frontend_s / delivered * 1e6, "client": sum(r.cpu_s for r in results) / delivered * 1e6,
+                "engine": engine_s / delivered * 1e6, "tok_per_msg": delivered / sum(r.messages for r in results),
+                "tok_s": delivered / wall}
+
+    def _spy(self, out: Path) -> subprocess.Popen[bytes]:
+        assert self.frontend is not None
+        mode = ["--native"] if os.environ.get("PYSPY_NATIVE") else ["--nonblocking"]
+        argv = [str(Path(sys.executable).parent / "py-spy"), "record", "-r", "200", *mode, "--format", "raw",
+                "-o", str(out), "--pid", str(self.frontend.pid)]
+        spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # attached
+        return spy
+
+    def stop(self) -> None:
+        for queue in getattr(self, "jobs", []):
+            queue.put(None)
+        if self.frontend is not None:
+            self.frontend.terminate()
+            try:
+                self.frontend.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.frontend.kill()
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--clients", type=int, default=4, help="client processes sharing the streams")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--apis", nargs="+", choices=APIS, default=list(APIS))
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct's)")
+    parser.add_argument("--profile", type=Path, default=None, help="write py-spy samples here")
+    args = parser.parse_args()
+    bench = Bench(args)
+    try:
+        bench.start()
+        for api in args.apis:  # warm-up: connections, caches, the chat template
+            bench.measure(api, "stop+logprobs", min(args.streams, 16), 32)
+        runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+        print(f"{args.streams} streams x {args.tokens} tokens, {args.clients} client processes, "
+              f"{os.cpu_count()} CPUs; per round:")
+        for r in range(args.rounds):
+            for case in args.cases if r % 2 == 0 else reversed(args.cases):
+                for api in args.apis if r % 2 == 0 else reversed(args.apis):
+                    profile = None
+                    if args.profile is not None:
+                        args.profile.mkdir(parents=True, exist_ok=True)
+                        profile = args.profile / f"{api}-{case.replace('+', '-')}.txt"
+                    m = bench.measure(api, case, args.streams, args.tokens, profile)
+                    runs.setdefault((api, case), []).append(m)
+                    print(f"  round {r + 1} {api:6} {case:14} frontend {m['frontend']:6.1f} us/tok  client "
+                          f"{m['client']:5.1f}  engine {m['engine']:5.1f}  tok/msg {m['tok_per_msg']:.2f}  "
+                          f"{m['tok_s']:7.0f} tok/s", flush=True)
+        print("\nmedian over rounds (us of CPU per delivered token):")
+        print(f"  {'api':6} {'case':14} {'frontend':>9} {'client':>7} {'engine':>7} {'tok/msg':>8} {'tok/s':>7}")
+        for (api, case), ms in sorted(runs.items(), key=lambda kv: (APIS.index(kv[0][0]), CASES.index(kv[0][1]))):
+            med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
+            print(f"  {api:6} {case:14} {med['frontend']:9.1f} {med['client']:7.1f} {med['engine']:7.1f} "
+                  f"{med['tok_per_msg']:8.2f} {med['tok_s']:7.0f}")
+    finally:
+        bench.stop()
+
+
+if __name__ == "__main__":
+    main()
