@@ -16,6 +16,9 @@ and each step decodes the window and returns what lies past `len(prefix)`. Invar
   each emission to the ids of that emission, so the per-step cost is independent of the sequence length
   and the first generated token is decoded in the context of the prompt (leading-space rules of
   byte-level BPE and SentencePiece decoders see the same text as a decode of prompt + output does).
+- One tokenizer call per emitting step: the new prefix is the text of the ids just emitted, which for
+  the usual single id is that token decoded alone, read from the shared `TokenTexts` cache
+  (token_texts.py: exactly `decode([id])`), so the text is the same as decoding the prefix again.
 - `flush()` at the end of a completion returns the text still withheld (a character the completion
   never finished decodes to U+FFFD, as `tokenizer.decode` does), so the concatenated deltas equal the
   definition above exactly.
@@ -27,6 +30,8 @@ from collections.abc import Callable, Sequence
 
 import tokenizers
 
+from frontend_svc.token_texts import TokenTexts
+
 _REPLACEMENT_CHAR = "\ufffd"
 _MIN_PROMPT_CONTEXT = 4
 _MAX_PROMPT_CONTEXT = 24
@@ -35,15 +40,17 @@ _MAX_PROMPT_CONTEXT = 24
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas for one completion."""
 
-    __slots__ = ("_decode", "_ids", "_prefix_len", "_read_offset", "_skip_special")
+    __slots__ = ("_decode", "_ids", "_prefix_len", "_read_offset", "_skip_special", "_texts")
 
     def __init__(
         self, tokenizer_backend: tokenizers.Tokenizer, prompt_token_ids: Sequence[int],
-        skip_special_tokens: bool = True,
+        skip_special_tokens: bool = True, texts: TokenTexts | None = None,
     ) -> None:
-        """`tokenizer_backend` is a `tokenizers.Tokenizer` (the fast tokenizer behind the wrapper)."""
+        """`tokenizer_backend` is a `tokenizers.Tokenizer` (the fast tokenizer behind the wrapper);
+        `texts` its shared single-token cache (`Tokenizer.token_texts`; a private one when None)."""
         self._decode: Callable[..., str] = tokenizer_backend.decode
         self._skip_special = skip_special_tokens
+        self._texts = texts if texts is not None else TokenTexts(tokenizer_backend)
         self._ids: list[int] = prompt_context(tokenizer_backend, prompt_token_ids)
         self._read_offset = len(self._ids)  # ids before it are accounted for in the returned text
         self._prefix_len = len(self._decode(self._ids, skip_special_tokens=skip_special_tokens))
@@ -52,7 +59,7 @@ class IncrementalDetokenizer:
         """An independent detokenizer in the same state (the n completions of one prompt share their
         priming: the prompt context is decoded once, not n times)."""
         twin = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
-        twin._decode, twin._skip_special = self._decode, self._skip_special
+        twin._decode, twin._skip_special, twin._texts = self._decode, self._skip_special, self._texts
         twin._ids, twin._read_offset, twin._prefix_len = list(self._ids), self._read_offset, self._prefix_len
         return twin
 
@@ -60,15 +67,16 @@ class IncrementalDetokenizer:
         """Feed the newly generated ids; return the text they complete ("" if none yet)."""
         if not token_ids:
             return ""
-        self._ids.extend(token_ids)
-        text = self._decode(self._ids, skip_special_tokens=self._skip_special)
+        ids = self._ids
+        ids.extend(token_ids)
+        text = self._decode(ids, skip_special_tokens=self._skip_special)
         if len(text) <= self._prefix_len or text.endswith(_REPLACEMENT_CHAR):
             return ""
         delta = text[self._prefix_len :]
         # The ids just read become the new prefix; older ones are no longer needed as context.
-        del self._ids[: self._read_offset]
-        self._read_offset = len(self._ids)
-        self._prefix_len = len(self._decode(self._ids, skip_special_tokens=self._skip_special))
+        del ids[: self._read_offset]
+        self._read_offset = len(ids)
+        self._prefix_len = self._text_len(ids)
         return delta
 
     def flush(self) -> str:
@@ -79,8 +87,14 @@ class IncrementalDetokenizer:
         del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
         delta = text[self._prefix_len :]
-        self._prefix_len = len(self._decode(self._ids, skip_special_tokens=self._skip_special))
+        self._prefix_len = self._text_len(self._ids)
         return delta
+
+    def _text_len(self, ids: list[int]) -> int:
+        """len(decode(ids)): one id from the shared cache, several decoded."""
+        if len(ids) == 1:
+            return len(self._texts.text(ids[0], self._skip_special))
+        return len(self._decode(ids, skip_special_tokens=self._skip_special))
 
 
 def prompt_context(backend: tokenizers.Tokenizer, prompt_token_ids: Sequence[int]) -> list[int]:

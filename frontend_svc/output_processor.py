@@ -35,6 +35,7 @@ from frontend_svc.outputs import CompletionDelta, CompletionError, TokenLogprob,
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.request_state import DeltaCollector, RequestState
 from frontend_svc.stop import StopChecker
+from frontend_svc.token_texts import TokenTexts
 
 # Indexed by the wire FinishReason number (0 = unspecified, 1 stop, 2 length, 3 abort, 4 error).
 _FINISH_NAMES: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")
@@ -78,13 +79,15 @@ class OutputProcessor:
         """`tokenizer`: the frontend `Tokenizer` (its `.backend` is the `tokenizers.Tokenizer`);
         `log_stats`: hand out queue times in each `ProcessedOutputs`."""
         self._backend = getattr(tokenizer, "backend", tokenizer)
+        self._texts: TokenTexts = getattr(tokenizer, "token_texts", None) or TokenTexts(self._backend)
         self._log_stats = log_stats
         self._completions: dict[str, Completion] = {}  # engine id -> unfinished completion (an index)
 
     def add_request(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> RequestState:
         """Start tracking a request's n completions; its deltas go to `collector` when given."""
         request = RequestState(prepared, collector)
-        primed = IncrementalDetokenizer(self._backend, prepared.prompt_token_ids, prepared.params.skip_special_tokens)
+        primed = IncrementalDetokenizer(self._backend, prepared.prompt_token_ids, prepared.params.skip_special_tokens,
+                                        self._texts)
         for index, engine_id in enumerate(prepared.engine_request_ids):
             completion = Completion(request, index, primed if index == 0 else primed.copy())
             self._completions[engine_id] = request.unfinished[engine_id] = completion
@@ -167,7 +170,7 @@ class OutputProcessor:
         c.sent_first = True
         delta = CompletionDelta(c.request.prepared.request_id, c.index, text, new_ids, c.engine_id)
         if params.logprobs is not None:
-            delta.logprobs = _logprob_list(output.new_logprobs, self._backend) or []
+            delta.logprobs = _logprob_list(output.new_logprobs, self._texts) or []
         delta.prompt_logprobs = prompt_logprobs
         if finish is not None:
             delta.finish_reason, delta.stop_reason, delta.error = finish, stop_reason, error
@@ -197,8 +200,8 @@ def _note_queue_time(events: RepeatedCompositeFieldContainer[epb.RequestEvent], 
         into.append(max(0.0, scheduled - queued))
 
 
-def _logprob_list(entries: Sequence[epb.TokenLogprobs], backend: Any) -> list[TokenLogprob] | None:
-    """Engine logprob entries as `TokenLogprob`s (with the token's text when `backend` is given)."""
+def _logprob_list(entries: Sequence[epb.TokenLogprobs], texts: TokenTexts | None) -> list[TokenLogprob] | None:
+    """Engine logprob entries as `TokenLogprob`s (with the token's text when `texts` is given)."""
     if not entries:
         return None
     return [
@@ -207,7 +210,7 @@ def _logprob_list(entries: Sequence[epb.TokenLogprobs], backend: Any) -> list[To
             logprob=e.logprob,
             rank=e.rank,
             top=list(zip(e.top_token_ids, e.top_logprobs)),
-            text=backend.decode([e.token_id], skip_special_tokens=False) if backend is not None else None,
+            text=texts.text(e.token_id) if texts is not None else None,
         )
         for e in entries
     ]

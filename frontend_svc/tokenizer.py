@@ -23,6 +23,7 @@ import tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from frontend_svc import gguf_tokenizer
+from frontend_svc.token_texts import TokenTexts
 
 # transformers' placeholder for "no limit given" is int(1e30); anything this large means unknown.
 _NO_MAX_LENGTH = 10**12
@@ -41,6 +42,8 @@ class Tokenizer:
         self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
         """The Rust ``tokenizers.Tokenizer``: ``encode``/``decode`` here, and the incremental detokenizer's
         decodes (frontend_svc/detokenizer.py: a prefix/read-offset window, not ``DecodeStream``)."""
+        self.token_texts = TokenTexts(self.backend)
+        """Each token's text decoded alone, cached once for the detokenizer, logprobs and the OpenAI layer."""
         self.vocab_size: int = len(hf_tokenizer)
         """Number of ids, added tokens included."""
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id

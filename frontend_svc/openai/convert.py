@@ -26,6 +26,7 @@ from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, model_not_found
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from frontend_svc.processor import ChatPrompt, Prompt
+from frontend_svc.token_texts import TokenTexts as SharedTokenTexts
 from shared_runtime.contract import SamplingParams
 from shared_runtime.violations import ValidationError
 
@@ -167,21 +168,17 @@ def finite(logprob: float) -> float:
 
 
 class TokenTexts:
-    """Token id -> its text (and exact bytes), decoded once per id (the cache is bounded)."""
+    """Token id -> its text (the tokenizer's `token_texts` cache) and exact bytes, decoded once per id (the
+    caches are bounded)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
+        self._texts: SharedTokenTexts = tokenizer.token_texts  # shared with the output processor
         self._bytes: dict[int, list[int]] = {}
         self._byte_level = _byte_decoder() if _is_byte_level(tokenizer) else None
 
     def text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            if len(self._texts) >= _TOKEN_CACHE_LIMIT:
-                self._texts.clear()
-            text = self._texts[token_id] = str(self._tokenizer.decode([token_id], skip_special_tokens=False))
-        return text
+        return self._texts.text(token_id)
 
     def bytes(self, token_id: int) -> list[int]:
         cached = self._bytes.get(token_id)

@@ -162,3 +162,82 @@ def test_a_copy_is_primed_like_the_original_and_independent_of_it(encode, encode
     assert got_first == stream(backend, prompt, first)
     assert got_second == stream(backend, prompt, second)
     assert "".join(got_second) == backend.decode(prompt + second)[len(backend.decode(prompt)):]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (byte-level BPE, 49152 ids), from the GGUF `make install` puts in
+    the environment."""
+    from engine_svc.demo_model import demo_gguf_path
+    from frontend_svc.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(demo_gguf_path())
+
+
+@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+def any_tokenizer(request, tokenizer, smollm2_tokenizer):
+    return tokenizer if request.param == "tiny" else smollm2_tokenizer
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(data=st.data())
+def test_streamed_text_is_byte_identical_to_a_full_decode(any_tokenizer, data) -> None:
+    """Property, on the tiny and the SmolLM2 tokenizer, with the shared single-token cache warm or cold
+    (the one-call-per-token path reads a prefix's length from it): the concatenated deltas are, byte for
+    byte, decode(prompt + output)[len(decode(prompt)):], one token per step as the engine sends them."""
+    backend = any_tokenizer.backend
+    ids = st.integers(min_value=0, max_value=any_tokenizer.vocab_size - 1)
+    prompt = data.draw(st.lists(ids, min_size=1, max_size=30), label="prompt")
+    output = data.draw(st.lists(ids, min_size=1, max_size=40), label="output")
+    skip = data.draw(st.booleans(), label="skip_special_tokens")
+    det = IncrementalDetokenizer(backend, prompt, skip, any_tokenizer.token_texts)
+    text = "".join(det.add([t]) for t in output) + det.flush()
+    assert text.encode() == positional_text(backend, prompt, output, skip).encode()
+
+
+def test_streamed_real_text_matches_decode_on_smollm2(smollm2_tokenizer) -> None:
+    """Real text (multi-byte characters, emoji, code) split at every token, in the context of a chat prompt."""
+    tk = smollm2_tokenizer
+    prompt = tk.apply_chat_template([{"role": "user", "content": "Write something."}])
+    output = tk.encode("Café au lait — naïve 🌊 日本語 `x = {\"a\": 1}`\n\n  indented\tend.", add_special_tokens=False)
+    det = IncrementalDetokenizer(tk.backend, prompt, True, tk.token_texts)
+    deltas = [det.add([t]) for t in output]
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert "".join(deltas) + det.flush() == positional_text(tk.backend, prompt, output)
+
+
+class CountingBackend:
+    """A tokenizers.Tokenizer stand-in that counts decode calls."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.calls = backend, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_one_tokenizer_call_per_token_once_the_cache_is_warm(encode, encode_prompt, backend) -> None:
+    """The hot path: a step that emits one token's text costs one decode (the prefix comes from the shared
+    single-token cache), not two."""
+    from frontend_svc.token_texts import TokenTexts
+
+    counting = CountingBackend(backend)
+    texts = TokenTexts(counting)
+    ids = encode(" the boats came home and the boats went out")
+    for t in ids:  # warm the cache
+        texts.text(t, True)
+    det = IncrementalDetokenizer(counting, encode_prompt("Once"), True, texts)
+    counting.calls = 0
+    text = "".join(det.add([t]) for t in ids)
+    assert text == " the boats came home and the boats went out"
+    assert counting.calls == len(ids)
+
+
+def test_token_texts_are_single_token_decodes_per_flag(tokenizer, backend) -> None:
+    texts = tokenizer.token_texts
+    special = tokenizer.all_special_ids[0]
+    for t in [special, *range(5, 60)]:
+        assert texts.text(t) == backend.decode([t], skip_special_tokens=False)
+        assert texts.text(t, True) == backend.decode([t], skip_special_tokens=True)
+    assert texts.text(special) != "" and texts.text(special, True) == ""

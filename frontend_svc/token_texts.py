@@ -1,0 +1,40 @@
+"""Token id -> the text of that token decoded alone, decoded once per id and shared per tokenizer.
+
+One `TokenTexts` belongs to each frontend `Tokenizer` (`Tokenizer.token_texts`); the incremental
+detokenizer (the length of a one-token prefix), the output processor (a sampled token's text in
+logprobs) and the OpenAI layer (top-logprob token texts) all read it, so a token is decoded once per
+process, not once per use. Invariants:
+- `text(t, skip)` is exactly `backend.decode([t], skip_special_tokens=skip)` (the two flags are cached
+  apart: a special token is "" when skipped).
+- Memory is bounded: each table is cleared when it reaches `CACHE_LIMIT` entries (a vocabulary larger
+  than that keeps working, it only decodes some ids again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tokenizers
+
+CACHE_LIMIT = 1 << 18
+
+
+class TokenTexts:
+    """Cached single-token decodes of one `tokenizers.Tokenizer`."""
+
+    __slots__ = ("_decode", "_kept", "_skipped")
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        self._decode: Callable[..., str] = backend.decode
+        self._kept: dict[int, str] = {}  # skip_special_tokens=False
+        self._skipped: dict[int, str] = {}  # skip_special_tokens=True
+
+    def text(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        """`decode([token_id], skip_special_tokens=...)`, from the cache after the first time."""
+        table = self._skipped if skip_special_tokens else self._kept
+        text = table.get(token_id)
+        if text is None:
+            if len(table) >= CACHE_LIMIT:
+                table.clear()
+            text = table[token_id] = self._decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
