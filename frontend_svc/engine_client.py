@@ -16,7 +16,8 @@ Invariants:
   requests it has in flight is derived from them, never counted separately.
 - When a stream breaks, the engine aborts that stream's requests itself; the frontend reconnects with
   exponential backoff (reset after a session that reached ready).
-- Everything runs on one asyncio loop; the per-step path does no logging or string formatting.
+- Everything runs on one asyncio loop; the per-step path does no logging or string formatting, and a
+  large engine step is processed in slices (`OUTPUT_SLICE`) with the loop free between them.
 - Channels come from a `ChannelFactory`: plaintext, or TLS with credentials read afresh for every
   channel (so a rotated client certificate is used from the next reconnect), and with the engine token
   (`authorization: Bearer ...`) added to every call when one is configured. Addresses resolved from a
@@ -57,6 +58,7 @@ BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 2.0
 INFO_TIMEOUT_S = 5.0
 LOAD_POLL_S = 1.0
+OUTPUT_SLICE = 32  # engine outputs processed between two turns of the event loop (EngineClient.on_outputs)
 CHANNEL_OPTIONS = [*KEEPALIVE_OPTIONS, *message_size_options(), ("grpc.enable_retries", 0)]
 
 
@@ -218,7 +220,7 @@ class EngineConnection:
             try:
                 on_outputs = self._client.on_outputs
                 async for message in call:
-                    on_outputs(self, message)
+                    await on_outputs(self, message)
             finally:
                 for helper in helpers:
                     helper.cancel()
@@ -405,11 +407,26 @@ class EngineClient:
         if was_ready:
             self.connection_changed()
 
-    def on_outputs(self, connection: EngineConnection, message: epb.EngineCoreOutputs) -> None:
-        """One engine step's outputs for this stream: deltas to their collectors, stop-string aborts out."""
+    async def on_outputs(self, connection: EngineConnection, message: epb.EngineCoreOutputs) -> None:
+        """One engine step's outputs for this stream: deltas to their collectors, stop-string aborts out.
+
+        A large step is processed in slices of `OUTPUT_SLICE` outputs, in order, with the event loop free
+        between them, so a step of hundreds of requests never holds it for all of them at once (the
+        streams whose deltas are ready get written meanwhile). The next message is read only after this
+        one is done, so outputs stay in engine order."""
         if message.HasField("scheduler_stats"):
             connection.note_stats(message.scheduler_stats)
-        processed = self._output_processor.process_outputs(message)
+        outputs = message.outputs
+        if len(outputs) <= OUTPUT_SLICE:
+            self._deliver(connection, self._output_processor.process(outputs))
+            return
+        for start in range(0, len(outputs), OUTPUT_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            self._deliver(connection, self._output_processor.process(outputs[start : start + OUTPUT_SLICE]))
+
+    def _deliver(self, connection: EngineConnection, processed: ProcessedOutputs) -> None:
+        """Hand a processed slice on: telemetry, stop-string aborts to the engine, finished requests out."""
         if self._on_processed is not None:
             self._on_processed(processed)
         if processed.reqs_to_abort:

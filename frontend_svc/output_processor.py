@@ -22,7 +22,7 @@ Nothing here formats strings or logs per token.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +103,13 @@ class OutputProcessor:
 
     def process_outputs(self, engine_core_outputs: epb.EngineCoreOutputs) -> ProcessedOutputs:
         """Process one step's `EngineCoreOutputs`; outputs for unknown/finished ids are ignored."""
+        return self.process(engine_core_outputs.outputs)
+
+    def process(self, outputs: Iterable[epb.EngineCoreOutput]) -> ProcessedOutputs:
+        """Process some of a step's outputs (a caller may split a large step into slices, in order)."""
         result = ProcessedOutputs()
         log_stats = self._log_stats
-        for output in engine_core_outputs.outputs:
+        for output in outputs:
             completion = self._completions.get(output.request_id)
             if completion is None:
                 continue
