@@ -24,7 +24,12 @@ Tokens delivered = the completion_tokens of each stream's final usage. Rounds al
 so that drift on a noisy machine does not favour one; the summary is the median over rounds.
 
     python bench/frontend_capacity.py [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
-        [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--profile DIR]
+        [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--baseline DIR] [--profile DIR]
+
+`--baseline DIR` (a checkout of another revision, e.g. `git worktree add --detach /tmp/base main`) starts
+a second frontend that imports the frontend's code from DIR, on the same fake engine and clients, and
+alternates the two on every API and case; it prints this tree / baseline per round (ratios measured side
+by side are what this noisy machine can compare).
 
 `--profile DIR` (`pip install py-spy` first) runs `py-spy record` on the frontend during each measurement and writes its samples per
 API and case there (collapsed stacks: `flamegraph.pl` or speedscope draw them; PYSPY_NATIVE=1 adds native
@@ -235,11 +240,22 @@ def http_payload(case: str, tokens: int, address: str) -> bytes:
     return head.encode() + data
 
 
+@dataclass
+class Frontend:
+    """One running `tandem-frontend` process and its ports."""
+
+    label: str
+    process: subprocess.Popen[bytes]
+    grpc_port: int
+    http_port: int
+    log: Path
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.procs: list[Any] = []
-        self.frontend: subprocess.Popen[bytes] | None = None
+        self.frontends: list[Frontend] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="frontend-capacity-"))
 
     def start(self) -> None:
@@ -251,38 +267,51 @@ class Bench:
         vocab_size = model_limits(read_metadata(gguf))["vocab_size"]
         passage_ids = Tokenizer.from_pretrained(gguf).encode(PASSAGE, add_special_tokens=False)
         ctx = mp.get_context("spawn")
-        engine_port, self.grpc_port, self.http_port = free_port(), free_port(), free_port()
+        engine_port = free_port()
         engine = ctx.Process(target=serve_engine, args=(engine_port, vocab_size, 8192, passage_ids), daemon=True)
         engine.start()
         self.engine_pid = engine.pid
         self.procs.append(engine)
-        frontend_bin = Path(sys.executable).parent / "tandem-frontend"
-        argv = [str(frontend_bin) if frontend_bin.exists() else shutil.which("tandem-frontend") or "tandem-frontend",
-                "--model", str(gguf), "--engine", f"127.0.0.1:{engine_port}", "--host", "127.0.0.1",
-                "--port", str(self.grpc_port), "--http-port", str(self.http_port), "--metrics-port", str(free_port()),
-                "--max-concurrent-requests", str(max(512, self.args.streams)), "--log-level", "WARNING"]
-        log = open(self.log_dir / "frontend.log", "wb")  # noqa: SIM115 - lives as long as the process
-        self.frontend = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        trees: list[tuple[str, Path | None]] = [("this tree", None)]
+        if self.args.baseline is not None:
+            trees.append(("baseline", self.args.baseline.resolve()))
+        for label, tree in trees:
+            self.frontends.append(self._start_frontend(label, tree, gguf, engine_port))
         self.jobs = [ctx.Queue() for _ in range(self.args.clients)]
         self.results = ctx.Queue()
         for queue in self.jobs:
             client = ctx.Process(target=client_loop, args=(queue, self.results), daemon=True)
             client.start()
             self.procs.append(client)
-        self.client_pids = [p.pid for p in self.procs[1:]]
-        self._wait_serving()
+        for frontend in self.frontends:
+            self._wait_serving(frontend)
 
-    def _wait_serving(self) -> None:
+    def _start_frontend(self, label: str, tree: Path | None, gguf: Path, engine_port: int) -> Frontend:
+        """A frontend on the shared fake engine; `tree`: import frontend_svc & co. from that checkout."""
+        grpc_port, http_port = free_port(), free_port()
+        frontend_bin = Path(sys.executable).parent / "tandem-frontend"
+        argv = [str(frontend_bin) if frontend_bin.exists() else shutil.which("tandem-frontend") or "tandem-frontend",
+                "--model", str(gguf), "--engine", f"127.0.0.1:{engine_port}", "--host", "127.0.0.1",
+                "--port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(free_port()),
+                "--max-concurrent-requests", str(max(512, self.args.streams)), "--log-level", "WARNING"]
+        env = dict(os.environ)
+        if tree is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
+        log_path = self.log_dir / f"frontend-{len(self.frontends)}.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return Frontend(label, process, grpc_port, http_port, log_path)
+
+    def _wait_serving(self, frontend: Frontend) -> None:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + START_TIMEOUT_S
-        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{frontend.grpc_port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
-                assert self.frontend is not None
-                if self.frontend.poll() is not None:
-                    raise RuntimeError(f"the frontend exited: {(self.log_dir / 'frontend.log').read_text()}")
+                if frontend.process.poll() is not None:
+                    raise RuntimeError(f"the frontend exited: {frontend.log.read_text()}")
                 try:
                     answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                     if answer.status == health_pb2.HealthCheckResponse.SERVING:
@@ -292,22 +321,23 @@ class Bench:
                 time.sleep(0.2)
         raise RuntimeError("the frontend did not become ready")
 
-    def measure(self, api: str, case: str, streams: int, tokens: int, profile: Path | None = None) -> dict[str, float]:
-        assert self.frontend is not None
+    def measure(self, frontend: Frontend, api: str, case: str, streams: int, tokens: int,
+                profile: Path | None = None) -> dict[str, float]:
         if api == "grpc":
-            address, payload = f"127.0.0.1:{self.grpc_port}", grpc_payload(case, tokens)
+            address, payload = f"127.0.0.1:{frontend.grpc_port}", grpc_payload(case, tokens)
         else:
-            address = f"127.0.0.1:{self.http_port}"
+            address = f"127.0.0.1:{frontend.http_port}"
             payload = http_payload(case, tokens, address)
         shares = [streams // len(self.jobs) + (i < streams % len(self.jobs)) for i in range(len(self.jobs))]
-        spy = self._spy(profile) if profile is not None else None
-        frontend0, engine0 = cpu_seconds(self.frontend.pid), cpu_seconds(self.engine_pid)
+        pid = frontend.process.pid
+        spy = self._spy(profile, pid) if profile is not None else None
+        frontend0, engine0 = cpu_seconds(pid), cpu_seconds(self.engine_pid)
         start = time.perf_counter()
         for queue, share in zip(self.jobs, shares):
             queue.put(Job(api, share, payload, address))
         results = [self.results.get() for _ in self.jobs]
         wall = time.perf_counter() - start
-        frontend_s, engine_s = cpu_seconds(self.frontend.pid) - frontend0, cpu_seconds(self.engine_pid) - engine0
+        frontend_s, engine_s = cpu_seconds(pid) - frontend0, cpu_seconds(self.engine_pid) - engine0
         if spy is not None:
             spy.send_signal(2)
             spy.wait()
@@ -321,11 +351,10 @@ class Bench:
                 "engine": engine_s / delivered * 1e6, "tok_per_msg": delivered / sum(r.messages for r in results),
                 "tok_s": delivered / wall}
 
-    def _spy(self, out: Path) -> subprocess.Popen[bytes]:
-        assert self.frontend is not None
+    def _spy(self, out: Path, pid: int) -> subprocess.Popen[bytes]:
         mode = ["--native"] if os.environ.get("PYSPY_NATIVE") else ["--nonblocking"]
         argv = [str(Path(sys.executable).parent / "py-spy"), "record", "-r", "200", *mode, "--format", "raw",
-                "-o", str(out), "--pid", str(self.frontend.pid)]
+                "-o", str(out), "--pid", str(pid)]
         spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # attached
         return spy
@@ -333,12 +362,12 @@ class Bench:
     def stop(self) -> None:
         for queue in getattr(self, "jobs", []):
             queue.put(None)
-        if self.frontend is not None:
-            self.frontend.terminate()
+        for frontend in self.frontends:
+            frontend.process.terminate()
             try:
-                self.frontend.wait(timeout=10)
+                frontend.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.frontend.kill()
+                frontend.process.kill()
         for proc in self.procs:
             proc.join(timeout=5)
             if proc.is_alive():
@@ -354,36 +383,57 @@ def main() -> None:
     parser.add_argument("--apis", nargs="+", choices=APIS, default=list(APIS))
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct's)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout of another revision: run its frontend too, alternating with this one")
     parser.add_argument("--profile", type=Path, default=None, help="write py-spy samples here")
     args = parser.parse_args()
     bench = Bench(args)
     try:
         bench.start()
-        for api in args.apis:  # warm-up: connections, caches, the chat template
-            bench.measure(api, "stop+logprobs", min(args.streams, 16), 32)
-        runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+        for frontend in bench.frontends:
+            for api in args.apis:  # warm-up: connections, caches, the chat template
+                bench.measure(frontend, api, "stop+logprobs", min(args.streams, 16), 32)
+        runs: dict[tuple[str, str, str], list[dict[str, float]]] = {}
         print(f"{args.streams} streams x {args.tokens} tokens, {args.clients} client processes, "
               f"{os.cpu_count()} CPUs; per round:")
         for r in range(args.rounds):
-            for case in args.cases if r % 2 == 0 else reversed(args.cases):
-                for api in args.apis if r % 2 == 0 else reversed(args.apis):
-                    profile = None
-                    if args.profile is not None:
-                        args.profile.mkdir(parents=True, exist_ok=True)
-                        profile = args.profile / f"{api}-{case.replace('+', '-')}.txt"
-                    m = bench.measure(api, case, args.streams, args.tokens, profile)
-                    runs.setdefault((api, case), []).append(m)
-                    print(f"  round {r + 1} {api:6} {case:14} frontend {m['frontend']:6.1f} us/tok  client "
-                          f"{m['client']:5.1f}  engine {m['engine']:5.1f}  tok/msg {m['tok_per_msg']:.2f}  "
-                          f"{m['tok_s']:7.0f} tok/s", flush=True)
-        print("\nmedian over rounds (us of CPU per delivered token):")
-        print(f"  {'api':6} {'case':14} {'frontend':>9} {'client':>7} {'engine':>7} {'tok/msg':>8} {'tok/s':>7}")
-        for (api, case), ms in sorted(runs.items(), key=lambda kv: (APIS.index(kv[0][0]), CASES.index(kv[0][1]))):
-            med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
-            print(f"  {api:6} {case:14} {med['frontend']:9.1f} {med['client']:7.1f} {med['engine']:7.1f} "
-                  f"{med['tok_per_msg']:8.2f} {med['tok_s']:7.0f}")
+            forward = r % 2 == 0
+            for case in args.cases if forward else reversed(args.cases):
+                for api in args.apis if forward else reversed(args.apis):
+                    for frontend in bench.frontends if forward else reversed(bench.frontends):
+                        profile = None
+                        if args.profile is not None:
+                            args.profile.mkdir(parents=True, exist_ok=True)
+                            suffix = "-baseline" if frontend.label == "baseline" else ""
+                            profile = args.profile / f"{api}-{case.replace('+', '-')}{suffix}.txt"
+                        m = bench.measure(frontend, api, case, args.streams, args.tokens, profile)
+                        runs.setdefault((frontend.label, api, case), []).append(m)
+                        print(f"  round {r + 1} {frontend.label:9} {api:6} {case:14} frontend "
+                              f"{m['frontend']:6.1f} us/tok  client {m['client']:5.1f}  engine {m['engine']:5.1f}  "
+                              f"tok/msg {m['tok_per_msg']:.2f}  {m['tok_s']:7.0f} tok/s", flush=True)
+        report(runs, args)
     finally:
         bench.stop()
+
+
+def report(runs: dict[tuple[str, str, str], list[dict[str, float]]], args: argparse.Namespace) -> None:
+    """Medians over rounds; with a baseline, this tree / baseline per API and case."""
+    print("\nmedian over rounds (us of CPU per delivered token):")
+    print(f"  {'frontend':9} {'api':6} {'case':14} {'frontend':>9} {'client':>7} {'engine':>7} {'tok/msg':>8} "
+          f"{'tok/s':>7}")
+    for key, ms in sorted(runs.items(), key=lambda kv: (APIS.index(kv[0][1]), CASES.index(kv[0][2]), kv[0][0])):
+        med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
+        print(f"  {key[0]:9} {key[1]:6} {key[2]:14} {med['frontend']:9.1f} {med['client']:7.1f} "
+              f"{med['engine']:7.1f} {med['tok_per_msg']:8.2f} {med['tok_s']:7.0f}")
+    if args.baseline is None:
+        return
+    print("\nthis tree / baseline, frontend us/tok (median of the per-round ratios):")
+    for api in args.apis:
+        for case in args.cases:
+            ratios = [a["frontend"] / b["frontend"]
+                      for a, b in zip(runs[("this tree", api, case)], runs[("baseline", api, case)])]
+            print(f"  {api:6} {case:14} {statistics.median(ratios):.2f}  "
+                  f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
 
 
 if __name__ == "__main__":
