@@ -21,6 +21,7 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
 SEED_REJECT, SEED_FAIL_LATE, SEED_ENDLESS = 911, 912, 913
+IDLE_POLL_S = 0.001  # how often a stream with nothing running looks for new requests when step_s = 0
 
 
 class FakeEngine(epb_grpc.EngineCoreServiceServicer):
@@ -46,7 +47,7 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
         reader = asyncio.get_running_loop().create_task(self._read(request_iterator, mine))
         try:
             while True:
-                await asyncio.sleep(self.step_s)
+                await asyncio.sleep(self.step_s if mine else max(self.step_s, IDLE_POLL_S))  # idle: no spinning
                 outputs = [self._step(rid) for rid in sorted(mine) if rid in self.running]
                 for out in outputs:
                     if out.finish_reason:
