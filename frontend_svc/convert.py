@@ -74,6 +74,8 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
             n=max(msg.n, 1),
             skip_special_tokens=msg.skip_special_tokens if has("skip_special_tokens") else True,
             logit_bias=dict(msg.logit_bias),
+            allowed_token_ids=list(msg.allowed_token_ids),
+            bad_words=list(msg.bad_words),
         )
     except ValidationError as exc:
         raise ValidationError(v.with_prefix("sampling_params") for v in exc.violations) from None

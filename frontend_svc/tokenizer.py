@@ -23,14 +23,13 @@ import tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from frontend_svc import gguf_tokenizer
+from frontend_svc.chat_template import ChatOptions, ChatTemplateError, render_chat
 from frontend_svc.token_texts import TokenTexts
+
+__all__ = ["ChatTemplateError", "Tokenizer"]
 
 # transformers' placeholder for "no limit given" is int(1e30); anything this large means unknown.
 _NO_MAX_LENGTH = 10**12
-
-
-class ChatTemplateError(ValueError):
-    """The model cannot render chat messages (it ships no chat template)."""
 
 
 class Tokenizer:
@@ -88,14 +87,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages`` (dicts with ``role`` and ``content``), as text."""
-        if not self.has_chat_template:
-            raise ChatTemplateError("this model has no chat template; send a text or token_ids prompt")
-        text: str = self._hf.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        return text
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    options: ChatOptions | None = None) -> str:
+        """The chat template applied to ``messages`` (dicts with ``role`` and ``content``), as text;
+        ``options``: continue the final message, a per-request template, extra template variables
+        (frontend_svc/chat_template.py). Raises ChatTemplateError."""
+        return render_chat(self._hf, messages, add_generation_prompt, options)
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True

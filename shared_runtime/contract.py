@@ -73,6 +73,9 @@ class EngineSamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None  # top-N logprobs per sampled token (0 = only the sampled token's)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] = msgspec.field(default_factory=list)  # sample only these; empty = all
+    # Banned sequences: the last id of one is masked while the output ends with the ids before it.
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
     def violations(self, vocab_size: int | None = None) -> list[FieldViolation]:
         """Every problem with these params (bare field names); empty when they are valid. Token ids are
@@ -98,6 +101,9 @@ class SamplingParams(EngineSamplingParams, kw_only=True):
     include_stop_str_in_output: bool = False
     n: int = 1
     skip_special_tokens: bool = True
+    # Words never to generate (vLLM's bad_words); the frontend's processor tokenizes them into
+    # `bad_words_token_ids` (`bad_words_sequences`).
+    bad_words: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         stop: object = self.stop
@@ -112,6 +118,17 @@ class SamplingParams(EngineSamplingParams, kw_only=True):
             self.stop_token_ids = []
         elif not isinstance(stop_ids, list):
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.bad_words is None:
+            self.bad_words = []
+        elif isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        elif all(isinstance(w, str) for w in self.bad_words) and len(set(self.bad_words)) < len(self.bad_words):
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # as vLLM
+        allowed: object = self.allowed_token_ids
+        if allowed is None:
+            self.allowed_token_ids = []
+        elif not isinstance(allowed, list):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         bias: object = self.logit_bias
         if bias is None:
             self.logit_bias = {}
@@ -126,7 +143,9 @@ class SamplingParams(EngineSamplingParams, kw_only=True):
             raise ValidationError(violations)
 
     def violations(self, vocab_size: int | None = None) -> list[FieldViolation]:
-        return sampling_violations(self, self.stop, self.n, vocab_size)
+        bad = sampling_violations(self, self.stop, self.n, vocab_size)
+        _check_bad_words(bad, self.bad_words)
+        return bad
 
     def engine_params(self, seed_offset: int = 0) -> EngineSamplingParams:
         """The token-level params of one engine request: every `EngineSamplingParams` field (lists and
@@ -152,8 +171,10 @@ def sampling_violations(p: EngineSamplingParams, stop: Sequence[str], n: int,
     def add(name: str, description: str) -> None:
         bad.append(FieldViolation(name, description))
 
-    if not _is_finite(p.temperature) or p.temperature < 0:
-        add("temperature", f"must be a finite number >= 0, got {p.temperature!r}")
+    if not _is_finite(p.temperature) or not 0 <= p.temperature <= limits.MAX_TEMPERATURE:
+        add("temperature", f"must be in [0, {limits.MAX_TEMPERATURE:g}], got {p.temperature!r}")
+    elif p.temperature < limits.GREEDY_TEMPERATURE and _is_int(n) and n > 1:
+        add("n", f"must be 1 when using greedy sampling (temperature 0), got {n}")  # as vLLM
     if not _is_finite(p.top_p) or not 0 < p.top_p <= 1:
         add("top_p", f"must be in (0, 1], got {p.top_p!r}")
     if not _is_int(p.top_k) or not -1 <= p.top_k <= limits.INT32_MAX:
@@ -176,6 +197,7 @@ def sampling_violations(p: EngineSamplingParams, stop: Sequence[str], n: int,
     if not _is_finite(p.repetition_penalty) or p.repetition_penalty <= 0:
         add("repetition_penalty", f"must be a finite number > 0, got {p.repetition_penalty!r}")
     _check_logit_bias(add, p.logit_bias, vocab_size)
+    _check_token_filters(add, p.allowed_token_ids, p.bad_words_token_ids, vocab_size)
     for name, top in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
         if top is not None and (not _is_int(top) or not 0 <= top <= limits.MAX_LOGPROBS):
             add(name, f"must be in [0, {limits.MAX_LOGPROBS}], got {top!r}")
@@ -210,6 +232,36 @@ def _check_logit_bias(add: Callable[[str, str], None], bias: dict[int, float], v
         add("logit_bias", f"token id {bad_id!r} is outside the vocabulary [0, {id_bound})")
     elif not all(_is_finite(b) and -limits.LOGIT_BIAS_BOUND <= b <= limits.LOGIT_BIAS_BOUND for b in bias.values()):
         add("logit_bias", "every bias must be a number in [-100, 100]")
+
+
+def _check_token_filters(add: Callable[[str, str], None], allowed: Sequence[int],
+                         bad_sequences: Sequence[Sequence[int]], vocab_size: int | None) -> None:
+    id_bound = vocab_size if vocab_size is not None else limits.INT32_MAX + 1
+
+    def in_vocab(ids: Sequence[int]) -> bool:
+        return all(_is_int(t) and 0 <= t < id_bound for t in ids)
+
+    if len(allowed) > limits.MAX_ALLOWED_TOKEN_IDS:
+        add("allowed_token_ids", f"at most {limits.MAX_ALLOWED_TOKEN_IDS} ids are allowed, got {len(allowed)}")
+    elif not in_vocab(allowed):
+        add("allowed_token_ids", f"every id must be in the vocabulary [0, {id_bound})")
+    if len(bad_sequences) > limits.MAX_BAD_WORDS:
+        add("bad_words", f"at most {limits.MAX_BAD_WORDS} bad-word token sequences are allowed, got "
+                         f"{len(bad_sequences)}")
+    elif not all(isinstance(ids, list) and 0 < len(ids) <= limits.MAX_TOKEN_IDS and in_vocab(ids)
+                 for ids in bad_sequences):
+        add("bad_words", f"every bad word must be 1 to {limits.MAX_TOKEN_IDS} token ids in the vocabulary "
+                         f"[0, {id_bound})")
+
+
+def _check_bad_words(bad: list[FieldViolation], words: Sequence[str]) -> None:
+    """The text form of bad_words (the frontend's; the engine sees only their token ids)."""
+    if len(words) > limits.MAX_BAD_WORDS:
+        bad.append(FieldViolation("bad_words", f"at most {limits.MAX_BAD_WORDS} bad words are allowed, "
+                                               f"got {len(words)}"))
+    elif not all(isinstance(w, str) and 0 < len(w) <= limits.MAX_STOP_STRING_CHARS for w in words):
+        bad.append(FieldViolation("bad_words", f"every bad word must be a non-empty string of at most "
+                                               f"{limits.MAX_STOP_STRING_CHARS} characters"))
 
 
 def _clamped(bias: float) -> float:

@@ -9,8 +9,8 @@ received outputs as protobuf directly (why: shared_runtime/contract.py).
 Invariants (tests/protos/test_wire.py):
 - An unset optional field becomes the struct's default: None, or 1.0 for temperature, top_p and
   repetition_penalty (never proto3's 0).
-- Sampling params are read by field name, driven by the proto's descriptor (optional, repeated and map
-  fields each read their own way), so a field added to the proto and to `EngineSamplingParams` under the
+- Sampling params are read by field name, driven by the proto's descriptor (optional, repeated, map and
+  token-sequence fields each read their own way), so a field added to the proto and to `EngineSamplingParams` under the
   same name needs nothing here; a field on one side only fails the field-set test.
 """
 
@@ -29,6 +29,7 @@ class _Kind(enum.Enum):
     OPTIONAL = 1  # explicit presence: unset -> the struct default
     REPEATED = 2  # -> list
     MAP = 3  # -> dict
+    SEQUENCES = 4  # repeated TokenSequence -> list of lists of ids
 
 
 def _kind(field: Any) -> _Kind:
@@ -36,7 +37,7 @@ def _kind(field: Any) -> _Kind:
     if field.message_type is not None and field.message_type.GetOptions().map_entry:
         return _Kind.MAP
     if field.is_repeated:
-        return _Kind.REPEATED
+        return _Kind.SEQUENCES if field.message_type is pb.TokenSequence.DESCRIPTOR else _Kind.REPEATED
     return _Kind.OPTIONAL if field.has_presence else _Kind.SCALAR
 
 
@@ -68,6 +69,8 @@ def sampling_params_from_pb(msg: pb.EngineSamplingParams) -> c.EngineSamplingPar
         value = getattr(msg, name)
         if kind is _Kind.REPEATED:
             value = list(value)
+        elif kind is _Kind.SEQUENCES:
+            value = [list(sequence.token_ids) for sequence in value]
         elif kind is _Kind.MAP:
             value = dict(value)
         elif kind is _Kind.OPTIONAL and not has(name):

@@ -18,7 +18,11 @@ The bounds, and why:
 - logit_bias: at most 1024 entries (the bound of the token-id lists; each entry is one scattered add to
   its row's logits per sampled token), biases in [-100, 100] as OpenAI documents them (the frontend
   clamps to this range, as vLLM does; the engine refuses a raw value outside it).
-- Penalties: presence and frequency in [-2, 2] (OpenAI's range).
+- Penalties: presence and frequency in [-2, 2] (OpenAI's range). Temperature in [0, 2] (OpenAI's and
+  vLLM's range); below 1e-5 it is greedy, where n must be 1 (vLLM: n identical completions are a bug).
+- allowed_token_ids: at most 262144 ids (more than any vocabulary here; each is one scattered write per
+  sampled token). bad_words: at most 128 words of at most 1024 characters, and at most 128 token
+  sequences after tokenization (vLLM's VLLM_MAX_NUM_BAD_WORDS); each sequence at most 1024 ids.
 - Integers on the engine link are 32-bit (top_k, min_tokens, token ids, priority) or, for seeds, 64-bit.
 - Trace headers: at most 8 entries of at most 1024 bytes each.
 - Text prompt: at most `max_model_len * PROMPT_BYTES_PER_TOKEN` UTF-8 bytes. The factor (32) is far
@@ -49,6 +53,10 @@ MAX_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 LOGIT_BIAS_BOUND = 100.0
 PENALTY_BOUND = 2.0
+MAX_TEMPERATURE = 2.0
+GREEDY_TEMPERATURE = 1e-5
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_BAD_WORDS = 128
 INT32_MAX = (1 << 31) - 1
 INT32_MIN = -(1 << 31)
 UINT64_LIMIT = 1 << 64

@@ -49,7 +49,14 @@ def sampling_params_to_pb(params: c.EngineSamplingParams) -> pb.EngineSamplingPa
     """Every engine field that is not None, by name (None leaves the optional unset). Only
     `ENGINE_FIELDS` are written, so a `SamplingParams` passed here sends its token-level part."""
     fields = {name: getattr(params, name) for name in c.ENGINE_FIELDS}
+    for name in _SEQUENCE_FIELDS:
+        fields[name] = [pb.TokenSequence(token_ids=ids) for ids in fields[name]]
     return pb.EngineSamplingParams(**{name: value for name, value in fields.items() if value is not None})
+
+
+# Fields holding lists of id lists (repeated TokenSequence on the wire).
+_SEQUENCE_FIELDS = tuple(f.name for f in pb.EngineSamplingParams.DESCRIPTOR.fields
+                         if f.message_type is pb.TokenSequence.DESCRIPTOR)
 
 
 def add_to_pb(request: c.EngineCoreRequest) -> pb.EngineCoreInput:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from shared_runtime import limits
 from shared_runtime.contract import EngineSamplingParams
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 Stage = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
 
 # Temperatures below this are greedy (division by such a small number is numerically meaningless).
-GREEDY_TEMPERATURE_EPS = 1e-5
+GREEDY_TEMPERATURE_EPS = limits.GREEDY_TEMPERATURE
 
 _NEVER = math.inf
 
@@ -89,8 +90,13 @@ class RequestSamplingState:
         bias = params.logit_bias
         self.bias_ids = torch.tensor(list(bias), dtype=torch.int64) if bias else None
         self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None
+        # allowed_token_ids (a CPU id tensor, built once) and bad words; None / [] for the usual request.
+        allowed = params.allowed_token_ids
+        self.allowed_ids = torch.tensor(sorted(set(allowed)), dtype=torch.int64) if allowed else None
+        self.bad_words = params.bad_words_token_ids
         # The row is "plain" (argmax of the raw logits is the whole job) once it has this many outputs.
-        plain_ever = self.is_greedy and not self.has_penalties and params.logprobs is None and not bias
+        plain_ever = (self.is_greedy and not self.has_penalties and params.logprobs is None and not bias
+                      and self.allowed_ids is None and not self.bad_words)
         self.plain_after: float = self.min_tokens if plain_ever else _NEVER
 
         self.generator: torch.Generator | None = None
@@ -227,6 +233,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None  # [B] float32; disabled rows hold 1.0
     min_p: torch.Tensor | None = None  # [B] float32; disabled rows hold 0.0
     seeded: list[tuple[int, RequestSamplingState]] | None = None  # (row, state), random rows only
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, entry rows, ids)
+    bad_words_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to set -inf
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to set -inf
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, biases) to add
     penalties: PenaltyMetadata | None = None
@@ -238,6 +246,8 @@ class SamplingMetadata:
         return (
             self.all_greedy
             and self.min_tokens_mask is None
+            and self.allowed_token_ids is None
+            and self.bad_words_mask is None
             and self.logit_bias is None
             and self.penalties is None
             and self.num_logprobs is None
@@ -275,6 +285,8 @@ def build_sampling_metadata(
     if not params.all_greedy:
         meta.seeded = [(i, s) for i, s in enumerate(states) if s.generator is not None] or None
     stage = stage or pinned_copies(device)
+    meta.allowed_token_ids = _allowed_token_ids(states, stage)
+    meta.bad_words_mask = _bad_words_mask(states, stage)
     meta.min_tokens_mask = _min_tokens_mask(states, stage)
     meta.logit_bias = _logit_bias(states, stage)
     meta.penalties = _penalty_metadata(states, stage)
@@ -290,6 +302,42 @@ def _min_tokens_mask(states: list[RequestSamplingState], stage: Stage) -> tuple[
         if len(s.output_token_ids) < s.min_tokens:
             rows.extend([i] * len(s.min_tokens_held_ids))
             cols.extend(s.min_tokens_held_ids)
+    if not rows:
+        return None
+    row_ids, col_ids = stage([np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)])
+    return row_ids, col_ids
+
+
+def _allowed_token_ids(
+    states: list[RequestSamplingState], stage: Stage
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(restricted batch rows [R], each allowed entry's index into them, the entries' token ids); None when
+    no row restricts its tokens."""
+    rows = [i for i, s in enumerate(states) if s.allowed_ids is not None]
+    if not rows:
+        return None
+    ids = [t for t in (states[i].allowed_ids for i in rows) if t is not None]
+    counts = np.array([t.numel() for t in ids], dtype=np.int64)
+    entry_rows = np.repeat(np.arange(len(rows), dtype=np.int64), counts)
+    staged_rows, staged_entries, staged_ids = stage([np.array(rows, dtype=np.int64), entry_rows,
+                                                     torch.cat(ids).numpy()])
+    return staged_rows, staged_entries, staged_ids
+
+
+def _bad_words_mask(states: list[RequestSamplingState], stage: Stage) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token id) pairs to ban this step: a bad word's last id wherever the row's output ends with
+    the ids before it (vLLM's apply_bad_words, on the output tokens only)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(states):
+        if not s.bad_words:
+            continue
+        out = s.output_token_ids
+        for word in s.bad_words:
+            prefix = len(word) - 1
+            if prefix <= len(out) and (prefix == 0 or out[-prefix:] == word[:-1]):
+                rows.append(i)
+                cols.append(word[-1])
     if not rows:
         return None
     row_ids, col_ids = stage([np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)])

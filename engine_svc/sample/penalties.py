@@ -1,4 +1,5 @@
-"""Logit adjustments that run before temperature: min_tokens masking, logit_bias and the three penalties.
+"""Logit adjustments that run before temperature: allowed_token_ids, bad words, min_tokens masking,
+logit_bias and the three penalties.
 
 Each function modifies `logits` ([B, V] float32) in place. Dense [R, V] count tensors are built only for
 the R rows that have a penalty; masks and biases are sparse (one scattered write per entry), so a row
@@ -12,8 +13,19 @@ import torch
 from engine_svc.sample.metadata import PenaltyMetadata
 
 
-def apply_min_tokens(logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Set logits[rows[j], ids[j]] = -inf: EOS / stop ids of rows that have not reached min_tokens."""
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """In rows `rows`, every logit becomes -inf except those of the row's allowed ids (vLLM's
+    allowed_token_ids): entry j keeps logits[rows[entry_rows[j]], ids[j]]."""
+    rows, entry_rows, ids = allowed
+    sub = logits.index_select(0, rows)
+    kept = torch.full_like(sub, float("-inf"))
+    kept[entry_rows, ids] = sub[entry_rows, ids]
+    logits.index_copy_(0, rows, kept)
+
+
+def apply_token_mask(logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Set logits[rows[j], ids[j]] = -inf: bad words' banned continuations, or the EOS / stop ids of rows
+    that have not reached min_tokens."""
     rows, ids = mask
     logits.index_put_((rows, ids), torch.tensor(float("-inf"), device=logits.device))
 

@@ -2,16 +2,17 @@
 
 Pipeline (vLLM V1 semantics):
   1. logprobs, when asked, are taken from the raw logits (see logprobs.py);
-  2. min_tokens masks EOS / stop ids, logit_bias is added, then repetition, frequency and presence
-     penalties (penalties.py) - vLLM V1's order;
+  2. allowed_token_ids masks every other token, bad words mask their banned continuations, min_tokens
+     masks EOS / stop ids, logit_bias is added, then repetition, frequency and presence penalties
+     (penalties.py) - vLLM V1's order;
   3. greedy rows: argmax (ties -> lowest index);
   4. random rows: divide by temperature, min-p, top-k, top-p (filters.py), then sample with the
      exponential race: argmax(probs / q), q ~ Exp(1) i.i.d. — which picks token t with probability
      probs[t]. Seeded rows draw q from their own generator, one [V] draw per sampled token, so their
      tokens depend only on (seed, logits), never on the rest of the batch or their row.
 
-When every row is plain greedy (no penalties, min_tokens, logit_bias or logprobs) the call is a single
-argmax.
+When every row is plain greedy (no penalties, min_tokens, logit_bias, allowed_token_ids, bad words or
+logprobs) the call is a single argmax.
 The caller's logits tensor is never modified.
 """
 
@@ -24,7 +25,12 @@ import torch
 from engine_svc.sample.filters import apply_min_p, apply_top_k_only, apply_top_k_top_p
 from engine_svc.sample.logprobs import LogprobsTensors, SampleLogprob, sampled_logprobs
 from engine_svc.sample.metadata import SamplingMetadata
-from engine_svc.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from engine_svc.sample.penalties import (
+    apply_allowed_token_ids,
+    apply_logit_bias,
+    apply_penalties,
+    apply_token_mask,
+)
 
 
 @dataclass
@@ -45,8 +51,12 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1))
         raw_logits = logits
         logits = logits.to(torch.float32, copy=True)
+        if meta.allowed_token_ids is not None:
+            apply_allowed_token_ids(logits, meta.allowed_token_ids)
+        if meta.bad_words_mask is not None:
+            apply_token_mask(logits, meta.bad_words_mask)
         if meta.min_tokens_mask is not None:
-            apply_min_tokens(logits, meta.min_tokens_mask)
+            apply_token_mask(logits, meta.min_tokens_mask)
         if meta.logit_bias is not None:
             apply_logit_bias(logits, meta.logit_bias)
         if meta.penalties is not None:

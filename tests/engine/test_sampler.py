@@ -455,3 +455,93 @@ def test_logit_bias_costs_rows_without_one_nothing_and_leaves_logprobs_raw():
     assert out.sampled_token_ids.tolist() == [int(logits[0].argmax()), 3]
     [_, (logprob, _, _, _)] = out.logprobs_lists()
     assert logprob == pytest.approx(float(torch.log_softmax(logits[1], -1)[3]))  # the model's, not biased
+
+
+# ---------------------------------------------------------------- allowed_token_ids, bad words
+
+
+def reference_bad_words_ban(bad_words: list[list[int]], output: list[int]) -> set[int]:
+    """vLLM's apply_bad_words for one row, in plain Python: a word's last id is banned when the output
+    ends with the ids before it (a one-id word always)."""
+    banned = set()
+    for word in bad_words:
+        if len(word) > len(output) + 1:
+            continue
+        prefix = word[:-1]
+        if not prefix or output[-len(prefix):] == prefix:
+            banned.add(word[-1])
+    return banned
+
+
+@SETTINGS
+@given(data=st.data(), vocab=st.integers(2, 30), num_rows=st.integers(1, 4))
+def test_greedy_with_allowed_ids_and_bad_words_is_the_argmax_of_the_masked_logits(data, vocab, num_rows):
+    """Reference: the dense mask of vLLM's semantics built with plain loops; each row is a request with or
+    without either feature, so masked and unmasked rows share a batch."""
+    logits = torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(vocab * 11 + num_rows))
+    ids = st.integers(0, vocab - 1)
+    states, expected = [], logits.clone()
+    for row in range(num_rows):
+        allowed = data.draw(st.lists(ids, max_size=vocab))
+        output = data.draw(st.lists(ids, max_size=6))
+        bad = data.draw(st.lists(st.lists(ids, min_size=1, max_size=3), max_size=4))
+        assume(not allowed or set(allowed) - reference_bad_words_ban(bad, output))  # something is left
+        states.append(state(vocab, temperature=0.0, outputs=output, allowed_token_ids=allowed,
+                            bad_words_token_ids=bad))
+        if allowed:
+            keep = torch.full((vocab,), float("-inf"))
+            keep[allowed] = expected[row, allowed]
+            expected[row] = keep
+        for token in reference_bad_words_ban(bad, output):
+            expected[row, token] = float("-inf")
+    top2 = expected.topk(min(2, vocab), dim=-1).values
+    assume(vocab < 2 or bool(((top2[:, 0] - top2[:, 1]) > 1e-4).all()))
+    out = sample(states, logits.clone())
+    assert out.sampled_token_ids.tolist() == expected.argmax(dim=-1).tolist()
+
+
+def test_allowed_ids_hold_for_random_rows_and_logprobs_stay_raw():
+    vocab = 50
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(5))
+    allowed = [3, 17, 29]
+    restricted = state(vocab, temperature=1.5, seed=4, allowed_token_ids=allowed, logprobs=0)
+    free = state(vocab, temperature=1.5, seed=4)
+    seen = set()
+    for _ in range(40):
+        out = sample([restricted, free], logits.clone())
+        token = out.sampled_token_ids.tolist()[0]
+        assert token in allowed
+        seen.add(token)
+        restricted.output_token_ids.append(token)
+        [(logprob, _, _, _), _] = out.logprobs_lists()
+        assert logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[token]))  # raw distribution
+    assert len(seen) > 1  # sampled among them, not pinned to one
+
+
+def test_a_bad_word_bans_its_last_token_only_after_its_prefix():
+    vocab = 10
+    logits = torch.zeros(1, vocab)
+    logits[0, 7] = 5.0  # the greedy token
+    word = [4, 7]
+    assert sample([state(vocab, temperature=0.0, outputs=[1], bad_words_token_ids=[word])],
+                  logits.clone()).sampled_token_ids.tolist() == [7]  # the prefix 4 is not there: allowed
+    assert sample([state(vocab, temperature=0.0, outputs=[1, 4], bad_words_token_ids=[word])],
+                  logits.clone()).sampled_token_ids.tolist() != [7]  # after 4, 7 is banned
+    assert sample([state(vocab, temperature=0.0, bad_words_token_ids=[[7]])],
+                  logits.clone()).sampled_token_ids.tolist() != [7]  # a one-token word: always
+
+
+def test_token_filters_keep_other_rows_plain():
+    vocab = 20
+    plain = state(vocab, temperature=0.0)
+    assert build_sampling_metadata([plain, state(vocab, temperature=0.0)], CPU).is_plain_greedy
+    meta = build_sampling_metadata([plain, state(vocab, temperature=0.0, allowed_token_ids=[9, 2])], CPU)
+    assert meta.allowed_token_ids is not None and not meta.is_plain_greedy
+    rows, entry_rows, ids = meta.allowed_token_ids
+    assert (rows.tolist(), entry_rows.tolist(), ids.tolist()) == ([1], [0, 0], [2, 9])
+    banning = state(vocab, temperature=0.0, bad_words_token_ids=[[5, 6]])
+    assert build_sampling_metadata([banning, plain], CPU).is_plain_greedy  # no output ends with 5: nothing to ban
+    banning.output_token_ids.append(5)
+    meta = build_sampling_metadata([plain, banning], CPU)
+    assert meta.bad_words_mask is not None and not meta.is_plain_greedy
+    assert [t.tolist() for t in meta.bad_words_mask] == [[1], [6]]

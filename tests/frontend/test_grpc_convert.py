@@ -18,7 +18,7 @@ EVERY_FIELD: dict[str, Any] = {
     "min_tokens": 2, "stop": ["a", "b"], "stop_token_ids": [3, 4], "include_stop_str_in_output": True,
     "ignore_eos": True, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.25,
     "logprobs": 2, "prompt_logprobs": 1, "n": 3, "skip_special_tokens": False,
-    "logit_bias": {5: 1.5, 9: -100.0},
+    "logit_bias": {5: 1.5, 9: -100.0}, "allowed_token_ids": [5, 6, 7], "bad_words": ["x", "y z"],
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend_svc.processor import ChatPrompt, Processor
+from frontend_svc.processor import ChatPrompt, Processor, PromptOptions
 from shared_runtime.contract import ENGINE_FIELDS, EngineCoreRequest, EngineSamplingParams, SamplingParams
 from shared_runtime.violations import ValidationError
 
@@ -119,7 +119,7 @@ def test_engine_requests_carry_every_engine_field():
     values = {"temperature": 0.5, "top_p": 0.5, "top_k": 7, "min_p": 0.1, "seed": 3, "max_tokens": 9,
               "min_tokens": 2, "stop_token_ids": [4], "ignore_eos": True, "presence_penalty": 0.5,
               "frequency_penalty": -0.5, "repetition_penalty": 1.5, "logprobs": 2, "prompt_logprobs": 1,
-              "logit_bias": {3: -1.5}}
+              "logit_bias": {3: -1.5}, "allowed_token_ids": [1, 5], "bad_words_token_ids": [[2, 3], [4]]}
     assert set(values) == set(ENGINE_FIELDS)
     engine = SamplingParams(**values, stop=["x"], n=2).engine_params()
     assert {name: getattr(engine, name) for name in ENGINE_FIELDS} == values
@@ -162,9 +162,9 @@ class CountingTokenizer:
         self.encoded += 1
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, messages, add_generation_prompt=True):
+    def render_chat(self, messages, add_generation_prompt=True, options=None):
         self.rendered += 1
-        return self._tokenizer.render_chat(messages, add_generation_prompt)
+        return self._tokenizer.render_chat(messages, add_generation_prompt, options)
 
 
 @pytest.fixture()
@@ -214,3 +214,84 @@ def test_request_id_is_capped_and_printable_ascii(processor, request_id):
 def test_longest_allowed_request_id(processor):
     rid = "~" * 256
     assert processor.process("hi", SamplingParams(max_tokens=2), request_id=rid).request_id == rid
+
+
+# ---- OpenAI-style prompt options (PromptOptions), bad words, the rendered chat ----------------------------
+
+
+def test_a_chat_keeps_its_rendered_text(processor, tokenizer):
+    prepared = processor.process(CHAT, SamplingParams())
+    assert prepared.prompt == tokenizer.render_chat(CHAT.messages, add_generation_prompt=True)
+    assert prepared.prompt_token_ids == tokenizer.encode(prepared.prompt, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(("keep", "side", "expected"), [
+    (3, "left", slice(-3, None)), (3, "right", slice(0, 3)), (-1, "left", slice(None)), (100, "left", None),
+    (0, "left", None),
+])
+def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(processor, keep, side, expected):
+    ids = list(range(10, 20))
+    options = PromptOptions(truncate_prompt_tokens=keep, truncation_side=side)
+    if expected is None:  # more than max_model_len, or nothing left: refused, naming the field
+        with pytest.raises(ValidationError) as info:
+            processor.process(ids, SamplingParams(max_tokens=2), options=options)
+        assert info.value.fields == ["truncate_prompt_tokens"]
+        return
+    assert processor.process(ids, SamplingParams(max_tokens=2), options=options).prompt_token_ids == ids[expected]
+    long = list(range(MAX_LEN + 5))  # -1: max_model_len - 1 tokens, leaving one for the output
+    kept = processor.process(long, SamplingParams(max_tokens=1), options=PromptOptions(truncate_prompt_tokens=-1))
+    assert kept.prompt_token_ids == long[-(MAX_LEN - 1):]
+
+
+def test_truncating_a_huge_text_cuts_it_before_tokenizing(processor):
+    from shared_runtime.limits import max_prompt_bytes
+
+    huge = "word " * max_prompt_bytes(MAX_LEN)
+    prepared = processor.process(huge + "end", SamplingParams(max_tokens=2),
+                                 options=PromptOptions(truncate_prompt_tokens=4))
+    assert len(prepared.prompt_token_ids) == 4
+
+
+def test_fit_max_tokens_generates_to_the_end_of_the_context(processor):
+    ids = [5] * (MAX_LEN - 10)
+    fitted = processor.process(ids, SamplingParams(max_tokens=50), options=PromptOptions(fit_max_tokens=True))
+    assert fitted.params.max_tokens == 10
+    params = SamplingParams(max_tokens=50)
+    processor.process(ids, params, options=PromptOptions(fit_max_tokens=True))
+    assert params.max_tokens == 50  # the caller's params are never modified
+    assert violation_fields(processor, ids, SamplingParams(max_tokens=50)) == ["sampling_params.max_tokens"]
+    with pytest.raises(ValidationError) as info:  # beyond the whole context: refused, as vLLM does
+        processor.process(ids, SamplingParams(max_tokens=MAX_LEN + 1), options=PromptOptions(fit_max_tokens=True))
+    assert info.value.fields == ["sampling_params.max_tokens"]
+    with pytest.raises(ValidationError) as info:
+        processor.process(ids, SamplingParams(max_tokens=50, min_tokens=20), options=PromptOptions(fit_max_tokens=True))
+    assert info.value.fields == ["sampling_params.min_tokens"]
+
+
+def reference_bad_words(tokenizer, words):
+    """vLLM 0.32's SamplingParams.update_from_tokenizer, transcribed."""
+    out = []
+    for word in words:
+        for add_prefix_space in (False, True):
+            ids = tokenizer.encode((" " if add_prefix_space else "") + word.lstrip(), add_special_tokens=False)
+            if not ids:
+                continue
+            if not add_prefix_space or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    return out
+
+
+def test_bad_words_are_tokenized_as_vllm_does(processor, tokenizer):
+    words = ["boats", " gulls", "had not", "x", "boats"]
+    params = SamplingParams(max_tokens=3, bad_words=words)
+    prepared = processor.process("The gulls", params)
+    assert prepared.params.bad_words_token_ids == reference_bad_words(tokenizer, words[:4])  # deduplicated
+    assert params.bad_words_token_ids == []  # the caller's params are not modified
+    [request] = processor.engine_requests(prepared)
+    assert request.sampling_params.bad_words_token_ids == prepared.params.bad_words_token_ids
+    for bad in ([""], [f"w{i}" for i in range(129)]):
+        with pytest.raises(ValidationError) as info:
+            SamplingParams(bad_words=bad)
+        assert info.value.fields == ["bad_words"]
+    many = [f" w{i}" for i in range(100)]  # 100 words, but more than 128 token sequences
+    assert violation_fields(processor, "hi", SamplingParams(bad_words=many)) == ["sampling_params.bad_words"]
