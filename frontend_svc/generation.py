@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeVar
 from frontend_svc.engine_client import EngineClient, EngineUnavailable
 from frontend_svc.errors import RESOURCE_EXHAUSTED, UNAVAILABLE, ServiceError
 from frontend_svc.outputs import CompletionDelta
-from frontend_svc.processor import PreparedRequest, Processor, Prompt
+from frontend_svc.processor import PreparedRequest, Processor, Prompt, PromptOptions
 from frontend_svc.request_state import DeltaCollector, RequestState
 from frontend_svc.telemetry.call import GenerateCall
 from frontend_svc.tokenizer import Tokenizer
@@ -80,8 +80,9 @@ class GenerationBackend(Protocol):
         """Admit a request of `num_completions` (ValidationError / ServiceError when it cannot be)."""
 
     def process(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None,
-                priority: int) -> PreparedRequest:
-        """Tokenize and validate (blocking: run it through `Generation.start`)."""
+                priority: int, options: PromptOptions | None = None) -> PreparedRequest:
+        """Tokenize and validate (blocking: run it through `Generation.start`); `options` shape the
+        prompt (truncation, special tokens, max_tokens fitted to the context)."""
 
 
 class Admission:

@@ -55,7 +55,7 @@ from frontend_svc.engine_client import ChannelFactory, EngineClient
 from frontend_svc.errors import UNAVAILABLE, ServiceError
 from frontend_svc.generation import Admission, Generation
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.processor import PreparedRequest, Processor, Prompt
+from frontend_svc.processor import PreparedRequest, Processor, Prompt, PromptOptions
 from frontend_svc.router import Router
 from frontend_svc.telemetry.call import GenerateCall, grpc_failure
 from frontend_svc.telemetry.service import FrontendTelemetry
@@ -299,8 +299,8 @@ class FrontendServer:
         return self.telemetry.begin_call(headers, method, attributes)
 
     def process(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None,
-                priority: int) -> PreparedRequest:
-        return self.processor.process(prompt, params, request_id=request_id, priority=priority)
+                priority: int, options: PromptOptions | None = None) -> PreparedRequest:
+        return self.processor.process(prompt, params, request_id=request_id, priority=priority, options=options)
 
     # ---- used by the servicer ----------------------------------------------------------------------
     def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:

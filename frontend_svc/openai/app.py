@@ -130,11 +130,11 @@ class OpenAIApi:
         prompts = convert.completion_prompts(body.prompt)
         names = convert.field_names(body)
         params = self._params(body, names, len(prompts))
-        request_id = _request_id(request)
+        request_id = _request_id(request, body.request_id)
         builder = convert.CompletionBuilder(f"cmpl-{request_id}", self.frontend.model_name, body.n,
                                             len(prompts), self.texts, params.logprobs)
         run = Run(self.frontend, _headers(request), "/v1/completions", prompts, params, request_id,
-                  body.priority, names)
+                  body.priority, names, convert.prompt_options(body))
         return await self._respond(request, run, builder, body, request_id)
 
     async def _chat(self, request: Request) -> Response:
@@ -143,11 +143,11 @@ class OpenAIApi:
         names = convert.field_names(body)
         prompt = convert.chat_prompt(body)
         params = self._params(body, names, 1)
-        request_id = _request_id(request)
+        request_id = _request_id(request, body.request_id)
         builder = convert.ChatBuilder(f"chatcmpl-{request_id}", self.frontend.model_name, body.n, 1,
-                                      self.texts, params.logprobs)
+                                      self.texts, params.logprobs, echo=convert.chat_echo(body, prompt.messages))
         run = Run(self.frontend, _headers(request), "/v1/chat/completions", [prompt], params, request_id,
-                  body.priority, names)
+                  body.priority, names, convert.prompt_options(body))
         return await self._respond(request, run, builder, body, request_id)
 
     def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
@@ -266,14 +266,17 @@ async def _stream(run: Run, builder: Builder, include_usage: bool) -> AsyncItera
     yield sse.DONE
 
 
-def _request_id(request: Request) -> str:
-    """The client's X-Request-Id (validated like the gRPC request_id) or a new one."""
-    given = request.headers.get("x-request-id")
+def _request_id(request: Request, in_body: str | None = None) -> str:
+    """The client's X-Request-Id, else the body's `request_id` (vLLM's order; either validated like the
+    gRPC request_id), else a new one."""
+    given, name = request.headers.get("x-request-id"), "X-Request-Id"
+    if given is None:
+        given, name = in_body, "request_id"
     if given is None:
         return uuid.uuid4().hex
     bad = limits.request_id_violation(given)
     if bad is not None or not given:
-        raise bad_request(f"X-Request-Id {bad.description if bad else 'must not be empty'}", "X-Request-Id")
+        raise bad_request(f"{name} {bad.description if bad else 'must not be empty'}", name)
     return given
 
 

@@ -18,14 +18,16 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from frontend_svc.chat_template import ChatOptions
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, model_not_found
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
-from frontend_svc.processor import ChatPrompt, Prompt
+from frontend_svc.processor import ChatPrompt, Prompt, PromptOptions
 from frontend_svc.token_texts import TokenTexts as SharedTokenTexts
 from shared_runtime.contract import SamplingParams
 from shared_runtime.violations import ValidationError
@@ -44,12 +46,16 @@ def served_model(requested: str | None, served: str) -> None:
 
 
 def unsupported(request: p.CompletionRequest | p.ChatCompletionRequest) -> ApiError | None:
-    """400 for a field tandem knows but does not implement (never silently ignored)."""
+    """400 for a field tandem knows but does not implement (never silently ignored): one of vLLM's that
+    tandem refuses (`protocol.REFUSED_*`) set to something other than null or vLLM's default, or one of
+    OpenAI's below."""
+    refused = p.REFUSED_COMPLETION if isinstance(request, p.CompletionRequest) else p.REFUSED_CHAT
+    for name, default in refused.items():
+        value = getattr(request, name)
+        if value is not None and value != default:
+            return bad_request(f"{name} is not supported by this server (only {json.dumps(default)} or null)",
+                               name)
     if isinstance(request, p.CompletionRequest):
-        if request.echo:
-            return bad_request("echo is not supported", "echo")
-        if request.suffix:
-            return bad_request("suffix is not supported", "suffix")
         if request.best_of is not None and request.best_of != request.n:
             return bad_request("best_of must equal n (beam-style best_of is not supported)", "best_of")
         return None
@@ -90,7 +96,42 @@ def chat_prompt(request: p.ChatCompletionRequest) -> ChatPrompt:
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)
-    return ChatPrompt(messages=messages, add_generation_prompt=request.add_generation_prompt)
+    return ChatPrompt(messages=messages, add_generation_prompt=request.add_generation_prompt,
+                      options=chat_options(request))
+
+
+def chat_options(request: p.ChatCompletionRequest) -> ChatOptions:
+    """vLLM's chat rendering extras: `chat_template_kwargs`, with `documents` and `reasoning_effort`
+    (and `enable_thinking` from it) winning over the same names there unless they are null
+    (vLLM's build_chat_params); 400 for both continue_final_message and add_generation_prompt."""
+    if request.continue_final_message and request.add_generation_prompt:
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          "continue_final_message")
+    kwargs = dict(request.chat_template_kwargs or {})
+    extras: dict[str, Any] = {"documents": request.documents, "reasoning_effort": request.reasoning_effort}
+    if request.reasoning_effort is not None and "enable_thinking" not in kwargs:
+        extras["enable_thinking"] = request.reasoning_effort != "none"
+    kwargs.update((k, v) for k, v in extras.items() if v is not None)
+    return ChatOptions(continue_final_message=request.continue_final_message,
+                       chat_template=request.chat_template, template_kwargs=kwargs)
+
+
+def chat_echo(request: p.ChatCompletionRequest, messages: list[dict[str, str]]) -> str:
+    """What `echo` prepends to every choice's content: the last message's content when its role is the
+    response's (the assistant's with add_generation_prompt, else the last message's own), as vLLM."""
+    if not request.echo or not messages:
+        return ""
+    role = "assistant" if request.add_generation_prompt else messages[-1]["role"]
+    return messages[-1]["content"] if messages[-1]["role"] == role else ""
+
+
+def prompt_options(request: p.CompletionRequest | p.ChatCompletionRequest) -> PromptOptions:
+    """How the processor shapes the prompt: vLLM's add_special_tokens, truncate_prompt_tokens and
+    truncation_side, and a max_tokens beyond the context fitted to it (finish "length"), as vLLM's
+    OpenAI server does."""
+    return PromptOptions(add_special_tokens=request.add_special_tokens,
+                         truncate_prompt_tokens=request.truncate_prompt_tokens,
+                         truncation_side=request.truncation_side or "left", fit_max_tokens=True)
 
 
 def max_tokens_of(request: p.CompletionRequest | p.ChatCompletionRequest) -> int | None:
@@ -131,6 +172,8 @@ def sampling_params(request: p.CompletionRequest | p.ChatCompletionRequest) -> S
         n=request.n,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
+        allowed_token_ids=request.allowed_token_ids or [],
+        bad_words=request.bad_words or [],
     )
 
 
@@ -339,14 +382,25 @@ class CompletionBuilder(_Builder):
 
 
 class ChatBuilder(_Builder):
-    """`/v1/chat/completions`: `chat.completion.chunk`s (a role chunk first) and the response."""
+    """`/v1/chat/completions`: `chat.completion.chunk`s (a role chunk first) and the response. `echo`
+    (see `chat_echo`) starts every choice's content: its own chunk after the role chunks, as vLLM."""
+
+    def __init__(self, response_id: str, model: str, n: int, num_prompts: int, texts: TokenTexts,
+                 top_n: int | None, echo: str = "") -> None:
+        super().__init__(response_id, model, n, num_prompts, texts, top_n)
+        self.echo = echo
 
     def role_chunks(self, with_usage: bool) -> list[str]:
-        """The first chunk of every choice: `{"role": "assistant", "content": ""}`, as OpenAI sends it."""
+        """The first chunk of every choice: `{"role": "assistant", "content": ""}`, as OpenAI sends it;
+        then the echoed content's, if any."""
         chunks = []
         for index in range(len(self.choices)):
             out = p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""),
                                     logprobs=None, finish_reason=None)
+            chunks.append(self._chunk([out], with_usage))
+        for index in range(len(self.choices) if self.echo else 0):
+            out = p.ChatChunkChoice(index=index, delta=p.DeltaMessage(content=self.echo), logprobs=None,
+                                    finish_reason=None)
             chunks.append(self._chunk([out], with_usage))
         return chunks
 
@@ -376,7 +430,7 @@ class ChatBuilder(_Builder):
             choice.chat_logprobs.extend(logprobs.content)
 
     def response(self) -> str:
-        choices = [p.ChatChoice(index=i, message=p.ChatMessageOut(content="".join(c.text)),
+        choices = [p.ChatChoice(index=i, message=p.ChatMessageOut(content=self.echo + "".join(c.text)),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                 logprobs=(p.ChatLogprobs(content=c.chat_logprobs or [])
                                           if self.top_n is not None else None))

@@ -1,12 +1,16 @@
 """OpenAI request and response bodies as pydantic models (the library validates them, not hand code).
 
-Requests follow OpenAI's API reference plus vLLM's extra sampling fields (`top_k`, `min_p`,
+Requests follow OpenAI's API reference plus vLLM's extra fields (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`, `priority`). Decisions (docs/openai.md):
-- Unknown fields are ignored, as vLLM does and as the OpenAI SDKs expect of compatible servers (their
-  `extra_body` is how clients send vendor fields); fields that are known but not supported
-  (`echo`, `suffix`, `best_of` > n, `tools`, `functions`, a non-text `response_format`)
-  are rejected with 400 naming the field, never silently ignored (convert.py).
+`include_stop_str_in_output`, `priority`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
+`add_special_tokens`, the chat template extras, ...). Decisions (docs/openai.md):
+- Every field of vLLM's CompletionRequest / ChatCompletionRequest is either honoured with vLLM's
+  semantics or refused: `REFUSED_COMPLETION` / `REFUSED_CHAT` list the refused ones with vLLM's default
+  (sending the default, or null, is accepted: it asks for nothing). tests/openai_api/test_vllm_fields.py
+  enumerates vLLM's fields (a recorded fixture) against these models.
+- Fields unknown to vLLM too are ignored, as vLLM does and as the OpenAI SDKs expect of compatible
+  servers (their `extra_body` is how clients send vendor fields); `best_of` other than n, `tools`,
+  `functions` and a non-text `response_format` are rejected with 400 naming the field (convert.py).
 - Types are strict (`"0.5"` is not a number, `1` is not a bool), as OpenAI's own API is; an integer is
   accepted where a number is expected.
 - Value ranges are checked by `SamplingParams` and the processor (one source of truth for both APIs);
@@ -24,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from frontend_svc.chat_template import MAX_CHAT_TEMPLATE_CHARS
 from shared_runtime import limits
 
 
@@ -60,6 +65,53 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM's extra token filters and prompt shaping (honoured: convert.py, frontend_svc/processor.py)
+    allowed_token_ids: list[int] | None = Field(default=None, max_length=limits.MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] | None = Field(default=None, max_length=limits.MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    request_id: str | None = None  # the response id's suffix when no X-Request-Id header is sent (vLLM)
+    # Fields vLLM knows that tandem does not implement: captured here (any JSON) so that `unsupported`
+    # refuses a value other than vLLM's default by name; `REFUSED` lists them with that default.
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    watermarking: Any = None
+    spaces_between_special_tokens: Any = None
+    prompt_logprobs: Any = None
+    logprob_token_ids: Any = None
+    session_id: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    return_token_offsets: Any = None
+    routed_experts_prompt_start: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    stream_interval: Any = None
+    structured_outputs: Any = None
+
+
+# vLLM's request fields tandem refuses (400 naming the field) unless absent, null or vLLM's default,
+# which is what the value here is (a default means "off": accepting it changes nothing).
+REFUSED_COMMON: dict[str, object] = {
+    "use_beam_search": False, "length_penalty": 1.0, "watermarking": False,
+    "spaces_between_special_tokens": True, "prompt_logprobs": None, "logprob_token_ids": None,
+    "session_id": None, "return_tokens_as_token_ids": False, "return_token_ids": False,
+    "return_token_offsets": False, "routed_experts_prompt_start": 0, "mm_payload": "tensors",
+    "return_mm_kwargs": False, "cache_salt": None, "kv_transfer_params": None, "ec_transfer_params": None,
+    "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None, "stream_interval": None,
+    "structured_outputs": None,
+}
+REFUSED_COMPLETION: dict[str, object] = {**REFUSED_COMMON, "echo": False, "suffix": None,
+                                         "prompt_embeds": None, "response_format": None}
+REFUSED_CHAT: dict[str, object] = {**REFUSED_COMMON, "return_prompt_text": False, "media_io_kwargs": None,
+                                   "mm_processor_kwargs": None, "include_reasoning": True,
+                                   "tool_choice": "none", "parallel_tool_calls": True}
 
 
 # Token ids first, members tried in order: a 4 MiB list of ids validates in one pass (~50 ms here) where
@@ -74,9 +126,12 @@ class CompletionRequest(_Sampling):
     prompt: CompletionPrompt = Field(union_mode="left_to_right")
     max_tokens: int | None = 16  # OpenAI's default for completions; null fills the context window
     logprobs: int | None = None  # top-N per token, in the completions shape
-    echo: bool = False
-    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: e.g. BOS for a text prompt
+    echo: Any = None  # refused unless false (REFUSED_COMPLETION)
+    suffix: Any = None
     best_of: int | None = None
+    prompt_embeds: Any = None
+    response_format: Any = None
 
 
 class TextPart(_Request):
@@ -100,9 +155,25 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM extra
+    # vLLM's chat rendering extras (frontend_svc/chat_template.py)
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template adds them
+    echo: bool = False  # prepend the last message's content when it is the response's role (vLLM)
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # a template variable, as vLLM passes it (with enable_thinking unless chat_template_kwargs sets it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # refused unless vLLM's default (REFUSED_CHAT)
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    include_reasoning: Any = None
+    return_prompt_text: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
 
 
 # ---- responses ---------------------------------------------------------------------------------------

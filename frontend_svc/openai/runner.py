@@ -19,7 +19,7 @@ from frontend_svc.errors import ServiceError
 from frontend_svc.generation import Generation, GenerationBackend
 from frontend_svc.openai.errors import ApiError, FieldNames, service_error
 from frontend_svc.outputs import CompletionDelta
-from frontend_svc.processor import PreparedRequest, Prompt
+from frontend_svc.processor import PreparedRequest, Prompt, PromptOptions
 from frontend_svc.status import code_from_number
 from frontend_svc.telemetry.call import GenerateCall
 from shared_runtime.contract import SamplingParams
@@ -44,7 +44,7 @@ class Run:
 
     def __init__(self, frontend: GenerationBackend, headers: Sequence[tuple[str, str]], route: str,
                  prompts: Sequence[Prompt], params: SamplingParams, request_id: str, priority: int,
-                 names: FieldNames) -> None:
+                 names: FieldNames, options: PromptOptions | None = None) -> None:
         self._frontend = frontend
         self._headers = list(headers)
         self._route = route
@@ -53,6 +53,7 @@ class Run:
         self._request_id = request_id
         self._priority = priority
         self._names = names
+        self._options = options
         self._calls: list[GenerateCall] = []
         self._generations: list[Generation] = []
 
@@ -82,9 +83,9 @@ class Run:
             raise
 
     def _prepare(self, prompt: Prompt) -> Callable[[], PreparedRequest]:
-        process, params, request_id, priority = self._frontend.process, self._params, self._request_id, \
-            self._priority
-        return lambda: process(prompt, params, request_id=request_id, priority=priority)
+        process, params, request_id, priority, options = self._frontend.process, self._params, \
+            self._request_id, self._priority, self._options
+        return lambda: process(prompt, params, request_id=request_id, priority=priority, options=options)
 
     async def batches(self) -> AsyncIterator[tuple[int, list[CompletionDelta]]]:
         """(prompt index, deltas) until every completion finished; raises ServiceError from the engine."""

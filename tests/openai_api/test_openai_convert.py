@@ -9,6 +9,7 @@ from typing import Any
 import pydantic
 import pytest
 
+from frontend_svc.chat_template import ChatOptions
 from frontend_svc.openai import convert, sse
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import ApiError, from_pydantic, service_error
@@ -81,7 +82,7 @@ def test_sampling_params_carry_every_field() -> None:
         n=3, temperature=0.5, top_p=0.9, seed=7, stop=["a", "b"], presence_penalty=0.5, frequency_penalty=-0.5,
         top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2, ignore_eos=True, stop_token_ids=[3],
         skip_special_tokens=False, include_stop_str_in_output=True, logprobs=2, max_tokens=9,
-        logit_bias={"5": 2.0, "0": -100}))
+        logit_bias={"5": 2.0, "0": -100}, allowed_token_ids=[4, 2], bad_words=["no", "never"]))
     assert (params.n, params.temperature, params.top_p, params.seed, params.stop) == (3, 0.5, 0.9, 7, ["a", "b"])
     assert (params.presence_penalty, params.frequency_penalty, params.top_k, params.min_p) == (0.5, -0.5, 5, 0.1)
     assert (params.repetition_penalty, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (
@@ -89,6 +90,7 @@ def test_sampling_params_carry_every_field() -> None:
     assert (params.skip_special_tokens, params.include_stop_str_in_output, params.logprobs, params.max_tokens) == (
         False, True, 2, 9)
     assert params.logit_bias == {5: 2.0, 0: -100.0}  # OpenAI's string keys are token ids
+    assert (params.allowed_token_ids, params.bad_words) == ([4, 2], ["no", "never"])
     assert convert.sampling_params(completion(stop="x")).stop == ["x"]
     assert convert.sampling_params(chat(logit_bias={"7": 1e4})).logit_bias == {7: 100.0}  # clamped, as vLLM
 
@@ -169,7 +171,7 @@ def test_prompts_and_chat_messages() -> None:
                 add_generation_prompt=False)
     assert convert.chat_prompt(body) == ChatPrompt(
         messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}],
-        add_generation_prompt=False)
+        add_generation_prompt=False, options=ChatOptions())
     image = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(ApiError) as info:
         convert.chat_prompt(image)
@@ -290,3 +292,43 @@ def test_sse_framing() -> None:
     assert sse.event('{"a":1}') == 'data: {"a":1}\n\n'
     assert sse.events(["1", "2"]) == "data: 1\n\ndata: 2\n\n"
     assert sse.DONE == "data: [DONE]\n\n"
+
+
+def test_chat_options_follow_vllm() -> None:
+    """chat_template_kwargs, with documents / reasoning_effort (and enable_thinking from it) winning unless
+    null; a per-request template; both continue_final_message and add_generation_prompt is a 400."""
+    options = convert.chat_options(chat(chat_template_kwargs={"documents": "old", "x": 1},
+                                        documents=[{"title": "t", "text": "d"}], reasoning_effort="low",
+                                        chat_template="{{ x }}", continue_final_message=True,
+                                        add_generation_prompt=False))
+    assert options == ChatOptions(continue_final_message=True, chat_template="{{ x }}",
+                                  template_kwargs={"documents": [{"title": "t", "text": "d"}], "x": 1,
+                                                   "reasoning_effort": "low", "enable_thinking": True})
+    assert convert.chat_options(chat(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
+                                ).template_kwargs == {"enable_thinking": True, "reasoning_effort": "none"}
+    assert convert.chat_options(chat(chat_template_kwargs={"documents": "kept"})).template_kwargs == {
+        "documents": "kept"}
+    with pytest.raises(ApiError) as info:
+        convert.chat_options(chat(continue_final_message=True))
+    assert info.value.param == "continue_final_message"
+    assert parse_error(p.ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}],
+                                                 "chat_template": "x" * (64 * 1024 + 1)}).param == "chat_template"
+
+
+def test_chat_echo_is_the_last_message_of_the_response_role() -> None:
+    said = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The sea"}]
+    asked = [{"role": "user", "content": "q"}]
+    assert convert.chat_echo(chat(echo=True, add_generation_prompt=False), said) == "The sea"
+    assert convert.chat_echo(chat(echo=True), said) == "The sea"  # the response's role is the assistant's
+    assert convert.chat_echo(chat(echo=True), asked) == ""  # a user message is not the response's
+    assert convert.chat_echo(chat(echo=True, add_generation_prompt=False), asked) == "q"
+    assert convert.chat_echo(chat(), said) == ""
+
+
+def test_prompt_options_fit_max_tokens_and_carry_truncation() -> None:
+    options = convert.prompt_options(completion(truncate_prompt_tokens=5, truncation_side="right",
+                                                add_special_tokens=False))
+    assert (options.truncate_prompt_tokens, options.truncation_side, options.add_special_tokens,
+            options.fit_max_tokens) == (5, "right", False, True)
+    chat_options = convert.prompt_options(chat())
+    assert (chat_options.add_special_tokens, chat_options.truncation_side) == (False, "left")

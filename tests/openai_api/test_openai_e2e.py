@@ -62,14 +62,15 @@ def split(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Http
 
 def test_completions_equal_the_grpc_api(split: HttpSplit) -> None:
     expected = split.grpc_text(token_ids=PROMPT_IDS, max_tokens=12, temperature=0.0)
-    whole = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
-                                            n=2)
+    # n > 1 needs sampling (n identical greedy completions are refused, as vLLM): top_k=1 samples the argmax
+    whole = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=12, temperature=1,
+                                            n=2, extra_body={"top_k": 1})
     assert [c.text for c in whole.choices] == [expected, expected] and [c.index for c in whole.choices] == [0, 1]
     assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (6, 24)
     streamed = {0: "", 1: ""}
     finishes = {}
     for chunk in split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=12,
-                                                 temperature=0, n=2, stream=True):
+                                                 temperature=1, n=2, stream=True, extra_body={"top_k": 1}):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
             if choice.finish_reason:
@@ -82,7 +83,7 @@ def test_batched_prompts_number_choices_by_prompt(split: HttpSplit) -> None:
     first = split.grpc_text(token_ids=PROMPT_IDS, max_tokens=6, temperature=0.0)
     second = split.grpc_text(token_ids=other, max_tokens=6, temperature=0.0)
     batch = split.client.completions.create(model=split.model, prompt=[PROMPT_IDS, other], max_tokens=6,
-                                            temperature=0, n=2)
+                                            temperature=1, n=2, extra_body={"top_k": 1})
     assert [(c.index, c.text) for c in batch.choices] == [(0, first), (1, first), (2, second), (3, second)]
     assert batch.usage is not None and batch.usage.prompt_tokens == len(PROMPT_IDS) + len(other)
 
@@ -152,6 +153,100 @@ def test_logit_bias_with_string_keys_equals_the_grpc_api(split: HttpSplit) -> No
         split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2,
                                         logit_bias={"99999999": 1.0})
     assert info.value.body["param"] == "logit_bias"  # type: ignore[index]
+
+
+def test_allowed_token_ids_and_bad_words_equal_the_grpc_api(split: HttpSplit) -> None:
+    """vLLM's token filters mean what the gRPC API's do (the sampler's semantics: tests/engine/test_sampler.py)
+    and change the greedy output: the free output's first token is not in the allowed set."""
+    with TandemClient(split.frontend.address) as client:
+        def grpc(**kwargs: Any) -> dict[str, Any]:
+            return dict(collect(client.generate(timeout=60, **kwargs))[0])
+
+        free = grpc(token_ids=PROMPT_IDS, temperature=0, max_tokens=6)
+        allowed = [t for t in range(20, 40) if t not in free["token_ids"]]
+        only = grpc(token_ids=PROMPT_IDS, temperature=0, max_tokens=6, allowed_token_ids=allowed)
+        word = free["text"].split()[0] if free["text"].split() else free["text"][:2]
+        banned = grpc(token_ids=PROMPT_IDS, temperature=0, max_tokens=6, bad_words=[word])
+    assert set(only["token_ids"]) <= set(allowed) and banned["token_ids"] != free["token_ids"]
+    whole = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                            extra_body={"allowed_token_ids": allowed})
+    assert whole.choices[0].text == only["text"]
+    whole = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                            extra_body={"bad_words": [word]})
+    assert whole.choices[0].text == banned["text"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(split: HttpSplit) -> None:
+    for side, kept in (("left", PROMPT_IDS[-3:]), ("right", PROMPT_IDS[:3])):
+        expected = split.grpc_text(token_ids=kept, max_tokens=4, temperature=0.0)
+        result = split.client.completions.create(
+            model=split.model, prompt=PROMPT_IDS, max_tokens=4, temperature=0,
+            extra_body={"truncate_prompt_tokens": 3, "truncation_side": side})
+        assert result.choices[0].text == expected
+        assert result.usage is not None and result.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as info:
+        split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2,
+                                        extra_body={"truncate_prompt_tokens": 10**6})
+    assert info.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
+def test_add_special_tokens_and_max_tokens_fitted_to_the_context(split: HttpSplit) -> None:
+    """A text prompt gets the tokenizer's special tokens unless add_special_tokens is false; a max_tokens
+    beyond what the context leaves generates to the end of the context, finish "length" (vLLM)."""
+    with TandemClient(split.frontend.address) as client:
+        with_special = client.tokenize("the sea")
+        plain = client.tokenize("the sea", add_special_tokens=False)
+    max_model_len = split.client.models.list().data[0].model_extra["max_model_len"]  # type: ignore[index]
+    assert with_special != plain
+    for flag, ids in ((True, with_special), (False, plain)):
+        result = split.client.completions.create(model=split.model, prompt="the sea", max_tokens=1, temperature=0,
+                                                 extra_body={"add_special_tokens": flag})
+        assert result.usage is not None and result.usage.prompt_tokens == len(ids)
+    prompt = [5] * (max_model_len - 3)
+    result = split.client.completions.create(model=split.model, prompt=prompt, max_tokens=max_model_len,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage is not None and result.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as info:
+        split.client.completions.create(model=split.model, prompt=prompt, max_tokens=max_model_len + 1)
+    assert info.value.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+def test_chat_echo_continue_final_message_and_request_id(split: HttpSplit) -> None:
+    """continue_final_message leaves the assistant's message open (the gRPC API given the same rendered
+    text generates the same); echo prepends that message, streamed or not; the body's request_id names
+    the response when no X-Request-Id header is sent (vLLM)."""
+    messages = [*CHAT, {"role": "assistant", "content": "The sea is"}]
+    with TandemClient(split.frontend.address) as client:
+        ids = client.tokenize(chat=messages, add_special_tokens=False)  # with the generation prompt
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True, "request_id": "sea-1"}
+    whole = split.client.chat.completions.create(model=split.model, messages=messages, max_completion_tokens=5,
+                                                 temperature=0, extra_body=extra)
+    content = whole.choices[0].message.content or ""
+    assert whole.id == "chatcmpl-sea-1" and content.startswith("The sea is")
+    assert whole.usage is not None and whole.usage.prompt_tokens < len(ids)  # no generation prompt
+    chunks = list(split.client.chat.completions.create(model=split.model, messages=messages,
+                                                       max_completion_tokens=5, temperature=0, stream=True,
+                                                       extra_body=extra))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+    plain = split.client.chat.completions.create(model=split.model, messages=messages, max_completion_tokens=5,
+                                                 temperature=0, extra_body={**extra, "echo": False})
+    assert "The sea is" + (plain.choices[0].message.content or "") == content
+    with pytest.raises(openai.BadRequestError) as info:
+        split.client.chat.completions.create(model=split.model, messages=messages, max_completion_tokens=5,
+                                             extra_body={"continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message"  # type: ignore[index]
+
+
+def test_refused_vllm_fields_are_400_naming_them(split: HttpSplit) -> None:
+    for field, value in (("use_beam_search", True), ("prompt_logprobs", 1), ("echo", True)):
+        with pytest.raises(openai.BadRequestError) as info:
+            split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2,
+                                            extra_body={field: value})
+        assert info.value.body["param"] == field, field  # type: ignore[index]
+    ok = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2,
+                                         extra_body={"use_beam_search": False, "prompt_logprobs": None})
+    assert ok.choices[0].finish_reason == "length"
 
 
 def test_cancel_mid_stream_brings_engine_load_back_to_zero(split: HttpSplit) -> None:

@@ -105,8 +105,8 @@ def test_errors_have_openai_shape_and_the_right_param(stack: HttpStack) -> None:
     assert info.value.body == {"message": "top_p: must be in (0, 1], got 1.5", "type": "invalid_request_error",
                                "param": "top_p", "code": None}
     with pytest.raises(openai.BadRequestError) as info:
-        c.completions.create(model=served(stack), prompt="x", max_tokens=BIG_CONTEXT)
-    assert info.value.body["param"] == "max_tokens"  # type: ignore[index]  # prompt + max_tokens > context
+        c.completions.create(model=served(stack), prompt="x", max_tokens=BIG_CONTEXT + 1)
+    assert info.value.body["param"] == "max_tokens"  # type: ignore[index]  # max_tokens > the context itself
     with pytest.raises(openai.BadRequestError) as info:
         c.completions.create(model=served(stack), prompt=[1_000_000])
     assert info.value.body["param"] == "prompt"  # type: ignore[index]  # token id >= vocab
@@ -268,3 +268,17 @@ def test_drain_lets_streams_finish_and_fails_what_outlives_the_grace(loop: LoopT
     assert failure["error"]["type"] == "server_error" and failure["error"]["code"] == "draining"
     with pytest.raises(httpx2.ConnectError):
         httpx2.get(f"{stack.url}/health")
+
+
+def test_priority_and_token_filters_reach_the_engine(stack: HttpStack) -> None:
+    """The OpenAI fields that become engine fields arrive there: priority, allowed_token_ids, and bad_words
+    as token-id sequences (tokenized by the frontend, as vLLM does: plain and with a leading space)."""
+    c = client(stack, KEY)
+    before = len(stack.fake.added)
+    c.completions.create(model=served(stack), prompt=[5, 6], max_tokens=2,
+                         extra_body={"priority": 7, "allowed_token_ids": [3, 9], "bad_words": ["hello"]})
+    sent = stack.fake.added[before]
+    assert sent.priority == 7 and list(sent.sampling_params.allowed_token_ids) == [3, 9]
+    words = [list(s.token_ids) for s in sent.sampling_params.bad_words_token_ids]
+    plain = stack.frontend.tokenizer.encode("hello", add_special_tokens=False)
+    assert words[0] == plain and all(w for w in words)
