@@ -1,0 +1,74 @@
+"""tandem's OpenAI API against vLLM's recorded answers, request for request.
+
+tests/realmodel/data/vllm_conformance.json holds OpenAI requests (greedy, SmolLM2-135M-Instruct in
+float32, max_model_len 2048) and what vLLM answered (status; for a success each choice's text and finish
+reason, and the usage), recorded by scripts/record_vllm_conformance.py against a vLLM server (its
+docstring has the command). One tandem engine + frontend pair on the converted model directory (the
+directory vLLM served) answers every request here; the answers must be the same.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+
+from tests.realmodel.support import START_TIMEOUT_S
+from tests.support import Service, free_port, wait_until
+
+pytestmark = pytest.mark.slow
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "vllm_conformance.json").read_text())
+MAX_MODEL_LEN, BLOCK_SIZE = 2048, 16
+
+
+@pytest.fixture(scope="module")
+def api(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("vllm-conformance")
+    engine_port, frontend_port, http_port = free_port(), free_port(), free_port()
+    engine = Service("engine", [sys.executable, "-m", "engine_svc.server_cli", "--model", str(smollm2_dir),
+                                "--host", "127.0.0.1", "--port", str(engine_port), "--dtype", "float32",
+                                "--metrics-port", "0", "--block-size", str(BLOCK_SIZE),
+                                "--max-model-len", str(MAX_MODEL_LEN),
+                                "--num-gpu-blocks-override", str(MAX_MODEL_LEN // BLOCK_SIZE + 8)],
+                     engine_port, logs).start()
+    frontend = Service("frontend", [sys.executable, "-m", "frontend_svc.cli", "--model", str(smollm2_dir),
+                                    "--engine", f"127.0.0.1:{engine_port}", "--host", "127.0.0.1",
+                                    "--port", str(frontend_port), "--metrics-port", "0",
+                                    "--http-port", str(http_port)], frontend_port, logs).start()
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        engine.wait_serving(START_TIMEOUT_S)
+        frontend.wait_serving(START_TIMEOUT_S)
+        wait_until(lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, 60, "/health 200",
+                   retry_on=(httpx2.HTTPError,))
+        yield url
+    finally:
+        frontend.stop()
+        engine.stop()
+
+
+def summary(response: httpx2.Response) -> dict[str, Any]:
+    """The recorder's summary of an answer (scripts/record_vllm_conformance.py)."""
+    if response.status_code != 200:
+        return {"status": response.status_code}
+    body = response.json()
+    choices = [{"text": c["text"] if "text" in c else c["message"]["content"], "finish_reason": c["finish_reason"]}
+               for c in body["choices"]]
+    usage = {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
+    return {"status": 200, "id": body["id"], "choices": choices, "usage": usage}
+
+
+@pytest.mark.parametrize("case", RECORDED["cases"], ids=[c["name"] for c in RECORDED["cases"]])
+def test_the_same_answer_as_vllm(api: str, case: dict[str, Any]) -> None:
+    got = summary(httpx2.post(api + case["route"], json=case["request"], timeout=300))
+    expected = dict(case["vllm"])
+    if "request_id" not in case["request"]:  # ids are random unless the request names one
+        expected.pop("id", None)
+        got.pop("id", None)
+    assert got == expected
