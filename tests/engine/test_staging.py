@@ -134,6 +134,8 @@ MIXES = {
     "penalties and min_tokens": [dict(temperature=0.8, repetition_penalty=1.2, frequency_penalty=0.3),
                                  dict(temperature=0.6, min_tokens=9, top_p=0.5)],
     "logit bias": [dict(temperature=0.0, logit_bias={3: 1.5, 7: -2.0}), dict(temperature=0.4, logit_bias={9: 4.0})],
+    "token filters": [dict(temperature=0.0, allowed_token_ids=[3, 9, 11]),
+                      dict(temperature=0.7, bad_words_token_ids=[[4, 8], [6]], allowed_token_ids=[2])],
 }
 
 
@@ -162,7 +164,7 @@ def test_columns_give_the_old_paths_values(mix: str) -> None:
         a, b = getattr(old_meta, f.name), getattr(new_meta, f.name)
         if f.name == "penalties" and a is not None:
             assert all(_same(getattr(a, g.name), getattr(b, g.name)) for g in fields(a))
-        elif f.name in ("min_tokens_mask", "logit_bias") and a is not None:
+        elif f.name in ("min_tokens_mask", "logit_bias", "allowed_token_ids", "bad_words_mask") and a is not None:
             assert all(_same(x, y) for x, y in zip(a, b))
         else:
             assert _same(a, b), f.name
