@@ -36,6 +36,7 @@ from shared_runtime.security.flags import (
     add_tls_args,
     tls_files,
 )
+from shared_runtime.security.http_limits import add_http_limit_args, http_limits_from_args, raise_fd_limit
 from shared_runtime.security.listen import BindError
 from shared_runtime.security.tls import TlsConfigError
 from shared_runtime.signals import ServiceSignals
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=0,
                    help="also serve the OpenAI-compatible HTTP API on this port (0: off; docs/openai.md)")
     p.add_argument("--log-level", default="INFO")
+    add_http_limit_args(p.add_argument_group("HTTP API limits (docs/security.md)"))
     add_security_args(p)
     return p
 
@@ -85,13 +87,17 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    try:
+        http_limits = http_limits_from_args(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return FrontendConfig(
         model=args.model, engines=parse_engine_list(args.engine), host=args.host, port=args.port,
         metrics_port=args.metrics_port, max_concurrent_requests=args.max_concurrent_requests,
         routing=args.routing, drain_grace_s=args.drain_grace_period,
         served_model_name=args.served_model_name, max_model_len=args.max_model_len,
         max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,
-        health_port=args.health_port, http_port=args.http_port,
+        health_port=args.health_port, http_port=args.http_port, http_limits=http_limits,
         tls=tls_files(args), engine_tls=tls_files(args, "--engine-ssl"),
         api_keys=tuple(args.api_key) + _env_keys(), api_key_file=args.api_key_file,
         engine_token_file=args.engine_token_file, engine_ssl_server_name=args.engine_ssl_server_name,
@@ -111,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tandem-frontend: {exc}", file=sys.stderr)
         return 2
+    raise_fd_limit()  # every client connection is a descriptor; the usual soft limit of 1024 is soon spent
     return asyncio.run(_serve(config))
 
 

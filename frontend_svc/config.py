@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from frontend_svc.gguf_tokenizer import is_gguf, model_limits, read_metadata
+from shared_runtime.security.http_limits import HttpLimits
 from shared_runtime.security.tls import TlsConfigError, TlsFiles
 
 ROUTING_POLICIES = ("least-load", "prefix")
@@ -47,6 +48,7 @@ class FrontendConfig:
     health_port: int = 0  # plaintext grpc.health.v1 only (probes that cannot do TLS); 0 = off
     tokenizer_threads: int = 0  # threads tokenizing off the event loop; 0 = min(4, CPUs)
     http_port: int = 0  # the OpenAI-compatible HTTP API (frontend_svc/openai, docs/openai.md); 0 = off
+    http_limits: HttpLimits = field(default_factory=HttpLimits)  # headers, timeouts, connection cap
 
     def __post_init__(self) -> None:
         path = Path(self.model)

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import pydantic
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -205,11 +205,14 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by the body timeout (edge.py): nobody reads the answer
+        raise ApiError(408, "the request body did not arrive") from None
     return b"".join(chunks)
 
 

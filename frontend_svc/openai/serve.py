@@ -13,7 +13,12 @@ requests on either API get UNAVAILABLE / 503, in-flight ones finish) -> `Fronten
 TLS: with `--ssl-certfile/--ssl-keyfile` the HTTP port serves HTTPS with the same certificate (and
 with `--ssl-ca-certs` requires client certificates from that CA, like the gRPC port). `HttpTls`
 re-reads the files when they change (checked at each new handshake, at most once a second) or on
-`reload()` (SIGHUP): new connections get the new certificate, open ones keep theirs.
+`reload()` (SIGHUP): new connections get the new certificate, open ones keep theirs. The handshake is
+started per connection by the edge protocol (edge.py), after the connection cap admitted it.
+
+Limits (`HttpLimits`, docs/security.md): header bytes and fields (431), idle, header-read and body
+timeouts, a connection cap with a small backlog, TCP_NODELAY; see edge.py. Messages a client can
+trigger once per connection (a malformed request, a failed accept) are logged at most once per 10 s.
 """
 
 from __future__ import annotations
@@ -30,11 +35,19 @@ import uvicorn
 
 from frontend_svc.generation import GenerationBackend
 from frontend_svc.openai.app import OpenAIApi
+from frontend_svc.openai.edge import EdgeConfig
+from shared_runtime.security.http_limits import ConnectionGuard, HttpLimits, fd_budget, rate_limit_logs
 from shared_runtime.security.listen import BindError, join_host_port
 from shared_runtime.security.tls import ReloadingCredentials, TlsFiles
 
 logger = logging.getLogger(__name__)
 _RECHECK_S = 1.0
+# What a client can make the server log once per connection: kept to one line per 10 s each.
+_CLIENT_TRIGGERED = {
+    "uvicorn.error": ("Invalid HTTP request received.", "Unsupported upgrade request.",
+                      "No supported WebSocket library detected."),
+    "asyncio": ("socket.accept() out of system resource", "Error on transport creation for incoming connection"),
+}
 
 
 class HttpTls(ReloadingCredentials[ssl.SSLContext]):
@@ -75,21 +88,26 @@ class HttpServer:
     `max_body_bytes`."""
 
     def __init__(self, frontend: GenerationBackend, host: str, port: int, max_body_bytes: int,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, limits: HttpLimits | None = None) -> None:
         self.host, self.port = host, port
         self.tls = HttpTls(tls) if tls is not None and tls.enabled else None
         self.api = OpenAIApi(frontend, max_body_bytes)
+        self.limits = limits or HttpLimits()
+        self.guard = ConnectionGuard(fd_budget(self.limits.max_connections), f"HTTP port {port}")
         self.bound_port = 0
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
-        sock = bind(self.host, self.port)
+        sock = bind(self.host, self.port, self.limits.backlog)
         self.bound_port = int(sock.getsockname()[1])
-        tls = self.tls
-        config = uvicorn.Config(self.api.asgi(), lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=None, server_header=False, ws="none",
-                                ssl_context_factory=(lambda *_: tls.context) if tls is not None else None)
+        self.guard.what = f"HTTP port {self.bound_port}"
+        for name, messages in _CLIENT_TRIGGERED.items():
+            rate_limit_logs(name, messages)
+        config = EdgeConfig(self.api.asgi(), limits=self.limits, guard=self.guard,
+                            tls_context=self.tls.context if self.tls is not None else None,
+                            lifespan="off", log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=None, server_header=False, ws="none")
         self._server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -121,11 +139,11 @@ class HttpServer:
             self.tls.reload()
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, backlog: int = HttpLimits.backlog) -> socket.socket:
     """A listening TCP socket on host:port, not shared (no SO_REUSEPORT); BindError names the address."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, port), family=family, backlog=2048, reuse_port=False)
+        sock = socket.create_server((host, port), family=family, backlog=backlog, reuse_port=False)
     except OSError as exc:
         raise BindError(f"cannot listen on {join_host_port(host, port)} (HTTP): the port is in use or the "
                         f"address is not on this host ({exc.strerror or exc})") from None
