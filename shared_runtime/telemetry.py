@@ -25,7 +25,6 @@ from typing import Any
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from prometheus_client import start_http_server
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +86,12 @@ def provider_from_env(default_service_name: str, env: Mapping[str, str] | None =
 
 
 def serve_metrics(registry: Any, port: int, host: str = "0.0.0.0") -> Any:
-    """Serve `registry` at http://host:port/metrics on a daemon thread; None (logged) if the port is taken."""
+    """Serve `registry` at http://host:port/metrics on a daemon thread, inside the limits of
+    `shared_runtime.metrics_http`; None (logged) if the port is taken."""
+    from shared_runtime.metrics_http import start_metrics_server
+
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        server = start_metrics_server(host, port, registry)
     except OSError as exc:
         logger.error("cannot serve /metrics on %s:%d (%s); continuing without metrics", host, port, exc)
         return None
