@@ -12,7 +12,11 @@ is ever orphaned.
 
 Security: --ssl-certfile/--ssl-keyfile/--ssl-ca-certs, --api-key/--api-key-file (or $TANDEM_API_KEY)
 go to the frontend, which is the only public port. The engine stays plaintext on loopback (nothing
-off the host can reach it); --engine-token-file (given to both) keeps other local users off it too.
+off the host can reach it) and requires an engine token, so other local users cannot reach it either:
+this command makes one (unless --engine-token-file names one) in a private directory (mode 0700, the
+file 0600) that only it and its children read, removed when it exits. Keys given with --api-key reach
+the frontend through a file in that directory, never its command line (where `ps` would show them);
+--api-key itself shows in this command's `ps` line, so prefer --api-key-file or $TANDEM_API_KEY.
 With TLS on, the frontend also serves plaintext health (health status only, nothing else) on an extra
 port, which is what this command polls for readiness.
 """
@@ -22,12 +26,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-from shared_runtime.security.flags import SERVER, add_api_key_args, add_engine_token_arg, add_tls_args
+from shared_runtime.security.flags import (
+    API_KEY_FLAG_WARNING,
+    SERVER,
+    add_api_key_args,
+    add_engine_token_arg,
+    add_tls_args,
+)
+from shared_runtime.security.http_limits import add_http_limit_args, http_limit_argv
 from shared_runtime.security.listen import join_host_port
 
 STOP_TIMEOUT_S = 60.0
@@ -54,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_token_arg(s, SERVER)  # given to both services
     s.add_argument("--health-port", type=int, default=None,
                    help="the frontend's plaintext health port (default with TLS: a free port)")
+    add_http_limit_args(p.add_argument_group("the frontend's HTTP API limits (docs/security.md)"))
     return p
 
 
@@ -65,6 +82,27 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def write_secret(directory: Path, name: str, text: str) -> str:
+    """`text` in a new file `directory/name` that only this user can read (0600); returns its path."""
+    path = directory / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return str(path)
+
+
+def prepare_secrets(args: argparse.Namespace, directory: Path) -> None:
+    """Point `args` at files in `directory` (private, made by the caller): a new engine token unless one
+    was given, and the --api-key keys (which then leave the children's command lines)."""
+    if args.engine_token_file is None:
+        args.engine_token_file = write_secret(directory, "engine-token", secrets.token_urlsafe(32) + "\n")
+    if args.api_key:
+        if args.api_key_file:
+            raise ValueError("give the API keys with --api-key or with --api-key-file, not both")
+        args.api_key_file = write_secret(directory, "api-keys", "".join(f"{k}\n" for k in args.api_key))
+        args.api_key = []
+
+
 def _frontend_security_args(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "api_key_file", "engine_token_file",
@@ -72,13 +110,13 @@ def _frontend_security_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]
-    for key in args.api_key:
-        out += ["--api-key", key]
     return out
 
 
 def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[list[str], list[str]]:
-    """(engine argv, frontend argv), both run with this interpreter."""
+    """(engine argv, frontend argv), both run with this interpreter (after `prepare_secrets`)."""
+    if args.api_key:
+        raise ValueError("prepare_secrets() first: API keys never go on a child's command line")
     engine = [sys.executable, "-m", "engine_svc.server_cli", "--model", args.model,
               "--host", "127.0.0.1", "--port", str(args.engine_port),
               "--metrics-port", str(args.engine_metrics_port), *engine_args]
@@ -93,7 +131,7 @@ def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[li
         frontend += ["--max-concurrent-requests", str(args.max_concurrent_requests)]
     if args.routing is not None:
         frontend += ["--routing", args.routing]
-    frontend += _frontend_security_args(args)
+    frontend += _frontend_security_args(args) + http_limit_argv(args)
     return engine, frontend
 
 
@@ -133,6 +171,20 @@ def wait_serving(address: str, children: list[subprocess.Popen[bytes]], timeout:
 
 def main(argv: list[str] | None = None) -> int:
     args, engine_args = build_parser().parse_known_args(argv)
+    if args.api_key:
+        print(f"tandem serve: warning: {API_KEY_FLAG_WARNING}", file=sys.stderr)
+    private = Path(tempfile.mkdtemp(prefix="tandem-serve-"))  # mode 0700
+    try:
+        prepare_secrets(args, private)
+        return _serve(args, engine_args)
+    except ValueError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, engine_args: list[str]) -> int:
     engine_cmd, frontend_cmd = child_commands(args, engine_args)
     signals: list[int] = []
     children: list[subprocess.Popen[bytes]] = []

@@ -29,6 +29,7 @@ import sys
 from frontend_svc.config import ROUTING_POLICIES, ConfigError, FrontendConfig, parse_engine_list
 from shared_runtime.security.auth import API_KEY_ENV
 from shared_runtime.security.flags import (
+    API_KEY_FLAG_WARNING,
     CLIENT,
     SERVER,
     add_api_key_args,
@@ -112,6 +113,8 @@ def _env_keys() -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_key:
+        logging.getLogger("tandem-frontend").warning(API_KEY_FLAG_WARNING)
     try:
         config = config_from_args(args)
     except ConfigError as exc:

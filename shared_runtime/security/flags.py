@@ -22,6 +22,8 @@ Side = Literal["server", "client"]
 SERVER: Side = "server"
 CLIENT: Side = "client"
 ENGINE_TOKEN_FLAG = "--engine-token-file"
+API_KEY_FLAG_WARNING = ("an API key given with --api-key is visible to every local user (`ps`, /proc): prefer "
+                        "--api-key-file FILE (mode 0600) or $TANDEM_API_KEY")
 _SUFFIXES = ("-certfile", "-keyfile", "-ca-certs")
 
 
@@ -55,7 +57,7 @@ def add_engine_token_arg(group: argparse._ArgumentGroup, side: Side) -> None:
 
 def add_api_key_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--api-key", action="append", default=[],
-                       help=f"accepted API key (repeatable; also ${API_KEY_ENV}); clients send "
-                            "'authorization: Bearer <key>'")
+                       help=f"accepted API key (repeatable); clients send 'authorization: Bearer <key>'. "
+                            f"Shows in `ps`: prefer --api-key-file or ${API_KEY_ENV}")
     group.add_argument("--api-key-file", default=None,
                        help="file with one accepted API key per line (re-read when it changes)")
