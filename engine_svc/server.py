@@ -23,6 +23,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,12 +40,14 @@ from engine_svc.core import EngineCore
 from engine_svc.packing import pack_outputs
 from engine_svc.telemetry import EngineTelemetry
 from engine_svc.telemetry.tracing import RequestSpans
-from shared_runtime.contract import EngineCoreOutputs
+from engine_svc.validation import add_size_problem, request_id_problem
+from shared_runtime.contract import EngineCoreOutput, EngineCoreOutputs, EngineError, ErrorCode, FinishReason
 from shared_runtime.from_pb import request_from_pb
 from shared_runtime.link import (
     KEEPALIVE_OPTIONS,
     MAX_MESSAGE_BYTES,
     SERVER_PING_OPTIONS,
+    engine_receive_limit,
     message_size_options,
 )
 from shared_runtime.security.auth import AuthInterceptor, KeySet
@@ -62,19 +65,27 @@ COALESCE_TARGET_BYTES = 4 * 1024 * 1024
 DEFAULT_WAITING_PER_SEQ = 4  # --max-waiting default: 4 x --max-num-seqs
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
+                   max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
     """Long-lived streams between frontend and engine sit idle for long stretches: keep them alive with
-    pings, and let clients ping without data (both ends take these from `shared_runtime.link`)."""
-    return [*KEEPALIVE_OPTIONS, *SERVER_PING_OPTIONS, *message_size_options(max_message_bytes), NO_REUSEPORT]
+    pings, and let clients ping without data (both ends take these from `shared_runtime.link`). Messages
+    received are capped at `max_receive_bytes` (`engine_receive_limit`: sized to max_model_len)."""
+    return [*KEEPALIVE_OPTIONS, *SERVER_PING_OPTIONS, *message_size_options(max_message_bytes, max_receive_bytes),
+            NO_REUSEPORT]
 
 
 def default_max_waiting(max_num_seqs: int) -> int:
     return DEFAULT_WAITING_PER_SEQ * max_num_seqs
 
 
+class _Malformed(ValueError):
+    """Input that makes the whole Connect stream unusable (it ends with INVALID_ARGUMENT)."""
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue[EngineCoreOutputs | None]
+    malformed: str | None = None  # why the stream's input was unusable: it ends with INVALID_ARGUMENT
 
 
 class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
@@ -112,6 +123,8 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             while True:
                 item = await stream.queue.get()
                 if item is None:
+                    if stream.malformed is not None:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, stream.malformed)
                     return
                 steps = self._take_queued(item, stream.queue)
                 if ended:  # outputs queued before the busy loop forgot them: nothing follows their end
@@ -151,27 +164,50 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             self.busy.abort(sid, [request_id], already_ended=True)
 
     async def _read_inputs(self, sid: int, request_iterator: AsyncIterator[pb.EngineCoreInput]) -> None:
-        """Feed the stream's adds and aborts to the busy loop. If reading fails, the stream is ended (its
-        requests are aborted and the frontend fails them) rather than left unable to hear aborts."""
+        """Feed the stream's adds and aborts to the busy loop. An add too large to copy is rejected alone
+        (an error output for it). Input that cannot be used at all (undecodable bytes, a message of no
+        known kind, an oversized add whose id cannot be echoed) ends the stream with INVALID_ARGUMENT:
+        its requests are aborted and the frontend fails them, rather than being left unable to hear aborts."""
         busy = self.busy
-        assert busy is not None
+        assert busy is not None and self.core is not None
+        max_prompt = self.core.max_model_len
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "add":
+                    if not self._admit_size(sid, msg.add, max_prompt):
+                        continue
                     request = request_from_pb(msg.add)
                     if self.spans is not None:
                         self.spans.start(sid, request)
                     busy.add(sid, request)
                 elif kind == "abort":
                     busy.abort(sid, list(msg.abort.request_ids))
+                else:
+                    raise _Malformed("an EngineCoreInput must hold an add or an abort")
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
-        except Exception:
-            logger.exception("stream %d: bad input; ending the stream", sid)
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, _Malformed) else "the stream's input is not valid EngineCoreInput"
+            logger.warning("stream %d: bad input (%s: %s); ending the stream", sid, type(exc).__name__, exc)
             stream = self._streams.get(sid)
             if stream is not None:
+                stream.malformed = reason
                 stream.queue.put_nowait(None)
+
+    def _admit_size(self, sid: int, add: pb.EngineCoreRequest, max_prompt: int) -> bool:
+        """False (and the request's INVALID_ARGUMENT output queued) when `add` is too large to copy."""
+        problem = add_size_problem(add, max_prompt)
+        if problem is None:
+            return True
+        if request_id_problem(add.request_id) is not None:
+            raise _Malformed(f"an add whose request id cannot be echoed is too large: {problem}")
+        stream = self._streams.get(sid)
+        if stream is not None:
+            error = EngineError(code=ErrorCode.INVALID_ARGUMENT, message=problem)
+            out = EngineCoreOutput(request_id=add.request_id, finish_reason=FinishReason.ERROR, error=error)
+            stream.queue.put_nowait(EngineCoreOutputs(outputs=[out], timestamp=time.time()))
+        return False
 
     async def GetEngineInfo(self, request: pb.GetEngineInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb.EngineInfo:
@@ -238,7 +274,8 @@ class EngineServer:
         self.servicer = EngineCoreServicer(self.config, loop, self.max_message_bytes)
         self.servicer.spans = self.telemetry.spans
         interceptors = [AuthInterceptor(self.tokens)] if self.tokens is not None else []
-        server = grpc.aio.server(options=server_options(self.max_message_bytes), interceptors=interceptors)
+        receive = engine_receive_limit(self.config.max_model_len, self.max_message_bytes)
+        server = grpc.aio.server(options=server_options(self.max_message_bytes, receive), interceptors=interceptors)
         pb_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

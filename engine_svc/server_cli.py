@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-grace-period", type=float, default=45.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
-                        help="largest gRPC message sent or received; queued outputs are split below it")
+                        help="largest gRPC message sent (queued outputs are split below it) or received; what is "
+                             "received is capped lower still, at what an add of max_model_len ids needs "
+                             "(5 bytes per id + 64 KiB, at least 4 MiB)")
     parser.add_argument("--health-port", type=int, default=0,
                         help="also serve grpc.health.v1 (only) in plaintext on this port, for probes "
                              "that cannot do TLS (0: off)")

@@ -1,7 +1,7 @@
 """Test clients for the engine service (`tandem.engine.v1.EngineCoreService`), in process or over a socket.
 
 - `EngineStream`: one `Connect` call; `add`/`abort` send inputs, a reader thread keeps every output
-  message (with its scheduler stats) in `messages`.
+  message (with its scheduler stats) in `messages`, and when it came in `arrivals`.
 - `StepWitness`: a request of its own that decodes one token per engine step. Its stream is a clock
   measured in engine steps, and its messages carry the engine's stats at each step, so a test can count
   the steps between "I closed / cancelled / killed it" and "the engine no longer runs it", and compare
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ class EngineStream:
         self._inputs: queue.SimpleQueue[epb.EngineCoreInput | None] = queue.SimpleQueue()
         self.call = epb_grpc.EngineCoreServiceStub(channel).Connect(iter(self._inputs.get, None), timeout=timeout)
         self.messages: list[epb.EngineCoreOutputs] = []
+        self.arrivals: list[float] = []  # monotonic time of each message (stall tests)
         self.error: grpc.RpcError | None = None
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -42,6 +44,7 @@ class EngineStream:
         try:
             for message in self.call:
                 with self._changed:
+                    self.arrivals.append(time.monotonic())
                     self.messages.append(message)
                     self._changed.notify_all()
         except grpc.RpcError as error:
