@@ -46,6 +46,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=int(config.max_num_batched_tokens or max_model_len),
+            long_prefill_token_threshold=int(config.long_prefill_token_threshold or 0),
             max_model_len=max_model_len,
             block_size=config.block_size,
             num_blocks=self.num_blocks,

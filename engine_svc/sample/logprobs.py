@@ -7,6 +7,7 @@ Top-N lists are in descending logprob order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,9 @@ import torch
 SampleLogprob = tuple[float, int, list[int], list[float]]  # (logprob, rank, top ids, top logprobs)
 PromptLogprob = tuple[int, float, int, list[int], list[float]]  # (token id, logprob, rank, top ids, top lps)
 
-# Prompt logprobs are computed this many positions at a time, bounding the [chunk, V] temporaries.
-_PROMPT_CHUNK = 512
+# Prompt logprobs are computed this many positions at a time, logits included, bounding the [chunk, V]
+# temporaries (4 prompts x 2,000 positions x a 49,152 vocabulary at once added ~800 MB to the engine).
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass
@@ -69,17 +71,20 @@ def sampled_logprobs(
 
 
 def compute_prompt_logprobs(
-    logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
+    rows: torch.Tensor, target_ids: torch.Tensor, num_top: int,
+    to_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[PromptLogprob]:
-    """Prompt logprobs: row p of `logits` [P, V] predicts `target_ids[p]` (the prompt token after it).
+    """Prompt logprobs: row p of `rows` [P, ...] predicts `target_ids[p]` (the prompt token after it).
 
+    `rows` are logits [P, V], or hidden states that `to_logits` turns into logits; either way at most
+    `PROMPT_LOGPROBS_CHUNK` rows are turned into logits and log-softmaxed at a time.
     Returns one (token id, logprob, rank, top ids, top lps) per row, top lists of length min(num_top, V).
     """
-    max_top = min(num_top, logits.shape[1])
     out: list[PromptLogprob] = []
-    for start in range(0, logits.shape[0], _PROMPT_CHUNK):
-        stop = start + _PROMPT_CHUNK
+    for start in range(0, rows.shape[0], PROMPT_LOGPROBS_CHUNK):
+        stop = start + PROMPT_LOGPROBS_CHUNK
+        logits = rows[start:stop] if to_logits is None else to_logits(rows[start:stop])
         targets = target_ids[start:stop].to(device=logits.device, dtype=torch.int64)
-        lps, ranks, top_ids, top_lps = gather_logprobs(logits[start:stop], targets, max_top)
+        lps, ranks, top_ids, top_lps = gather_logprobs(logits, targets, min(num_top, logits.shape[1]))
         out.extend(zip(targets.tolist(), lps.tolist(), ranks.tolist(), top_ids.tolist(), top_lps.tolist()))
     return out

@@ -7,6 +7,10 @@ Each step (`schedule`):
    request being scheduled, the running pass stops.
 2. Only if nothing was preempted, waiting requests are admitted in policy order while the budget,
    `max_num_seqs` and the free blocks allow, each after a prefix-cache lookup; a long prompt gets a chunk.
+   Long prefills: while some running request is decoding, no request gets more than
+   `long_prefill_token_threshold` tokens in a step (vLLM's option; 0 = off), so the step that carries
+   the decodes - and the gap between their tokens - stays short. A prefill with nobody decoding beside
+   it has no stream to stall and takes what the budget allows.
 3. The output sends a request in full on its first schedule and on resume after a preemption, otherwise
    only what the workers have not seen (appended tokens and blocks).
 4. `num_computed_tokens` advances by the scheduled count right away: the K/V of the scheduled tokens is
@@ -63,6 +67,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
         vocab_size: int | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -73,6 +78,7 @@ class Scheduler:
                 raise ValueError(f"{name} must be positive, got {value}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.policy = policy
@@ -129,9 +135,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens (running first, then admissions); see the module docstring."""
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in schedule order
-        budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens)
+        cap = self._prefill_cap()
+        budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens, cap)
         if not preempted:
-            self._schedule_waiting(scheduled, budget)
+            self._schedule_waiting(scheduled, budget, cap)
         output = self._make_output(scheduled)
         # Only now, after every preemption of this step: the KV manager caches blocks when it allocates
         # them and, when a request is freed, uncaches its blocks past `num_computed_tokens` - for a
@@ -141,13 +148,21 @@ class Scheduler:
             self.requests[request_id].num_computed_tokens += num_tokens
         return output
 
-    def _schedule_running(self, scheduled: dict[str, int], budget: int) -> tuple[int, bool]:
+    def _prefill_cap(self) -> int:
+        """Tokens one request may get this step: `long_prefill_token_threshold` while a running request
+        is decoding (its prompt computed), else the whole budget."""
+        threshold = self.long_prefill_token_threshold
+        if threshold > 0 and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return threshold
+        return self.max_num_batched_tokens
+
+    def _schedule_running(self, scheduled: dict[str, int], budget: int, cap: int) -> tuple[int, bool]:
         """Returns (budget left, whether anything was preempted)."""
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(min(request.num_tokens, self.max_model_len) - request.num_computed_tokens, budget)
+            n = min(min(request.num_tokens, self.max_model_len) - request.num_computed_tokens, budget, cap)
             if n <= 0:  # nothing left below max_model_len: never send 0 tokens
                 i += 1
                 continue
@@ -165,11 +180,11 @@ class Scheduler:
             i += 1
         return budget, preempted
 
-    def _schedule_waiting(self, scheduled: dict[str, int], budget: int) -> None:
+    def _schedule_waiting(self, scheduled: dict[str, int], budget: int, cap: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit_tokens, budget)
+            n = min(request.num_tokens - num_hit_tokens, budget, cap)
             if self.kv.allocate_slots(request, n, hit_blocks) is None:
                 break
             self.waiting.pop()

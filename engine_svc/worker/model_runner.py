@@ -220,8 +220,7 @@ class ModelRunner:
             h = hidden[q0 : q0 + (end_pos - start_pos)]
             row = self.batch.row_of[req_id]
             targets = torch.from_numpy(self.batch.token_ids[row, start_pos + 1 : end_pos + 1].copy())
-            result[req_id] = compute_prompt_logprobs(self.model.compute_logits(h), targets.to(h.device),
-                                                     num_top)
+            result[req_id] = compute_prompt_logprobs(h, targets.to(h.device), num_top, self.model.compute_logits)
         return result
 
     @torch.inference_mode()

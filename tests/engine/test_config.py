@@ -19,6 +19,7 @@ from engine_svc.config import ConfigError, EngineConfig
         ({"scheduling_policy": "lifo"}, "--scheduling-policy 'lifo' is not supported"),
         ({"attention_backend": "flash"}, "--attention-backend 'flash' is not supported"),
         ({"max_num_seqs": 0}, "--max-num-seqs must be >= 1"),
+        ({"long_prefill_token_threshold": -1}, "--long-prefill-token-threshold must be >= 0"),
         ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization must be in (0, 1]"),
         ({"max_model_len": 10**6}, "exceeds the model's max_position_embeddings"),
         ({"bogus": 1}, "unknown engine argument(s): bogus"),
@@ -46,7 +47,11 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
 def test_defaults_follow_the_model_and_device(llama_dir) -> None:
     cfg = EngineConfig.create(model=str(llama_dir), device="cpu")
     assert cfg.max_model_len == 2048  # the tiny model's max_position_embeddings
-    assert cfg.max_num_batched_tokens == 8192
+    # CPU: short steps, long prompts prefilled 64 tokens a step beside decodes; CUDA: vLLM's defaults
+    assert (cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold) == (256, 64)
+    assert EngineConfig.create(model=str(llama_dir), device="cpu", max_num_seqs=512).max_num_batched_tokens == 512
+    gpu = EngineConfig.create(model=str(llama_dir), device="cuda")
+    assert (gpu.max_num_batched_tokens, gpu.long_prefill_token_threshold) == (8192, 0)
     from engine_svc.config import cpu_bf16_is_faster
 
     assert cfg.torch_dtype_name == ("bfloat16" if cpu_bf16_is_faster() else "float32")  # a float32 model

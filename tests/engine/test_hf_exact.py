@@ -130,3 +130,35 @@ def test_priority_policy_with_preemption_matches_transformers(make_model) -> Non
         assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, MAX_TOKENS)[0]
     assert llm.engine.get_stats().num_preemptions > 0
     assert_no_block_leaks(llm)
+
+
+def test_long_prefill_threshold_matches_transformers(make_model) -> None:
+    """A 5-token per-request prefill cap (vLLM's long_prefill_token_threshold) while others decode: a
+    32-token budget staggers the prompts, so later ones are prefilled 5 tokens a step beside running
+    decodes - and their prompt logprobs, computed chunk by chunk, are transformers' log_softmax."""
+    model_dir = make_model("llama")
+    prompts = make_prompts(7, 5, 500, lo=20, hi=40)
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=2, max_num_batched_tokens=32,
+              long_prefill_token_threshold=5, block_size=8)
+    steps: list[dict[str, int]] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():  # type: ignore[no-untyped-def]
+        so = schedule()
+        steps.append(dict(so.num_scheduled_tokens))
+        return so
+
+    llm.engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert any(sorted(step.values()) == [1, 5] for step in steps)  # a decode beside a capped prefill chunk
+    model = hf_model(model_dir)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, MAX_TOKENS)[0]
+        with torch.no_grad():
+            expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for pos in range(1, len(prompt)):
+            entry = out.prompt_logprobs[pos]
+            assert entry is not None and entry.token_id == prompt[pos]
+            assert entry.logprob == pytest.approx(float(expected[pos - 1, prompt[pos]]), abs=1e-4)
+    assert_no_block_leaks(llm)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from engine_svc.sample.logprobs import compute_prompt_logprobs
+from engine_svc.sample.logprobs import PROMPT_LOGPROBS_CHUNK, compute_prompt_logprobs
 from engine_svc.sample.metadata import RequestSamplingState, build_sampling_metadata
 from engine_svc.sample.penalties import apply_penalties
 from engine_svc.sample.sampler import Sampler, scale_and_filter
@@ -392,13 +392,24 @@ def test_temperature_reshapes_the_sampled_distribution(temperature):
 
 
 def test_prompt_logprobs_over_several_chunks_match_a_direct_computation():
+    """From hidden states: the logits of at most PROMPT_LOGPROBS_CHUNK positions exist at a time."""
     torch.manual_seed(8)
-    logits = torch.randn(1100, 7)  # more rows than one internal chunk
+    hidden = torch.randn(1100, 5)  # more rows than one internal chunk
+    head = torch.randn(5, 7)
+    logits = hidden @ head
     targets = torch.randint(0, 7, (1100,))
-    rows = compute_prompt_logprobs(logits, targets, num_top=3)
+    shapes: list[int] = []
+
+    def to_logits(h: torch.Tensor) -> torch.Tensor:
+        shapes.append(h.shape[0])
+        return h @ head
+
+    rows = compute_prompt_logprobs(hidden, targets, num_top=3, to_logits=to_logits)
+    assert max(shapes) == PROMPT_LOGPROBS_CHUNK and sum(shapes) == 1100
     lp = torch.log_softmax(logits, dim=1)
     assert len(rows) == 1100
-    for p in (0, 511, 512, 1099):
+    chunk = PROMPT_LOGPROBS_CHUNK
+    for p in (0, chunk - 1, chunk, 1099):
         token, logprob, rank, top_ids, top_lps = rows[p]
         assert top_lps == pytest.approx(lp[p].topk(3).values.tolist(), abs=1e-6)
         assert token == targets[p].item()

@@ -137,6 +137,26 @@ def test_new_request_sent_once_then_diffs(make_sched: MakeSched) -> None:
     assert sched.requests["a"].num_computed_tokens == 9 and sched.requests["a"].num_tokens == 10
 
 
+def test_long_prefill_threshold_caps_a_prompt_only_beside_decodes(make_sched: MakeSched) -> None:
+    """vLLM's long_prefill_token_threshold: while "d" decodes, "long" gets at most 4 tokens a step (so the
+    step carrying d's token stays short); alone, a prompt takes the whole budget (nobody to stall)."""
+    sched = make_sched(long_prefill_token_threshold=4, num_blocks=16)
+    add(sched, "alone", list(range(1, 13)), max_tokens=1)
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"alone": 12}  # no decode running: uncapped
+    add(sched, "d", [50, 51], max_tokens=20)
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"d": 2}  # d's own prefill (nobody decodes yet)
+    add(sched, "long", list(range(100, 114)), max_tokens=1)
+    add(sched, "second", list(range(20, 26)), max_tokens=1)
+    counts = []
+    while "long" in sched.requests:
+        so, _ = step(sched)
+        counts.append(so.num_scheduled_tokens)
+    assert counts == [{"d": 1, "long": 4, "second": 4}, {"d": 1, "long": 4, "second": 2},
+                      {"d": 1, "long": 4}, {"d": 1, "long": 2}]
+
+
 def test_chunked_prefill_under_small_budget(make_sched: MakeSched) -> None:
     sched = make_sched(max_num_batched_tokens=5)
     add(sched, "a", list(range(1, 13)), max_tokens=3)
