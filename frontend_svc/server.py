@@ -79,10 +79,17 @@ LIVENESS = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DEFAULT_MAX_MODEL_LEN = 2048
+# Calls gRPC has received but not yet handed to the servicer. Past its default limits (1,000 soft,
+# 3,000 hard) gRPC cancels a new call itself: in a burst of 10,000 Generate calls 7,000 came back
+# CANCELLED (which a client cannot tell from its own cancel, and no retry policy retries) instead of
+# reaching admission and its RESOURCE_EXHAUSTED. One limit for both, so none is dropped at random below it.
+MAX_PENDING_CALLS = 16_384
 
 
 def server_options(config: FrontendConfig) -> list[tuple[str, int]]:
     return [
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", 30_000),
@@ -338,8 +345,12 @@ class FrontendServer:
         raise ValidationError.single("input", "set exactly one of text or chat")
 
     def detokenize(self, request: pb.DetokenizeRequest) -> str:
-        """The Detokenize RPC's work (run on the pool); raises ValidationError."""
+        """The Detokenize RPC's work (run on the pool); raises ValidationError. At most max_model_len ids
+        (as vLLM's /detokenize), counted before they are copied or scanned."""
         ids = request.token_ids
+        limit = self.processor.max_model_len
+        if len(ids) > limit:
+            raise ValidationError.single("token_ids", f"at most max_model_len ({limit}) token ids, got {len(ids)}")
         vocab = self.processor.vocab_size
         if any(i >= vocab for i in ids):
             raise ValidationError.single("token_ids", f"every token id must be < vocab_size ({vocab})")

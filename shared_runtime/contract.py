@@ -150,9 +150,11 @@ class SamplingParams(EngineSamplingParams, kw_only=True):
     def engine_params(self, seed_offset: int = 0) -> EngineSamplingParams:
         """The token-level params of one engine request: every `EngineSamplingParams` field (lists and
         maps copied: the request owns them), the seed offset by `seed_offset` (completion i of n samples
-        with seed + i, so they differ)."""
+        with seed + i, so they differ), a temperature below `GREEDY_TEMPERATURE` sent as 0 (greedy)."""
         fields: dict[str, Any] = {name: _own(getattr(self, name)) for name in ENGINE_FIELDS}
         engine = EngineSamplingParams(**fields)
+        if engine.temperature < limits.GREEDY_TEMPERATURE:
+            engine.temperature = 0.0
         if engine.seed is not None:
             engine.seed = (engine.seed + seed_offset) % limits.UINT64_LIMIT
         return engine

@@ -556,3 +556,21 @@ def test_token_filters_keep_other_rows_plain():
     meta = build_sampling_metadata([plain, banning], CPU)
     assert meta.bad_words_mask is not None and not meta.is_plain_greedy
     assert [t.tolist() for t in meta.bad_words_mask] == [[1], [6]]
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_a_temperature_below_1e_5_is_greedy_beside_random_rows(logprobs):
+    """vLLM's _SAMPLING_EPS: rows at 5e-324 (inf after dividing, NaN probabilities) or 9.99e-6 take the
+    argmax, in a batch whose other row samples; every logprob stays finite."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 50) * 5
+    states = [state(50, temperature=1.0, top_p=0.9, logprobs=logprobs),
+              state(50, temperature=5e-324, top_p=0.9, logprobs=logprobs),
+              state(50, temperature=9.99e-6, top_k=5, logprobs=logprobs)]
+    out = sample(states, logits)
+    assert out.sampled_token_ids[1:].tolist() == logits[1:].argmax(dim=-1).tolist()
+    if logprobs is not None:
+        rows = out.logprobs_lists()
+        assert all(math.isfinite(r[0]) and all(math.isfinite(x) for x in r[3]) for r in rows)
+    alone = sample([state(50, temperature=5e-324, seed=7)], logits[:1])
+    assert alone.sampled_token_ids.tolist() == [int(logits[0].argmax())]

@@ -141,3 +141,9 @@ def test_validation_error_needs_a_violation_and_prefixes():
         ValidationError([])
     violation = FieldViolation("top_p", "bad")
     assert violation.with_prefix("sampling_params").field == "sampling_params.top_p"
+
+
+@pytest.mark.parametrize(("temperature", "sent"), [(5e-324, 0.0), (1e-30, 0.0), (9.99e-6, 0.0), (1e-5, 1e-5), (0.7, 0.7)])
+def test_a_temperature_below_1e_5_is_sent_as_greedy(temperature: float, sent: float) -> None:
+    """vLLM's rule (_SAMPLING_EPS): dividing logits by 5e-324 overflows to inf and NaN probabilities."""
+    assert SamplingParams(temperature=temperature).engine_params().temperature == sent

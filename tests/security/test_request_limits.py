@@ -93,6 +93,29 @@ def test_a_prompt_over_the_byte_budget_is_rejected_quickly(small: Stack) -> None
     assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
 
 
+def test_detokenize_takes_at_most_max_model_len_ids(small: Stack) -> None:
+    with TandemClient(small.address) as client:
+        assert isinstance(client.detokenize([5] * 256, timeout=10), str)
+        error = rpc_error(lambda: client.detokenize([5] * 257, timeout=10))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_fields(error) == ["token_ids"]
+
+
+def test_eight_huge_detokenize_calls_do_not_stall_other_streams(big: Stack) -> None:
+    """Before: 8 calls of 2M ids each were scanned and decoded (the loop stalled 0.65 s, +218 MB); now each
+    is refused by its count. (Memory is not measured here: the client in this process builds the calls.)"""
+    import concurrent.futures
+
+    ids = [5] * 2_000_000
+
+    def attack(client: TandemClient) -> list[Any]:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            return list(pool.map(lambda _: rpc_error(lambda: client.detokenize(ids, timeout=30)), range(8)))
+
+    gap, errors = attack_while_victim_streams(big, attack)
+    assert all(e.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_fields(e) == ["token_ids"] for e in errors)
+    assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
+
+
 # ---- stop strings ----------------------------------------------------------------------------------------
 
 def _peak_rss_reset() -> None:
@@ -173,3 +196,40 @@ def test_the_concurrency_limit_counts_completions_not_calls(small: Stack) -> Non
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_fields(error) == ["sampling_params.n"]
         held.cancel()
         assert small.fake.max_running <= 8
+
+
+# ---- bursts ------------------------------------------------------------------------------------------------
+
+def test_a_burst_beyond_grpcs_pending_call_limit_is_refused_with_resource_exhausted(small: Stack) -> None:
+    """4,000 calls at once while every slot is held: each is refused by admission (RESOURCE_EXHAUSTED, which
+    retry policies retry), none cancelled by gRPC itself. Before, every call past gRPC's 3,000 pending
+    calls came back CANCELLED."""
+    import asyncio
+    import collections
+
+    from tandem.v1 import generation_pb2 as pb
+    from tandem.v1 import generation_pb2_grpc as pb_grpc
+
+    async def burst(count: int) -> collections.Counter[str]:
+        async with grpc.aio.insecure_channel(small.address) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]), sampling_params=pb.SamplingParams(max_tokens=2))
+
+            async def one() -> str:
+                try:
+                    async for _ in stub.Generate(request, timeout=60):
+                        pass
+                    return "OK"
+                except grpc.aio.AioRpcError as exc:
+                    return str(exc.code().name)
+
+            return collections.Counter(await asyncio.gather(*(one() for _ in range(count))))
+
+    with TandemClient(small.address) as client:
+        held = client.generate(token_ids=[5, 6, 7], n=8, timeout=60)  # endless: all 8 slots
+        next(held)
+        try:
+            codes = asyncio.run(burst(4000))
+        finally:
+            held.cancel()
+    assert codes == {"RESOURCE_EXHAUSTED": 4000}, codes
