@@ -207,3 +207,30 @@ class Service:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+
+def closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server closes `sock` within `timeout` (reading and dropping whatever it sends)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def slowloris_until_closed(sock: socket.socket, give_up_s: float) -> float | None:
+    """Send one more header byte every 0.3 s until the server closes `sock`: the seconds that took, or
+    None if it was still open after `give_up_s`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < give_up_s:
+        try:
+            sock.sendall(b"X")
+        except OSError:
+            return time.monotonic() - t0
+        if closed_by_server(sock, 0.3):
+            return time.monotonic() - t0
+    return None

@@ -4,7 +4,6 @@ connection held a thread forever (no timeout, no cap, unbounded headers)."""
 from __future__ import annotations
 
 import socket
-import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -13,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from shared_runtime.metrics_http import MetricsServer, start_metrics_server
 from shared_runtime.security.http_limits import HttpLimits
-from tests.support import wait_until
+from tests.support import closed_by_server, slowloris_until_closed, wait_until
 
 LIMITS = HttpLimits(max_header_bytes=4096, header_timeout_s=1.0, body_timeout_s=1.0, max_connections=4, backlog=8)
 
@@ -37,18 +36,6 @@ def scrape(server: MetricsServer) -> str:
         return str(response.read().decode())
 
 
-def closed_within(sock: socket.socket, timeout: float) -> bool:
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
 def test_scrape_and_header_limits(server: MetricsServer) -> None:
     assert "tandem_test_total 3.0" in scrape(server)
     with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as sock:
@@ -63,21 +50,10 @@ def test_scrape_and_header_limits(server: MetricsServer) -> None:
 
 def test_a_slowloris_connection_is_cut_at_its_deadline(server: MetricsServer) -> None:
     with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as sock:
-        t0 = time.monotonic()
         sock.sendall(b"GET /metrics HTTP/1.1\r\n")
-        closed = False
-        while time.monotonic() - t0 < 5:
-            try:
-                sock.sendall(b"X")
-            except OSError:
-                closed = True
-                break
-            if closed_within(sock, 0.3):
-                closed = True
-                break
-        elapsed = time.monotonic() - t0
+        elapsed = slowloris_until_closed(sock, 5)
     deadline = LIMITS.header_timeout_s + LIMITS.body_timeout_s
-    assert closed and elapsed < deadline + 1.5, elapsed
+    assert elapsed is not None and elapsed < deadline + 1.5, elapsed
     wait_until(lambda: server.guard.open == 0, 5, "its slot released")
 
 
@@ -87,7 +63,7 @@ def test_idle_connections_cannot_lock_out_a_scrape(server: MetricsServer) -> Non
     try:
         wait_until(lambda: server.guard.open == LIMITS.max_connections, 5, "all admitted")
         assert "tandem_test_total" in scrape(server)
-        assert closed_within(idle[0], 2.0)
+        assert closed_by_server(idle[0], 2.0)
         assert server.guard.evicted >= 1 and server.guard.open <= LIMITS.max_connections
     finally:
         for sock in idle:

@@ -27,7 +27,7 @@ from shared_runtime.security.tls import TlsFiles
 from tests.openai_api.conftest import HttpStack
 from tests.security.certs import CertificateAuthority
 from tests.security.secure_stack import Victim
-from tests.support import MAX_STALL_S, LoopThread, wait_until
+from tests.support import MAX_STALL_S, LoopThread, closed_by_server, slowloris_until_closed, wait_until
 
 NUM_IDLE = 2000
 SHORT = HttpLimits(keep_alive_timeout_s=1.0, header_timeout_s=1.5, body_timeout_s=1.5)
@@ -79,19 +79,6 @@ def read_response(sock: socket.socket) -> bytes:
 
 def status_of(response: bytes) -> int:
     return int(response.split(b" ", 2)[1]) if response.startswith(b"HTTP/1.1 ") else -1
-
-
-def closed_by_server(sock: socket.socket, timeout: float) -> bool:
-    """Whether the server closes `sock` within `timeout` (reading and dropping whatever it sends)."""
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def peak_rss_reset() -> None:
@@ -172,20 +159,9 @@ def test_a_fresh_idle_connection_is_closed_after_the_keep_alive_timeout(stack: H
 def test_a_slowloris_header_is_cut_at_the_header_timeout(stack: HttpStack) -> None:
     """One header byte every 0.3 s keeps resetting no idle timer: the header-read deadline closes it."""
     with connect(stack) as sock:
-        t0 = time.monotonic()
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        closed = False
-        while time.monotonic() - t0 < SHORT.header_timeout_s + 3:
-            try:
-                sock.sendall(b"X")
-            except OSError:
-                closed = True
-                break
-            if closed_by_server(sock, 0.3):
-                closed = True
-                break
-        elapsed = time.monotonic() - t0
-    assert closed and SHORT.header_timeout_s - 0.1 <= elapsed < SHORT.header_timeout_s + 1.5, elapsed
+        elapsed = slowloris_until_closed(sock, SHORT.header_timeout_s + 3)
+    assert elapsed is not None and SHORT.header_timeout_s - 0.1 <= elapsed < SHORT.header_timeout_s + 1.5, elapsed
 
 
 def test_a_body_shorter_than_its_content_length_gets_408(stack: HttpStack) -> None:
