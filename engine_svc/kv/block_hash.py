@@ -1,37 +1,16 @@
-"""Stable, chained hashes of full KV blocks, for prefix caching.
+"""The engine's side of the chained block hashes (shared_runtime/kv_hash.py): keeping each request's
+`block_hashes` up to date with its tokens.
 
-A full block's hash is sha256(parent_hash || canonical(token_ids) || canonical(extra_keys)). The parent of
-the first block is `ROOT_HASH`, so a block hash names the whole prefix up to and including its block.
-
-The encoding is canonical and process independent (never Python's `hash()`): the token count as a
-little-endian uint32, each token id as a little-endian int64, then the extra keys as msgpack (which is
-self-delimiting). Two engines, or two workers, therefore agree on every hash.
+The hash function itself lives in `shared_runtime.kv_hash`, so that a frontend computes exactly the
+hashes the engine keys its prefix cache by (cache-aware routing); this module re-exports it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections.abc import Sequence
-
-import msgspec
-
 from engine_svc.request import Request
+from shared_runtime.kv_hash import ROOT_HASH, BlockHash, ExtraKeys, hash_block_tokens
 
-BlockHash = bytes
-ExtraKeys = tuple[int | str, ...]
-
-ROOT_HASH: BlockHash = hashlib.sha256(b"tandem.kv.block_hash.v1").digest()
-
-
-def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()
-) -> BlockHash:
-    """The hash of one full block whose predecessor hashed to `parent` (None for the first block)."""
-    h = hashlib.sha256(ROOT_HASH if parent is None else parent)
-    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
-    h.update(msgspec.msgpack.encode(list(extra_keys)))
-    return h.digest()
+__all__ = ["ROOT_HASH", "BlockHash", "ExtraKeys", "extend_block_hashes", "hash_block_tokens"]
 
 
 def extend_block_hashes(request: Request, block_size: int, extra_keys: ExtraKeys = ()) -> None:
