@@ -3,7 +3,9 @@
 Inputs arrive on `inbox` (a thread-safe queue) as typed messages (`Add`, `Abort`, `CloseStream`, `Drain`,
 `Stop`); outputs leave through `deliver(stream_id, EngineCoreOutputs)`, called once per step for every
 stream that owns a request with something to report. Serialization to protobuf happens on the receiving
-(asyncio) side, not here.
+(asyncio) side, not here. When the core records KV-cache events, the loop hands what was recorded to
+`on_kv_events(events, stats)` once per iteration that recorded something (a list swap and one call; the
+receiver numbers, converts and fans them out off this thread).
 
 The loop is in one `LoopState` at a time: SERVING -> DRAINING (on `Drain`) -> DRAINED (nothing left in
 flight; `on_drained` is called once) -> STOPPED (on `Stop`, from any state; the loop returns).
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_svc.core import EngineCore
+from engine_svc.kv.events import KVEvent
 from shared_runtime.contract import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -114,7 +117,8 @@ class BusyLoop(threading.Thread):
                  on_ready: Callable[[EngineCore], None] = lambda core: None,
                  on_fatal: Callable[[BaseException], None] = lambda exc: None,
                  on_drained: Callable[[], None] = lambda: None,
-                 on_step: Callable[[SchedulerStats | None], None] | None = None) -> None:
+                 on_step: Callable[[SchedulerStats | None], None] | None = None,
+                 on_kv_events: Callable[[list[KVEvent], SchedulerStats], None] | None = None) -> None:
         super().__init__(name="engine-busy-loop", daemon=True)
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._make_core = make_core
@@ -122,6 +126,7 @@ class BusyLoop(threading.Thread):
         self._max_waiting = max_waiting
         self._on_ready, self._on_fatal, self._on_drained = on_ready, on_fatal, on_drained
         self._on_step = on_step  # per-step stats hook (metrics); must be cheap, it runs on this thread
+        self._on_kv_events = on_kv_events  # hand-off of the prefix cache's changes; must be cheap too
         self.core: EngineCore | None = None
         self.stats = SchedulerStats()  # the latest; read by GetLoad from other threads
         self.state = LoopState.SERVING  # written by this thread only
@@ -178,6 +183,8 @@ class BusyLoop(threading.Thread):
                 if self._on_step is not None:
                     self._on_step(outputs.scheduler_stats)
                 self._route(outputs)
+            if core.kv_events and self._on_kv_events is not None:  # something was cached or evicted
+                self._on_kv_events(core.kv_events.take(), self.stats)
             if self.state is LoopState.DRAINING:
                 self._check_drain(core)
 

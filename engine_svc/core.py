@@ -7,6 +7,8 @@ directly.
 
 Invariants: every request passed to `add_request` ends exactly once in some step's outputs (finished,
 aborted, or rejected with an error), and its KV blocks are back in the pool when it does.
+With `kv_events` on, `kv_events` is the log the prefix cache records its changes in (engine_svc/kv/events.py);
+whoever drives the core must `take()` it regularly (the server's busy loop does, once per iteration).
 `max_model_len` is what the engine serves and advertises: the configured value, lowered at start to what
 the KV cache holds (`num_blocks * block_size`) so that any request within it fits alone in the cache. The
 executor computes it (`effective_max_model_len`) and hands it to every worker before they size anything,
@@ -21,6 +23,7 @@ import time
 
 from engine_svc.config import EngineConfig
 from engine_svc.executor.base import Executor, make_executor
+from engine_svc.kv.events import KVEventLog
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.sched.scheduler import Scheduler
@@ -36,8 +39,9 @@ _NOTHING_RAN = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, kv_events: bool = False) -> None:
         self.config = config
+        self.kv_events: KVEventLog | None = KVEventLog() if kv_events else None
         self.executor = executor or make_executor(config)
         self.num_blocks = self.executor.initialize()
         self.vocab_size = self.executor.vocab_size
@@ -53,6 +57,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
             vocab_size=self.vocab_size,
+            kv_events=self.kv_events,
         )
         self._log_capacity()
 

@@ -12,6 +12,10 @@ Security (docs/security.md): TLS / mutual TLS from `ServerTls` (certificates re-
 SIGHUP); with an engine token every call but health needs `authorization: Bearer <token>`. The port is
 bound exclusively (no SO_REUSEPORT): a second engine on a taken port fails to start.
 
+Scale-out (scale_out_rpcs.py): `SubscribeKvEvents` streams the prefix cache's changes from the busy loop's
+`KvEventPublisher` (kv_publisher.py), `GetTokenizer` the model's tokenizer files, read once in a thread at
+start (tokenizer_files.py); `GetEngineInfo` reports the archive's checksum and whether events are on.
+
 Health (`grpc.health.v1`): "" and `tandem.engine.v1.EngineCoreService` are NOT_SERVING until the model is
 loaded and the KV cache allocated, and again while draining; `liveness` stays SERVING until the process
 exits (so a Kubernetes liveness probe never kills a draining pod).
@@ -37,9 +41,12 @@ from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
 from engine_svc.busy_loop import BusyLoop
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
+from engine_svc.kv_publisher import DEFAULT_BUFFER, KvEventPublisher
 from engine_svc.packing import pack_outputs
+from engine_svc.scale_out_rpcs import stream_kv_events, stream_tokenizer
 from engine_svc.telemetry import EngineTelemetry
 from engine_svc.telemetry.tracing import RequestSpans
+from engine_svc.tokenizer_files import TokenizerArchive, read_tokenizer_archive
 from engine_svc.validation import add_size_problem, request_id_problem
 from shared_runtime.contract import EngineCoreOutput, EngineCoreOutputs, EngineError, ErrorCode, FinishReason
 from shared_runtime.from_pb import request_from_pb
@@ -101,6 +108,8 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         self.busy: BusyLoop | None = None
         self.core: EngineCore | None = None
         self.spans: RequestSpans | None = None  # per-request engine spans (None: tracing off)
+        self.kv_events: KvEventPublisher | None = None  # None: --no-enable-kv-cache-events
+        self.tokenizer: asyncio.Future[TokenizerArchive | None] | None = None
 
     # Called from the busy-loop thread.
     def deliver(self, stream_id: int, outputs: EngineCoreOutputs) -> None:
@@ -222,7 +231,22 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             enable_prefix_caching=cfg.enable_prefix_caching, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=int(cfg.max_num_batched_tokens or 0),
             scheduling_policy=cfg.scheduling_policy, device=cfg.device, engine_id=self.engine_id,
+            tokenizer_sha256=archive.sha256 if (archive := await self._tokenizer_archive()) else "",
+            kv_cache_events=self.kv_events is not None,
         )
+
+    async def _tokenizer_archive(self) -> TokenizerArchive | None:
+        return await self.tokenizer if self.tokenizer is not None else None
+
+    async def SubscribeKvEvents(self, request: pb.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvEventBatch]:
+        async for batch in stream_kv_events(self.kv_events, context):
+            yield batch
+
+    async def GetTokenizer(self, request: pb.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenizerChunk]:
+        async for chunk in stream_tokenizer(self.tokenizer, self.config.model_name, context):
+            yield chunk
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:
         return stats_to_load_pb(self.busy.stats if self.busy else None)
@@ -239,9 +263,11 @@ class EngineServer:
                  max_waiting: int | None = None, drain_grace_s: float = 45.0,
                  executor: object | None = None, telemetry: EngineTelemetry | None = None,
                  tls: ServerTls | None = None, tokens: KeySet | None = None, health_port: int = 0,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, kv_events: bool = True,
+                 kv_events_buffer: int = DEFAULT_BUFFER) -> None:
         """`max_waiting`: None = 4 x max_num_seqs, a negative value = unbounded. `tokens`: the engine
-        tokens a caller must present (None: no token needed)."""
+        tokens a caller must present (None: no token needed). `kv_events`: record the prefix cache's
+        changes for SubscribeKvEvents; `kv_events_buffer`: batches a subscriber may fall behind."""
         self.config = config
         self.telemetry = telemetry or EngineTelemetry()
         self.host, self.port = host, port
@@ -256,6 +282,7 @@ class EngineServer:
         self.health_port_requested = health_port
         self.health_port = 0
         self.max_message_bytes = max_message_bytes
+        self.kv_events, self.kv_events_buffer = kv_events, kv_events_buffer
         self.exit_code = 0
         self.bound_port = 0
         self.servicer: EngineCoreServicer | None = None
@@ -273,6 +300,11 @@ class EngineServer:
         await self.health.set(LIVENESS, SERVING)
         self.servicer = EngineCoreServicer(self.config, loop, self.max_message_bytes)
         self.servicer.spans = self.telemetry.spans
+        self.servicer.tokenizer = loop.run_in_executor(None, _read_tokenizer_archive, self.config.model)
+        publisher = None
+        if self.kv_events:
+            publisher = KvEventPublisher(self.servicer.engine_id, self.config.block_size, self.kv_events_buffer)
+            self.servicer.kv_events = publisher
         interceptors = [AuthInterceptor(self.tokens)] if self.tokens is not None else []
         receive = engine_receive_limit(self.config.max_model_len, self.max_message_bytes)
         server = grpc.aio.server(options=server_options(self.max_message_bytes, receive), interceptors=interceptors)
@@ -313,10 +345,13 @@ class EngineServer:
         busy = BusyLoop(self._make_core, self.servicer.deliver, max_waiting=self.max_waiting,
                         on_ready=threadsafe(self._on_ready), on_fatal=threadsafe(self._on_fatal),
                         on_drained=threadsafe(self._done.set),
-                        on_step=metrics.record_step if metrics is not None else None)
+                        on_step=metrics.record_step if metrics is not None else None,
+                        on_kv_events=threadsafe(publisher.publish) if publisher is not None else None)
         self.servicer.busy = busy
         if metrics is not None:
             metrics.track(lambda: busy.stats)
+            if publisher is not None:
+                metrics.track_kv_events(publisher)
         busy.start()
         await self._done.wait()
         await self._shutdown(server, busy)
@@ -332,7 +367,7 @@ class EngineServer:
             self.tokens.reload()
 
     def _make_core(self) -> EngineCore:
-        return EngineCore(self.config, executor=self.executor)  # type: ignore[arg-type]
+        return EngineCore(self.config, executor=self.executor, kv_events=self.kv_events)  # type: ignore[arg-type]
 
     def _set_serving(self, serving: bool) -> None:
         """Readiness ("" and the service name); `liveness` is left SERVING until exit."""
@@ -378,11 +413,22 @@ class EngineServer:
         # the join they reach their streams ahead of the end-of-stream markers.
         await asyncio.get_running_loop().run_in_executor(None, busy.join, 30.0)
         self.servicer.end_all_streams()
+        if self.servicer.kv_events is not None:
+            self.servicer.kv_events.close()
         await server.stop(grace=1.0)
         if busy.core is not None:
             busy.core.shutdown()
         elif self.executor is not None:  # the core never came up: still stop the TP workers
             self.executor.shutdown()  # type: ignore[attr-defined]
+
+
+def _read_tokenizer_archive(model: str) -> TokenizerArchive | None:
+    """The tokenizer archive, or None (logged) when it cannot be read: the engine serves without it."""
+    try:
+        return read_tokenizer_archive(model)
+    except Exception:
+        logger.exception("cannot read the tokenizer files of %s; GetTokenizer will answer NOT_FOUND", model)
+        return None
 
 
 def _without(step: EngineCoreOutputs, request_ids: set[str]) -> EngineCoreOutputs:

@@ -19,6 +19,7 @@ import logging
 import sys
 
 from engine_svc.config import ConfigError, add_engine_args, config_from_args
+from engine_svc.kv_publisher import DEFAULT_BUFFER as KV_EVENTS_BUFFER
 from shared_runtime.link import MAX_MESSAGE_BYTES
 from shared_runtime.security.flags import SERVER, add_engine_token_arg, add_tls_args, tls_files
 from shared_runtime.security.listen import BindError
@@ -47,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-port", type=int, default=0,
                         help="also serve grpc.health.v1 (only) in plaintext on this port, for probes "
                              "that cannot do TLS (0: off)")
+    parser.add_argument("--enable-kv-cache-events", action=argparse.BooleanOptionalAction, default=True,
+                        help="record the prefix cache's changes and stream them to frontends (SubscribeKvEvents), "
+                             "for cache-aware routing")
+    parser.add_argument("--kv-events-buffer", type=int, default=KV_EVENTS_BUFFER,
+                        help="KV event batches (about one per step) a subscriber may fall behind before it is "
+                             "dropped and must resubscribe")
     parser.add_argument("--log-level", default="INFO")
     security = parser.add_argument_group("security (docs/security.md)")
     add_tls_args(security, side=SERVER, peer="frontends")
@@ -70,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.kv_events_buffer < 1:
+            raise ConfigError(f"--kv-events-buffer must be >= 1, got {args.kv_events_buffer}")
         config = config_from_args(args)
         security = _security(args)
     except (ConfigError, TlsConfigError, ValueError) as exc:
@@ -94,7 +103,8 @@ async def _serve(config, args: argparse.Namespace, executor, security) -> int:
     server = EngineServer(config, host=args.host, port=args.port, max_waiting=args.max_waiting,
                           drain_grace_s=args.drain_grace_period, executor=executor, telemetry=telemetry,
                           tls=tls, tokens=tokens, health_port=args.health_port,
-                          max_message_bytes=args.max_message_bytes)
+                          max_message_bytes=args.max_message_bytes, kv_events=args.enable_kv_cache_events,
+                          kv_events_buffer=args.kv_events_buffer)
     signals = ServiceSignals(drain=server.begin_drain, stop=server.force_exit, reload=server.reload_credentials)
     signals.install()
     try:

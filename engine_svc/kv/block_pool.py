@@ -7,6 +7,9 @@ Invariants:
 - A block with a `block_hash` is in `cached` under that hash (and holds `token_ids`), whether it is in use
   or free. A free cached block stays findable until it is reallocated (evicted); a prefix hit on it takes
   it out of the middle of the free queue (`touch`).
+- With an `events` log, every change of `cached` is recorded there as it happens, in order: one stored
+  record per `cache_block` that cached, one removed record per `uncache` of a cached block. The log's
+  records replayed from empty give exactly the keys of `cached`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from engine_svc.kv.block_hash import BlockHash
+from engine_svc.kv.events import KVEventLog
 
 
 class KVCacheBlock:
@@ -84,13 +88,14 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.events = events  # None: nobody listens, nothing is recorded
 
     @property
     def num_free_blocks(self) -> int:
@@ -138,19 +143,26 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
-        """Register a full, in-use block under its hash. Returns False (and leaves the block uncached) when
-        the block is cached already or another block holds this hash (a duplicate computed separately)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int],
+                    parent: BlockHash | None = None) -> bool:
+        """Register a full, in-use block under its hash (`parent`: the hash of the block before it, None
+        for a first block; only reported to the event log). Returns False (and leaves the block uncached)
+        when the block is cached already or another block holds this hash (a duplicate computed
+        separately)."""
         if block.block_hash is not None or block_hash in self.cached:
             return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent, block.token_ids)
         return True
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Drop the block's cache entry, if any (its contents are not, or no longer, valid)."""
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = ()

@@ -15,6 +15,8 @@ Prefix caching (when enabled):
   block, so the model always runs at least one token and produces the next token's logits.
 - Requests that ask for prompt logprobs skip the lookup (those logprobs need every prompt position run);
   their full blocks are still cached for others.
+- With `events` (a `KVEventLog`), the pool records every block entering or leaving the cache, with its
+  parent's hash and its tokens (engine_svc/kv/events.py).
 - Counters (in tokens, like vLLM): at each successful admission (first schedule, and again at each resume
   after a preemption) `prefix_cache_queries += num_tokens` and `prefix_cache_hits += hit tokens`. A request
   whose lookup is skipped counts nothing. With prefix caching off both stay 0.
@@ -26,16 +28,18 @@ from collections.abc import Sequence
 
 from engine_svc.kv.block_hash import extend_block_hashes
 from engine_svc.kv.block_pool import BlockPool, KVCacheBlock
+from engine_svc.kv.events import KVEventLog
 from engine_svc.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, events)
         self._tables: dict[str, list[KVCacheBlock]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -142,4 +146,4 @@ class KVCacheManager:
         bs = self.block_size
         hashes, tokens = request.block_hashes, request.all_token_ids
         for i in range(start, min(end, len(hashes))):
-            self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+            self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs], hashes[i - 1] if i else None)

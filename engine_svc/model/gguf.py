@@ -8,6 +8,7 @@ transformers' GGUF-key -> config-key table, so no mapping is written by hand her
 - `gguf_hf_config(path)`: the Hugging Face config.json the file describes (a plain dict).
 - `iter_gguf_weights(path, names, dtype)`: (HF checkpoint name, tensor) for the wanted names, one tensor
   at a time, dequantized straight into `dtype`: a load never holds two copies of the model.
+- `metadata_only(path)`: the file without its tensors (what GetTokenizer serves for a .gguf model).
 
 Invariants:
 - Only architectures tandem serves are accepted (`GGUF_ARCHITECTURES`), and only tensor types whose
@@ -131,6 +132,17 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
     if arch != "llama":
         config["use_sliding_window"] = False  # GGUF files carry no window; llama.cpp attends fully
     return config
+
+
+def metadata_only(path: str | Path) -> bytes:
+    """The file as a GGUF with its metadata (tokenizer, chat template, config keys) and no tensors: the
+    header with a tensor count of 0, then the key-value section copied byte for byte."""
+    fields = list(_reader(str(path)).fields.values())
+    end = fields[-1].offset + sum(int(part.nbytes) for part in fields[-1].parts)
+    with open(path, "rb") as f:
+        head = f.read(end)
+    # magic (4) + version (4) + tensor count (8, zero in either byte order) + key-value count (8) + pairs
+    return head[:8] + bytes(8) + head[16:]
 
 
 def _name_table(path: str | Path, names: Iterable[str], num_layers: int) -> dict[str, str]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine_svc.kv.events import KVEventLog
 from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import (
@@ -68,6 +69,7 @@ class Scheduler:
         policy: str = "fcfs",
         vocab_size: int | None = None,
         long_prefill_token_threshold: int = 0,
+        kv_events: KVEventLog | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -82,7 +84,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.policy = policy
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_events)
         self.waiting = make_request_queue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every waiting or running request

@@ -5,6 +5,11 @@ Two sources, so nothing is counted twice:
   the gauges `tandem_num_requests_running`, `tandem_num_requests_waiting`, `tandem_kv_cache_usage_perc`
   and the counters the scheduler already keeps cumulatively — `tandem_num_preemptions_total`,
   `tandem_prefix_cache_queries_total`, `tandem_prefix_cache_hits_total` (in tokens) — exported as is.
+- Read at scrape time from the KV event publisher (engine_svc/kv_publisher.py), when events are on:
+  `tandem_kv_cache_events_sent_total` (blocks stored or removed, and clears, written to subscribers,
+  snapshots included), `tandem_kv_cache_events_dropped_total` (events dropped subscribers never got),
+  `tandem_kv_cache_event_subscribers_dropped_total` (subscribers dropped for falling too far behind) and
+  the gauge `tandem_kv_cache_event_subscribers`.
 - Accumulated per step by `record_step` (called on the busy-loop thread; a few additions, no I/O):
   the per-step figures `tandem_prompt_tokens_total`, `tandem_generation_tokens_total` and the
   histogram `tandem_iteration_tokens` (tokens scheduled per step that ran something).
@@ -18,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine_svc.kv_publisher import KvEventPublisher
 from shared_runtime.contract import SchedulerStats
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -38,6 +44,10 @@ class EngineMetrics:
     def track(self, latest_stats: Callable[[], SchedulerStats]) -> None:
         """Export the gauges and cumulative counters of `latest_stats()` at every scrape."""
         self.registry.register(_StatsCollector(self.model_name, latest_stats))
+
+    def track_kv_events(self, publisher: KvEventPublisher) -> None:
+        """Export the KV event publisher's counters at every scrape."""
+        self.registry.register(_KvEventsCollector(self.model_name, publisher))
 
     def record_step(self, stats: SchedulerStats | None) -> None:
         """One step's per-step figures (busy-loop thread)."""
@@ -73,4 +83,30 @@ class _StatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=names)
             counter.add_metric(self._labels, float(value))
             out.append(counter)
+        return out
+
+
+class _KvEventsCollector(Collector):
+    def __init__(self, model_name: str, publisher: KvEventPublisher) -> None:
+        self._labels = [model_name]
+        self._publisher = publisher
+
+    def collect(self) -> Iterable[Metric]:
+        counters = self._publisher.counters
+        out: list[Metric] = []
+        for name, doc, value in (
+            ("tandem_kv_cache_events_sent", "KV cache events (blocks stored or removed, clears) written to "
+             "SubscribeKvEvents subscribers, snapshots included", counters.sent_events),
+            ("tandem_kv_cache_events_dropped", "KV cache events that dropped subscribers never got",
+             counters.dropped_events),
+            ("tandem_kv_cache_event_subscribers_dropped", "KV event subscribers dropped for falling too far "
+             "behind", counters.dropped_subscribers),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(self._labels, float(value))
+            out.append(counter)
+        gauge = GaugeMetricFamily("tandem_kv_cache_event_subscribers", "Open SubscribeKvEvents streams",
+                                  labels=["model_name"])
+        gauge.add_metric(self._labels, float(self._publisher.num_subscribers))
+        out.append(gauge)
         return out

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from engine_svc.busy_loop import BusyLoop, LoopState, UnknownMessageError
+from engine_svc.kv.events import KVEventLog
 from shared_runtime.contract import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -64,6 +65,7 @@ class FakeCore:
         self.fail_at_step = fail_at_step
         self.num_steps = 0
         self._aborted: list[str] = []
+        self.kv_events: KVEventLog | None = None  # what the prefix cache recorded (None: events off)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.requests[request.request_id] = FakeRequest(request)
@@ -81,6 +83,8 @@ class FakeCore:
         self.num_steps += 1
         if self.num_steps == self.fail_at_step:
             raise RuntimeError("the model blew up")
+        if self.kv_events is not None:  # as if each step evicted one block
+            self.kv_events.removed(bytes([self.num_steps]))
         requests = self.scheduler.requests
         outputs = [EngineCoreOutput(request_id=r, finish_reason=FinishReason.ABORT) for r in self._aborted]
         for rid in self._aborted:
@@ -269,3 +273,22 @@ def test_an_abort_for_a_request_its_stream_already_ended_delivers_nothing_more(h
     wait_until(lambda: len(harness.outputs(1, "neighbour")) > count + 2, 10, "the loop stepped on")
     assert harness.ends(1, "ended-by-the-stream") == []
     assert not harness.ends(1, "neighbour")
+
+
+def test_kv_events_are_handed_off_once_per_iteration_that_recorded_some() -> None:
+    core = FakeCore()
+    core.kv_events = KVEventLog()
+    handed: list[tuple[list[Any], SchedulerStats]] = []
+    h = Harness(core, max_waiting=None, on_kv_events=lambda events, stats: handed.append((events, stats)))
+    h.loop.start()
+    try:
+        h.loop.add(1, request("three", max_tokens=3))
+        h.end(1, "three")
+        wait_until(lambda: len(handed) == 3, 10, "three hand-offs")
+        assert [events for events, _ in handed] == [[bytes([1])], [bytes([2])], [bytes([3])]]
+        assert handed[0][1].num_running == 1 and handed[-1][1].num_running == 0  # the stats of that step
+        assert len(core.kv_events) == 0
+    finally:
+        h.loop.stop()
+        h.stopped()
+    assert len(handed) == 3, "an idle loop hands nothing off"

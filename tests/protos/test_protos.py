@@ -215,6 +215,8 @@ def test_internal_service_methods() -> None:
         "Connect": ("EngineCoreInput", "EngineCoreOutputs", True, True),
         "GetEngineInfo": ("GetEngineInfoRequest", "EngineInfo", False, False),
         "GetLoad": ("GetLoadRequest", "EngineLoad", False, False),
+        "SubscribeKvEvents": ("SubscribeKvEventsRequest", "KvEventBatch", False, True),
+        "GetTokenizer": ("GetTokenizerRequest", "TokenizerChunk", False, True),
     }
     assert epb.DESCRIPTOR.package == "tandem.engine.v1"
 

@@ -50,6 +50,16 @@ class EngineCoreServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/tandem.engine.v1.EngineCoreService/SubscribeKvEvents',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.KvEventBatch.FromString,
+                _registered_method=True)
+        self.GetTokenizer = channel.unary_stream(
+                '/tandem.engine.v1.EngineCoreService/GetTokenizer',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.TokenizerChunk.FromString,
+                _registered_method=True)
 
 
 class EngineCoreServiceServicer:
@@ -81,6 +91,28 @@ class EngineCoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """The engine's prefix cache as a stream of changes, for cache-aware routing. The stream starts with a
+        snapshot of what is cached now (batches with `snapshot` set; the first one begins with a `cleared`
+        event), then sends one batch per engine step that cached or evicted blocks, numbered consecutively
+        after the snapshot's sequence number. A subscriber that falls more than the engine's buffer of batches
+        behind (--kv-events-buffer) is ended with RESOURCE_EXHAUSTED and must subscribe again (it gets a fresh
+        snapshot, so its view is exact again without replaying history). FAILED_PRECONDITION when the engine
+        runs with --no-enable-kv-cache-events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTokenizer(self, request, context):
+        """The model's tokenizer files and chat template, as one zip archive sent in chunks, with its SHA-256:
+        a frontend started without --model fetches them from the engines it serves. NOT_FOUND when the
+        engine's model has no tokenizer to serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineCoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +130,16 @@ def add_EngineCoreServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.KvEventBatch.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.TokenizerChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +224,60 @@ class EngineCoreService:
             '/tandem.engine.v1.EngineCoreService/GetLoad',
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.engine.v1.EngineCoreService/SubscribeKvEvents',
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.SubscribeKvEventsRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.engine.v1.EngineCoreService/GetTokenizer',
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.GetTokenizerRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.TokenizerChunk.FromString,
             options,
             channel_credentials,
             insecure,

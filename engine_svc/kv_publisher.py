@@ -1,0 +1,224 @@
+"""KV-cache events off the busy loop: numbered, mirrored, converted and fanned out to subscribers.
+
+The busy loop hands each iteration's records (engine_svc/kv/events.py) to `KvEventPublisher.publish`
+through `call_soon_threadsafe`; everything in this module runs on the server's event loop. Each
+`SubscribeKvEvents` stream holds one `Subscription`.
+
+Invariants:
+- Published batches are numbered 1, 2, 3, ... in publication order, per engine process.
+- `mirror` holds exactly the engine's cached blocks as of the last published batch (hash -> parent hash
+  and token ids), in the order they were cached: replaying every record from an empty cache gives it.
+- A subscription yields a snapshot of the mirror taken when it was created (chunks that all carry the
+  sequence number S of the last batch it includes; the first chunk starts with a `cleared` event), then
+  every batch numbered S+1, S+2, ... in order, none skipped; or, once it is dropped, nothing more.
+- A subscription never holds more than `buffer` batches it has not sent; a batch beyond that drops it
+  (its stream then ends with RESOURCE_EXHAUSTED and the subscriber must subscribe again). `publish`
+  never waits for a subscriber: a slow one cannot slow the engine, only lose its subscription.
+- Each batch is converted to protobuf once, whoever subscribes; with no subscriber nothing is converted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from tandem.engine.v1 import engine_core_pb2 as pb
+
+from engine_svc.kv.events import KVEvent, StoredBlock
+from shared_runtime.contract import SchedulerStats
+from shared_runtime.kv_hash import BlockHash
+from shared_runtime.to_pb import stats_to_pb
+
+DEFAULT_BUFFER = 1024  # batches (about one per engine step) a subscriber may fall behind before it is dropped
+SNAPSHOT_CHUNK_BLOCKS = 4096  # blocks per snapshot message (~0.4 MB at block size 16: far below 4 MiB)
+
+Entry = tuple[BlockHash | None, tuple[int, ...]]  # a cached block's parent hash and token ids
+
+
+class SubscriberDropped(Exception):
+    """The subscriber fell more than `buffer` batches behind; it must subscribe again."""
+
+
+@dataclass
+class KvEventCounters:
+    """Cumulative, read by the Prometheus collector at scrape time (engine_svc/telemetry/metrics.py)."""
+
+    sent_events: int = 0  # stored/removed/cleared events handed to subscriber streams, snapshots included
+    dropped_events: int = 0  # events a dropped subscriber never got (its backlog and the overflowing batch)
+    dropped_subscribers: int = 0  # subscriptions ended for reading too slowly
+
+
+class KvEventPublisher:
+    """The engine's prefix cache as a stream of numbered batches, for any number of subscribers."""
+
+    def __init__(self, engine_id: str, block_size: int, buffer: int = DEFAULT_BUFFER) -> None:
+        if buffer < 1:
+            raise ValueError(f"the KV event buffer must hold at least one batch, got {buffer}")
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.buffer = buffer
+        self.sequence = 0  # the number of the last published batch
+        self.mirror: dict[BlockHash, Entry] = {}
+        self.counters = KvEventCounters()
+        self._subscriptions: set[Subscription] = set()
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscriptions)
+
+    def publish(self, events: Sequence[KVEvent], stats: SchedulerStats | None) -> None:
+        """One busy-loop iteration's records: mirror them, number them, queue them for every subscriber."""
+        self.sequence += 1
+        apply_to_mirror(self.mirror, events)
+        if not self._subscriptions:
+            return
+        batch = pb.KvEventBatch(sequence_number=self.sequence, timestamp=time.time(), engine_id=self.engine_id,
+                                events=events_to_pb(events, self.block_size))
+        if stats is not None:
+            batch.scheduler_stats.CopyFrom(stats_to_pb(stats))
+        for subscription in list(self._subscriptions):
+            subscription.offer(batch)
+
+    def subscribe(self) -> Subscription:
+        """A new subscription, starting with a snapshot of what is cached now."""
+        subscription = Subscription(self, list(self.mirror.items()), self.sequence)
+        self._subscriptions.add(subscription)
+        return subscription
+
+    def close(self) -> None:
+        """End every subscription (the engine is shutting down)."""
+        for subscription in list(self._subscriptions):
+            subscription.close()
+
+    def _forget(self, subscription: Subscription) -> None:
+        self._subscriptions.discard(subscription)
+
+
+class Subscription:
+    """One subscriber's view: a snapshot, then live batches from a bounded buffer."""
+
+    def __init__(self, publisher: KvEventPublisher, snapshot: list[tuple[BlockHash, Entry]], sequence: int) -> None:
+        self._publisher = publisher
+        self._snapshot = snapshot
+        self._snapshot_sequence = sequence
+        self._pending: collections.deque[pb.KvEventBatch] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._dropped = False
+        self._closed = False
+
+    def offer(self, batch: pb.KvEventBatch) -> None:
+        """Queue a live batch, or drop the subscription when its buffer is full. Never waits."""
+        if len(self._pending) >= self._publisher.buffer:
+            self._drop(batch)
+            return
+        self._pending.append(batch)
+        self._wakeup.set()
+
+    def close(self) -> None:
+        """End the subscription normally (its stream ends after what it already holds is not sent)."""
+        self._closed = True
+        self._publisher._forget(self)
+        self._wakeup.set()
+
+    async def batches(self) -> AsyncIterator[pb.KvEventBatch]:
+        """The snapshot's chunks, then live batches in order. Raises SubscriberDropped once dropped; ends
+        when closed."""
+        counters = self._publisher.counters
+        try:
+            for chunk in self._snapshot_chunks():
+                if self._dropped:
+                    raise SubscriberDropped
+                counters.sent_events += count_events(chunk)
+                yield chunk
+            self._snapshot = []
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                while self._pending and not self._dropped:
+                    batch = self._pending.popleft()
+                    counters.sent_events += count_events(batch)
+                    yield batch
+                if self._dropped:
+                    raise SubscriberDropped
+                if self._closed:
+                    return
+        finally:
+            self.close()
+
+    def _snapshot_chunks(self) -> Iterator[pb.KvEventBatch]:
+        """The snapshot, at most SNAPSHOT_CHUNK_BLOCKS blocks per message; built lazily, so a large cache is
+        converted between writes instead of all at once on the event loop."""
+        publisher = self._publisher
+        items = self._snapshot
+        count = max(1, -(-len(items) // SNAPSHOT_CHUNK_BLOCKS))
+        for index in range(count):
+            part = items[index * SNAPSHOT_CHUNK_BLOCKS : (index + 1) * SNAPSHOT_CHUNK_BLOCKS]
+            events = [pb.KvCacheEvent(cleared=pb.KvCacheCleared())] if index == 0 else []
+            records = [StoredBlock(h, parent, tokens) for h, (parent, tokens) in part]
+            events.extend(events_to_pb(records, publisher.block_size))
+            yield pb.KvEventBatch(
+                sequence_number=self._snapshot_sequence, timestamp=time.time(), engine_id=publisher.engine_id,
+                events=events, snapshot=pb.KvSnapshotChunk(index=index, count=count, num_blocks=len(items)))
+
+    def _drop(self, overflow: pb.KvEventBatch) -> None:
+        counters = self._publisher.counters
+        counters.dropped_subscribers += 1
+        counters.dropped_events += count_events(overflow) + sum(count_events(b) for b in self._pending)
+        self._pending.clear()
+        self._dropped = True
+        self._publisher._forget(self)
+        self._wakeup.set()
+
+
+# ---- the mirror and the wire form ------------------------------------------------------------------------
+def apply_to_mirror(mirror: dict[BlockHash, Entry], events: Iterable[KVEvent]) -> None:
+    """Replay records onto `mirror` (hash -> (parent hash, token ids)), in order."""
+    for event in events:
+        if isinstance(event, StoredBlock):
+            mirror[event.block_hash] = (event.parent_hash, event.token_ids)
+        else:
+            mirror.pop(event, None)
+
+
+def events_to_pb(events: Sequence[KVEvent], block_size: int) -> list[pb.KvCacheEvent]:
+    """Records as protobuf events, in order: a run of stored blocks that chain (each the parent of the
+    next) becomes one `stored` event, a run of removals one `removed` event."""
+    out: list[pb.KvCacheEvent] = []
+    for is_store, run in itertools.groupby(events, key=lambda e: isinstance(e, StoredBlock)):
+        if is_store:
+            out.extend(pb.KvCacheEvent(stored=stored) for stored in _chains(run, block_size))  # type: ignore[arg-type]
+        else:
+            out.append(pb.KvCacheEvent(removed=pb.KvBlocksRemoved(block_hashes=list(run))))
+    return out
+
+
+def _chains(blocks: Iterable[StoredBlock], block_size: int) -> Iterator[pb.KvBlocksStored]:
+    current: pb.KvBlocksStored | None = None
+    previous: BlockHash | None = None
+    for block in blocks:
+        if current is None or block.parent_hash is None or block.parent_hash != previous:
+            if current is not None:
+                yield current
+            current = pb.KvBlocksStored(parent_block_hash=block.parent_hash or b"", block_size=block_size)
+        current.blocks.add(block_hash=block.block_hash, token_ids=block.token_ids)
+        previous = block.block_hash
+    if current is not None:
+        yield current
+
+
+def count_events(batch: pb.KvEventBatch) -> int:
+    """Blocks stored or removed, and clears, in a batch (what the sent/dropped counters count)."""
+    total = 0
+    for event in batch.events:
+        kind = event.WhichOneof("kind")
+        if kind == "stored":
+            total += len(event.stored.blocks)
+        elif kind == "removed":
+            total += len(event.removed.block_hashes)
+        else:
+            total += 1
+    return total

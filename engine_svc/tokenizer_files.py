@@ -1,0 +1,51 @@
+"""The tokenizer files an engine serves to frontends (`GetTokenizer`), read once, as bytes.
+
+This is the one place the engine reads its model's tokenizer files, and it never parses them: it packs
+them into the archive of shared_runtime/tokenizer_bundle.py so that a frontend needs no model files of
+its own. The engine still needs no tokenizer to serve requests.
+
+- A Hugging Face directory: the tokenizer, chat-template and config files that exist
+  (`tokenizer_bundle.FILE_NAMES`); there is nothing to serve without tokenizer.json.
+- A .gguf file: its metadata without tensors (tokenizer, chat template and limits live there).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared_runtime import tokenizer_bundle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenizerArchive:
+    data: bytes
+    sha256: str  # hex
+    names: tuple[str, ...]  # the files it holds, sorted
+
+
+def read_tokenizer_archive(model: str | Path) -> TokenizerArchive | None:
+    """The archive of the model's tokenizer files, or None when the model has no tokenizer to serve."""
+    files = _tokenizer_files(Path(model))
+    if files is None:
+        return None
+    data = tokenizer_bundle.pack(files)
+    archive = TokenizerArchive(data, tokenizer_bundle.sha256_hex(data), tuple(sorted(files)))
+    logger.info("serving tokenizer files %s (%d bytes, sha256 %s)", ", ".join(archive.names), len(data),
+                archive.sha256[:16])
+    return archive
+
+
+def _tokenizer_files(path: Path) -> dict[str, bytes] | None:
+    from engine_svc.model import gguf
+
+    if gguf.is_gguf(path):
+        if not gguf.read_metadata(path, ["tokenizer.ggml.tokens"]):
+            return None
+        return {tokenizer_bundle.GGUF_NAME: gguf.metadata_only(path)}
+    files = {name: (path / name).read_bytes() for name in sorted(tokenizer_bundle.FILE_NAMES)
+             if name != tokenizer_bundle.GGUF_NAME and (path / name).is_file()}
+    return files if "tokenizer.json" in files else None
