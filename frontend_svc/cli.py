@@ -1,9 +1,18 @@
 """`tandem-frontend`: serve `tandem.v1.GenerationService` in front of one or more engines.
 
-  tandem-frontend --model DIR --engine host:port[,host:port...] [--port 50050]
-  tandem-frontend --model DIR --engine dns:///tandem-engine.ns.svc.cluster.local:50051
+  tandem-frontend --engine host:port[,host:port...] [--port 50050]
+  tandem-frontend --engine dns:///tandem-engine.ns.svc.cluster.local:50051
+  tandem-frontend --model DIR --engine host:port
 
-The model directory is read for its tokenizer and config.json only. Health turns SERVING once an
+Without --model the tokenizer files, chat template and config.json come from the engines (GetTokenizer):
+every engine that answers at start must serve the same files, or the frontend refuses to start, naming
+the engines and the files that differ; an engine joining later with other files is not routed to. With
+--model the directory (or .gguf file) is read for its tokenizer and config.json only.
+
+Routing (--routing): cache-aware (the default with several engines or a dns:/// target) follows every
+engine's KV-cache events and sends a request to the engine holding the longest prefix of its prompt,
+unless the load is imbalanced (SGLang's cache_aware thresholds: --cache-threshold,
+--balance-abs-threshold, --balance-rel-threshold); least-load (the default for one host:port); prefix. Health turns SERVING once an
 engine serving the same vocabulary is connected. SIGTERM/SIGINT drain (new calls get UNAVAILABLE,
 running ones may finish within --drain-grace-period) and exit 0; a second signal stops at once and
 exits 1. SIGHUP re-reads the TLS certificates and the API key file (docs/security.md).
@@ -22,11 +31,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
+import shutil
 import sys
+from pathlib import Path
 
-from frontend_svc.config import ROUTING_POLICIES, ConfigError, FrontendConfig, parse_engine_list
+from frontend_svc.config import (
+    ROUTING_POLICIES,
+    ConfigError,
+    FrontendConfig,
+    default_routing,
+    parse_engine_list,
+)
+from frontend_svc.router import CacheAwareSettings
 from shared_runtime.security.auth import API_KEY_ENV
 from shared_runtime.security.flags import (
     API_KEY_FLAG_WARNING,
@@ -46,7 +65,9 @@ from shared_runtime.signals import ServiceSignals
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem-frontend", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model directory (tokenizer files + config.json)")
+    p.add_argument("--model", default=None,
+                   help="model directory or .gguf file (tokenizer files + config.json); default: fetch them "
+                        "from the engines")
     p.add_argument("--engine", default="127.0.0.1:50051",
                    help="engine targets: host:port[,host:port...] or dns:///name:port (all A records)")
     p.add_argument("--host", default="0.0.0.0")
@@ -55,7 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent-requests", type=int, default=512,
                    help="completions in flight (a Generate call with n counts n); beyond this "
                         "RESOURCE_EXHAUSTED")
-    p.add_argument("--routing", choices=ROUTING_POLICIES, default="least-load")
+    defaults = CacheAwareSettings()
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default=None,
+                   help="default: cache-aware with several engines or a dns:/// target, else least-load")
+    p.add_argument("--cache-threshold", type=float, default=defaults.cache_threshold,
+                   help="cache-aware: route to the engine with the longest cached prefix only when it covers "
+                        "more than this fraction of the prompt (else to the least loaded)")
+    p.add_argument("--balance-abs-threshold", type=int, default=defaults.balance_abs_threshold,
+                   help="cache-aware: an engine is overloaded (the request goes to the least loaded instead) "
+                        "when it has more than this many requests more than the least-loaded engine ... "
+                        "(default: a quarter of the engine's --max-num-seqs)")
+    p.add_argument("--balance-rel-threshold", type=float, default=defaults.balance_rel_threshold,
+                   help="... and more than this times its load")
+    p.add_argument("--tokenizer-fetch-timeout", type=float, default=600.0,
+                   help="without --model: seconds to wait at start for an engine to serve its tokenizer")
     p.add_argument("--drain-grace-period", type=float, default=45.0,
                    help="seconds running calls may continue after SIGTERM")
     p.add_argument("--served-model-name", default=None)
@@ -92,10 +126,14 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         http_limits = http_limits_from_args(args)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    engines = parse_engine_list(args.engine)
     return FrontendConfig(
-        model=args.model, engines=parse_engine_list(args.engine), host=args.host, port=args.port,
+        model=args.model, engines=engines, host=args.host, port=args.port,
         metrics_port=args.metrics_port, max_concurrent_requests=args.max_concurrent_requests,
-        routing=args.routing, drain_grace_s=args.drain_grace_period,
+        routing=args.routing or default_routing(engines), drain_grace_s=args.drain_grace_period,
+        cache_aware=CacheAwareSettings(args.cache_threshold, args.balance_abs_threshold,
+                                       args.balance_rel_threshold),
+        tokenizer_fetch_timeout_s=args.tokenizer_fetch_timeout,
         served_model_name=args.served_model_name, max_model_len=args.max_model_len,
         max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,
         health_port=args.health_port, http_port=args.http_port, http_limits=http_limits,
@@ -125,6 +163,45 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(config: FrontendConfig) -> int:
+    fetched_dir = None
+    if config.model is None:
+        try:
+            config, fetched_dir = await _with_engine_tokenizer(config)
+        except (ConfigError, ValueError) as exc:
+            print(f"tandem-frontend: {exc}", file=sys.stderr)
+            return 2
+    try:
+        return await _serve_with_model(config)
+    finally:
+        if fetched_dir is not None:
+            shutil.rmtree(fetched_dir, ignore_errors=True)
+
+
+async def _with_engine_tokenizer(config: FrontendConfig) -> tuple[FrontendConfig, Path]:
+    """The config with the engines' tokenizer files as its model (written to a temporary directory, which
+    is returned too); raises TokenizerFetchError (a ValueError) or ConfigError."""
+    from frontend_svc.engine_client import ChannelFactory
+    from frontend_svc.tokenizer_fetch import TokenizerFetchError, fetch_engine_tokenizer, write_tokenizer_dir
+    from shared_runtime.security.auth import BearerToken
+    from shared_runtime.security.tls import client_tls
+
+    token = BearerToken(config.engine_token_file) if config.engine_token_file else None
+    channels = ChannelFactory(client_tls(config.engine_tls), token, config.engine_ssl_server_name)
+    try:
+        fetched = await fetch_engine_tokenizer(config.engines, channels, config.tokenizer_fetch_timeout_s)
+    except TokenizerFetchError as exc:
+        raise ValueError(str(exc)) from None
+    model = write_tokenizer_dir(fetched)
+    directory = model.parent if fetched.is_gguf else model
+    try:
+        return dataclasses.replace(config, model=str(model), engine_tokenizer_sha256=fetched.sha256,
+                                   served_model_name=config.served_model_name or fetched.model_name), directory
+    except ConfigError:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+
+
+async def _serve_with_model(config: FrontendConfig) -> int:
     from frontend_svc.server import FrontendServer
     from frontend_svc.telemetry.service import FrontendTelemetry
 

@@ -2,7 +2,8 @@
 
 Every check raises `ConfigError` naming the flag and what to do about it. The model directory is read
 only for its tokenizer files and `config.json` (vocabulary size, context window); the weights live on
-the engines.
+the engines. Without --model (`model` None) the CLI fetches those files from the engines
+(tokenizer_fetch.py) and continues with a config naming the directory it wrote them to.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from frontend_svc.gguf_tokenizer import is_gguf, model_limits, read_metadata
+from frontend_svc.router import POLICIES, CacheAwareSettings
 from shared_runtime.security.http_limits import HttpLimits
 from shared_runtime.security.tls import TlsConfigError, TlsFiles
 
-ROUTING_POLICIES = ("least-load", "prefix")
+ROUTING_POLICIES = POLICIES
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
@@ -26,13 +28,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    model: str
+    model: str | None  # None: fetch the tokenizer files from the engines (only the CLI does)
     engines: tuple[str, ...] = ("127.0.0.1:50051",)  # "host:port" or "dns:///name:port" entries
     host: str = "0.0.0.0"
     port: int = 50050  # 0 = any free port (tests)
     metrics_port: int = 9090  # reserved for Prometheus /metrics; 0 disables
     max_concurrent_requests: int = 512  # Generate calls in flight; beyond -> RESOURCE_EXHAUSTED
-    routing: str = "least-load"
+    routing: str = "least-load"  # the CLI's default: cache-aware when there can be several engines
+    cache_aware: CacheAwareSettings = field(default_factory=CacheAwareSettings)
     drain_grace_s: float = 45.0
     served_model_name: str | None = None
     max_model_len: int | None = None  # default: the engines' (or config.json's) context window
@@ -49,14 +52,12 @@ class FrontendConfig:
     tokenizer_threads: int = 0  # threads tokenizing off the event loop; 0 = min(4, CPUs)
     http_port: int = 0  # the OpenAI-compatible HTTP API (frontend_svc/openai, docs/openai.md); 0 = off
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # headers, timeouts, connection cap
+    engine_tokenizer_sha256: str | None = None  # set when the tokenizer came from the engines (GetTokenizer)
+    tokenizer_fetch_timeout_s: float = 600.0  # without --model: how long to wait for an engine's tokenizer
 
     def __post_init__(self) -> None:
-        path = Path(self.model)
-        if not path.is_dir() and not is_gguf(path):
-            raise ConfigError(f"--model {self.model!r} is not a directory or a .gguf file: pass the model the "
-                              "engines serve (the frontend reads its tokenizer files and config.json)")
-        if not is_gguf(path) and not (path / "tokenizer.json").is_file():
-            raise ConfigError(f"--model {self.model!r} has no tokenizer.json (only fast tokenizers work)")
+        if self.model is not None:
+            self._check_model(self.model)
         if not self.engines or not all(isinstance(e, str) and e.strip() for e in self.engines):
             raise ConfigError("--engine needs at least one host:port or dns:///name:port target")
         for name in ("port", "metrics_port", "health_port", "http_port"):
@@ -69,6 +70,10 @@ class FrontendConfig:
             raise ConfigError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        for problem in self.cache_aware.problems():
+            raise ConfigError(problem)
+        if self.tokenizer_fetch_timeout_s <= 0:
+            raise ConfigError(f"--tokenizer-fetch-timeout must be > 0, got {self.tokenizer_fetch_timeout_s}")
         if self.drain_grace_s < 0:
             raise ConfigError(f"--drain-grace-period must be >= 0, got {self.drain_grace_s}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -80,6 +85,16 @@ class FrontendConfig:
         if self.tokenizer_threads < 0:
             raise ConfigError(f"--tokenizer-threads must be >= 0, got {self.tokenizer_threads}")
         self._check_security()
+
+    @staticmethod
+    def _check_model(model: str) -> None:
+        path = Path(model)
+        if not path.is_dir() and not is_gguf(path):
+            raise ConfigError(f"--model {model!r} is not a directory or a .gguf file: pass the model the "
+                              "engines serve (the frontend reads its tokenizer files and config.json), or leave "
+                              "--model out to fetch them from the engines")
+        if not is_gguf(path) and not (path / "tokenizer.json").is_file():
+            raise ConfigError(f"--model {model!r} has no tokenizer.json (only fast tokenizers work)")
 
     def _check_security(self) -> None:
         try:
@@ -97,10 +112,12 @@ class FrontendConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        return self.served_model_name or Path(self.model or "").name
 
     def hf_config(self) -> dict[str, Any]:
         """The model's config.json ({} when it has none); a .gguf file's vocabulary and context size."""
+        if self.model is None:
+            return {}
         if is_gguf(self.model):
             return model_limits(read_metadata(self.model))
         path = Path(self.model) / "config.json"
@@ -113,3 +130,11 @@ class FrontendConfig:
 def parse_engine_list(spec: str) -> tuple[str, ...]:
     """`--engine a:1,b:2` -> ("a:1", "b:2"); blanks are dropped."""
     return tuple(part.strip() for part in spec.split(",") if part.strip())
+
+
+def default_routing(engines: tuple[str, ...]) -> str:
+    """`--routing`'s default: cache-aware when there can be more than one engine (several targets, or a
+    dns:/// name), least-load for a single host:port (where every policy picks the same engine)."""
+    if len(engines) > 1 or any(e.startswith("dns:") for e in engines):
+        return "cache-aware"
+    return "least-load"

@@ -18,6 +18,9 @@ Invariants:
   exponential backoff (reset after a session that reached ready).
 - Everything runs on one asyncio loop; the per-step path does no logging or string formatting, and a
   large engine step is processed in slices (`OUTPUT_SLICE`) with the loop free between them.
+- With a router that routes by cache (`cache-aware`), each ready connection follows its engine's KV-cache
+  events into `kv_index` (kv_index.py); the index is emptied the moment the session ends, so a dead or
+  restarted engine's old cache never attracts requests.
 - Channels come from a `ChannelFactory`: plaintext, or TLS with credentials read afresh for every
   channel (so a rotated client certificate is used from the next reconnect), and with the engine token
   (`authorization: Bearer ...`) added to every call when one is configured. Addresses resolved from a
@@ -41,6 +44,7 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
 from frontend_svc.errors import UNAVAILABLE, ServiceError
+from frontend_svc.kv_index import KvBlockIndex, follow_kv_events
 from frontend_svc.output_processor import OutputProcessor, ProcessedOutputs
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.request_state import DeltaCollector, RequestState
@@ -108,6 +112,7 @@ class EngineConnection:
         self.state = State.CONNECTING
         self.info: epb.EngineInfo | None = None
         self.requests: set[RequestState] = set()  # sent here and not done
+        self.kv_index = KvBlockIndex()  # the engine's cached blocks (followed only for cache-aware routing)
         self._reported_load = 0
         self._sent_since_report = 0
         self._client = client
@@ -136,6 +141,10 @@ class EngineConnection:
     @property
     def block_size(self) -> int:
         return int(self.info.block_size) if self.info is not None else 0
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.info.max_num_seqs) if self.info is not None else 0
 
     def note_sent(self, count: int) -> None:
         self._sent_since_report += count
@@ -217,6 +226,8 @@ class EngineConnection:
             self._client.connection_changed()
             loop = asyncio.get_running_loop()
             helpers = [loop.create_task(self._poll_load(stub)), loop.create_task(self._watch_health(channel))]
+            if self._client.router.uses_kv_events and info.kv_cache_events:
+                helpers.append(loop.create_task(follow_kv_events(stub, self.kv_index, self.address, self.note_stats)))
             try:
                 on_outputs = self._client.on_outputs
                 async for message in call:
@@ -252,6 +263,7 @@ class EngineConnection:
             self.state = State.CONNECTING
             logger.warning("engine %s went away: %s", self.address, reason)
         self._outbox = None
+        self.kv_index.clear()
         if self._call is not None:
             self._call.cancel()
             self._call = None
@@ -288,9 +300,13 @@ class EngineClient:
         on_processed: Callable[[ProcessedOutputs], None] | None = None,
         dns_refresh_s: float = 5.0,
         channels: ChannelFactory | None = None,
+        tokenizer_sha256: str | None = None,
     ) -> None:
-        """`on_processed` sees what the output processor handed out for each engine message (telemetry)."""
+        """`on_processed` sees what the output processor handed out for each engine message (telemetry).
+        `tokenizer_sha256`: the checksum of the tokenizer archive this frontend fetched from the engines
+        (None: it read --model); an engine serving another tokenizer is never routed to."""
         self.targets = tuple(targets)
+        self.tokenizer_sha256 = tokenizer_sha256
         self.channels = channels or ChannelFactory()
         self.vocab_size = vocab_size
         self.router = router or Router()
@@ -387,6 +403,12 @@ class EngineClient:
 
     # ---- called by connections -----------------------------------------------------------------------
     def accepts(self, connection: EngineConnection, info: epb.EngineInfo) -> bool:
+        if self.tokenizer_sha256 is not None and info.tokenizer_sha256 != self.tokenizer_sha256:
+            if connection.state is not State.MISMATCH:
+                logger.error("engine %s serves tokenizer files with sha256 %s, not the %s this frontend fetched "
+                             "at start: not routing to it (every engine must serve the same model files)",
+                             connection.address, info.tokenizer_sha256 or "(none)", self.tokenizer_sha256)
+            return False
         if info.vocab_size == self.vocab_size:
             return True
         if connection.state is not State.MISMATCH:

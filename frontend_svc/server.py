@@ -177,7 +177,9 @@ class FrontendServer:
                  telemetry: FrontendTelemetry | None = None) -> None:
         self.config = config
         self.telemetry = telemetry or FrontendTelemetry.off()
-        self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.model)
+        if tokenizer is None and config.model is None:
+            raise ValueError("no tokenizer: pass --model, or fetch the engines' (frontend_svc/tokenizer_fetch.py)")
+        self.tokenizer = tokenizer or Tokenizer.from_pretrained(config.model)  # type: ignore[arg-type]
         hf_config = config.hf_config()
         vocab_size = int(hf_config.get("vocab_size") or self.tokenizer.vocab_size)
         self._model_max_len = int(config.max_model_len or hf_config.get("max_position_embeddings")
@@ -189,7 +191,8 @@ class FrontendServer:
         self.tls: ServerTls | None = server_tls(config.tls)
         token = BearerToken(config.engine_token_file) if config.engine_token_file else None
         self.engines = EngineClient(config.engines, self.output_processor, vocab_size,
-                                    router=Router(config.routing), on_change=self._engines_changed,
+                                    router=Router(config.routing, cache_aware=config.cache_aware),
+                                    on_change=self._engines_changed, tokenizer_sha256=config.engine_tokenizer_sha256,
                                     on_processed=self.telemetry.observe_step if self.telemetry.logs_stats else None,
                                     dns_refresh_s=config.dns_refresh_s,
                                     channels=ChannelFactory(client_tls(config.engine_tls), token,

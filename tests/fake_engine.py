@@ -7,7 +7,9 @@ made-up entry per token (the token at rank 1, then the next top-N ids). A stream
 it added, as the real engine does. The request's sampling seed steers it: `SEED_REJECT` fails the
 request at once (RESOURCE_EXHAUSTED), `SEED_FAIL_LATE` sends two tokens then fails it (UNAVAILABLE),
 `SEED_ENDLESS` never finishes. It records what it was sent (`added`, `aborted`), what still runs
-(`running`), and the most requests it ever had running at once (`max_running`).
+(`running`), and the most requests it ever had running at once (`max_running`). Given
+`tokenizer_files`, it serves them as GetTokenizer does (the real archive, in small chunks) and announces
+their checksum in GetEngineInfo; without, GetTokenizer is NOT_FOUND. It serves no KV cache events.
 """
 
 from __future__ import annotations
@@ -20,14 +22,19 @@ from grpc_health.v1 import health_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
+from shared_runtime import tokenizer_bundle
+
 SEED_REJECT, SEED_FAIL_LATE, SEED_ENDLESS = 911, 912, 913
 IDLE_POLL_S = 0.001  # how often a stream with nothing running looks for new requests when step_s = 0
 
 
 class FakeEngine(epb_grpc.EngineCoreServiceServicer):
     def __init__(self, vocab_size: int, max_model_len: int = 256, step_s: float = 0.004,
-                 default_max_tokens: int | None = 8, output_ids: list[int] | None = None) -> None:
+                 default_max_tokens: int | None = 8, output_ids: list[int] | None = None,
+                 tokenizer_files: dict[str, bytes] | None = None, model_name: str = "fake") -> None:
         self.vocab_size, self.max_model_len, self.step_s = vocab_size, max_model_len, step_s
+        self.model_name = model_name
+        self.archive = tokenizer_bundle.pack(tokenizer_files) if tokenizer_files is not None else None
         self.default_max_tokens = default_max_tokens
         self.output_ids = output_ids
         self.added: list[epb.EngineCoreRequest] = []
@@ -36,8 +43,22 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
         self.max_running = 0
 
     async def GetEngineInfo(self, request: Any, context: Any) -> epb.EngineInfo:
-        return epb.EngineInfo(model_name="fake", max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                              block_size=16, engine_id="fake-engine")
+        sha256 = tokenizer_bundle.sha256_hex(self.archive) if self.archive is not None else ""
+        return epb.EngineInfo(model_name=self.model_name, max_model_len=self.max_model_len,
+                              vocab_size=self.vocab_size, block_size=16, engine_id="fake-engine",
+                              tokenizer_sha256=sha256)
+
+    async def GetTokenizer(self, request: Any, context: Any) -> Any:
+        archive = self.archive
+        if archive is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "the fake engine has no tokenizer")
+            return
+        size = 64 * 1024
+        for start in range(0, len(archive), size):
+            first, last = start == 0, start + size >= len(archive)
+            yield epb.TokenizerChunk(data=archive[start:start + size], model_name=self.model_name if first else "",
+                                     total_size=len(archive) if first else 0,
+                                     sha256=tokenizer_bundle.sha256_hex(archive) if last else "")
 
     async def GetLoad(self, request: Any, context: Any) -> epb.EngineLoad:
         return epb.EngineLoad(num_running=len(self.running))

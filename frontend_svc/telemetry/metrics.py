@@ -79,9 +79,12 @@ class _EngineCollector(Collector):
                                  labels=labels)
         in_flight = GaugeMetricFamily("tandem_engine_requests_in_flight", "This frontend's unfinished "
                                       "engine requests on the engine", labels=labels)
+        cached = GaugeMetricFamily("tandem_engine_cached_blocks", "KV blocks the engine has cached, as this "
+                                   "frontend's index follows them (cache-aware routing; 0 otherwise)", labels=labels)
         for c in self._connections():
             key = [self._model_name, c.address]
             ready.add_metric(key, 1.0 if c.ready else 0.0)
             load.add_metric(key, float(c.load))
             in_flight.add_metric(key, float(c.num_in_flight))
-        return [ready, load, in_flight]
+            cached.add_metric(key, float(len(c.kv_index)))
+        return [ready, load, in_flight, cached]

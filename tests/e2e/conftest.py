@@ -82,7 +82,7 @@ def split(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spli
 
 # Engines roomy enough for 40 concurrent requests; a drain grace long enough that in-flight calls finish.
 CLUSTER_ENGINE_FLAGS = ("--max-num-seqs", "32", "--max-waiting", "64", "--drain-grace-period", "30")
-CLUSTER_FRONTEND_FLAGS = ("--max-concurrent-requests", "64")
+CLUSTER_FRONTEND_FLAGS = ("--max-concurrent-requests", "64", "--routing", "least-load")
 
 
 class Cluster:

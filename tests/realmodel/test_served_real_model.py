@@ -4,7 +4,8 @@ checked against transformers on the converted directory.
 
 The engine runs with a KV cache of 32 blocks x 16 = 512 tokens, smaller than the model's context (8192):
 it must serve and advertise max_model_len 512, so the frontend's length check is exact.
-One engine + frontend pair serves the whole module.
+One engine + frontend pair serves the whole module; one test adds a frontend with only --engine, whose
+tokenizer comes from the engine (GetTokenizer: the GGUF file's metadata without its tensors).
 """
 
 from __future__ import annotations
@@ -172,3 +173,23 @@ def test_max_model_len_is_what_the_kv_cache_holds(split: Split) -> None:
                               sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     out = generate(split, fits)
     assert len(out.token_ids) == 8 and out.last.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_a_frontend_without_the_model_serves_the_same_text_from_the_engines_gguf_metadata(
+        split: Split, tmp_path: Path) -> None:
+    port = free_port()
+    bare = Service("frontend-no-model", [sys.executable, "-m", "frontend_svc.cli", "--engine", split.engine.address,
+                                         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"],
+                   port, tmp_path).start()
+    try:
+        bare.wait_serving(START_TIMEOUT_S)
+        with grpc.insecure_channel(bare.address) as channel:
+            api = pb_grpc.GenerationServiceStub(channel)
+            for question in CHAT_QUESTIONS[:2]:
+                request = chat_request(question, max_tokens=MAX_TOKENS)
+                assert "".join(r.text for r in api.Generate(request, timeout=RPC_TIMEOUT_S)) == \
+                    generate(split, request).text
+            info = api.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+        assert info == split.api.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+    finally:
+        bare.stop()
