@@ -4,7 +4,8 @@ Inputs arrive on `inbox` (a thread-safe queue) as typed messages (`Add`, `Abort`
 `Stop`); outputs leave through `deliver(stream_id, EngineCoreOutputs)`, called once per step for every
 stream that owns a request with something to report. Serialization to protobuf happens on the receiving
 (asyncio) side, not here. When the core records KV-cache events, the loop hands what was recorded to
-`on_kv_events(events, stats)` once per iteration that recorded something (a list swap and one call; the
+`on_kv_events(events, stats)` through a `KVEventHandOff` (engine_svc/kv/events.py): after each step, or
+every `kv_events_interval_s` when steps are shorter, and at once when idle (a list swap and one call; the
 receiver numbers, converts and fans them out off this thread).
 
 The loop is in one `LoopState` at a time: SERVING -> DRAINING (on `Drain`) -> DRAINED (nothing left in
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_svc.core import EngineCore
-from engine_svc.kv.events import KVEvent
+from engine_svc.kv.events import HAND_OFF_INTERVAL_S, KVEvent, KVEventHandOff
 from shared_runtime.contract import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -118,7 +119,8 @@ class BusyLoop(threading.Thread):
                  on_fatal: Callable[[BaseException], None] = lambda exc: None,
                  on_drained: Callable[[], None] = lambda: None,
                  on_step: Callable[[SchedulerStats | None], None] | None = None,
-                 on_kv_events: Callable[[list[KVEvent], SchedulerStats], None] | None = None) -> None:
+                 on_kv_events: Callable[[list[KVEvent], SchedulerStats], None] | None = None,
+                 kv_events_interval_s: float = HAND_OFF_INTERVAL_S) -> None:
         super().__init__(name="engine-busy-loop", daemon=True)
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._make_core = make_core
@@ -127,6 +129,8 @@ class BusyLoop(threading.Thread):
         self._on_ready, self._on_fatal, self._on_drained = on_ready, on_fatal, on_drained
         self._on_step = on_step  # per-step stats hook (metrics); must be cheap, it runs on this thread
         self._on_kv_events = on_kv_events  # hand-off of the prefix cache's changes; must be cheap too
+        self._kv_events_interval_s = kv_events_interval_s
+        self._kv_hand_off: KVEventHandOff | None = None
         self.core: EngineCore | None = None
         self.stats = SchedulerStats()  # the latest; read by GetLoad from other threads
         self.state = LoopState.SERVING  # written by this thread only
@@ -169,6 +173,9 @@ class BusyLoop(threading.Thread):
             self._on_fatal(exc)
 
     def _loop(self, core: EngineCore) -> None:
+        if core.kv_events is not None and self._on_kv_events is not None:
+            self._kv_hand_off = KVEventHandOff(core.kv_events, self._on_kv_events,  # type: ignore[arg-type]
+                                               self._kv_events_interval_s)
         while True:  # until Stop (the only way out but an exception)
             idle = not core.has_unfinished_requests()
             if not self._process_inbox(core, block=idle) and idle:
@@ -183,8 +190,8 @@ class BusyLoop(threading.Thread):
                 if self._on_step is not None:
                     self._on_step(outputs.scheduler_stats)
                 self._route(outputs)
-            if core.kv_events and self._on_kv_events is not None:  # something was cached or evicted
-                self._on_kv_events(core.kv_events.take(), self.stats)
+            if self._kv_hand_off is not None:
+                self._kv_hand_off(self.stats, idle=not core.has_unfinished_requests())
             if self.state is LoopState.DRAINING:
                 self._check_drain(core)
 

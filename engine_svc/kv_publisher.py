@@ -25,6 +25,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.engine.v1 import engine_core_pb2 as pb
 
@@ -76,12 +77,13 @@ class KvEventPublisher:
         apply_to_mirror(self.mirror, events)
         if not self._subscriptions:
             return
-        batch = pb.KvEventBatch(sequence_number=self.sequence, timestamp=time.time(), engine_id=self.engine_id,
-                                events=events_to_pb(events, self.block_size))
+        batch = pb.KvEventBatch(sequence_number=self.sequence, timestamp=time.time(), engine_id=self.engine_id)
+        add_events(batch.events, events, self.block_size)
         if stats is not None:
             batch.scheduler_stats.CopyFrom(stats_to_pb(stats))
+        num_events = count_events(batch)
         for subscription in list(self._subscriptions):
-            subscription.offer(batch)
+            subscription.offer(batch, num_events)
 
     def subscribe(self) -> Subscription:
         """A new subscription, starting with a snapshot of what is cached now."""
@@ -105,17 +107,18 @@ class Subscription:
         self._publisher = publisher
         self._snapshot = snapshot
         self._snapshot_sequence = sequence
-        self._pending: collections.deque[pb.KvEventBatch] = collections.deque()
+        self._pending: collections.deque[tuple[pb.KvEventBatch, int]] = collections.deque()  # (batch, events)
         self._wakeup = asyncio.Event()
         self._dropped = False
         self._closed = False
 
-    def offer(self, batch: pb.KvEventBatch) -> None:
-        """Queue a live batch, or drop the subscription when its buffer is full. Never waits."""
+    def offer(self, batch: pb.KvEventBatch, num_events: int) -> None:
+        """Queue a live batch (of `num_events` events), or drop the subscription when its buffer is full.
+        Never waits."""
         if len(self._pending) >= self._publisher.buffer:
-            self._drop(batch)
+            self._drop(num_events)
             return
-        self._pending.append(batch)
+        self._pending.append((batch, num_events))
         self._wakeup.set()
 
     def close(self) -> None:
@@ -139,8 +142,8 @@ class Subscription:
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 while self._pending and not self._dropped:
-                    batch = self._pending.popleft()
-                    counters.sent_events += count_events(batch)
+                    batch, num_events = self._pending.popleft()
+                    counters.sent_events += num_events
                     yield batch
                 if self._dropped:
                     raise SubscriberDropped
@@ -157,17 +160,19 @@ class Subscription:
         count = max(1, -(-len(items) // SNAPSHOT_CHUNK_BLOCKS))
         for index in range(count):
             part = items[index * SNAPSHOT_CHUNK_BLOCKS : (index + 1) * SNAPSHOT_CHUNK_BLOCKS]
-            events = [pb.KvCacheEvent(cleared=pb.KvCacheCleared())] if index == 0 else []
-            records = [StoredBlock(h, parent, tokens) for h, (parent, tokens) in part]
-            events.extend(events_to_pb(records, publisher.block_size))
-            yield pb.KvEventBatch(
+            batch = pb.KvEventBatch(
                 sequence_number=self._snapshot_sequence, timestamp=time.time(), engine_id=publisher.engine_id,
-                events=events, snapshot=pb.KvSnapshotChunk(index=index, count=count, num_blocks=len(items)))
+                snapshot=pb.KvSnapshotChunk(index=index, count=count, num_blocks=len(items)))
+            if index == 0:
+                batch.events.add().cleared.SetInParent()
+            add_events(batch.events, [StoredBlock(h, parent, tokens) for h, (parent, tokens) in part],
+                       publisher.block_size)
+            yield batch
 
-    def _drop(self, overflow: pb.KvEventBatch) -> None:
+    def _drop(self, overflow_events: int) -> None:
         counters = self._publisher.counters
         counters.dropped_subscribers += 1
-        counters.dropped_events += count_events(overflow) + sum(count_events(b) for b in self._pending)
+        counters.dropped_events += overflow_events + sum(n for _, n in self._pending)
         self._pending.clear()
         self._dropped = True
         self._publisher._forget(self)
@@ -184,30 +189,33 @@ def apply_to_mirror(mirror: dict[BlockHash, Entry], events: Iterable[KVEvent]) -
             mirror.pop(event, None)
 
 
-def events_to_pb(events: Sequence[KVEvent], block_size: int) -> list[pb.KvCacheEvent]:
-    """Records as protobuf events, in order: a run of stored blocks that chain (each the parent of the
-    next) becomes one `stored` event, a run of removals one `removed` event."""
-    out: list[pb.KvCacheEvent] = []
+def add_events(out: Any, events: Sequence[KVEvent], block_size: int) -> None:
+    """Append records to `out` (a repeated KvCacheEvent field, built in place) in order: a run of stored
+    blocks that chain (each the parent of the next) becomes one `stored` event, a run of removals one
+    `removed` event."""
     for is_store, run in itertools.groupby(events, key=lambda e: isinstance(e, StoredBlock)):
-        if is_store:
-            out.extend(pb.KvCacheEvent(stored=stored) for stored in _chains(run, block_size))  # type: ignore[arg-type]
-        else:
-            out.append(pb.KvCacheEvent(removed=pb.KvBlocksRemoved(block_hashes=list(run))))
-    return out
+        if not is_store:
+            out.add().removed.block_hashes.extend(run)
+            continue
+        stored: Any = None
+        previous: BlockHash | None = None
+        for block in run:
+            assert isinstance(block, StoredBlock)
+            if stored is None or block.parent_hash is None or block.parent_hash != previous:
+                stored = out.add().stored
+                stored.parent_block_hash = block.parent_hash or b""
+                stored.block_size = block_size
+            added = stored.blocks.add()
+            added.block_hash = block.block_hash
+            added.token_ids.extend(block.token_ids)
+            previous = block.block_hash
 
 
-def _chains(blocks: Iterable[StoredBlock], block_size: int) -> Iterator[pb.KvBlocksStored]:
-    current: pb.KvBlocksStored | None = None
-    previous: BlockHash | None = None
-    for block in blocks:
-        if current is None or block.parent_hash is None or block.parent_hash != previous:
-            if current is not None:
-                yield current
-            current = pb.KvBlocksStored(parent_block_hash=block.parent_hash or b"", block_size=block_size)
-        current.blocks.add(block_hash=block.block_hash, token_ids=block.token_ids)
-        previous = block.block_hash
-    if current is not None:
-        yield current
+def events_to_pb(events: Sequence[KVEvent], block_size: int) -> list[pb.KvCacheEvent]:
+    """The records as a list of protobuf events (see `add_events`)."""
+    batch = pb.KvEventBatch()
+    add_events(batch.events, events, block_size)
+    return list(batch.events)
 
 
 def count_events(batch: pb.KvEventBatch) -> int:

@@ -275,11 +275,12 @@ def test_an_abort_for_a_request_its_stream_already_ended_delivers_nothing_more(h
     assert not harness.ends(1, "neighbour")
 
 
-def test_kv_events_are_handed_off_once_per_iteration_that_recorded_some() -> None:
+def test_kv_events_are_handed_off_after_each_step_slower_than_the_interval() -> None:
     core = FakeCore()
     core.kv_events = KVEventLog()
     handed: list[tuple[list[Any], SchedulerStats]] = []
-    h = Harness(core, max_waiting=None, on_kv_events=lambda events, stats: handed.append((events, stats)))
+    h = Harness(core, max_waiting=None, on_kv_events=lambda events, stats: handed.append((events, stats)),
+                kv_events_interval_s=0.0)
     h.loop.start()
     try:
         h.loop.add(1, request("three", max_tokens=3))
@@ -292,3 +293,20 @@ def test_kv_events_are_handed_off_once_per_iteration_that_recorded_some() -> Non
         h.loop.stop()
         h.stopped()
     assert len(handed) == 3, "an idle loop hands nothing off"
+
+
+def test_kv_events_of_short_steps_are_handed_off_together_and_at_once_when_idle() -> None:
+    core = FakeCore()
+    core.kv_events = KVEventLog()
+    handed: list[list[Any]] = []
+    h = Harness(core, max_waiting=None, on_kv_events=lambda events, stats: handed.append(events),
+                kv_events_interval_s=3600.0)
+    h.loop.start()
+    try:
+        h.loop.add(1, request("five", max_tokens=5))
+        h.end(1, "five")
+        wait_until(lambda: len(handed) == 2, 10, "two hand-offs")
+        assert handed == [[bytes([1])], [bytes([2]), bytes([3]), bytes([4]), bytes([5])]]  # the first, then idle
+    finally:
+        h.loop.stop()
+        h.stopped()
