@@ -46,7 +46,8 @@ ENGINE_FLAGS = {
     "engine-token-file", "ssl-certfile", "ssl-keyfile", "ssl-ca-certs", "health-port",
 }  # fmt: skip
 FRONTEND_FLAGS = {
-    "model", "engine", "host", "port", "metrics-port", "max-concurrent-requests", "routing",
+    "model", "engine", "host", "port", "metrics-port", "max-concurrent-requests", "routing", "cache-threshold",
+    "balance-abs-threshold", "balance-rel-threshold", "tokenizer-fetch-timeout",
     "engine-token-file", "api-key-file", "ssl-certfile", "ssl-keyfile", "ssl-ca-certs", "health-port",
     "engine-ssl-certfile", "engine-ssl-keyfile", "engine-ssl-ca-certs", "engine-ssl-server-name",
 }  # fmt: skip
@@ -326,7 +327,8 @@ def test_every_flag_is_one_the_service_accepts(name: str) -> None:
         for flag, value in flags.items():
             assert (value is None) == (flag in BOOLEAN_FLAGS), f"--{flag} value {value!r}"
             assert value is None or "$(" not in value, f"unresolved variable in --{flag}={value}"
-        assert "model" in flags
+    assert "model" in deployment_flags(docs, "engine")
+    assert "model" not in deployment_flags(docs, "frontend"), "frontends fetch the tokenizer from the engines"
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
@@ -370,18 +372,27 @@ def test_cpu_dev_overlay_flags_and_single_replicas() -> None:
     assert by_kind(docs, "HorizontalPodAutoscaler")["tandem-frontend"]["spec"]["minReplicas"] == 1
 
 
-def test_cpu_dev_init_containers_write_the_model_the_services_read() -> None:
+def test_cpu_dev_init_container_writes_the_model_the_engine_reads() -> None:
     docs = render("overlays/cpu-dev")
-    for comp in ("engine", "frontend"):
-        deploy = next(d for d in by_kind(docs, "Deployment").values() if component(d) == comp)
-        (init,) = deploy["spec"]["template"]["spec"]["initContainers"]
-        assert init["command"] == ["tandem"] and init["args"][0] == "make-tiny-model"
-        model_dir = init["args"][1]
-        assert deployment_flags(docs, comp)["model"] == model_dir
-        writer = next(m for m in init["volumeMounts"] if model_dir.startswith(m["mountPath"] + "/"))
-        reader = next(m for m in main_container(deploy)["volumeMounts"] if m["name"] == writer["name"])
-        assert not writer.get("readOnly") and model_dir.startswith(reader["mountPath"] + "/")
-        assert "--seed" in init["args"], "engine and frontend must generate the same tokenizer"
+    deploy = next(d for d in by_kind(docs, "Deployment").values() if component(d) == "engine")
+    (init,) = deploy["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"] == ["tandem"] and init["args"][0] == "make-tiny-model"
+    model_dir = init["args"][1]
+    assert deployment_flags(docs, "engine")["model"] == model_dir
+    writer = next(m for m in init["volumeMounts"] if model_dir.startswith(m["mountPath"] + "/"))
+    reader = next(m for m in main_container(deploy)["volumeMounts"] if m["name"] == writer["name"])
+    assert not writer.get("readOnly") and model_dir.startswith(reader["mountPath"] + "/")
+    assert "--seed" in init["args"], "every engine replica must generate the same model and tokenizer"
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_frontend_mounts_no_model_and_routes_by_cache(name: str) -> None:
+    docs = render(name)
+    frontend = next(d for d in by_kind(docs, "Deployment").values() if component(d) == "frontend")
+    spec = frontend["spec"]["template"]["spec"]
+    assert "model" not in {v["name"] for v in spec["volumes"]} and not spec.get("initContainers")
+    assert all("model" not in m["mountPath"] for c in all_containers(frontend) for m in c.get("volumeMounts", []))
+    assert deployment_flags(docs, "frontend")["routing"] == "cache-aware"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,10 +462,12 @@ def test_overlays_pin_image_tags(name: str) -> None:
             assert not container["image"].endswith(":latest"), container["image"]
 
 
-def test_gpu_overlay_mounts_the_model_pvc_read_only_in_both_services() -> None:
+def test_gpu_overlay_mounts_the_model_pvc_read_only_in_the_engines() -> None:
     docs = render("overlays/gpu")
     pvc = by_kind(docs, "PersistentVolumeClaim")
     for deploy in by_kind(docs, "Deployment").values():
+        if component(deploy) != "engine":
+            continue
         model = next(v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
         assert set(model) == {"name", "persistentVolumeClaim"}
         assert model["persistentVolumeClaim"]["claimName"] in pvc
