@@ -94,11 +94,11 @@ class EngineCoreServiceServicer:
     def SubscribeKvEvents(self, request, context):
         """The engine's prefix cache as a stream of changes, for cache-aware routing. The stream starts with a
         snapshot of what is cached now (batches with `snapshot` set; the first one begins with a `cleared`
-        event), then sends one batch per engine step that cached or evicted blocks, numbered consecutively
-        after the snapshot's sequence number. A subscriber that falls more than the engine's buffer of batches
-        behind (--kv-events-buffer) is ended with RESOURCE_EXHAUSTED and must subscribe again (it gets a fresh
-        snapshot, so its view is exact again without replaying history). FAILED_PRECONDITION when the engine
-        runs with --no-enable-kv-cache-events.
+        event), then sends one batch per engine step that cached or evicted blocks (the steps of each 10 ms
+        together when steps are shorter), numbered consecutively after the snapshot's sequence number. A
+        subscriber that falls more than the engine's buffer of batches behind (--kv-events-buffer) is ended
+        with RESOURCE_EXHAUSTED and must subscribe again (it gets a fresh snapshot, so its view is exact again
+        without replaying history). FAILED_PRECONDITION when the engine runs with --no-enable-kv-cache-events.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
