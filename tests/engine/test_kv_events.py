@@ -112,7 +112,8 @@ def stored(*tokens: int, parent: bytes | None = None) -> StoredBlock:
 
 
 async def take(stream: AsyncIterator[epb.KvEventBatch], count: int) -> list[epb.KvEventBatch]:
-    return [await anext(stream) for _ in range(count)]
+    """The next `count` messages; fails after 5 s without one (a batch that never comes)."""
+    return [await asyncio.wait_for(anext(stream), 5) for _ in range(count)]
 
 
 def test_batches_are_numbered_and_a_subscription_starts_with_a_snapshot() -> None:
