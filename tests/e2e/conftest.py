@@ -56,9 +56,9 @@ class Split:
 
     kv_cache_bytes = KV_CACHE_BYTES
 
-    def start_frontend(self) -> Service:
+    def start_frontend(self, *flags: str) -> Service:
         """Another frontend process on this engine (the caller stops it)."""
-        return frontend_service(self.model, self.engine.port, free_port(), self.log_dir).start()
+        return frontend_service(self.model, self.engine.port, free_port(), self.log_dir, *flags).start()
 
     def restart_engine(self) -> None:
         self.engine.kill()

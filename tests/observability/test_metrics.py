@@ -49,7 +49,7 @@ def mix(stack: Stack):  # type: ignore[no-untyped-def]
         stub = pb_grpc.GenerationServiceStub(channel)
         for max_tokens, n in ((3, 1), (5, 1), (4, 2)):
             request = generate_request(token_ids=list(range(30, 50)), max_tokens=max_tokens, n=n,
-                                       temperature=0.0, ignore_eos=True)
+                                       temperature=0.0 if n == 1 else 0.8, seed=1, ignore_eos=True)
             tokens += sum(len(r.token_ids) for r in stub.Generate(request, timeout=60))
         endless = stub.Generate(generate_request(token_ids=[7] * 10, max_tokens=200, ignore_eos=True), timeout=60)
         next(endless)

@@ -92,7 +92,8 @@ def test_one_trace_from_client_through_frontend_to_engine(stack: Stack) -> None:
 
 def test_each_completion_gets_its_own_engine_span(stack: Stack) -> None:
     header, trace_id, _ = traceparent(2)
-    generate(stack, generate_request(token_ids=[11] * 20, max_tokens=3, n=2, temperature=0.0, ignore_eos=True),
+    generate(stack, generate_request(token_ids=[11] * 20, max_tokens=3, n=2, temperature=0.8, seed=1,
+                                     ignore_eos=True),
              [("traceparent", header)])
     spans = spans_of(stack, trace_id, 4)
     server = next(s for s in spans if s.name == GENERATE)
