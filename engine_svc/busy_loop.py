@@ -1,7 +1,7 @@
 """The EngineCore busy loop: one thread that owns the core and talks to the gRPC side through queues.
 
 Inputs arrive on `inbox` (a thread-safe queue) as typed messages (`Add`, `Abort`, `CloseStream`, `Drain`,
-`Stop`); outputs leave through `deliver(stream_id, EngineCoreOutputs)`, called once per step for every
+`Stop`, and `Wake` from the grammar compilers when a structured-output constraint is ready); outputs leave through `deliver(stream_id, EngineCoreOutputs)`, called once per step for every
 stream that owns a request with something to report. Serialization to protobuf happens on the receiving
 (asyncio) side, not here. When the core records KV-cache events, the loop hands what was recorded to
 `on_kv_events(events, stats)` through a `KVEventHandOff` (engine_svc/kv/events.py): after each step, or
@@ -93,7 +93,12 @@ class Stop:
     """End the loop; requests still in flight end with UNAVAILABLE."""
 
 
-Message = Add | Abort | CloseStream | Drain | Stop
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """A grammar compile finished (engine_svc/structured/): a request may be ready to schedule."""
+
+
+Message = Add | Abort | CloseStream | Drain | Stop | Wake
 
 
 class UnknownMessageError(TypeError):
@@ -163,6 +168,7 @@ class BusyLoop(threading.Thread):
             self.state = LoopState.STOPPED
             self._on_fatal(exc)
             return
+        self.core.grammars.on_done = self._wake
         self._on_ready(self.core)
         try:
             self._loop(self.core)
@@ -172,19 +178,22 @@ class BusyLoop(threading.Thread):
             self._fail_all(f"engine failed: {type(exc).__name__}: {exc}")
             self._on_fatal(exc)
 
+    def _wake(self) -> None:
+        self.inbox.put(Wake())
+
     def _loop(self, core: EngineCore) -> None:
         if core.kv_events is not None and self._on_kv_events is not None:
             self._kv_hand_off = KVEventHandOff(core.kv_events, self._on_kv_events,  # type: ignore[arg-type]
                                                self._kv_events_interval_s)
         while True:  # until Stop (the only way out but an exception)
-            idle = not core.has_unfinished_requests()
+            idle = not core.has_work()  # requests waiting only for a grammar compile: wait for Wake
             if not self._process_inbox(core, block=idle) and idle:
                 core.executor.check_health()  # notice a dead worker without waiting for a step
             if self.state is LoopState.STOPPED:
                 if self._owner:  # stopped with requests in flight: each still ends exactly once
                     self._fail_all("engine stopped before this request finished", abort_in=core)
                 return
-            if core.has_unfinished_requests():
+            if core.has_work():
                 outputs = core.step()
                 self.stats = outputs.scheduler_stats or self.stats
                 if self._on_step is not None:
@@ -231,6 +240,8 @@ class BusyLoop(threading.Thread):
                     self._drain_deadline = time.monotonic() + grace_s
             case Stop():
                 self.state = LoopState.STOPPED
+            case Wake():
+                pass  # the next has_work() sees the compiled grammar
             case _:
                 raise UnknownMessageError(f"busy loop inbox: not a message: {message!r}")
 

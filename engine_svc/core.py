@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 from engine_svc.config import EngineConfig
@@ -27,6 +28,7 @@ from engine_svc.kv.events import KVEventLog
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.sched.scheduler import Scheduler
+from engine_svc.structured.compiler import GrammarCompilers
 from shared_runtime.contract import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -47,6 +49,9 @@ class EngineCore:
         self.vocab_size = self.executor.vocab_size
         self.max_model_len = max_model_len = self.executor.max_model_len  # what the workers were sized for
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
+        # Structured outputs: constraints compile on these threads (the tokenizer is read on first use).
+        self._compiled = threading.Event()
+        self.grammars = GrammarCompilers(config.model, self.vocab_size, on_done=self._compiled.set)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=int(config.max_num_batched_tokens or max_model_len),
@@ -58,6 +63,7 @@ class EngineCore:
             policy=config.scheduling_policy,
             vocab_size=self.vocab_size,
             kv_events=self.kv_events,
+            grammars=self.grammars,
         )
         self._log_capacity()
 
@@ -95,8 +101,20 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether a step would do anything now (requests waiting only for a grammar compile give it
+        nothing to do; `grammars.on_done` tells when that changes)."""
+        return self.scheduler.has_work()
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block until a grammar compile finishes (or `timeout`): for callers that step the core
+        directly (the offline API). The busy loop points `grammars.on_done` at its inbox instead."""
+        self._compiled.wait(timeout)
+        self._compiled.clear()
+
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()

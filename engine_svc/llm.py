@@ -111,6 +111,9 @@ class LLM:
     def _run(self, acc: RequestOutputAccumulator, num_requests: int, use_tqdm: bool) -> None:
         bar = _ProgressBar(num_requests) if use_tqdm else None
         while self.engine.has_unfinished_requests():
+            if not self.engine.has_work():  # only grammars compiling: wait for one instead of spinning
+                self.engine.wait_for_work(0.1)
+                continue
             processed = self.output_processor.process_outputs(outputs_to_pb(self.engine.step()))
             if processed.reqs_to_abort:
                 self.engine.abort_requests(processed.reqs_to_abort)

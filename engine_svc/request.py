@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from shared_runtime.contract import (
     EngineCoreRequest,
@@ -20,6 +21,10 @@ from shared_runtime.contract import (
     TokenLogprobs,
 )
 
+if TYPE_CHECKING:
+    from engine_svc.structured.compiler import Ticket
+    from engine_svc.structured.grammar import RequestGrammar
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -29,10 +34,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    WAITING_FOR_FSM = 7  # waiting for its grammar to compile (structured outputs); not yet queued
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ERROR
 
 
 _FINISH_REASON = {
@@ -74,6 +80,9 @@ class Request:
         self.pending_events: list[RequestEvent] = [RequestEvent(EventType.QUEUED, time.time())]
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.first_token_sent: bool = False
+        # Structured outputs: the compile this request waits for, then its matcher (None: unconstrained).
+        self.grammar_ticket: Ticket | None = None
+        self.grammar: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

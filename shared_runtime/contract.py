@@ -51,6 +51,40 @@ from shared_runtime.violations import FieldViolation, ValidationError
 # ---- requests ----------------------------------------------------------------------------------------
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """One output constraint (vLLM's `StructuredOutputsParams`); exactly one field is set.
+
+    `json` is a JSON schema as JSON text (property order is kept: it is the order the output follows);
+    `json_object` asks for any JSON object; `regex` for a full match; `choice` for one of the strings;
+    `grammar` is EBNF (xgrammar / GBNF syntax, a `root` rule); `structural_tag` is xgrammar's structural
+    tag as JSON text. The engine compiles it (engine_svc/structured/) and masks every sampled token to it.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+
+    def kinds(self) -> list[str]:
+        """The names of the fields that are set (one, when valid)."""
+        return [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+
+    def spec_bytes(self) -> int:
+        """Size of the constraint's text (all choices together); a bound, so it stops counting early."""
+        texts = self.choice or [self.json or self.regex or self.grammar or self.structural_tag or ""]
+        total = 0
+        for text in texts:
+            total += len(text) if len(text) > limits.MAX_STRUCTURED_OUTPUT_BYTES else len(text.encode())
+            if total > limits.MAX_STRUCTURED_OUTPUT_BYTES:
+                break
+        return total
+
+
+STRUCTURED_KINDS: tuple[str, ...] = StructuredOutputs.__struct_fields__
+
+
 class EngineSamplingParams(msgspec.Struct, kw_only=True):
     """Sampling as the engine sees it: token-level only (stop strings are the frontend's business).
 
@@ -76,6 +110,7 @@ class EngineSamplingParams(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[int] = msgspec.field(default_factory=list)  # sample only these; empty = all
     # Banned sequences: the last id of one is masked while the output ends with the ids before it.
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    structured_outputs: StructuredOutputs | None = None  # a grammar every sampled token must follow
 
     def violations(self, vocab_size: int | None = None) -> list[FieldViolation]:
         """Every problem with these params (bare field names); empty when they are valid. Token ids are
@@ -200,6 +235,8 @@ def sampling_violations(p: EngineSamplingParams, stop: Sequence[str], n: int,
         add("repetition_penalty", f"must be a finite number > 0, got {p.repetition_penalty!r}")
     _check_logit_bias(add, p.logit_bias, vocab_size)
     _check_token_filters(add, p.allowed_token_ids, p.bad_words_token_ids, vocab_size)
+    if p.structured_outputs is not None:
+        _check_structured_outputs(add, p.structured_outputs)
     for name, top in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
         if top is not None and (not _is_int(top) or not 0 <= top <= limits.MAX_LOGPROBS):
             add(name, f"must be in [0, {limits.MAX_LOGPROBS}], got {top!r}")
@@ -264,6 +301,30 @@ def _check_bad_words(bad: list[FieldViolation], words: Sequence[str]) -> None:
     elif not all(isinstance(w, str) and 0 < len(w) <= limits.MAX_STOP_STRING_CHARS for w in words):
         bad.append(FieldViolation("bad_words", f"every bad word must be a non-empty string of at most "
                                                f"{limits.MAX_STOP_STRING_CHARS} characters"))
+
+
+def _check_structured_outputs(add: Callable[[str, str], None], so: StructuredOutputs) -> None:
+    """Exactly one constraint, within the size bounds. Whether it compiles is the engine's question."""
+    kinds = so.kinds()
+    if len(kinds) != 1:
+        add("structured_outputs", f"exactly one of {', '.join(STRUCTURED_KINDS)} must be set, got "
+                                  f"{', '.join(kinds) or 'none'}")
+        return
+    if so.choice is not None:
+        if not so.choice:
+            add("structured_outputs.choice", "must hold at least one choice")
+            return
+        if len(so.choice) > limits.MAX_CHOICES:
+            add("structured_outputs.choice", f"at most {limits.MAX_CHOICES} choices are allowed, "
+                                             f"got {len(so.choice)}")
+            return
+        if not all(isinstance(c, str) and c for c in so.choice):
+            add("structured_outputs.choice", "every choice must be a non-empty string")
+            return
+    size = so.spec_bytes()
+    if size > limits.MAX_STRUCTURED_OUTPUT_BYTES:
+        add(f"structured_outputs.{kinds[0]}", f"must be at most {limits.MAX_STRUCTURED_OUTPUT_BYTES} bytes, "
+                                               f"got more")
 
 
 def _clamped(bias: float) -> float:

@@ -30,6 +30,7 @@ class _Kind(enum.Enum):
     REPEATED = 2  # -> list
     MAP = 3  # -> dict
     SEQUENCES = 4  # repeated TokenSequence -> list of lists of ids
+    MESSAGE = 5  # -> its struct (`_MESSAGE_FIELDS`), or None when unset
 
 
 def _kind(field: Any) -> _Kind:
@@ -38,6 +39,8 @@ def _kind(field: Any) -> _Kind:
         return _Kind.MAP
     if field.is_repeated:
         return _Kind.SEQUENCES if field.message_type is pb.TokenSequence.DESCRIPTOR else _Kind.REPEATED
+    if field.message_type is not None:
+        return _Kind.MESSAGE
     return _Kind.OPTIONAL if field.has_presence else _Kind.SCALAR
 
 
@@ -73,10 +76,25 @@ def sampling_params_from_pb(msg: pb.EngineSamplingParams) -> c.EngineSamplingPar
             value = [list(sequence.token_ids) for sequence in value]
         elif kind is _Kind.MAP:
             value = dict(value)
+        elif kind is _Kind.MESSAGE:
+            value = _MESSAGE_FIELDS[name](value) if has(name) else None
         elif kind is _Kind.OPTIONAL and not has(name):
             value = getattr(_SAMPLING_DEFAULTS, name)
         fields[name] = value
     return c.EngineSamplingParams(**fields)  # type: ignore[arg-type]
+
+
+def structured_outputs_from_pb(msg: pb.StructuredOutputs) -> c.StructuredOutputs:
+    """The struct with the oneof's one field set (none, when the message is empty)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return c.StructuredOutputs()
+    if kind == "choice":
+        return c.StructuredOutputs(choice=list(msg.choice.choices))
+    return c.StructuredOutputs(**{kind: getattr(msg, kind)})
+
+
+_MESSAGE_FIELDS = {"structured_outputs": structured_outputs_from_pb}
 
 
 # ---- outputs -------------------------------------------------------------------------------------------

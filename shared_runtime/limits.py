@@ -18,6 +18,9 @@ The bounds, and why:
 - logit_bias: at most 1024 entries (the bound of the token-id lists; each entry is one scattered add to
   its row's logits per sampled token), biases in [-100, 100] as OpenAI documents them (the frontend
   clamps to this range, as vLLM does; the engine refuses a raw value outside it).
+- Structured outputs: a constraint's text (JSON schema, regex, EBNF grammar, structural tag, or all
+  choices together) is at most 256 KiB, and a choice holds at most 256 strings. Checked before any
+  work: compiling a grammar is linear (or worse) in its size, on the engine's compile threads.
 - Penalties: presence and frequency in [-2, 2] (OpenAI's range). Temperature in [0, 2] (OpenAI's and
   vLLM's range); below 1e-5 it is greedy, where n must be 1 (vLLM: n identical completions are a bug).
 - allowed_token_ids: at most 262144 ids (more than any vocabulary here; each is one scattered write per
@@ -57,6 +60,8 @@ MAX_TEMPERATURE = 2.0
 GREEDY_TEMPERATURE = 1e-5
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 MAX_BAD_WORDS = 128
+MAX_STRUCTURED_OUTPUT_BYTES = 256 * 1024
+MAX_CHOICES = 256
 INT32_MAX = (1 << 31) - 1
 INT32_MIN = -(1 << 31)
 UINT64_LIMIT = 1 << 64

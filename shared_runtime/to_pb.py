@@ -47,11 +47,31 @@ def request_to_pb(request: c.EngineCoreRequest) -> pb.EngineCoreRequest:
 
 def sampling_params_to_pb(params: c.EngineSamplingParams) -> pb.EngineSamplingParams:
     """Every engine field that is not None, by name (None leaves the optional unset). Only
-    `ENGINE_FIELDS` are written, so a `SamplingParams` passed here sends its token-level part."""
+    `ENGINE_FIELDS` are written, so a `SamplingParams` passed here sends its token-level part.
+    Struct-valued fields go through their converter (`_MESSAGE_FIELDS`)."""
     fields = {name: getattr(params, name) for name in c.ENGINE_FIELDS}
     for name in _SEQUENCE_FIELDS:
         fields[name] = [pb.TokenSequence(token_ids=ids) for ids in fields[name]]
-    return pb.EngineSamplingParams(**{name: value for name, value in fields.items() if value is not None})
+    return pb.EngineSamplingParams(**{
+        name: _MESSAGE_FIELDS[name](value) if name in _MESSAGE_FIELDS else value
+        for name, value in fields.items() if value is not None
+    })
+
+
+def structured_outputs_to_pb(so: c.StructuredOutputs) -> pb.StructuredOutputs:
+    """The set constraint in the proto's oneof (an invalid struct with several set keeps the last)."""
+    msg = pb.StructuredOutputs()
+    for name in so.kinds():
+        if name == "choice":
+            msg.choice.choices.extend(so.choice or ())
+        else:
+            setattr(msg, name, getattr(so, name))
+    if not so.kinds():  # present but empty: the engine refuses it ("got none"), as the struct says
+        msg.SetInParent()
+    return msg
+
+
+_MESSAGE_FIELDS = {"structured_outputs": structured_outputs_to_pb}
 
 
 # Fields holding lists of id lists (repeated TokenSequence on the wire).

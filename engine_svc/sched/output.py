@@ -33,6 +33,14 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True, gc=False)
     num_computed_tokens: int  # tokens in the cache before this step
 
 
+class GrammarBitmask(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    """Structured outputs this step (engine_svc/structured/bitmask.py): one row per constrained request
+    that samples, `words` = int32 rows of ceil(vocab_size / 32) words, bit t set = token t allowed."""
+
+    req_ids: list[str]
+    words: bytes
+
+
 class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -42,6 +50,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     # Requests that ended (finished or aborted) or were preempted since the previous step.
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+    # The allowed tokens of this step's constrained rows; None when no scheduled request has a grammar.
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

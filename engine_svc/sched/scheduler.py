@@ -19,11 +19,16 @@ Each step (`schedule`):
 `update_from_output` appends sampled tokens, applies the stop conditions, frees finished requests and
 builds the step's `EngineCoreOutputs`.
 
+Structured outputs (engine_svc/structured/): a request with a constraint waits in WAITING_FOR_FSM (in
+`_compiling`, not in `waiting`) until its grammar compiles off this thread; each `schedule` first moves
+the compiled ones into `waiting` with their matcher (or ends them with INVALID_ARGUMENT), then fills the
+bitmask rows of the constrained requests that sample this step. `_on_sampled` advances the matcher.
+
 Invariants:
 - Every request given to `add_request` appears exactly once in an output with a finish reason (stopped,
   length, aborted, or rejected with an error); its blocks are back in the pool by then.
 - `running` holds only RUNNING requests and `len(running) <= max_num_seqs`; `waiting` holds WAITING and
-  PREEMPTED ones. Requests in neither are unknown to the scheduler.
+  PREEMPTED ones; `_compiling` WAITING_FOR_FSM ones. Requests in none of them are unknown to the scheduler.
 - A live request never has more than `min(max_model_len, num_blocks * block_size)` tokens: on add its
   `max_total_tokens` is capped by the KV capacity too, so a request alone in the engine always fits.
 """
@@ -37,11 +42,15 @@ from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import (
     CachedRequestData,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from engine_svc.sched.request_queue import make_request_queue
+from engine_svc.structured.bitmask import BitmaskFiller
+from engine_svc.structured.compiler import GrammarCompilers, GrammarError
+from engine_svc.structured.grammar import RequestGrammar
 from engine_svc.validation import request_problem
 from shared_runtime.contract import (
     EngineCoreOutput,
@@ -70,6 +79,7 @@ class Scheduler:
         vocab_size: int | None = None,
         long_prefill_token_threshold: int = 0,
         kv_events: KVEventLog | None = None,
+        grammars: GrammarCompilers | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -99,6 +109,10 @@ class Scheduler:
         self._num_tokens_sent: dict[str, int] = {}
         self._num_blocks_sent: dict[str, int] = {}
         self._last_step = (0, 0, 0)  # scheduled, prompt, sampled tokens in the last updated step
+        # Structured outputs: the compilers (None: constraints are refused), requests waiting for theirs.
+        self.grammars = grammars
+        self._compiling: dict[str, Request] = {}
+        self._bitmask = BitmaskFiller(grammars.vocab_size) if grammars is not None else None
 
     # ---- inputs ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -112,6 +126,12 @@ class Scheduler:
         request.max_total_tokens = min(request.max_total_tokens, self.kv.num_blocks * self.block_size)
         self.kv.hash_blocks(request)
         self.requests[request.request_id] = request
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None and self.grammars is not None:
+            request.status = RequestStatus.WAITING_FOR_FSM
+            request.grammar_ticket = self.grammars.submit(constraint)
+            self._compiling[request.request_id] = request
+            return
         self.waiting.add(request)
 
     def finish_requests(
@@ -127,6 +147,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FSM:
+                del self._compiling[request_id]
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -136,12 +158,16 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens (running first, then admissions); see the module docstring."""
+        if self._compiling:
+            self._admit_compiled()
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in schedule order
         cap = self._prefill_cap()
         budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens, cap)
         if not preempted:
             self._schedule_waiting(scheduled, budget, cap)
         output = self._make_output(scheduled)
+        if self._bitmask is not None:
+            output.grammar = self._grammar_bitmask(scheduled, self._bitmask)
         # Only now, after every preemption of this step: the KV manager caches blocks when it allocates
         # them and, when a request is freed, uncaches its blocks past `num_computed_tokens` - for a
         # request undone in this step those are blocks whose K/V will never be written. The workers also
@@ -157,6 +183,41 @@ class Scheduler:
         if threshold > 0 and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
             return threshold
         return self.max_num_batched_tokens
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join `waiting` with their matcher; a constraint that did not
+        compile (or not within the compilers' timeout) ends its request with INVALID_ARGUMENT."""
+        assert self.grammars is not None
+        for request in [r for r in self._compiling.values() if _compile_settled(r)]:
+            ticket = request.grammar_ticket
+            assert ticket is not None
+            del self._compiling[request.request_id]
+            try:
+                if not ticket.done:
+                    raise GrammarError(f"the constraint did not compile within {self.grammars.timeout_s:g} s")
+                request.grammar = RequestGrammar(self.grammars.result(ticket), sorted(request.eos_token_ids))
+            except GrammarError as exc:
+                request.status = RequestStatus.FINISHED_ERROR
+                self._release(request)
+                self._emit_terminal(request, EngineError(
+                    code=ErrorCode.INVALID_ARGUMENT, message=f"sampling_params.structured_outputs: {exc}"))
+                continue
+            self.grammars.release(ticket)
+            request.grammar_ticket = None
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+
+    def _grammar_bitmask(self, scheduled: dict[str, int], filler: BitmaskFiller) -> GrammarBitmask | None:
+        """The bitmask rows of the constrained requests that sample this step (before the advance of
+        num_computed_tokens: a request samples when its scheduled tokens reach its last known token)."""
+        ids: list[str] = []
+        grammars: list[RequestGrammar] = []
+        for request_id, n in scheduled.items():
+            request = self.requests[request_id]
+            if request.grammar is not None and request.num_computed_tokens + n >= request.num_tokens:
+                ids.append(request_id)
+                grammars.append(request.grammar)
+        return filler.fill(ids, grammars) if ids else None
 
     def _schedule_running(self, scheduled: dict[str, int], budget: int, cap: int) -> tuple[int, bool]:
         """Returns (budget left, whether anything was preempted)."""
@@ -299,6 +360,8 @@ class Scheduler:
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.get_stats())
 
     def _on_sampled(self, request: Request, token: int, logprobs: SampledLogprobs | None) -> EngineCoreOutput:
+        if request.grammar is not None and not request.grammar.accept(token):
+            return self._grammar_violated(request, token)
         request.append_output_token(token)
         self.kv.hash_blocks(request)
         output = EngineCoreOutput(
@@ -317,6 +380,21 @@ class Scheduler:
             request.record_event(EventType.FINISHED)
             output.finish_reason = request.finish_reason
             output.stop_token_id = request.stop_token_id
+        output.events, request.pending_events = request.pending_events, []
+        return output
+
+    def _grammar_violated(self, request: Request, token: int) -> EngineCoreOutput:
+        """The sampled token is outside the grammar: only possible when another setting masked every
+        token the grammar allowed (min_tokens or a stop token id holding back the end it required)."""
+        request.status = RequestStatus.FINISHED_ERROR
+        self._release(request)
+        request.record_event(EventType.FINISHED)
+        output = EngineCoreOutput(
+            request_id=request.request_id, finish_reason=request.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=EngineError(code=ErrorCode.INVALID_ARGUMENT, message=(
+                f"sampling_params.structured_outputs: token {token} is not allowed by the grammar here; the "
+                "other sampling settings (min_tokens, logit_bias) left no token the grammar allows")))
         output.events, request.pending_events = request.pending_events, []
         return output
 
@@ -350,6 +428,11 @@ class Scheduler:
         """Forget a request that has just finished (its status is already final) and free its blocks."""
         self.kv.free(request)
         del self.requests[request.request_id]
+        if request.grammar_ticket is not None:
+            assert self.grammars is not None
+            self.grammars.release(request.grammar_ticket)
+            request.grammar_ticket = None
+        request.grammar = None
         self.waiting.forget(request.request_id)
         self._forget_sent(request.request_id)
         self._finished_ids.append(request.request_id)
@@ -375,6 +458,8 @@ class Scheduler:
         problem = request_problem(request, self.vocab_size)  # ids, sampling values, sizes (validation.py)
         if problem is not None:
             return problem
+        if request.sampling_params.structured_outputs is not None and self.grammars is None:
+            return "structured outputs are not available on this engine (it has no grammar compiler)"
         n = request.num_prompt_tokens
         if request.request_id in self.requests:
             return f"request id {request.request_id!r} is already in use"
@@ -397,7 +482,14 @@ class Scheduler:
     # ---- state -----------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         """True while anything is waiting, running, or an abort / rejection output is still to be sent."""
-        return bool(self.running) or len(self.waiting) > 0 or bool(self._terminal_outputs)
+        return (bool(self.running) or len(self.waiting) > 0 or bool(self._terminal_outputs)
+                or bool(self._compiling))
+
+    def has_work(self) -> bool:
+        """True when a step would do something now: `has_unfinished_requests`, except that requests whose
+        grammar is still compiling (and not past its timeout) give a step nothing to do."""
+        return (bool(self.running) or len(self.waiting) > 0 or bool(self._terminal_outputs)
+                or any(_compile_settled(r) for r in self._compiling.values()))
 
     @property
     def num_running(self) -> int:
@@ -405,7 +497,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self._compiling)
 
     def get_stats(self) -> SchedulerStats:
         """Current load and cumulative counters; the per-step token counts are those of the step last
@@ -413,7 +505,7 @@ class Scheduler:
         num_scheduled, num_prompt, num_generated = self._last_step
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=self.num_waiting,
             kv_cache_usage=self.kv.usage,
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
@@ -424,6 +516,12 @@ class Scheduler:
             num_prompt_tokens=num_prompt,
             num_generation_tokens=num_generated,
         )
+
+
+def _compile_settled(request: Request) -> bool:
+    """Its grammar compiled (or failed), or it waited past the compilers' timeout."""
+    ticket = request.grammar_ticket
+    return ticket is None or ticket.done or ticket.expired
 
 
 def _token_logprobs(token_id: int, row: tuple[float, int, list[int], list[float]]) -> TokenLogprobs:

@@ -25,6 +25,7 @@ from engine_svc.sample.logprobs import compute_prompt_logprobs
 from engine_svc.sample.metadata import RequestSamplingState, SamplingMetadata, build_sampling_metadata
 from engine_svc.sample.sampler import Sampler
 from engine_svc.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine_svc.structured.bitmask import apply_bitmask
 from engine_svc.worker.cuda_graphs import DecodeCudaGraphs
 from engine_svc.worker.input_batch import InputBatch, StepInputs
 from engine_svc.worker.staging import StepStaging
@@ -155,7 +156,10 @@ class ModelRunner:
             )
             self.staging.end_step()
             rows = hidden[: len(sample_idx)] if sample_rows is None else hidden.index_select(0, sample_rows)
-            out = self.sampler(self.model.compute_logits(rows), meta)
+            logits = self.model.compute_logits(rows)
+            if so.grammar is not None:  # structured outputs: mask the constrained rows before sampling
+                apply_bitmask(logits, so.grammar, {inputs.req_ids[i]: j for j, i in enumerate(sample_idx)})
+            out = self.sampler(logits, meta)
             tokens = out.sampled_token_ids.tolist()  # the step's one device -> host sync
             for j, i in enumerate(sample_idx):
                 sampled[i] = tokens[j]
