@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the frontend's OpenAI-compatible HTTP API (0: off; docs/openai.md)")
     p.add_argument("--max-concurrent-requests", type=int, default=None)
     p.add_argument("--routing", default=None)
+    p.add_argument("--tool-call-parser", default=None,
+                   help="the model's tool-call format for OpenAI tool_choice 'auto' (hermes; docs/openai.md)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="the frontend's Prometheus port (default 0: off, so nothing else on the host clashes)")
     p.add_argument("--engine-metrics-port", type=int, default=0, help="the engine's Prometheus port (0: off)")
@@ -131,6 +133,8 @@ def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[li
         frontend += ["--max-concurrent-requests", str(args.max_concurrent_requests)]
     if args.routing is not None:
         frontend += ["--routing", args.routing]
+    if args.tool_call_parser is not None:
+        frontend += ["--tool-call-parser", args.tool_call_parser]
     frontend += _frontend_security_args(args) + http_limit_argv(args)
     return engine, frontend
 

@@ -49,6 +49,7 @@ class ChatOptions:
     continue_final_message: bool = False
     chat_template: str | None = None  # a per-request template; None: the model's
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # chat_template_kwargs, merged
+    tools: Sequence[Mapping[str, Any]] | None = None  # OpenAI function definitions, as transformers takes them
 
 
 def render_chat(hf_tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
@@ -67,6 +68,8 @@ def render_chat(hf_tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_ge
     kwargs = template_kwargs(template, options.template_kwargs)
     kwargs.update(add_generation_prompt=add_generation_prompt,
                   continue_final_message=options.continue_final_message)
+    if options.tools:
+        kwargs["tools"] = [dict(tool) for tool in options.tools]
     try:
         text: str = hf_tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                                      **kwargs)

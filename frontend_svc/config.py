@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from frontend_svc.gguf_tokenizer import is_gguf, model_limits, read_metadata
+from frontend_svc.openai.tool_parsers import TOOL_CALL_PARSER_NAMES
 from frontend_svc.router import POLICIES, CacheAwareSettings
 from shared_runtime.security.http_limits import HttpLimits
 from shared_runtime.security.tls import TlsConfigError, TlsFiles
@@ -54,6 +55,7 @@ class FrontendConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)  # headers, timeouts, connection cap
     engine_tokenizer_sha256: str | None = None  # set when the tokenizer came from the engines (GetTokenizer)
     tokenizer_fetch_timeout_s: float = 600.0  # without --model: how long to wait for an engine's tokenizer
+    tool_call_parser: str | None = None  # OpenAI tool_choice "auto": the model's call format (vLLM's flag)
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -82,6 +84,9 @@ class FrontendConfig:
             raise ConfigError(f"--max-message-bytes must be >= 1024, got {self.max_message_bytes}")
         if self.dns_refresh_s <= 0:
             raise ConfigError(f"dns_refresh_s must be > 0, got {self.dns_refresh_s}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSER_NAMES:
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSER_NAMES)}, "
+                              f"got {self.tool_call_parser!r}")
         if self.tokenizer_threads < 0:
             raise ConfigError(f"--tokenizer-threads must be >= 0, got {self.tokenizer_threads}")
         self._check_security()

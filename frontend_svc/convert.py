@@ -21,6 +21,7 @@ from tandem.v1 import generation_pb2 as pb
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from frontend_svc.processor import ChatPrompt, Prompt
 from shared_runtime.contract import SamplingParams
+from shared_runtime.from_pb import structured_outputs_from_pb
 from shared_runtime.violations import FieldViolation, ValidationError
 
 _FINISH_REASONS = {
@@ -76,6 +77,8 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
             logit_bias=dict(msg.logit_bias),
             allowed_token_ids=list(msg.allowed_token_ids),
             bad_words=list(msg.bad_words),
+            structured_outputs=(structured_outputs_from_pb(msg.structured_outputs)
+                                if has("structured_outputs") else None),
         )
     except ValidationError as exc:
         raise ValidationError(v.with_prefix("sampling_params") for v in exc.violations) from None

@@ -41,7 +41,7 @@ class ChatPrompt:
     """A chat prompt: `messages` are {"role": ..., "content": ...} dicts, rendered by the chat template
     (`options`: continue the final message, a per-request template, extra template variables)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     options: ChatOptions | None = None
 
@@ -330,7 +330,8 @@ def _chat_violation(messages: Sequence[Any]) -> str | None:
             return "every message must be a {role, content} mapping"
         if not isinstance(message.get("role"), str) or not message["role"]:
             return "every message needs a non-empty role"
-        if not isinstance(message.get("content"), str):
+        if not isinstance(message.get("content"), str) and not (message.get("tool_calls") and
+                                                                  message.get("content") is None):
             return "every message needs a string content"
     return None
 

@@ -236,7 +236,8 @@ class FrontendServer:
             from frontend_svc.openai.serve import HttpServer  # starlette and uvicorn load only when asked for
 
             self.http = HttpServer(self, self.config.host, self.config.http_port, self.config.max_message_bytes,
-                                   self.config.tls, limits=self.config.http_limits)
+                                   self.config.tls, limits=self.config.http_limits,
+                                   tool_call_parser=self.config.tool_call_parser)
             await self.http.start()
         logger.info("frontend listening on %s (%s%s); engines: %s",
                     join_host_port(self.config.host, self.bound_port), self._security_summary(),

@@ -20,6 +20,7 @@ import enum
 from typing import Any
 
 from tandem.engine.v1 import engine_core_pb2 as pb
+from tandem.v1 import generation_pb2 as pub
 
 from shared_runtime import contract as c
 
@@ -84,8 +85,9 @@ def sampling_params_from_pb(msg: pb.EngineSamplingParams) -> c.EngineSamplingPar
     return c.EngineSamplingParams(**fields)  # type: ignore[arg-type]
 
 
-def structured_outputs_from_pb(msg: pb.StructuredOutputs) -> c.StructuredOutputs:
-    """The struct with the oneof's one field set (none, when the message is empty)."""
+def structured_outputs_from_pb(msg: pb.StructuredOutputs | pub.StructuredOutputs) -> c.StructuredOutputs:
+    """The struct with the oneof's one field set (none, when the message is empty). The public
+    `tandem.v1.StructuredOutputs` has the same fields, so the gRPC API's mapper uses this too."""
     kind = msg.WhichOneof("constraint")
     if kind is None:
         return c.StructuredOutputs()

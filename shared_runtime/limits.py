@@ -62,6 +62,7 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18
 MAX_BAD_WORDS = 128
 MAX_STRUCTURED_OUTPUT_BYTES = 256 * 1024
 MAX_CHOICES = 256
+MAX_TOOLS = 128  # tool definitions per chat request (their schemas count toward the body limit)
 INT32_MAX = (1 << 31) - 1
 INT32_MIN = -(1 << 31)
 UINT64_LIMIT = 1 << 64

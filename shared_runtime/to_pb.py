@@ -22,6 +22,7 @@ tests/protos/test_wire.py::test_outputs_to_pb_timing prints it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgspec
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
@@ -49,13 +50,14 @@ def sampling_params_to_pb(params: c.EngineSamplingParams) -> pb.EngineSamplingPa
     """Every engine field that is not None, by name (None leaves the optional unset). Only
     `ENGINE_FIELDS` are written, so a `SamplingParams` passed here sends its token-level part.
     Struct-valued fields go through their converter (`_MESSAGE_FIELDS`)."""
-    fields = {name: getattr(params, name) for name in c.ENGINE_FIELDS}
+    fields: dict[str, Any] = {name: getattr(params, name) for name in c.ENGINE_FIELDS}
     for name in _SEQUENCE_FIELDS:
         fields[name] = [pb.TokenSequence(token_ids=ids) for ids in fields[name]]
-    return pb.EngineSamplingParams(**{
+    values: dict[str, Any] = {
         name: _MESSAGE_FIELDS[name](value) if name in _MESSAGE_FIELDS else value
         for name, value in fields.items() if value is not None
-    })
+    }
+    return pb.EngineSamplingParams(**values)
 
 
 def structured_outputs_to_pb(so: c.StructuredOutputs) -> pb.StructuredOutputs:

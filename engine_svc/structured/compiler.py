@@ -33,6 +33,10 @@ from typing import Any
 from shared_runtime.contract import StructuredOutputs
 
 Key = tuple[str, str]
+# JSON may be written compact or pretty-printed (any whitespace between tokens, as vLLM allows), but at
+# most this many whitespace characters in a row: enough for indented output 7 levels deep, and a small
+# model cannot spend its max_tokens on an endless run of spaces and newlines inside the object.
+MAX_JSON_WHITESPACE = 16
 
 
 class GrammarError(ValueError):
@@ -155,7 +159,7 @@ class GrammarCompilers:
         compiler = self._get_compiler()
         kind, text = key
         if kind == "json":
-            return compiler.compile_json_schema(text, any_whitespace=True)
+            return compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if kind == "json_object":
             return compiler.compile_builtin_json_grammar()
         if kind == "regex":

@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_svc.errors import ServiceError
 from frontend_svc.generation import GenerationBackend
-from frontend_svc.openai import convert, sse
+from frontend_svc.openai import convert, sse, tools
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import (
     ApiError,
@@ -85,9 +85,10 @@ class ApiKeyAuth:
 class OpenAIApi:
     """The routes, bound to one frontend (`GenerationBackend`: nothing else of it is used here)."""
 
-    def __init__(self, frontend: GenerationBackend, max_body_bytes: int) -> None:
+    def __init__(self, frontend: GenerationBackend, max_body_bytes: int, tool_call_parser: str | None = None) -> None:
         self.frontend = frontend
         self.max_body_bytes = max_body_bytes
+        self.tool_call_parser = tool_call_parser  # tool_choice "auto" (frontend_svc/openai/tools.py)
         self.texts = convert.TokenTexts(frontend.tokenizer)
         self.created = int(time.time())
 
@@ -141,11 +142,16 @@ class OpenAIApi:
         body = await self._parse(request, p.ChatCompletionRequest)
         self._check(body)
         names = convert.field_names(body)
+        try:
+            tools.check(body, self.tool_call_parser)
+        except ValidationError as exc:
+            raise names.error(exc) from None
         prompt = convert.chat_prompt(body)
         params = self._params(body, names, 1)
         request_id = _request_id(request, body.request_id)
         builder = convert.ChatBuilder(f"chatcmpl-{request_id}", self.frontend.model_name, body.n, 1,
                                       self.texts, params.logprobs, echo=convert.chat_echo(body, prompt.messages))
+        builder.with_tool_calls(tools.tool_calls_factory(body, self.tool_call_parser))
         run = Run(self.frontend, _headers(request), "/v1/chat/completions", [prompt], params, request_id,
                   body.priority, names, convert.prompt_options(body))
         return await self._respond(request, run, builder, body, request_id)

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.chat_template import ChatOptions
 from frontend_svc.openai import protocol as p
+from frontend_svc.openai import structured, tools
 from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, model_not_found
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from frontend_svc.processor import ChatPrompt, Prompt, PromptOptions
@@ -59,10 +61,6 @@ def unsupported(request: p.CompletionRequest | p.ChatCompletionRequest) -> ApiEr
         if request.best_of is not None and request.best_of != request.n:
             return bad_request("best_of must equal n (beam-style best_of is not supported)", "best_of")
         return None
-    if request.tools or request.functions:
-        return bad_request("tool calling is not supported", "tools" if request.tools else "functions")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        return bad_request("only response_format {'type': 'text'} is supported", "response_format.type")
     return None
 
 
@@ -78,11 +76,10 @@ def completion_prompts(prompt: p.CompletionPrompt) -> list[Prompt]:
 
 
 def chat_prompt(request: p.ChatCompletionRequest) -> ChatPrompt:
-    """Messages as the chat template takes them (text parts joined by newlines, as vLLM does)."""
-    messages: list[dict[str, str]] = []
+    """Messages as the chat template takes them (text parts joined by newlines, as vLLM does), with the
+    tools and the messages' tool calls (tools.py)."""
+    messages: list[dict[str, Any]] = []
     for i, message in enumerate(request.messages):
-        if message.tool_calls:
-            raise bad_request("tool calls are not supported", f"messages.[{i}].tool_calls")
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -92,9 +89,13 @@ def chat_prompt(request: p.ChatCompletionRequest) -> ChatPrompt:
                                       f"messages.[{i}].content.[{j}].type")
                 texts.append(part.text)
             content = "\n".join(texts)
-        entry = {"role": message.role, "content": content or ""}
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = tools.message_tool_calls(message.tool_calls)
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)
     return ChatPrompt(messages=messages, add_generation_prompt=request.add_generation_prompt,
                       options=chat_options(request))
@@ -113,7 +114,8 @@ def chat_options(request: p.ChatCompletionRequest) -> ChatOptions:
         extras["enable_thinking"] = request.reasoning_effort != "none"
     kwargs.update((k, v) for k, v in extras.items() if v is not None)
     return ChatOptions(continue_final_message=request.continue_final_message,
-                       chat_template=request.chat_template, template_kwargs=kwargs)
+                       chat_template=request.chat_template, template_kwargs=kwargs,
+                       tools=tools.template_tools(request))
 
 
 def chat_echo(request: p.ChatCompletionRequest, messages: list[dict[str, str]]) -> str:
@@ -174,6 +176,8 @@ def sampling_params(request: p.CompletionRequest | p.ChatCompletionRequest) -> S
         logit_bias=_logit_bias(request.logit_bias),
         allowed_token_ids=request.allowed_token_ids or [],
         bad_words=request.bad_words or [],
+        structured_outputs=structured.request_constraint(
+            request, tools.constraint(request) if isinstance(request, p.ChatCompletionRequest) else None),
     )
 
 
@@ -302,6 +306,7 @@ class _Builder:
         self.top_n = top_n  # None: no logprobs asked
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         self.usage = _Usage()
+        self.tool_calls: list[tools.ToolCalls] = []  # chat: one per choice while tool calls are parsed
 
     def index(self, prompt_index: int, delta: CompletionDelta) -> int:
         return prompt_index * self.n + delta.index
@@ -409,9 +414,18 @@ class ChatBuilder(_Builder):
         logprobs = self._logprobs(delta)
         if not delta.text and logprobs is None and delta.finish_reason is None:
             return None
-        message = p.DeltaMessage(content=delta.text) if delta.text else p.DeltaMessage()
-        out = p.ChatChunkChoice(index=self.index(prompt_index, delta), delta=message, logprobs=logprobs,
-                                finish_reason=delta.finish_reason)
+        index = self.index(prompt_index, delta)
+        calls = self.tool_calls[index] if self.tool_calls else None
+        if calls is not None:  # tool calling: content and tool-call pieces out of the text
+            message = calls.delta(delta.text, finished=delta.finish_reason is not None)
+            if message.content is None and message.tool_calls is None and logprobs is None \
+                    and delta.finish_reason is None:
+                return None
+            finish_reason = calls.finish_reason(delta.finish_reason)
+        else:
+            message = p.DeltaMessage(content=delta.text) if delta.text else p.DeltaMessage()
+            finish_reason = delta.finish_reason
+        out = p.ChatChunkChoice(index=index, delta=message, logprobs=logprobs, finish_reason=finish_reason)
         if delta.finish_reason is not None:
             out.stop_reason = delta.stop_reason
         return self._chunk([out], with_usage)
@@ -429,9 +443,25 @@ class ChatBuilder(_Builder):
                 choice.chat_logprobs = []
             choice.chat_logprobs.extend(logprobs.content)
 
+    def with_tool_calls(self, make: Callable[[], tools.ToolCalls] | None) -> ChatBuilder:
+        """Parse each choice's text into tool calls (tools.py) with a `ToolCalls` from `make`."""
+        self.tool_calls = [make() for _ in self.choices] if make is not None else []
+        return self
+
+    def _message(self, index: int, text: str) -> tuple[p.ChatMessageOut, str | None]:
+        reason = self.choices[index].finish_reason
+        if not self.tool_calls:
+            return p.ChatMessageOut(content=text), reason
+        calls = self.tool_calls[index]
+        return calls.message(text), calls.finish_reason(reason)
+
     def response(self) -> str:
-        choices = [p.ChatChoice(index=i, message=p.ChatMessageOut(content=self.echo + "".join(c.text)),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        messages = [self._message(i, "".join(c.text)) for i, c in enumerate(self.choices)]
+        if self.echo:  # vLLM's chat echo: the last message's content before each choice's own
+            for message, _ in messages:
+                message.content = self.echo + (message.content or "")
+        choices = [p.ChatChoice(index=i, message=messages[i][0],
+                                finish_reason=messages[i][1], stop_reason=c.stop_reason,
                                 logprobs=(p.ChatLogprobs(content=c.chat_logprobs or [])
                                           if self.top_n is not None else None))
                    for i, c in enumerate(self.choices)]

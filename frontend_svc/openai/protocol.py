@@ -40,6 +40,52 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text, json_object, or json_schema (with `json_schema.schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs` extra field (exactly one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _Sampling(_Request):
     """Fields both generation endpoints share."""
 
@@ -93,7 +139,9 @@ class _Sampling(_Request):
     repetition_detection: Any = None
     thinking_token_budget: Any = None
     stream_interval: Any = None
-    structured_outputs: Any = None
+    # Structured outputs (frontend_svc/openai/structured.py): OpenAI's and vLLM's spellings
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 # vLLM's request fields tandem refuses (400 naming the field) unless absent, null or vLLM's default,
@@ -105,13 +153,11 @@ REFUSED_COMMON: dict[str, object] = {
     "return_token_offsets": False, "routed_experts_prompt_start": 0, "mm_payload": "tensors",
     "return_mm_kwargs": False, "cache_salt": None, "kv_transfer_params": None, "ec_transfer_params": None,
     "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None, "stream_interval": None,
-    "structured_outputs": None,
 }
 REFUSED_COMPLETION: dict[str, object] = {**REFUSED_COMMON, "echo": False, "suffix": None,
-                                         "prompt_embeds": None, "response_format": None}
+                                         "prompt_embeds": None}
 REFUSED_CHAT: dict[str, object] = {**REFUSED_COMMON, "return_prompt_text": False, "media_io_kwargs": None,
-                                   "mm_processor_kwargs": None, "include_reasoning": True,
-                                   "tool_choice": "none", "parallel_tool_calls": True}
+                                   "mm_processor_kwargs": None, "include_reasoning": True}
 
 
 # Token ids first, members tried in order: a 4 MiB list of ids validates in one pass (~50 ms here) where
@@ -134,6 +180,38 @@ class CompletionRequest(_Sampling):
     response_format: Any = None
 
 
+class FunctionCall(BaseModel):
+    """A function call (request messages and responses): `arguments` is JSON text."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first carries `id`, `type` and the name, later ones argument
+    text to append (OpenAI's streaming shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class TextPart(_Request):
     type: str
     text: str | None = None
@@ -143,7 +221,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -164,16 +243,15 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     # a template variable, as vLLM passes it (with enable_thinking unless chat_template_kwargs sets it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     # refused unless vLLM's default (REFUSED_CHAT)
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     include_reasoning: Any = None
     return_prompt_text: Any = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=limits.MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None
 
 
 # ---- responses ---------------------------------------------------------------------------------------
@@ -240,6 +318,7 @@ class ChatLogprobs(_Response):
 class ChatMessageOut(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -262,6 +341,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

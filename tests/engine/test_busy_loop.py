@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -66,6 +67,7 @@ class FakeCore:
         self.num_steps = 0
         self._aborted: list[str] = []
         self.kv_events: KVEventLog | None = None  # what the prefix cache recorded (None: events off)
+        self.grammars = SimpleNamespace(on_done=None)  # the loop points on_done at its inbox
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.requests[request.request_id] = FakeRequest(request)
@@ -75,6 +77,9 @@ class FakeCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
+
+    def has_work(self) -> bool:
+        return self.has_unfinished_requests()
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)

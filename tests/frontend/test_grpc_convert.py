@@ -9,7 +9,7 @@ import pytest
 from tandem.v1 import generation_pb2 as pb
 
 from frontend_svc.convert import sampling_params_from_pb
-from shared_runtime.contract import SamplingParams
+from shared_runtime.contract import SamplingParams, StructuredOutputs
 from shared_runtime.violations import ValidationError
 
 # A non-default value for every public field (exact in float32, as the public proto carries floats).
@@ -19,13 +19,16 @@ EVERY_FIELD: dict[str, Any] = {
     "ignore_eos": True, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.25,
     "logprobs": 2, "prompt_logprobs": 1, "n": 3, "skip_special_tokens": False,
     "logit_bias": {5: 1.5, 9: -100.0}, "allowed_token_ids": [5, 6, 7], "bad_words": ["x", "y z"],
+    "structured_outputs": pb.StructuredOutputs(choice=pb.Choices(choices=["yes", "no"])),
 }
+# What each field becomes in the contract, where that is not the proto value itself.
+CONTRACT_VALUE: dict[str, Any] = {"structured_outputs": StructuredOutputs(choice=["yes", "no"])}
 
 
 def test_every_public_field_reaches_the_contract_under_its_name() -> None:
     assert set(EVERY_FIELD) == set(pb.SamplingParams.DESCRIPTOR.fields_by_name)  # a new field: add it here
     params = sampling_params_from_pb(pb.SamplingParams(**EVERY_FIELD))
-    assert {name: getattr(params, name) for name in EVERY_FIELD} == EVERY_FIELD
+    assert {name: getattr(params, name) for name in EVERY_FIELD} == {**EVERY_FIELD, **CONTRACT_VALUE}
 
 
 def test_unset_fields_are_the_documented_defaults() -> None:

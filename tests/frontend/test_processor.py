@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from frontend_svc.processor import ChatPrompt, Processor, PromptOptions
-from shared_runtime.contract import ENGINE_FIELDS, EngineCoreRequest, EngineSamplingParams, SamplingParams
+from shared_runtime.contract import (
+    ENGINE_FIELDS,
+    EngineCoreRequest,
+    EngineSamplingParams,
+    SamplingParams,
+    StructuredOutputs,
+)
 from shared_runtime.violations import ValidationError
 
 MAX_LEN = 64
@@ -119,7 +125,8 @@ def test_engine_requests_carry_every_engine_field():
     values = {"temperature": 0.5, "top_p": 0.5, "top_k": 7, "min_p": 0.1, "seed": 3, "max_tokens": 9,
               "min_tokens": 2, "stop_token_ids": [4], "ignore_eos": True, "presence_penalty": 0.5,
               "frequency_penalty": -0.5, "repetition_penalty": 1.5, "logprobs": 2, "prompt_logprobs": 1,
-              "logit_bias": {3: -1.5}, "allowed_token_ids": [1, 5], "bad_words_token_ids": [[2, 3], [4]]}
+              "logit_bias": {3: -1.5}, "allowed_token_ids": [1, 5], "bad_words_token_ids": [[2, 3], [4]],
+              "structured_outputs": StructuredOutputs(regex="a+")}
     assert set(values) == set(ENGINE_FIELDS)
     engine = SamplingParams(**values, stop=["x"], n=2).engine_params()
     assert {name: getattr(engine, name) for name in ENGINE_FIELDS} == values

@@ -48,6 +48,8 @@ def test_public_finish_reason_numbers_match_the_struct() -> None:
     ("struct", "message"),
     [
         (p.EngineSamplingParams, pb.EngineSamplingParams),
+        (p.StructuredOutputs, pb.StructuredOutputs),
+        (p.StructuredOutputs, public_pb.StructuredOutputs),
         (p.EngineCoreRequest, pb.EngineCoreRequest),
         (p.TokenLogprobs, pb.TokenLogprobs),
         (p.RequestEvent, pb.RequestEvent),
@@ -71,7 +73,7 @@ def test_the_public_sampling_params_are_the_contracts() -> None:
 
 
 def test_optional_fields_are_the_structs_nullable_ones() -> None:
-    nullable = {"seed", "max_tokens", "logprobs", "prompt_logprobs"}
+    nullable = {"seed", "max_tokens", "logprobs", "prompt_logprobs", "structured_outputs"}
     defaults_not_zero = {"temperature", "top_p", "repetition_penalty"}
     presence = {f.name for f in pb.EngineSamplingParams.DESCRIPTOR.fields if f.has_presence}
     assert presence == nullable | defaults_not_zero
@@ -102,6 +104,7 @@ def _full_request() -> p.EngineCoreRequest:
             logprobs=0,
             prompt_logprobs=5,
             logit_bias={7: -100.0, 2**32 - 1: 0.125},
+            structured_outputs=p.StructuredOutputs(json='{"type": "object"}'),
         ),
         eos_token_ids=[2, 32000],
         arrival_time=1_700_000_000.123456,
@@ -160,7 +163,14 @@ def test_a_frontend_sampling_params_sends_its_token_level_part() -> None:
     stop_token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=3), ignore_eos=st.booleans(),
     presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2), repetition_penalty=st.floats(0, 9),
     logprobs=st.none() | st.integers(0, 2**32 - 1), prompt_logprobs=st.none() | st.integers(0, 2**32 - 1),
-    logit_bias=st.dictionaries(st.integers(0, 2**32 - 1), st.floats(-100, 100), max_size=4)))
+    logit_bias=st.dictionaries(st.integers(0, 2**32 - 1), st.floats(-100, 100), max_size=4),
+    structured_outputs=st.none() | st.one_of(
+        st.builds(p.StructuredOutputs, json=st.text(max_size=20)),
+        st.builds(p.StructuredOutputs, json_object=st.just(True)),
+        st.builds(p.StructuredOutputs, regex=st.text(max_size=20)),
+        st.builds(p.StructuredOutputs, choice=st.lists(st.text(max_size=5), max_size=3)),
+        st.builds(p.StructuredOutputs, grammar=st.text(max_size=20)),
+        st.builds(p.StructuredOutputs, structural_tag=st.text(max_size=20)))))
 def test_sampling_params_round_trip_property(params: p.EngineSamplingParams) -> None:
     assert from_pb.sampling_params_from_pb(_over_the_wire(to_pb.sampling_params_to_pb(params))) == params
 
