@@ -12,7 +12,8 @@
     item); `finish_reason` "tool_calls".
   - "auto": the model writes calls in its own format and the server's `--tool-call-parser` (vLLM's
     flag; `hermes` here) takes them out of the text (tool_parsers.py); `finish_reason` "tool_calls" when
-    it found one. Without a parser "auto" is a 400, as vLLM answers without --enable-auto-tool-choice.
+    it found one; with `parallel_tool_calls: false` only the first call is kept (vLLM's filter). Without
+    a parser "auto" is a 400, as vLLM answers without --enable-auto-tool-choice.
 - Streaming sends OpenAI's tool-call deltas: the first for a call carries `index`, `id`, `type` and the
   function's name with empty arguments, later ones pieces of the arguments (concatenated, they are the
   non-streaming `arguments`: both come from the same incremental parser).
@@ -133,9 +134,10 @@ class _NamedParser:
 class ToolCalls:
     """One choice's tool calls, fed the choice's text deltas (streaming) or its whole text."""
 
-    def __init__(self, parser: _Parser, finish_as_tool_calls: bool) -> None:
+    def __init__(self, parser: _Parser, finish_as_tool_calls: bool, max_calls: int | None = None) -> None:
         self._parser = parser
         self._finish_as_tool_calls = finish_as_tool_calls  # "required" / "auto", not a named choice
+        self._max_calls = max_calls  # parallel_tool_calls false with "auto": calls after the first dropped
         self._ids: list[str] = []
         self.content: list[str] = []
         self.calls: list[p.ToolCall] = []
@@ -144,7 +146,8 @@ class ToolCalls:
         """The stream delta for `text` (and the flush at the end): content and tool-call pieces."""
         events = self._parser.feed(text) + (self._parser.finish() if finished else [])
         content = "".join(e.text for e in events if e.kind == "content")
-        calls = [self._delta_call(e) for e in events if e.kind != "content"]
+        calls = [self._delta_call(e) for e in events
+                 if e.kind != "content" and (self._max_calls is None or e.index < self._max_calls)]
         self.content.append(content)
         message = p.DeltaMessage()
         if content:
@@ -187,5 +190,6 @@ def tool_calls_factory(request: p.ChatCompletionRequest, parser: str | None) -> 
         return lambda: ToolCalls(RequiredParser(), finish_as_tool_calls=True)
     if choice == "auto" and parser is not None:
         parser_cls = TOOL_CALL_PARSERS[parser]
-        return lambda: ToolCalls(parser_cls(), finish_as_tool_calls=True)
+        max_calls = None if request.parallel_tool_calls else 1
+        return lambda: ToolCalls(parser_cls(), finish_as_tool_calls=True, max_calls=max_calls)
     return None
