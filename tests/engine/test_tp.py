@@ -11,6 +11,7 @@ repeated 32-token prefix hits the prefix cache. llama has GQA (2 KV heads: one p
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from engine_svc.executor.worker_proc import FAULT_ENV
 from engine_svc.worker.worker import Worker
+from shared_runtime.contract import StructuredOutputs
 from tests.engine.test_hf_exact import MAX_TOKENS, assert_no_block_leaks, hf_greedy, make_prompts
 from tests.engine.test_multiproc import assert_cleaned_up
 
@@ -182,3 +184,18 @@ def test_sigkill_of_a_worker_fails_generate_and_cleans_up(tp_llms) -> None:
     assert_cleaned_up(pids, segments)
     with pytest.raises(WorkerDiedError):
         llm.engine.executor.check_health()
+
+
+def test_tp2_structured_outputs_equal_tp1(make_model, tp_llms) -> None:
+    """The grammar bitmask is computed once on the driver and travels with the step: every rank masks the
+    same rows, so constrained greedy outputs (with chunked prefill and preemption) equal TP=1's."""
+    pattern = r"(ab|cd|[0-9]){4,20}"
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputs(regex=pattern))
+    prompts = make_prompts(11, 4, 500, lo=20, hi=30)
+    tp1 = LLM(str(make_model("llama")), **ENGINE_ARGS)
+    want = token_ids(tp1.generate(prompts, params, use_tqdm=False))
+    got = tp_llms["llama"].generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == want
+    for out in got:
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    assert_no_block_leaks(tp_llms["llama"])
