@@ -178,7 +178,9 @@ class GrammarCompilers:
                 import xgrammar as xgr
 
                 info = load_tokenizer_info(self.model, self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                # cache_enabled=False: the LRU above is the cache (xgrammar 0.2.x's own per-rule cache
+                # fails a check on string patterns with a bounded repetition, e.g. "^[a-z]{1,300}$")
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
 
