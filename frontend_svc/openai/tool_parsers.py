@@ -191,7 +191,23 @@ class _CallSequence:
         return consumed
 
 
-class HermesParser:
+class _CharParser:
+    """Feeds text char by char to `_feed_char`; returns the events merged (one per call per feed)."""
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
+        for ch in text:
+            self._feed_char(ch, events)
+        return _merged(events)
+
+    def finish(self) -> list[ToolEvent]:
+        return []
+
+    def _feed_char(self, ch: str, events: list[ToolEvent]) -> None:
+        raise NotImplementedError
+
+
+class HermesParser(_CharParser):
     """`<tool_call>{json}</tool_call>` calls after optional content (see the module docstring)."""
 
     START = "<tool_call>"
@@ -203,12 +219,6 @@ class HermesParser:
         self._seen_call = False
         self._obj = _CallObject("arguments")
         self._calls = _CallSequence()
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        events: list[ToolEvent] = []
-        for ch in text:
-            self._feed_char(ch, events)
-        return _merged(events)
 
     def finish(self) -> list[ToolEvent]:
         """What is still held back (content that turned out not to start a call)."""
@@ -244,22 +254,13 @@ class HermesParser:
             events.append(ToolEvent("content", emit))
 
 
-class RequiredParser:
+class RequiredParser(_CharParser):
     """The JSON array of tool_choice "required": `[{"name": ..., "parameters": {...}}, ...]`."""
 
     def __init__(self) -> None:
         self._state = "start"  # start, item, call, after, done
         self._obj = _CallObject("parameters")
         self._calls = _CallSequence()
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        events: list[ToolEvent] = []
-        for ch in text:
-            self._feed_char(ch, events)
-        return _merged(events)
-
-    def finish(self) -> list[ToolEvent]:
-        return []
 
     def _feed_char(self, ch: str, events: list[ToolEvent]) -> None:
         if self._state == "call":
