@@ -169,6 +169,7 @@ class BusyLoop(threading.Thread):
             self._on_fatal(exc)
             return
         self.core.grammars.on_done = self._wake
+        self.core.grammars.prewarm()
         self._on_ready(self.core)
         try:
             self._loop(self.core)

@@ -96,6 +96,7 @@ class EngineCore:
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids:
             return _NOTHING_RAN
+        self.executor.lend_core(self.grammars.num_waiting() > 0)
         return self.executor.execute_model(so)
 
     def has_unfinished_requests(self) -> bool:

@@ -63,6 +63,10 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def lend_core(self, lend: bool) -> None:  # noqa: B027 - a no-op is the right default
+        """While `lend` holds, leave one CPU core to work running beside the step in this process (grammar
+        compiles). Only an in-process CPU model competes for those cores; other executors ignore it."""
+
     def check_health(self) -> None:  # noqa: B027 - a no-op is the right default
         """Raise if a worker is dead. Uniproc workers die with the engine, so nothing to do by default."""
 

@@ -19,6 +19,10 @@ class UniprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def lend_core(self, lend: bool) -> None:
+        if self.worker.device.type == "cpu":
+            self.worker.lend_core(lend)
+
     def shutdown(self) -> None:
         self.worker = None  # type: ignore[assignment]
 

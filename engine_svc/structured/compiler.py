@@ -19,6 +19,7 @@ may exceed the tokenizer's: the extra ids are never allowed).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import threading
@@ -133,6 +134,13 @@ class GrammarCompilers:
     def num_waiting(self) -> int:
         with self._lock:
             return sum(self._waiters.values())
+
+    def prewarm(self) -> None:
+        """A serving engine builds the vocabulary view now, on a pool thread, instead of inside the first
+        constrained request: the tokenizer load holds the GIL for about a second, which streams in flight
+        would feel. A failure is left for that first request to hit again and report."""
+        if importlib.util.find_spec("xgrammar") is not None:
+            self._pool.submit(self._get_compiler).add_done_callback(lambda f: f.exception())
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -67,7 +67,7 @@ class FakeCore:
         self.num_steps = 0
         self._aborted: list[str] = []
         self.kv_events: KVEventLog | None = None  # what the prefix cache recorded (None: events off)
-        self.grammars = SimpleNamespace(on_done=None)  # the loop points on_done at its inbox
+        self.grammars = SimpleNamespace(on_done=None, prewarm=lambda: None)  # on_done: the loop's inbox
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.requests[request.request_id] = FakeRequest(request)

@@ -237,10 +237,6 @@ def test_streamed_tool_calls_reassemble_to_the_non_streaming_calls(served: Serve
     assert streamed_calls(served, **auto) == (content, calls, finish)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap (/work/notes/i20.md): passed on a quiet machine, but on the shared 2-core box the victim's "
-    "longest gap reached 1.4-2.9 s while the schema compiled; the compile releases the GIL, the cause "
-    "(CPU starvation of the step's torch threads, the vocabulary build) is not settled"))
 def test_a_victim_stream_keeps_flowing_while_a_slow_schema_compiles(served: Served) -> None:
     arrivals: list[float] = []
     victim = served.api.Generate(pb.GenerateRequest(text="Tell me a long story.", sampling_params=pb.SamplingParams(
