@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -50,7 +51,10 @@ def test_a_2000_token_prompt_does_not_stall_a_streaming_victim(smollm2_dir: Path
     print(f"[stall] {len(gaps)} victim tokens during the prefill, max gap {max(gaps) * 1000:.0f} ms, "
           f"prefill {victim_tokens[-1] - start:.1f} s")
     assert len(gaps) >= PROMPT_TOKENS // 64 - 1  # a token every step the prompt was prefilled
-    assert max(gaps) < MAX_VICTIM_GAP_S, f"the victim waited {max(gaps) * 1000:.0f} ms for a token"
+    # Wall-clock bound, scaled when the machine is loaded (a shared CI box stretches every step alike, and a
+    # step prefilling far more than 64 tokens still stands out against the median of the others).
+    bound = max(MAX_VICTIM_GAP_S, 3 * statistics.median(gaps))
+    assert max(gaps) < bound, f"the victim waited {max(gaps) * 1000:.0f} ms for a token (bound {bound * 1000:.0f} ms)"
     core.abort_requests(["victim"])
     while core.has_unfinished_requests():
         core.step()
