@@ -302,6 +302,11 @@ def _min_tokens_mask(states: list[RequestSamplingState], stage: Stage) -> tuple[
         if len(s.output_token_ids) < s.min_tokens:
             rows.extend([i] * len(s.min_tokens_held_ids))
             cols.extend(s.min_tokens_held_ids)
+    return _stage_pairs(rows, cols, stage)
+
+
+def _stage_pairs(rows: list[int], cols: list[int], stage: Stage) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token id) pairs staged as two int64 tensors; None when there are none."""
     if not rows:
         return None
     row_ids, col_ids = stage([np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)])
@@ -338,10 +343,7 @@ def _bad_words_mask(states: list[RequestSamplingState], stage: Stage) -> tuple[t
             if prefix <= len(out) and (prefix == 0 or out[-prefix:] == word[:-1]):
                 rows.append(i)
                 cols.append(word[-1])
-    if not rows:
-        return None
-    row_ids, col_ids = stage([np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)])
-    return row_ids, col_ids
+    return _stage_pairs(rows, cols, stage)
 
 
 def _logit_bias(
