@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", default=None)
     p.add_argument("--tool-call-parser", default=None,
                    help="the model's tool-call format for OpenAI tool_choice 'auto' (hermes; docs/openai.md)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat request's own chat_template (vLLM's flag; only for trusted clients)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="the frontend's Prometheus port (default 0: off, so nothing else on the host clashes)")
     p.add_argument("--engine-metrics-port", type=int, default=0, help="the engine's Prometheus port (0: off)")
@@ -135,6 +137,8 @@ def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[li
         frontend += ["--routing", args.routing]
     if args.tool_call_parser is not None:
         frontend += ["--tool-call-parser", args.tool_call_parser]
+    if args.trust_request_chat_template:
+        frontend.append("--trust-request-chat-template")
     frontend += _frontend_security_args(args) + http_limit_argv(args)
     return engine, frontend
 

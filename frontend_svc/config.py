@@ -56,6 +56,7 @@ class FrontendConfig:
     engine_tokenizer_sha256: str | None = None  # set when the tokenizer came from the engines (GetTokenizer)
     tokenizer_fetch_timeout_s: float = 600.0  # without --model: how long to wait for an engine's tokenizer
     tool_call_parser: str | None = None  # OpenAI tool_choice "auto": the model's call format (vLLM's flag)
+    trust_request_chat_template: bool = False  # accept a chat request's own chat_template (vLLM's flag)
 
     def __post_init__(self) -> None:
         if self.model is not None:

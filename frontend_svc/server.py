@@ -237,7 +237,8 @@ class FrontendServer:
 
             self.http = HttpServer(self, self.config.host, self.config.http_port, self.config.max_message_bytes,
                                    self.config.tls, limits=self.config.http_limits,
-                                   tool_call_parser=self.config.tool_call_parser)
+                                   tool_call_parser=self.config.tool_call_parser,
+                                   trust_request_chat_template=self.config.trust_request_chat_template)
             await self.http.start()
         logger.info("frontend listening on %s (%s%s); engines: %s",
                     join_host_port(self.config.host, self.bound_port), self._security_summary(),

@@ -85,10 +85,12 @@ class ApiKeyAuth:
 class OpenAIApi:
     """The routes, bound to one frontend (`GenerationBackend`: nothing else of it is used here)."""
 
-    def __init__(self, frontend: GenerationBackend, max_body_bytes: int, tool_call_parser: str | None = None) -> None:
+    def __init__(self, frontend: GenerationBackend, max_body_bytes: int, tool_call_parser: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.frontend = frontend
         self.max_body_bytes = max_body_bytes
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" (frontend_svc/openai/tools.py)
+        self.trust_request_chat_template = trust_request_chat_template  # else a request's template is a 400
         self.texts = convert.TokenTexts(frontend.tokenizer)
         self.created = int(time.time())
 
@@ -146,6 +148,9 @@ class OpenAIApi:
             tools.check(body, self.tool_call_parser)
         except ValidationError as exc:
             raise names.error(exc) from None
+        if body.chat_template is not None and not self.trust_request_chat_template:
+            raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
+                              "set. Refused request with untrusted chat template.", "chat_template")
         prompt = convert.chat_prompt(body)
         params = self._params(body, names, 1)
         request_id = _request_id(request, body.request_id)

@@ -89,10 +89,10 @@ class HttpServer:
 
     def __init__(self, frontend: GenerationBackend, host: str, port: int, max_body_bytes: int,
                  tls: TlsFiles | None = None, limits: HttpLimits | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> None:
         self.host, self.port = host, port
         self.tls = HttpTls(tls) if tls is not None and tls.enabled else None
-        self.api = OpenAIApi(frontend, max_body_bytes, tool_call_parser)
+        self.api = OpenAIApi(frontend, max_body_bytes, tool_call_parser, trust_request_chat_template)
         self.limits = limits or HttpLimits()
         self.guard = ConnectionGuard(fd_budget(self.limits.max_connections), f"HTTP port {port}")
         self.bound_port = 0

@@ -282,3 +282,20 @@ def test_priority_and_token_filters_reach_the_engine(stack: HttpStack) -> None:
     words = [list(s.token_ids) for s in sent.sampling_params.bad_words_token_ids]
     plain = stack.frontend.tokenizer.encode("hello", add_special_tokens=False)
     assert words[0] == plain and all(w for w in words)
+
+
+def test_a_request_chat_template_is_refused_unless_trusted(stack: HttpStack, loop: LoopThread, tokenizer: Any,
+                                                           tiny_model_dir: Path) -> None:
+    """vLLM's --trust-request-chat-template: a template is code (one can loop for minutes even sandboxed),
+    so a request's own template is a 400 naming it unless the operator trusts the clients."""
+    body = {"model": served(stack), "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1,
+            "chat_template": "{{ messages[0]['content'] }}"}
+    refused = httpx2.post(f"{stack.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    trusting = HttpStack(loop, tokenizer, tiny_model_dir, trust_request_chat_template=True)
+    try:
+        trusting.wait_http_ready()
+        usage = httpx2.post(f"{trusting.url}/v1/chat/completions", json=body).json()["usage"]
+        assert usage["prompt_tokens"] == len(tokenizer.encode("hello there", add_special_tokens=False))
+    finally:
+        trusting.close()
