@@ -49,7 +49,7 @@ class EngineCore:
         self.vocab_size = self.executor.vocab_size
         self.max_model_len = max_model_len = self.executor.max_model_len  # what the workers were sized for
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
-        # Structured outputs: constraints compile on these threads (the tokenizer is read on first use).
+        # Structured outputs: constraints compile on these threads (a serving engine prewarms the vocabulary).
         self._compiled = threading.Event()
         self.grammars = GrammarCompilers(config.model, self.vocab_size, on_done=self._compiled.set)
         self.scheduler = Scheduler(
