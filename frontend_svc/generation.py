@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeVar
 from frontend_svc.engine_client import EngineClient, EngineUnavailable
 from frontend_svc.errors import RESOURCE_EXHAUSTED, UNAVAILABLE, ServiceError
 from frontend_svc.outputs import CompletionDelta
-from frontend_svc.processor import PreparedRequest, Processor, Prompt, PromptOptions
+from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
 from frontend_svc.request_state import DeltaCollector, RequestState
 from frontend_svc.telemetry.call import GenerateCall
 from frontend_svc.tokenizer import Tokenizer
@@ -78,6 +78,19 @@ class GenerationBackend(Protocol):
 
     def open_generation(self, num_completions: int, call: GenerateCall) -> Generation:
         """Admit a request of `num_completions` (ValidationError / ServiceError when it cannot be)."""
+
+    async def run_blocking(self, fn: Callable[[Any], T], request: Any) -> T:
+        """`fn(request)` on the tokenizer pool under one admission slot (ServiceError while draining or at
+        the limit)."""
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Blocking (through `run_blocking`); ValidationError on `text` when too long for any prompt."""
+
+    def tokenize_chat(self, chat: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
+        """Blocking; the chat rendered by its template; ValidationError on `chat.messages`."""
+
+    def detokenize_ids(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Blocking; ValidationError on `token_ids` beyond max_model_len ids or an id >= vocab_size."""
 
     def process(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None,
                 priority: int, options: PromptOptions | None = None) -> PreparedRequest:

@@ -55,7 +55,7 @@ from frontend_svc.engine_client import ChannelFactory, EngineClient
 from frontend_svc.errors import UNAVAILABLE, ServiceError
 from frontend_svc.generation import Admission, Generation
 from frontend_svc.output_processor import OutputProcessor
-from frontend_svc.processor import PreparedRequest, Processor, Prompt, PromptOptions
+from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
 from frontend_svc.router import Router
 from frontend_svc.telemetry.call import GenerateCall, grpc_failure
 from frontend_svc.telemetry.service import FrontendTelemetry
@@ -341,26 +341,39 @@ class FrontendServer:
         kind = request.WhichOneof("input")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
         if kind == "text":
-            too_big = limits.text_size_violation(request.text, self.processor.max_model_len)
-            if too_big is not None:
-                raise ValidationError([too_big])
-            return list(self.tokenizer.encode(request.text, add_special_tokens=add_special is not False))
+            return self.tokenize_text(request.text, add_special is not False)
         if kind == "chat":
-            return self.processor.tokenize_chat(chat_from_pb(request.chat), bool(add_special))
+            return self.tokenize_chat(chat_from_pb(request.chat), bool(add_special))
         raise ValidationError.single("input", "set exactly one of text or chat")
 
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s ids (blocking: run it through `run_blocking`); ValidationError on `text` when it is
+        longer than any prompt could be (checked before encoding)."""
+        too_big = limits.text_size_violation(text, self.processor.max_model_len)
+        if too_big is not None:
+            raise ValidationError([too_big])
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def tokenize_chat(self, chat: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
+        """A chat rendered by the template and tokenized (blocking); ValidationError on `chat.messages`."""
+        return self.processor.tokenize_chat(chat, add_special_tokens)
+
     def detokenize(self, request: pb.DetokenizeRequest) -> str:
-        """The Detokenize RPC's work (run on the pool); raises ValidationError. At most max_model_len ids
-        (as vLLM's /detokenize), counted before they are copied or scanned."""
-        ids = request.token_ids
+        """The Detokenize RPC's work (run on the pool); raises ValidationError."""
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return self.detokenize_ids(request.token_ids, skip)
+
+    def detokenize_ids(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids` (blocking); ValidationError on `token_ids` unless there are at most
+        max_model_len ids (as vLLM's /detokenize, counted before they are copied or scanned), each
+        < vocab_size."""
         limit = self.processor.max_model_len
         if len(ids) > limit:
             raise ValidationError.single("token_ids", f"at most max_model_len ({limit}) token ids, got {len(ids)}")
         vocab = self.processor.vocab_size
         if any(i >= vocab for i in ids):
             raise ValidationError.single("token_ids", f"every token id must be < vocab_size ({vocab})")
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip))
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def open_generation(self, num_completions: int, call: GenerateCall) -> Generation:
         """Admit a request of `num_completions` (see generation.py for the protocol). Raises ServiceError

@@ -83,6 +83,10 @@ class Tokenizer:
         """Text of ``ids`` (invalid UTF-8 from a cut multi-byte character decodes to U+FFFD)."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (transformers' convert_ids_to_tokens: e.g. "Ġhello", not decoded)."""
+        return [self.backend.id_to_token(i) or "" for i in ids]
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._hf.chat_template)
