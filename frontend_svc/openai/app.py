@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes on Starlette, in front of a `FrontendServer` (docs/openai.md).
 
   POST /v1/completions        POST /v1/chat/completions        GET /v1/models        GET /health
+  GET /v1/models/{model_id}   POST /tokenize   POST /detokenize   GET /version   GET|POST /ping
 
 Per generation request: read the body (at most `max_body_bytes`, checked from Content-Length before
 reading and while reading: 413) -> parse and validate it with pydantic (on a thread when it is large,
@@ -14,14 +15,16 @@ Invariants:
   `data: [DONE]` (the status line already said 200).
 - A client that disconnects (mid-stream, or while a non-streaming request runs) closes the `Run`: its
   unfinished completions are aborted in the engine and its admission slots given back.
-- With API keys, every route but `/health` needs `Authorization: Bearer <key>` (the same keys and the
-  same constant-time check as the gRPC API). `/health` is 200 only while an engine is ready and the
+- With API keys, every route but `/health` and `/ping` needs `Authorization: Bearer <key>` (the same keys and the
+  same constant-time check as the gRPC API). `/health` (and `/ping`) is 200 only while an engine is ready and the
   server is not draining (the readiness of the gRPC health service), else 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import json
 import logging
 import time
 import uuid
@@ -57,8 +60,11 @@ from shared_runtime.violations import ValidationError
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=pydantic.BaseModel)
+T = TypeVar("T")
+VERSION = importlib.metadata.version("tandem")
 INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed on a thread
 JSON = "application/json"
+HEALTH_PATHS = ("/health", "/ping")  # open without an API key
 Builder = convert.CompletionBuilder | convert.ChatBuilder
 
 
@@ -67,14 +73,15 @@ def error_response(error: ApiError) -> Response:
 
 
 class ApiKeyAuth:
-    """ASGI middleware: `Authorization: Bearer <key>` on every path but /health (keys may be None: off)."""
+    """ASGI middleware: `Authorization: Bearer <key>` on every path but /health and /ping (keys may be None:
+    off)."""
 
     def __init__(self, app: ASGIApp, keys: KeySet | None) -> None:
         self.app = app
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.keys is not None and scope["path"] != "/health":
+        if scope["type"] == "http" and self.keys is not None and scope["path"] not in HEALTH_PATHS:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if not self.keys.check_authorization(header.decode("latin-1") if header is not None else None):
                 await error_response(unauthorized())(scope, receive, send)
@@ -98,7 +105,12 @@ class OpenAIApi:
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"])]
+                  Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/ping", self.health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) /health
+                  Route("/version", self.version, methods=["GET"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"])]
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
         return ApiKeyAuth(app, self.frontend.api_keys)
 
@@ -110,9 +122,71 @@ class OpenAIApi:
         return JSONResponse({"status": "draining" if f.draining else "no ready engine"}, status_code=503)
 
     async def models(self, request: Request) -> Response:
+        return Response(p.ModelList(data=[self._card()]).model_dump_json(exclude_none=True), media_type=JSON)
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's GET /v1/models/{model}: the served model's card, 404 model_not_found for any other id."""
+        try:
+            convert.served_model(request.path_params["model_id"], self.frontend.model_name)
+        except ApiError as exc:
+            return error_response(exc)
+        return Response(self._card().model_dump_json(exclude_none=True), media_type=JSON)
+
+    def _card(self) -> p.ModelCard:
         f = self.frontend
-        card = p.ModelCard(id=f.model_name, created=self.created, max_model_len=f.max_model_len)
-        return Response(p.ModelList(data=[card]).model_dump_json(exclude_none=True), media_type=JSON)
+        return p.ModelCard(id=f.model_name, created=self.created, max_model_len=f.max_model_len)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._guarded(request, self._tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._guarded(request, self._detokenize)
+
+    # ---- tokenization (vLLM's /tokenize and /detokenize, on the tokenizer pool like prompts) -------------
+    async def _tokenize(self, request: Request) -> Response:
+        """The chat form when the body has `messages`, else the prompt form (vLLM's union)."""
+        f = self.frontend
+        raw = await read_body(request, self.max_body_bytes)
+        data = await _off_loop_if_large(raw, _json_object, raw)
+        body: p.TokenizeCompletionRequest | p.TokenizeChatRequest
+        try:
+            if "messages" in data:
+                body = p.TokenizeChatRequest.model_validate(data)
+            else:
+                body = p.TokenizeCompletionRequest.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise from_pydantic(exc) from None
+        convert.served_model(body.model, f.model_name)
+        if isinstance(body, p.TokenizeChatRequest):
+            self._check_chat_template(body.chat_template)
+            chat = convert.tokenize_chat_prompt(body)
+            ids = await self._blocking(lambda c: f.tokenize_chat(c, body.add_special_tokens), chat,
+                                       {"chat.messages": "messages"})
+        else:
+            ids = await self._blocking(lambda t: f.tokenize_text(t, body.add_special_tokens), body.prompt,
+                                       {"text": "prompt"})
+        strs = self.frontend.tokenizer.token_strings(ids) if body.return_token_strs else None
+        out = p.TokenizeResponse(count=len(ids), max_model_len=f.max_model_len, tokens=ids, token_strs=strs)
+        return Response(out.model_dump_json(), media_type=JSON)
+
+    async def _detokenize(self, request: Request) -> Response:
+        body = await self._parse(request, p.DetokenizeRequest)
+        convert.served_model(body.model, self.frontend.model_name)
+        text = await self._blocking(lambda ids: self.frontend.detokenize_ids(ids, skip_special_tokens=False),
+                                    body.tokens, {"token_ids": "tokens"})
+        return Response(p.DetokenizeResponse(prompt=text).model_dump_json(), media_type=JSON)
+
+    async def _blocking(self, fn: Callable[[Any], T], arg: Any, renames: dict[str, str]) -> T:
+        """`fn(arg)` on the frontend's tokenizer pool; its ValidationError as a 400 naming the HTTP field."""
+        try:
+            return await self.frontend.run_blocking(fn, arg)
+        except ValidationError as exc:
+            raise FieldNames(renames).error(exc) from None
+        except ServiceError as exc:
+            raise from_service(exc) from None
 
     async def completions(self, request: Request) -> Response:
         return await self._guarded(request, self._completions)
@@ -148,9 +222,7 @@ class OpenAIApi:
             tools.check(body, self.tool_call_parser)
         except ValidationError as exc:
             raise names.error(exc) from None
-        if body.chat_template is not None and not self.trust_request_chat_template:
-            raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
-                              "set. Refused request with untrusted chat template.", "chat_template")
+        self._check_chat_template(body.chat_template)
         prompt = convert.chat_prompt(body)
         params = self._params(body, names, 1)
         request_id = _request_id(request, body.request_id)
@@ -160,6 +232,12 @@ class OpenAIApi:
         run = Run(self.frontend, _headers(request), "/v1/chat/completions", [prompt], params, request_id,
                   body.priority, names, convert.prompt_options(body))
         return await self._respond(request, run, builder, body, request_id)
+
+    def _check_chat_template(self, template: str | None) -> None:
+        """A request's own template only with --trust-request-chat-template (vLLM's rule and message)."""
+        if template is not None and not self.trust_request_chat_template:
+            raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
+                              "set. Refused request with untrusted chat template.", "chat_template")
 
     def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
         convert.served_model(body.model, self.frontend.model_name)
@@ -199,11 +277,27 @@ class OpenAIApi:
     async def _parse(self, request: Request, model: type[M]) -> M:
         raw = await read_body(request, self.max_body_bytes)
         try:
-            if len(raw) > INLINE_PARSE_BYTES:
-                return await asyncio.to_thread(model.model_validate_json, raw)
-            return model.model_validate_json(raw)
+            return await _off_loop_if_large(raw, model.model_validate_json, raw)
         except pydantic.ValidationError as exc:
             raise from_pydantic(exc) from None
+
+
+async def _off_loop_if_large(raw: bytes, fn: Callable[[Any], T], arg: Any) -> T:
+    """`fn(arg)`, on a thread when `raw` (the body it works on) is large, so it never stalls other streams."""
+    if len(raw) > INLINE_PARSE_BYTES:
+        return await asyncio.to_thread(fn, arg)
+    return fn(arg)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; 400 otherwise."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise bad_request("the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    return data
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -101,6 +101,16 @@ def chat_prompt(request: p.ChatCompletionRequest) -> ChatPrompt:
                       options=chat_options(request))
 
 
+def tokenize_chat_prompt(request: p.TokenizeChatRequest) -> ChatPrompt:
+    """/tokenize's messages as /v1/chat/completions would render them (same fields, same checks)."""
+    fields = {name: getattr(request, name) for name in type(request).model_fields if name != "return_token_strs"}
+    chat = p.ChatCompletionRequest.model_construct(**fields)
+    error = unsupported(chat)
+    if error is not None:
+        raise error
+    return chat_prompt(chat)
+
+
 def chat_options(request: p.ChatCompletionRequest) -> ChatOptions:
     """vLLM's chat rendering extras: `chat_template_kwargs`, with `documents` and `reasoning_effort`
     (and `enable_thinking` from it) winning over the same names there unless they are null

@@ -24,7 +24,7 @@ builder sets, nulls included, appear — e.g. `"finish_reason": null` — and un
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -254,6 +254,41 @@ class ChatCompletionRequest(_Sampling):
     functions: list[Any] | None = None
 
 
+class TokenizeCompletionRequest(_Request):
+    """`POST /tokenize` with a prompt (vLLM's form): its ids, BOS and the like unless add_special_tokens is
+    false."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    """`POST /tokenize` with messages (vLLM's form): the chat as /v1/chat/completions renders it. Every
+    field is one of `ChatCompletionRequest`'s (same meaning) but `return_token_strs`."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: Any = None  # refused unless null (REFUSED_CHAT)
+    mm_processor_kwargs: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=limits.MAX_TOOLS)
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Request):
+    """`POST /detokenize`: the text of `tokens`, special tokens kept (vLLM decodes with the tokenizer's
+    defaults)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 # ---- responses ---------------------------------------------------------------------------------------
 
 
@@ -359,6 +394,17 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # present (null unless asked for), as vLLM answers
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 class ModelCard(_Response):

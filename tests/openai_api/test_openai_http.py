@@ -44,7 +44,7 @@ def stack(loop: LoopThread, tokenizer: Any, tiny_model_dir: Path) -> Iterator[Ht
     stack.close()
 
 
-def test_api_keys_guard_every_route_but_health(stack: HttpStack) -> None:
+def test_api_keys_guard_every_route_but_health_and_ping(stack: HttpStack) -> None:
     with pytest.raises(openai.AuthenticationError) as info:
         client(stack).completions.create(model="x", prompt="hi", max_tokens=2)
     assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"  # type: ignore[index]
@@ -52,6 +52,8 @@ def test_api_keys_guard_every_route_but_health(stack: HttpStack) -> None:
         client(stack, KEY[:-1]).models.list()
     assert httpx2.get(f"{stack.url}/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
     assert httpx2.get(f"{stack.url}/health").status_code == 200  # probes carry no key
+    assert httpx2.post(f"{stack.url}/ping").status_code == 200
+    assert httpx2.post(f"{stack.url}/tokenize", json={"prompt": "hi"}).status_code == 401
     models = client(stack, KEY).models.list()
     assert [m.id for m in models.data] == [stack.frontend.config.model_name]
     done = client(stack, KEY).completions.create(model=models.data[0].id, prompt=[5, 6, 7], max_tokens=3)
