@@ -112,6 +112,7 @@ class Scheduler:
         # Structured outputs: the compilers (None: constraints are refused), requests waiting for theirs.
         self.grammars = grammars
         self._compiling: dict[str, Request] = {}
+        self._num_constrained = 0  # live requests holding a matcher: 0 = no step pays for the bitmask
         self._bitmask = BitmaskFiller(grammars.vocab_size) if grammars is not None else None
 
     # ---- inputs ------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(scheduled, budget, cap)
         output = self._make_output(scheduled)
-        if self._bitmask is not None:
+        if self._bitmask is not None and self._num_constrained:
             output.grammar = self._grammar_bitmask(scheduled, self._bitmask)
         # Only now, after every preemption of this step: the KV manager caches blocks when it allocates
         # them and, when a request is freed, uncaches its blocks past `num_computed_tokens` - for a
@@ -196,6 +197,7 @@ class Scheduler:
                 if not ticket.done:
                     raise GrammarError(f"the constraint did not compile within {self.grammars.timeout_s:g} s")
                 request.grammar = RequestGrammar(self.grammars.result(ticket), sorted(request.eos_token_ids))
+                self._num_constrained += 1
             except GrammarError as exc:
                 request.status = RequestStatus.FINISHED_ERROR
                 self._release(request)
@@ -432,7 +434,9 @@ class Scheduler:
             assert self.grammars is not None
             self.grammars.release(request.grammar_ticket)
             request.grammar_ticket = None
-        request.grammar = None
+        if request.grammar is not None:
+            request.grammar = None
+            self._num_constrained -= 1
         self.waiting.forget(request.request_id)
         self._forget_sent(request.request_id)
         self._finished_ids.append(request.request_id)
