@@ -10,6 +10,11 @@ request at once (RESOURCE_EXHAUSTED), `SEED_FAIL_LATE` sends two tokens then fai
 (`running`), and the most requests it ever had running at once (`max_running`). Given
 `tokenizer_files`, it serves them as GetTokenizer does (the real archive, in small chunks) and announces
 their checksum in GetEngineInfo; without, GetTokenizer is NOT_FOUND. It serves no KV cache events.
+
+With `clocked=True` it behaves like the real engine's server at a fixed step time instead: a step is made
+every `step_s` whether or not the stream took the previous one, and the steps that queued up while a
+message was being written go out together in the next message, in order (engine_svc/server.py does the
+same), so a frontend that cannot keep up receives several tokens per request per message.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ IDLE_POLL_S = 0.001  # how often a stream with nothing running looks for new req
 class FakeEngine(epb_grpc.EngineCoreServiceServicer):
     def __init__(self, vocab_size: int, max_model_len: int = 256, step_s: float = 0.004,
                  default_max_tokens: int | None = 8, output_ids: list[int] | None = None,
-                 tokenizer_files: dict[str, bytes] | None = None, model_name: str = "fake") -> None:
+                 tokenizer_files: dict[str, bytes] | None = None, model_name: str = "fake",
+                 clocked: bool = False) -> None:
         self.vocab_size, self.max_model_len, self.step_s = vocab_size, max_model_len, step_s
+        self.clocked = clocked
+        self.messages = 0  # EngineCoreOutputs messages sent, over all streams
         self.model_name = model_name
         self.archive = tokenizer_bundle.pack(tokenizer_files) if tokenizer_files is not None else None
         self.default_max_tokens = default_max_tokens
@@ -65,22 +73,52 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
 
     async def Connect(self, request_iterator: Any, context: Any) -> Any:
         mine: set[str] = set()
-        reader = asyncio.get_running_loop().create_task(self._read(request_iterator, mine))
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read(request_iterator, mine))
+        queued: list[epb.EngineCoreOutput] = []  # clocked: steps made but not yet sent
+        made = asyncio.Event()
+        clock = loop.create_task(self._clock(mine, queued, made)) if self.clocked else None
         try:
             while True:
-                await asyncio.sleep(self.step_s if mine else max(self.step_s, IDLE_POLL_S))  # idle: no spinning
-                outputs = [self._step(rid) for rid in sorted(mine) if rid in self.running]
-                for out in outputs:
-                    if out.finish_reason:
-                        mine.discard(out.request_id)
-                        del self.running[out.request_id]
+                if clock is not None:
+                    await made.wait()
+                    made.clear()
+                    outputs, queued[:] = list(queued), []
+                else:
+                    await asyncio.sleep(self.step_s if mine else max(self.step_s, IDLE_POLL_S))  # idle: no spinning
+                    outputs = self._steps(mine)
                 if outputs:
+                    self.messages += 1
                     yield epb.EngineCoreOutputs(outputs=outputs, scheduler_stats=epb.SchedulerStats(
                         num_running=len(self.running)))
         finally:
             reader.cancel()
+            if clock is not None:
+                clock.cancel()
             for rid in mine:  # the stream ended: abort what it added, as the real engine does
                 self.running.pop(rid, None)
+
+    def _steps(self, mine: set[str]) -> list[epb.EngineCoreOutput]:
+        """One step of every request this stream runs; finished ones stop running."""
+        outputs = [self._step(rid) for rid in sorted(mine) if rid in self.running]
+        for out in outputs:
+            if out.finish_reason:
+                mine.discard(out.request_id)
+                del self.running[out.request_id]
+        return outputs
+
+    async def _clock(self, mine: set[str], queued: list[epb.EngineCoreOutput], made: asyncio.Event) -> None:
+        """`clocked`: a step every `step_s` (on schedule; a late step does not push the next ones back),
+        appended to what the stream has not sent yet."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while True:
+            due = max(due + self.step_s, loop.time() - self.step_s)  # after a stall: no burst of catch-up steps
+            await asyncio.sleep(max(0.0, due - loop.time()) if mine else max(self.step_s, IDLE_POLL_S))
+            outputs = self._steps(mine)
+            if outputs:
+                queued.extend(outputs)
+                made.set()
 
     async def _read(self, request_iterator: Any, mine: set[str]) -> None:
         async for message in request_iterator:
