@@ -18,6 +18,13 @@ Invariants:
   exponential backoff (reset after a session that reached ready).
 - Everything runs on one asyncio loop; the per-step path does no logging or string formatting, and a
   large engine step is processed in slices (`OUTPUT_SLICE`) with the loop free between them.
+- Coalescing when behind, never holding: a reader task reads each engine stream ahead (at most
+  `READ_AHEAD` messages, so gRPC flow control still pushes back on the engine), and the messages that
+  arrived while the previous ones were processed are processed together, each request's outputs next
+  to each other (in engine order within a request). A request whose outputs of several steps are
+  processed together gets one merged delta (request_state.DeltaCollector), so its reader sends them in
+  one wire message. A frontend that keeps up finds one message at a time and every token goes out alone,
+  at once; nothing waits for a timer or for more output.
 - With a router that routes by cache (`cache-aware`), each ready connection follows its engine's KV-cache
   events into `kv_index` (kv_index.py); the index is emptied the moment the session ends, so a dead or
   restarted engine's old cache never attracts requests.
@@ -35,7 +42,7 @@ import enum
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -63,6 +70,7 @@ BACKOFF_MAX_S = 2.0
 INFO_TIMEOUT_S = 5.0
 LOAD_POLL_S = 1.0
 OUTPUT_SLICE = 32  # engine outputs processed between two turns of the event loop (EngineClient.on_outputs)
+READ_AHEAD = 8  # engine messages read but not yet processed, per stream (EngineConnection._read_ahead)
 CHANNEL_OPTIONS = [*KEEPALIVE_OPTIONS, *message_size_options(), ("grpc.enable_retries", 0)]
 
 
@@ -229,14 +237,34 @@ class EngineConnection:
             if self._client.router.uses_kv_events and info.kv_cache_events:
                 helpers.append(loop.create_task(follow_kv_events(stub, self.kv_index, self.address, self.note_stats)))
             try:
-                on_outputs = self._client.on_outputs
-                async for message in call:
-                    await on_outputs(self, message)
+                await self._process_stream(call)
             finally:
                 for helper in helpers:
                     helper.cancel()
         finally:
             await channel.close(grace=None)
+
+    async def _process_stream(self, call: Any) -> None:
+        """Process the engine's messages until the stream ends (returns) or breaks (raises what the read
+        raised): whatever was read before the end is processed first. The messages queued while the
+        previous batch was processed form the next batch (`EngineClient.on_outputs`)."""
+        queue: asyncio.Queue[Any] = asyncio.Queue(READ_AHEAD)
+        reader = asyncio.get_running_loop().create_task(_read_ahead(call, queue))
+        on_outputs = self._client.on_outputs
+        try:
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                end = batch.pop() if not isinstance(batch[-1], epb.EngineCoreOutputs) else None
+                if batch:
+                    await on_outputs(self, *batch)
+                if end is _STREAM_END:
+                    return
+                if end is not None:
+                    raise end
+        finally:
+            reader.cancel()
 
     async def _poll_load(self, stub: epb_grpc.EngineCoreServiceStub) -> None:
         """While nothing of ours runs there (so no stats arrive), ask for the engine's load."""
@@ -429,23 +457,24 @@ class EngineClient:
         if was_ready:
             self.connection_changed()
 
-    async def on_outputs(self, connection: EngineConnection, message: epb.EngineCoreOutputs) -> None:
-        """One engine step's outputs for this stream: deltas to their collectors, stop-string aborts out.
+    async def on_outputs(self, connection: EngineConnection, *messages: epb.EngineCoreOutputs) -> None:
+        """One or more consecutive engine messages of this stream: deltas to their collectors, stop-string
+        aborts out.
 
-        A large step is processed in slices of `OUTPUT_SLICE` outputs, in order, with the event loop free
-        between them, so a step of hundreds of requests never holds it for all of them at once (the
-        streams whose deltas are ready get written meanwhile). The next message is read only after this
-        one is done, so outputs stay in engine order."""
-        if message.HasField("scheduler_stats"):
-            connection.note_stats(message.scheduler_stats)
-        outputs = message.outputs
-        if len(outputs) <= OUTPUT_SLICE:
-            self._deliver(connection, self._output_processor.process(outputs))
-            return
-        for start in range(0, len(outputs), OUTPUT_SLICE):
-            if start:
+        The outputs are processed grouped by request (a request's outputs in engine order, requests in
+        the order they first appear), so a request with outputs of several steps here gets one merged
+        delta. They are processed in slices of about `OUTPUT_SLICE` outputs (a request's never split)
+        with the event loop free between them, so a step of hundreds of requests never holds it for all
+        of them at once (the streams whose deltas are ready get written meanwhile)."""
+        for message in messages:
+            if message.HasField("scheduler_stats"):
+                connection.note_stats(message.scheduler_stats)
+        process, first = self._output_processor.process, True
+        for outputs in _slices(messages):
+            if not first:
                 await asyncio.sleep(0)
-            self._deliver(connection, self._output_processor.process(outputs[start : start + OUTPUT_SLICE]))
+            first = False
+            self._deliver(connection, process(outputs))
 
     def _deliver(self, connection: EngineConnection, processed: ProcessedOutputs) -> None:
         """Hand a processed slice on: telemetry, stop-string aborts to the engine, finished requests out."""
@@ -476,6 +505,44 @@ class EngineClient:
             task = asyncio.get_running_loop().create_task(connection.close())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+
+def _slices(messages: Sequence[epb.EngineCoreOutputs]) -> Iterator[list[epb.EngineCoreOutput]]:
+    """The messages' outputs, each request's next to each other in engine order (requests in the order
+    they first appear; one engine message may hold several steps too, engine_svc/packing.py), in slices
+    of about `OUTPUT_SLICE` outputs that never split a request's outputs."""
+    groups: dict[str, list[epb.EngineCoreOutput]] = {}
+    for message in messages:
+        for output in message.outputs:
+            group = groups.get(output.request_id)
+            if group is None:
+                groups[output.request_id] = [output]
+            else:
+                group.append(output)
+    chunk: list[epb.EngineCoreOutput] = []
+    for group in groups.values():
+        if len(chunk) + len(group) > OUTPUT_SLICE and chunk:
+            yield chunk
+            chunk = []
+        chunk.extend(group)
+    yield chunk
+
+
+_STREAM_END = object()
+
+
+async def _read_ahead(call: Any, queue: asyncio.Queue[Any]) -> None:
+    """Read the engine's messages into `queue` (which bounds how far ahead); then `_STREAM_END`, or the
+    exception that broke the stream."""
+    try:
+        async for message in call:
+            await queue.put(message)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the processing side raises it, after what was read before it
+        await queue.put(exc)
+        return
+    await queue.put(_STREAM_END)
 
 
 def _connection_of(request: RequestState) -> EngineConnection:
