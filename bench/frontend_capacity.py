@@ -1,9 +1,15 @@
 """Frontend capacity: the CPU the frontend spends per streamed token, with the engine taken out of the way.
 
 Three kinds of processes, each on its own:
-- engine: tests/fake_engine.py's `FakeEngine` on a real gRPC `EngineCoreService` endpoint at full speed
-  (step_s = 0: the next step as soon as the stream took the previous one), emitting a fixed English
-  passage (SmolLM2 tokens, a few multi-byte characters) one token per request per step;
+- engine: tests/fake_engine.py's `FakeEngine` on a real gRPC `EngineCoreService` endpoint, emitting a
+  fixed English passage (SmolLM2 tokens, a few multi-byte characters) one token per request per step, a
+  step every `--step-ms` on the engine's own clock (the steps that queue while a message is written go
+  out together, as the real engine's server does, engine_svc/server.py), in one of two regimes
+  (`--regime`):
+  capacity (default, 2 ms): 128 streams are offered 64k tok/s, more than one frontend core takes, so the
+    frontend is saturated and falls behind: what it then costs per token is what one frontend core
+    sustains at its limit (tok/msg > 1: the frontend sends several steps per message, never holding any);
+  kept-up (40 ms: 3.2k tok/s): the frontend keeps up, every token goes out alone (tok/msg = 1.00);
 - frontend: the real `tandem-frontend` process with SmolLM2-135M-Instruct's tokenizer (the GGUF file
   `make install` puts in the environment), `--http-port`, and its defaults otherwise (Prometheus metrics on);
 - clients: `--clients` processes sharing `--streams` concurrent streams of `--tokens` tokens each (a chat
@@ -17,13 +23,13 @@ For each API (gRPC `Generate`; OpenAI `/v1/chat/completions` with stream: true o
     client us/tok     the same for all client processes together (they must not be the bottleneck)
     engine us/tok     the same for the fake engine
     tok/msg           tokens delivered per response message (gRPC) or SSE event: 1.0 means every token went
-                      out on its own, i.e. the clients kept up and nothing was coalesced for a slow reader
+                      out on its own (the frontend and its clients kept up); more, that steps were merged
     tok/s             tokens delivered per second of wall time
 
 Tokens delivered = the completion_tokens of each stream's final usage. Rounds alternate APIs and cases
 so that drift on a noisy machine does not favour one; the summary is the median over rounds.
 
-    python bench/frontend_capacity.py [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
+    python bench/frontend_capacity.py [--regime capacity|kept-up] [--step-ms MS] [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
         [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--baseline DIR] [--profile DIR]
 
 `--baseline DIR` (a checkout of another revision, e.g. `git worktree add --detach /tmp/base main`) starts
@@ -58,6 +64,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 APIS = ("grpc", "openai")
+REGIMES = ("capacity", "kept-up")
+STEP_MS = {"capacity": 2.0, "kept-up": 40.0}  # the engine's step time per regime (128 streams: 64k / 3.2k tok/s)
 CASES = ("plain", "stop", "logprobs", "stop+logprobs")
 STOP_STRINGS = ["\nUser:", "<|im_end|>", "THE END", "###"]  # none occurs in the passage
 TOP_LOGPROBS = 5
@@ -85,12 +93,12 @@ PASSAGE = (
 # ---- the fake engine's process -------------------------------------------------------------------------
 
 
-def serve_engine(port: int, vocab_size: int, max_model_len: int, output_ids: list[int]) -> None:
+def serve_engine(port: int, vocab_size: int, max_model_len: int, output_ids: list[int], step_s: float) -> None:
     from tests.fake_engine import FakeEngine, start_fake_engine
 
     async def main() -> None:
-        fake = FakeEngine(vocab_size, max_model_len=max_model_len, step_s=0.0, default_max_tokens=None,
-                          output_ids=output_ids)
+        fake = FakeEngine(vocab_size, max_model_len=max_model_len, step_s=step_s, default_max_tokens=None,
+                          output_ids=output_ids, clocked=True)
         server, _ = await start_fake_engine(fake, port)
         await server.wait_for_termination()
 
@@ -268,7 +276,9 @@ class Bench:
         passage_ids = Tokenizer.from_pretrained(gguf).encode(PASSAGE, add_special_tokens=False)
         ctx = mp.get_context("spawn")
         engine_port = free_port()
-        engine = ctx.Process(target=serve_engine, args=(engine_port, vocab_size, 8192, passage_ids), daemon=True)
+        step_s = self.args.step_ms / 1000
+        engine = ctx.Process(target=serve_engine, args=(engine_port, vocab_size, 8192, passage_ids, step_s),
+                             daemon=True)
         engine.start()
         self.engine_pid = engine.pid
         self.procs.append(engine)
@@ -382,11 +392,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--apis", nargs="+", choices=APIS, default=list(APIS))
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--regime", choices=REGIMES, default="capacity",
+                        help="capacity: the engine offers more than the frontend takes; kept-up: less")
+    parser.add_argument("--step-ms", type=float, default=None,
+                        help="the engine's step time (default: 2 for capacity, 40 for kept-up)")
     parser.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct's)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout of another revision: run its frontend too, alternating with this one")
     parser.add_argument("--profile", type=Path, default=None, help="write py-spy samples here")
     args = parser.parse_args()
+    if args.step_ms is None:
+        args.step_ms = STEP_MS[args.regime]
     bench = Bench(args)
     try:
         bench.start()
@@ -394,7 +410,7 @@ def main() -> None:
             for api in args.apis:  # warm-up: connections, caches, the chat template
                 bench.measure(frontend, api, "stop+logprobs", min(args.streams, 16), 32)
         runs: dict[tuple[str, str, str], list[dict[str, float]]] = {}
-        print(f"{args.streams} streams x {args.tokens} tokens, {args.clients} client processes, "
+        print(f"{args.regime} (engine step {args.step_ms:g} ms): {args.streams} streams x {args.tokens} tokens, {args.clients} client processes, "
               f"{os.cpu_count()} CPUs; per round:")
         for r in range(args.rounds):
             forward = r % 2 == 0
