@@ -172,3 +172,56 @@ def _concat_chunks(chunks: list[dict[str, Any]]) -> tuple[Any, ...]:
     return ("".join(c["delta"].get("content", "") for c in choices),
             [e for c in choices for e in (c["logprobs"] or {}).get("content", [])],
             last["finish_reason"], last.get("stop_reason"), last["index"], chunks[0]["id"])
+
+
+# ---- through the frontend, with the fake engine: a slow consumer vs a fast one -------------------------
+
+
+def test_a_slow_consumer_gets_merged_responses_and_a_fast_one_single_tokens(loop, tokenizer, tiny_model_dir) -> None:
+    """The gRPC servicer's path (open_generation -> batches -> response_from_delta) against the fake
+    engine in lockstep: a consumer that keeps up gets one token per response; one that is slow to take
+    them gets fewer, larger responses that concatenate to the same bytes (n=2, a stop string, logprobs)."""
+    from frontend_svc.client import generate_request
+    from frontend_svc.config import FrontendConfig
+    from frontend_svc.server import FrontendServer
+    from tests.fake_engine import FakeEngine, start_fake_engine
+
+    request = generate_request(TEXT, max_tokens=40, n=2, logprobs=2, stop=[STOP], seed=7)
+
+    async def main() -> dict[bool, list[list[Any]]]:
+        engine, port = await start_fake_engine(FakeEngine(vocab_size=tokenizer.vocab_size))
+        frontend = FrontendServer(FrontendConfig(model=str(tiny_model_dir), engines=(f"127.0.0.1:{port}",),
+                                                 host="127.0.0.1", port=0), tokenizer=tokenizer)
+        await frontend.start()
+        try:
+            while not frontend.serving:
+                await asyncio.sleep(0.01)
+            return {slow: await _consume(frontend, request, slow) for slow in (False, True)}
+        finally:
+            await frontend.stop()
+            await engine.stop(None)
+
+    got = loop.run(main())
+    fast, slow = got[False], got[True]
+    assert all(len(r.token_ids) == 1 for responses in fast for r in responses)
+    assert max(len(r.token_ids) for responses in slow for r in responses) > 1
+    assert sum(map(len, slow)) < sum(map(len, fast))
+    for index in (0, 1):
+        assert _concat_responses(slow[index]) == _concat_responses(fast[index])
+        assert slow[index][-1].stop_string == STOP
+
+
+async def _consume(frontend: Any, request: Any, slow: bool) -> list[list[Any]]:
+    """Each completion's responses, taking each batch at once or 30 ms late."""
+    generation = frontend.open_generation(2, frontend.begin_call([], "Generate", {}))
+    responses: list[list[Any]] = [[], []]
+    try:
+        await generation.start(lambda: frontend.prepare(request))
+        async for deltas in generation.batches():
+            for delta in deltas:
+                responses[delta.index].append(response_from_delta(delta))
+            if slow:
+                await asyncio.sleep(0.03)
+    finally:
+        generation.close()
+    return responses
