@@ -2,6 +2,7 @@
 
   POST /v1/completions        POST /v1/chat/completions        GET /v1/models        GET /health
   GET /v1/models/{model_id}   POST /tokenize   POST /detokenize   GET /version   GET|POST /ping
+  POST /v1/responses   GET /v1/responses/{id}   POST /v1/responses/{id}/cancel   (responses.py)   GET /metrics
 
 Per generation request: read the body (at most `max_body_bytes`, checked from Content-Length before
 reading and while reading: 413) -> parse and validate it with pydantic (on a thread when it is large,
@@ -31,6 +32,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import prometheus_client
 import pydantic
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -102,6 +104,8 @@ class OpenAIApi:
         self.created = int(time.time())
 
     def asgi(self) -> ASGIApp:
+        from frontend_svc.openai import responses  # it builds on this module's helpers
+
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
@@ -110,7 +114,9 @@ class OpenAIApi:
                   Route("/ping", self.health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) /health
                   Route("/version", self.version, methods=["GET"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
-                  Route("/detokenize", self.detokenize, methods=["POST"])]
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/metrics", self.metrics, methods=["GET"]),  # as vLLM's port; --metrics-port's too
+                  *responses.routes(self)]
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
         return ApiKeyAuth(app, self.frontend.api_keys)
 
@@ -138,6 +144,15 @@ class OpenAIApi:
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})
+
+    async def metrics(self, request: Request) -> Response:
+        """The frontend's Prometheus metrics (the registry --metrics-port serves), rendered off the loop;
+        404 when metrics are off (--metrics-port 0)."""
+        registry = self.frontend.metrics_registry
+        if registry is None:
+            return error_response(ApiError(404, "metrics are off (--metrics-port 0)", code="not_found"))
+        body = await asyncio.to_thread(prometheus_client.generate_latest, registry)
+        return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
         return await self._guarded(request, self._tokenize)

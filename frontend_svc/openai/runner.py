@@ -56,6 +56,7 @@ class Run:
         self._options = options
         self._calls: list[GenerateCall] = []
         self._generations: list[Generation] = []
+        self.prepared: list[PreparedRequest] = []  # after `start`: each prompt's, in order
 
     async def start(self) -> None:
         """Admit, prepare and submit every prompt; raises ApiError (everything opened is closed then)."""
@@ -66,8 +67,8 @@ class Run:
                                     {"http.request.method": "POST", "http.route": self._route})
                 self._calls.append(call)
                 self._generations.append(f.open_generation(self._params.n, call))
-            await asyncio.gather(*(g.start(self._prepare(prompt))
-                                   for g, prompt in zip(self._generations, self._prompts)))
+            self.prepared = list(await asyncio.gather(*(g.start(self._prepare(prompt))
+                                                        for g, prompt in zip(self._generations, self._prompts))))
         except (ValidationError, ServiceError) as exc:
             error = api_error(exc, self._names)
             self.fail(code_name(exc.code) if isinstance(exc, ServiceError) else "INVALID_ARGUMENT", error.message)
