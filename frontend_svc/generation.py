@@ -72,6 +72,10 @@ class GenerationBackend(Protocol):
     def check_fits(self, slots: int, field: str) -> None:
         """ValidationError on `field` when `slots` completions could never run at once."""
 
+    @property
+    def metrics_registry(self) -> Any:
+        """The Prometheus `CollectorRegistry` of the frontend's metrics (None: metrics are off)."""
+
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
                    attributes: dict[str, str]) -> GenerateCall:
         """One generation call's telemetry (trace context from `headers`)."""

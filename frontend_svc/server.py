@@ -306,6 +306,10 @@ class FrontendServer:
     def check_fits(self, slots: int, field: str) -> None:
         self.admission.check_fits(slots, field)
 
+    @property
+    def metrics_registry(self) -> Any:
+        return self.telemetry.metrics.registry if self.telemetry.metrics is not None else None
+
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
                    attributes: dict[str, str]) -> GenerateCall:
         return self.telemetry.begin_call(headers, method, attributes)

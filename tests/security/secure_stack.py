@@ -28,7 +28,7 @@ class Stack:
 
     def __init__(self, loop: LoopThread, tokenizer: Any, model_dir: Any, *, max_model_len: int = 256,
                  step_s: float = 0.005, engine: tuple[grpc.aio.Server, int] | None = None,
-                 **overrides: Any) -> None:
+                 telemetry: Any = None, **overrides: Any) -> None:
         self.loop = loop
         self.fake = FakeEngine(tokenizer.vocab_size, max_model_len, step_s, default_max_tokens=None)
         self.engine_server, engine_port = engine or loop.run(start_fake_engine(self.fake))
@@ -36,7 +36,7 @@ class Stack:
                                 port=0, max_model_len=max_model_len, **overrides)
 
         async def start() -> FrontendServer:
-            server = FrontendServer(config, tokenizer=tokenizer)
+            server = FrontendServer(config, tokenizer=tokenizer, telemetry=telemetry)
             await server.start()
             return server
 
