@@ -289,3 +289,24 @@ def test_to_chat_maps_every_honoured_field() -> None:
     assert (chat.max_tokens, chat.chat_template_kwargs, chat.reasoning_effort) == (9, {"a": 1}, "high")
     assert chat.response_format is not None and chat.response_format.type == "json_object"
     assert chat.add_generation_prompt and not chat.continue_final_message
+
+
+def test_max_output_tokens_is_reported_fitted_to_the_context(stack: HttpStack) -> None:
+    """Without max_output_tokens the response reports what the context leaves after the prompt (vLLM's
+    SamplingParams.max_tokens); the fake engine echoes the prompt, so its first token stops it at once."""
+    _, prompt = last_prompt(stack, lambda: post(stack, {"input": "Hello there", "max_output_tokens": 1}))
+    answer = post(stack, {"input": "Hello there", "stop_token_ids": [prompt[0]]}).json()
+    assert answer["usage"]["input_tokens"] == len(prompt) and answer["usage"]["output_tokens"] == 1
+    assert answer["max_output_tokens"] == CONTEXT - len(prompt) and answer["status"] == "completed"
+
+
+def test_an_empty_answer_is_an_empty_message_or_no_streamed_item(stack: HttpStack) -> None:
+    """vLLM's shapes for no text: a message with no content part; streamed, no output item at all."""
+    _, prompt = last_prompt(stack, lambda: post(stack, {"input": "Hello there", "max_output_tokens": 1}))
+    body = {"input": "Hello there", "stop_token_ids": [prompt[0]]}
+    [message] = post(stack, body).json()["output"]
+    assert message["content"] == [] and message["status"] == "completed"
+    events = list(client(stack).responses.create(model=served(stack), input="Hello there", stream=True,
+                                                 extra_body={"stop_token_ids": [prompt[0]]}))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
+    assert events[-1].response.output == [] and events[-1].response.usage.output_tokens == 1  # type: ignore[union-attr]
