@@ -9,7 +9,12 @@ incrementally, checks stop strings and reports finishes. Invariants:
 - A stop-string match finishes the completion here at once and puts its engine id in `reqs_to_abort`
   (unless the engine finished it in the same step); the caller must abort it in the engine.
 - When the engine stops on a stop token (EOS or a stop id), that token's text is left out of the
-  output unless `include_stop_str_in_output` (as vLLM V1 does); the id is reported as `stop_reason`.
+  output unless `include_stop_str_in_output` (as vLLM V1 does); a stop id is reported as `stop_reason`,
+  an EOS id (one of the model's, not asked for in `stop_token_ids`) as None, as vLLM reports it.
+- A completion that ends inside a multi-byte character leaves the unfinished character out of its text
+  (vLLM's detokenizer never emits it either: no trailing U+FFFD on a length cut).
+- A logprob token whose own decode ends in U+FFFD (a piece of a character) gets vLLM's text: "" until
+  the token that completes the character, which gets the whole character (`partial_token_text`).
 - A request is forgotten once all n completions finished. Its `RequestState` (request_state.py) is the
   one record of which completions are still running; this processor only indexes them by engine id.
 - A request added with a `DeltaCollector` gets its deltas there (merged for a slow reader); the others'
@@ -22,7 +27,7 @@ Nothing here formats strings or logs per token.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +61,7 @@ class ProcessedOutputs:
 class Completion:
     """Per engine request state: detokenizer, stop checker, counters."""
 
-    __slots__ = ("detokenizer", "engine_id", "index", "num_cached", "num_tokens", "request",
+    __slots__ = ("detokenizer", "engine_id", "index", "logprob_context", "num_cached", "num_tokens", "request",
                  "sent_first", "stop_checker")
 
     def __init__(self, request: RequestState, index: int, detokenizer: IncrementalDetokenizer) -> None:
@@ -70,6 +75,7 @@ class Completion:
         self.num_tokens = 0
         self.num_cached = 0
         self.sent_first = False
+        self.logprob_context: list[int] = []  # the last sampled ids (partial_token_text's context)
 
 
 class OutputProcessor:
@@ -81,6 +87,8 @@ class OutputProcessor:
         self._backend = getattr(tokenizer, "backend", tokenizer)
         self._texts: TokenTexts = getattr(tokenizer, "token_texts", None) or TokenTexts(self._backend)
         self._log_stats = log_stats
+        backend = self._backend
+        self._decode: Callable[[list[int]], str] = lambda ids: backend.decode(ids, skip_special_tokens=False)
         self._completions: dict[str, Completion] = {}  # engine id -> unfinished completion (an index)
 
     def add_request(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> RequestState:
@@ -154,12 +162,12 @@ class OutputProcessor:
         stop_reason: str | int | None = None
         text_ids = new_ids
         if finish == "stop" and output.HasField("stop_token_id"):
-            stop_reason = output.stop_token_id
-            if not params.include_stop_str_in_output and new_ids and new_ids[-1] == stop_reason:
+            stop_id = output.stop_token_id
+            if not params.include_stop_str_in_output and new_ids and new_ids[-1] == stop_id:
                 text_ids = new_ids[:-1]
+            eos = stop_id in c.request.prepared.eos_token_ids and stop_id not in params.stop_token_ids
+            stop_reason = None if eos else stop_id
         text = c.detokenizer.add(text_ids) if text_ids else ""
-        if finish is not None:  # the completion ends here: release bytes withheld mid-character
-            text += c.detokenizer.flush()
         if c.stop_checker is not None:
             text, matched = c.stop_checker.feed(text, c.num_tokens > params.min_tokens)
             if matched is not None and error is None:
@@ -168,13 +176,15 @@ class OutputProcessor:
                 finish, stop_reason = "stop", matched
             elif finish is not None:
                 text += c.stop_checker.flush()
-        prompt_logprobs = None if c.sent_first else _logprob_list(output.prompt_logprobs, None)
+        prompt_logprobs = None
+        if not c.sent_first and output.prompt_logprobs:
+            prompt_logprobs = self._logprobs(output.prompt_logprobs, [])
         if not (text or new_ids or finish or prompt_logprobs):
             return None
         c.sent_first = True
         delta = CompletionDelta(c.request.prepared.request_id, c.index, text, new_ids, c.engine_id)
         if params.logprobs is not None:
-            delta.logprobs = _logprob_list(output.new_logprobs, self._texts) or []
+            delta.logprobs = self._logprobs(output.new_logprobs, c.logprob_context)
         delta.prompt_logprobs = prompt_logprobs
         if finish is not None:
             delta.finish_reason, delta.stop_reason, delta.error = finish, stop_reason, error
@@ -182,10 +192,54 @@ class OutputProcessor:
             self._finish(c)
         return delta
 
+    def _logprobs(self, entries: Sequence[epb.TokenLogprobs], context: list[int]) -> list[TokenLogprob]:
+        """Logprob entries with token texts, pieces of a character as vLLM writes them; `context` (the
+        last sampled or prompt ids before them) is updated."""
+        out = _logprob_list(entries, self._texts)
+        for entry in out:
+            if entry.text is not None and entry.text.endswith(_REPLACEMENT):
+                entry.text = partial_token_text(self._decode, entry.token_id, context)
+            if any(self._texts.text(tid).endswith(_REPLACEMENT) for tid, _ in entry.top):
+                entry.top_texts = [partial_token_text(self._decode, tid, context)
+                                   if self._texts.text(tid).endswith(_REPLACEMENT) else self._texts.text(tid)
+                                   for tid, _ in entry.top]
+            context.append(entry.token_id)
+            del context[:-_CONTEXT]
+        return out
+
     def _finish(self, c: Completion) -> None:
         """Forget a finished completion: it leaves the index and its request's unfinished set."""
         del self._completions[c.engine_id]
         del c.request.unfinished[c.engine_id]
+
+
+_REPLACEMENT = "\ufffd"
+_CONTEXT = 4  # ids: enough for any UTF-8 character
+
+
+def partial_token_text(decode: Callable[[list[int]], str], token_id: int, context: Sequence[int]) -> str:
+    """vLLM's text for a logprob token whose own decode ends in U+FFFD (a byte of a character): with the
+    last 1..4 sampled ids as context, the first decode of context + token that ends the character gives
+    the text past the context's clean prefix (the context ids that were themselves pieces count for
+    this token); "" while the character is unfinished."""
+    for size in range(1, min(len(context), _CONTEXT) + 1):
+        ctx = list(context[-size:])
+        full = decode([*ctx, token_id])
+        if full.endswith(_REPLACEMENT):
+            continue
+        clean = len(ctx)
+        while clean > 0 and decode([ctx[clean - 1]]).endswith(_REPLACEMENT):
+            clean -= 1
+        prefix = decode(ctx[:clean]) if clean else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = 0
+        for a, b in zip(prefix, full):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
 
 
 def _finish_name(reason: int) -> str | None:
@@ -204,17 +258,15 @@ def _note_queue_time(events: RepeatedCompositeFieldContainer[epb.RequestEvent], 
         into.append(max(0.0, scheduled - queued))
 
 
-def _logprob_list(entries: Sequence[epb.TokenLogprobs], texts: TokenTexts | None) -> list[TokenLogprob] | None:
-    """Engine logprob entries as `TokenLogprob`s (with the token's text when `texts` is given)."""
-    if not entries:
-        return None
+def _logprob_list(entries: Sequence[epb.TokenLogprobs], texts: TokenTexts) -> list[TokenLogprob]:
+    """Engine logprob entries as `TokenLogprob`s, each with its token's own text."""
     return [
         TokenLogprob(
             token_id=e.token_id,
             logprob=e.logprob,
             rank=e.rank,
             top=list(zip(e.top_token_ids, e.top_logprobs)),
-            text=texts.text(e.token_id) if texts is not None else None,
+            text=texts.text(e.token_id),
         )
         for e in entries
     ]

@@ -25,6 +25,7 @@ class TokenLogprob:
     rank: int
     top: list[tuple[int, float]] = field(default_factory=list)
     text: str | None = None
+    top_texts: list[str] | None = None  # the alternatives' texts where one differs from its own decode
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -55,6 +56,7 @@ from frontend_svc.openai.errors import (
     unauthorized,
 )
 from frontend_svc.openai.runner import Run, code_name, from_service
+from frontend_svc.processor import PreparedRequest
 from shared_runtime import limits
 from shared_runtime.contract import SamplingParams
 from shared_runtime.security.auth import KeySet
@@ -102,6 +104,7 @@ class OpenAIApi:
         self.trust_request_chat_template = trust_request_chat_template  # else a request's template is a 400
         self.texts = convert.TokenTexts(frontend.tokenizer)
         self.created = int(time.time())
+        self.fingerprint = system_fingerprint(frontend.model_name)
 
     def asgi(self) -> ASGIApp:
         from frontend_svc.openai import responses  # it builds on this module's helpers
@@ -224,7 +227,8 @@ class OpenAIApi:
         params = self._params(body, names, len(prompts))
         request_id = _request_id(request, body.request_id)
         builder = convert.CompletionBuilder(f"cmpl-{request_id}", self.frontend.model_name, body.n,
-                                            len(prompts), self.texts, params.logprobs)
+                                            len(prompts), self.texts, params.logprobs,
+                                            convert.extras(body, self.fingerprint))
         run = Run(self.frontend, _headers(request), "/v1/completions", prompts, params, request_id,
                   body.priority, names, convert.prompt_options(body))
         return await self._respond(request, run, builder, body, request_id)
@@ -242,7 +246,8 @@ class OpenAIApi:
         params = self._params(body, names, 1)
         request_id = _request_id(request, body.request_id)
         builder = convert.ChatBuilder(f"chatcmpl-{request_id}", self.frontend.model_name, body.n, 1,
-                                      self.texts, params.logprobs, echo=convert.chat_echo(body, prompt.messages))
+                                      self.texts, params.logprobs, echo=convert.chat_echo(body, prompt.messages),
+                                      extras=convert.extras(body, self.fingerprint))
         builder.with_tool_calls(tools.tool_calls_factory(body, self.tool_call_parser))
         run = Run(self.frontend, _headers(request), "/v1/chat/completions", [prompt], params, request_id,
                   body.priority, names, convert.prompt_options(body))
@@ -278,6 +283,7 @@ class OpenAIApi:
         start = asyncio.ensure_future(run.start())
         if not await _unless_disconnected(request, start):
             return Response(status_code=499)
+        builder.prompts = [self._prompt_info(prepared, builder.extras.echo) for prepared in run.prepared]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse.EventStream(_stream(run, builder, include_usage), on_close=run.close, headers=headers)
@@ -288,6 +294,13 @@ class OpenAIApi:
             return Response(collect.result(), media_type=JSON, headers=headers)
         finally:
             run.close()
+
+    def _prompt_info(self, prepared: PreparedRequest, echo: bool) -> convert.PromptInfo:
+        """A prompt's ids, and its text when echoed (a token prompt's decoded with its special tokens, as
+        vLLM's renderer decodes it; at most max_model_len ids)."""
+        text = prepared.prompt if prepared.prompt is not None or not echo else \
+            self.frontend.tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False)
+        return convert.PromptInfo(text or "", prepared.prompt_token_ids)
 
     async def _parse(self, request: Request, model: type[M]) -> M:
         raw = await read_body(request, self.max_body_bytes)
@@ -387,6 +400,12 @@ async def _stream(run: Run, builder: Builder, include_usage: bool) -> AsyncItera
         run.fail(code_name(exc.code), exc.message)
         yield sse.event(from_service(exc).body().model_dump_json())
     yield sse.DONE
+
+
+def system_fingerprint(model_name: str) -> str:
+    """vLLM's `system_fingerprint` shape (`vllm-<version>-<hash8>`): tandem's version and 8 hex digits of
+    a hash of the served model's name, the same for every response of this server."""
+    return f"tandem-{VERSION}-{hashlib.sha256(model_name.encode()).hexdigest()[:8]}"
 
 
 def _request_id(request: Request, in_body: str | None = None) -> str:

@@ -22,6 +22,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from frontend_svc.chat_template import ChatOptions
@@ -161,17 +162,44 @@ def logprobs_of(request: p.CompletionRequest | p.ChatCompletionRequest) -> int |
     return (request.top_logprobs or 0) if request.logprobs else None
 
 
+def prompt_logprobs_of(request: p.CompletionRequest | p.ChatCompletionRequest) -> int | None:
+    """Top-N logprobs per prompt token to ask for: `prompt_logprobs`, else with `echo` the logprobs asked
+    for the output (completions `logprobs`, chat `top_logprobs`), as vLLM's to_sampling_params. 400 with
+    `stream` (vLLM: not available when streaming) unless 0, and below -1."""
+    top = request.prompt_logprobs
+    if top is not None:
+        if top < -1:
+            raise bad_request("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs")
+        if request.stream and top != 0:
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        return top
+    if not request.echo:
+        return None
+    return request.logprobs if isinstance(request, p.CompletionRequest) else request.top_logprobs
+
+
+def _seed(seed: int | None) -> int | None:
+    """vLLM's seed: -1 is none (random); another negative 64-bit seed is taken modulo 2**64."""
+    if seed is None or seed == -1:
+        return None
+    return seed % (1 << 64) if -(1 << 63) <= seed < 0 else seed
+
+
 def sampling_params(request: p.CompletionRequest | p.ChatCompletionRequest) -> SamplingParams:
     """The request's `SamplingParams` (the one place OpenAI's sampling fields are mapped); raises
-    ValidationError (bare field names, which `field_names` maps to OpenAI's)."""
+    ValidationError (bare field names, which `field_names` maps to OpenAI's). Completions `echo` with
+    max_tokens 0 asks for the prompt alone: one token is generated (and not shown), as vLLM does."""
     stop = request.stop
+    max_tokens = max_tokens_of(request)
+    if isinstance(request, p.CompletionRequest) and request.echo and max_tokens == 0:
+        max_tokens = 1
     return SamplingParams(
         temperature=_or(request.temperature, 1.0),
         top_p=_or(request.top_p, 1.0),
         top_k=_or(request.top_k, 0),
         min_p=_or(request.min_p, 0.0),
-        seed=request.seed,
-        max_tokens=max_tokens_of(request),
+        seed=_seed(request.seed),
+        max_tokens=max_tokens,
         min_tokens=request.min_tokens,
         stop=[stop] if isinstance(stop, str) else stop or [],
         stop_token_ids=request.stop_token_ids or [],
@@ -181,6 +209,7 @@ def sampling_params(request: p.CompletionRequest | p.ChatCompletionRequest) -> S
         frequency_penalty=_or(request.frequency_penalty, 0.0),
         repetition_penalty=_or(request.repetition_penalty, 1.0),
         logprobs=logprobs_of(request),
+        prompt_logprobs=prompt_logprobs_of(request),
         n=request.n,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
@@ -225,59 +254,62 @@ def finite(logprob: float) -> float:
 
 
 class TokenTexts:
-    """Token id -> its text (the tokenizer's `token_texts` cache) and exact bytes, decoded once per id (the
-    caches are bounded)."""
+    """Token id -> its text (the tokenizer's `token_texts` cache, shared with the output processor)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._texts: SharedTokenTexts = tokenizer.token_texts  # shared with the output processor
-        self._bytes: dict[int, list[int]] = {}
-        self._byte_level = _byte_decoder() if _is_byte_level(tokenizer) else None
+        self._texts: SharedTokenTexts = tokenizer.token_texts
 
     def text(self, token_id: int) -> str:
         return self._texts.text(token_id)
 
-    def bytes(self, token_id: int) -> list[int]:
-        cached = self._bytes.get(token_id)
-        if cached is None:
-            if len(self._bytes) >= _TOKEN_CACHE_LIMIT:
-                self._bytes.clear()
-            cached = self._bytes[token_id] = self._exact_bytes(token_id)
-        return cached
 
-    def _exact_bytes(self, token_id: int) -> list[int]:
-        table = self._byte_level
-        if table is not None:
-            piece = self._tokenizer.backend.id_to_token(token_id)
-            if piece is not None and all(ch in table for ch in piece):
-                return [table[ch] for ch in piece]
-        return list(self.text(token_id).encode("utf-8", "replace"))
+def utf8(text: str) -> list[int]:
+    """A logprob token's `bytes`: the UTF-8 of its text, as vLLM writes them (a piece of a character,
+    whose text is "", has none; the token that completes it has the whole character's)."""
+    return list(text.encode("utf-8", "replace"))
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
-    decoder = getattr(getattr(tokenizer, "backend", None), "decoder", None)
-    return decoder is not None and "ByteLevel" in repr(decoder)
+def token_id_text(token_id: int) -> str:
+    """return_tokens_as_token_ids's token text (vLLM's placeholder)."""
+    return f"token_id:{token_id}"
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte <-> printable character table, inverted (the ByteLevel pre-tokenizer's alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+@dataclass(frozen=True)
+class Extras:
+    """vLLM's response extras a request asked for (`extras`)."""
+
+    echo: bool = False  # completions: the prompt (text, logprobs) before each choice's own
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is generated, unshown)
+    token_ids: bool = False  # return_token_ids: prompt_token_ids and token_ids
+    as_token_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    prompt_logprobs: bool = False  # the prompt_logprobs field (asked for, or implied by echo)
+    fingerprint: str | None = None  # system_fingerprint
+
+
+def extras(request: p.CompletionRequest | p.ChatCompletionRequest, fingerprint: str | None) -> Extras:
+    echo = bool(request.echo) and isinstance(request, p.CompletionRequest)
+    return Extras(echo=echo, echo_only=echo and request.max_tokens == 0,
+                  token_ids=bool(request.return_token_ids), as_token_ids=bool(request.return_tokens_as_token_ids),
+                  prompt_logprobs=prompt_logprobs_of(request) is not None, fingerprint=fingerprint)
+
+
+@dataclass
+class PromptInfo:
+    """What a response may repeat of one prompt: its text (echo) and ids."""
+
+    text: str
+    token_ids: list[int]
 
 
 @dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     completion_logprobs: p.CompletionLogprobs | None = None
     chat_logprobs: list[p.ChatTokenLogprob] | None = None
+    prompt_logprobs: p.PromptLogprobs | None = None
     offset: int = 0  # characters of text before the next token (completions text_offset)
+    started: bool = False  # a delta of this choice was seen (echo and prompt_token_ids go first)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -304,16 +336,18 @@ class _Usage:
 
 
 class _Builder:
-    """What both endpoints share: ids, choice numbering, per-choice state, usage."""
+    """What both endpoints share: ids, choice numbering, per-choice state, usage, vLLM's extras."""
 
     def __init__(self, response_id: str, model: str, n: int, num_prompts: int, texts: TokenTexts,
-                 top_n: int | None) -> None:
+                 top_n: int | None, extras: Extras | None = None) -> None:
         self.id = response_id
         self.model = model
         self.created = int(time.time())
         self.n = n
         self.texts = texts
         self.top_n = top_n  # None: no logprobs asked
+        self.extras = extras or Extras()
+        self.prompts: list[PromptInfo] = []  # per prompt index, set once the prompts are tokenized
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         self.usage = _Usage()
         self.tool_calls: list[tools.ToolCalls] = []  # chat: one per choice while tool calls are parsed
@@ -323,11 +357,32 @@ class _Builder:
 
     def _record(self, prompt_index: int, delta: CompletionDelta) -> _Choice:
         choice = self.choices[self.index(prompt_index, delta)]
+        if delta.prompt_logprobs is not None and self.extras.prompt_logprobs and choice.prompt_logprobs is None:
+            choice.prompt_logprobs = [None, *(self._prompt_position(e) for e in delta.prompt_logprobs)]
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
             choice.stop_reason = delta.stop_reason
             self.usage.add(prompt_index, delta)
         return choice
+
+    def _prompt_position(self, entry: TokenLogprob) -> dict[str, p.PromptLogprob]:
+        """vLLM's prompt logprobs of one position: the prompt's token (its rank), then the top-N by rank,
+        keyed by token id; texts are the real tokens' even with return_tokens_as_token_ids."""
+        out = {str(entry.token_id): p.PromptLogprob(logprob=finite(entry.logprob), rank=entry.rank,
+                                                     decoded_token=self._text(entry.token_id, entry.text))}
+        for rank, (tid, lp), text in zip(range(1, len(entry.top) + 1), entry.top, _top_texts(entry)):
+            out.setdefault(str(tid), p.PromptLogprob(logprob=finite(lp), rank=rank,
+                                                     decoded_token=self._text(tid, text)))
+        return out
+
+    def _text(self, token_id: int, text: str | None) -> str:
+        return text if text is not None else self.texts.text(token_id)
+
+    def _token(self, token_id: int, text: str | None) -> str:
+        """A logprob token's text as the response shows it (return_tokens_as_token_ids: "token_id:N")."""
+        if self.extras.as_token_ids:
+            return token_id_text(token_id)
+        return self._text(token_id, text)
 
     @staticmethod
     def _dump(chunk: Any, with_usage: bool = False) -> str:
@@ -338,26 +393,51 @@ class _Builder:
             chunk.usage = None
         return str(chunk.model_dump_json(exclude_unset=True))
 
+    def _stamp(self, chunk: Any, finished: bool, with_usage: bool) -> None:
+        """vLLM's system_fingerprint on a stream's last chunk of a choice, unless a usage chunk ends it."""
+        if finished and not with_usage and self.extras.fingerprint is not None:
+            chunk.system_fingerprint = self.extras.fingerprint
+
+    def _ids(self, ids: list[int]) -> list[int] | None:
+        return list(ids) if self.extras.token_ids else None
+
+
+def _top_texts(entry: TokenLogprob) -> list[str | None]:
+    return list(entry.top_texts) if entry.top_texts is not None else [None] * len(entry.top)
+
 
 class CompletionBuilder(_Builder):
-    """`/v1/completions`: `text_completion` chunks and response, completions-shaped logprobs."""
+    """`/v1/completions`: `text_completion` chunks and response, completions-shaped logprobs. With `echo`
+    each choice starts with its prompt (text unless return_token_ids, and the prompt's logprobs: the
+    first token's null); with echo and max_tokens 0 the prompt is all it shows, as vLLM."""
 
     def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
         """One stream chunk for `delta`, or None when it carries nothing (text held back, no logprobs)."""
         choice = self._record(prompt_index, delta)
-        logprobs = self._logprobs(choice, delta)
-        if not delta.text and logprobs is None and delta.finish_reason is None:
+        first = not choice.started
+        choice.started = True
+        text, logprobs = self._shown(choice, prompt_index, delta, first)
+        if not text and logprobs is None and delta.finish_reason is None \
+                and not (self.extras.token_ids and delta.token_ids) and not (first and self.extras.echo):
             return None
-        out = p.CompletionChoice(index=self.index(prompt_index, delta), text=delta.text, logprobs=logprobs,
+        out = p.CompletionChoice(index=self.index(prompt_index, delta), text=text, logprobs=logprobs,
                                  finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+        if first and (self.extras.echo or self.extras.token_ids):
+            out.prompt_token_ids = self.prompts[prompt_index].token_ids  # vLLM: on echo, or when asked
+        if self.extras.token_ids:
+            out.token_ids = list(delta.token_ids)
         body = p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[out])
+        self._stamp(body, delta.finish_reason is not None, with_usage)
         return self._dump(body, with_usage)
 
     def add(self, prompt_index: int, delta: CompletionDelta) -> None:
         """Fold `delta` into the final response."""
         choice = self._record(prompt_index, delta)
-        choice.text.append(delta.text)
-        logprobs = self._logprobs(choice, delta)
+        first = not choice.started
+        choice.started = True
+        text, logprobs = self._shown(choice, prompt_index, delta, first)
+        choice.text.append(text)
+        choice.token_ids.extend(delta.token_ids)
         if logprobs is not None:
             whole = choice.completion_logprobs
             if whole is None:
@@ -371,28 +451,63 @@ class CompletionBuilder(_Builder):
     def response(self) -> str:
         choices = [p.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
                                       stop_reason=c.stop_reason,
-                                      logprobs=c.completion_logprobs if self.top_n is not None else None)
+                                      logprobs=c.completion_logprobs if self.top_n is not None else None,
+                                      token_ids=self._ids(c.token_ids), prompt_logprobs=c.prompt_logprobs,
+                                      prompt_token_ids=self._ids(self.prompts[i // self.n].token_ids)
+                                      if self.prompts else None)
                    for i, c in enumerate(self.choices)]
         return str(p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                        system_fingerprint=self.extras.fingerprint,
                                         usage=self.usage.info()).model_dump_json())
 
     def usage_chunk(self) -> str:
         return self._dump(p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
+                                               system_fingerprint=self.extras.fingerprint,
                                                usage=self.usage.info()))
 
-    def _logprobs(self, choice: _Choice, delta: CompletionDelta) -> p.CompletionLogprobs | None:
-        if self.top_n is None or delta.logprobs is None:
-            return None
+    def _shown(self, choice: _Choice, prompt_index: int, delta: CompletionDelta,
+               first: bool) -> tuple[str, p.CompletionLogprobs | None]:
+        """The text and logprobs `delta` adds to its choice: the prompt's first with echo."""
+        echo, echo_only = self.extras.echo, self.extras.echo_only
+        if echo_only and not first:
+            return "", None
+        text = "" if echo_only else delta.text
+        entries: list[tuple[int, TokenLogprob | None]] = []
+        if first and echo:
+            prompt = self.prompts[prompt_index]
+            if not self.extras.token_ids:
+                text = prompt.text + text
+            if self.top_n is not None:
+                ids = prompt.token_ids
+                entries += [(ids[0], None)] if ids else []
+                entries += [(e.token_id, e) for e in delta.prompt_logprobs or []]
+        if self.top_n is None or (delta.logprobs is None and not entries):
+            return text, None
+        if not echo_only:
+            entries += [(e.token_id, e) for e in delta.logprobs or []]
+        return text, self._logprobs(choice, entries)
+
+    def _logprobs(self, choice: _Choice, entries: list[tuple[int, TokenLogprob | None]]) -> p.CompletionLogprobs:
+        """vLLM's completions logprobs: per token its text, logprob and a dict of the token and the top-N
+        (token first; null for the prompt's first token); offsets are the summed lengths of the tokens."""
+        top_n = self.top_n or 0
         out = p.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])  # all "set"
-        for entry in delta.logprobs:
-            token = entry.text if entry.text is not None else self.texts.text(entry.token_id)
+        for token_id, entry in entries:
+            if entry is None:
+                token = self._token(token_id, None)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                token = self._token(token_id, entry.text)
+                out.token_logprobs.append(finite(entry.logprob))
+                ranked = {token_id: (entry.logprob, entry.text)}  # vLLM's order: the token, then by rank
+                for (tid, lp), text in zip(entry.top, _top_texts(entry)):
+                    ranked.setdefault(tid, (lp, text))
+                out.top_logprobs.append({self._token(tid, text): finite(lp)
+                                         for tid, (lp, text) in islice(ranked.items(), top_n + 1)})
             out.tokens.append(token)
-            out.token_logprobs.append(finite(entry.logprob))
             out.text_offset.append(choice.offset)
             choice.offset += len(token)
-            top = {self.texts.text(tid): finite(lp) for tid, lp in entry.top[: self.top_n]}
-            top.setdefault(token, finite(entry.logprob))  # OpenAI: the sampled token is always there
-            out.top_logprobs.append(top)
         return out
 
 
@@ -401,18 +516,21 @@ class ChatBuilder(_Builder):
     (see `chat_echo`) starts every choice's content: its own chunk after the role chunks, as vLLM."""
 
     def __init__(self, response_id: str, model: str, n: int, num_prompts: int, texts: TokenTexts,
-                 top_n: int | None, echo: str = "") -> None:
-        super().__init__(response_id, model, n, num_prompts, texts, top_n)
+                 top_n: int | None, echo: str = "", extras: Extras | None = None) -> None:
+        super().__init__(response_id, model, n, num_prompts, texts, top_n, extras)
         self.echo = echo
 
     def role_chunks(self, with_usage: bool) -> list[str]:
-        """The first chunk of every choice: `{"role": "assistant", "content": ""}`, as OpenAI sends it;
-        then the echoed content's, if any."""
+        """The first chunk of every choice: `{"role": "assistant", "content": ""}`, as OpenAI sends it
+        (with the prompt's ids for return_token_ids, as vLLM); then the echoed content's, if any."""
         chunks = []
         for index in range(len(self.choices)):
             out = p.ChatChunkChoice(index=index, delta=p.DeltaMessage(role="assistant", content=""),
                                     logprobs=None, finish_reason=None)
-            chunks.append(self._chunk([out], with_usage))
+            body = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[out])
+            if self.extras.token_ids and self.prompts:
+                body.prompt_token_ids = self.prompts[0].token_ids
+            chunks.append(self._dump(body, with_usage))
         for index in range(len(self.choices) if self.echo else 0):
             out = p.ChatChunkChoice(index=index, delta=p.DeltaMessage(content=self.echo), logprobs=None,
                                     finish_reason=None)
@@ -422,14 +540,15 @@ class ChatBuilder(_Builder):
     def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
         self._record(prompt_index, delta)
         logprobs = self._logprobs(delta)
-        if not delta.text and logprobs is None and delta.finish_reason is None:
+        ids = self.extras.token_ids and bool(delta.token_ids)
+        if not delta.text and logprobs is None and delta.finish_reason is None and not ids:
             return None
         index = self.index(prompt_index, delta)
         calls = self.tool_calls[index] if self.tool_calls else None
         if calls is not None:  # tool calling: content and tool-call pieces out of the text
             message = calls.delta(delta.text, finished=delta.finish_reason is not None)
             if message.content is None and message.tool_calls is None and logprobs is None \
-                    and delta.finish_reason is None:
+                    and delta.finish_reason is None and not ids:
                 return None
             finish_reason = calls.finish_reason(delta.finish_reason)
         else:
@@ -438,7 +557,11 @@ class ChatBuilder(_Builder):
         out = p.ChatChunkChoice(index=index, delta=message, logprobs=logprobs, finish_reason=finish_reason)
         if delta.finish_reason is not None:
             out.stop_reason = delta.stop_reason
-        return self._chunk([out], with_usage)
+        if self.extras.token_ids:
+            out.token_ids = list(delta.token_ids)
+        body = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[out])
+        self._stamp(body, delta.finish_reason is not None, with_usage)
+        return self._dump(body, with_usage)
 
     def _chunk(self, choices: list[p.ChatChunkChoice], with_usage: bool) -> str:
         body = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
@@ -447,6 +570,7 @@ class ChatBuilder(_Builder):
     def add(self, prompt_index: int, delta: CompletionDelta) -> None:
         choice = self._record(prompt_index, delta)
         choice.text.append(delta.text)
+        choice.token_ids.extend(delta.token_ids)
         logprobs = self._logprobs(delta)
         if logprobs is not None and logprobs.content is not None:
             if choice.chat_logprobs is None:
@@ -473,26 +597,28 @@ class ChatBuilder(_Builder):
         choices = [p.ChatChoice(index=i, message=messages[i][0],
                                 finish_reason=messages[i][1], stop_reason=c.stop_reason,
                                 logprobs=(p.ChatLogprobs(content=c.chat_logprobs or [])
-                                          if self.top_n is not None else None))
+                                          if self.top_n is not None else None),
+                                token_ids=self._ids(c.token_ids))
                    for i, c in enumerate(self.choices)]
-        return str(p.ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
-                                            choices=choices, usage=self.usage.info()).model_dump_json())
+        return str(p.ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices,
+            system_fingerprint=self.extras.fingerprint, usage=self.usage.info(),
+            prompt_logprobs=self.choices[0].prompt_logprobs if self.choices else None,
+            prompt_token_ids=self._ids(self.prompts[0].token_ids) if self.prompts else None).model_dump_json())
 
     def usage_chunk(self) -> str:
         body = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                     usage=self.usage.info())
+                                     usage=self.usage.info(), system_fingerprint=self.extras.fingerprint)
         return self._dump(body)
 
     def _logprobs(self, delta: CompletionDelta) -> p.ChatLogprobs | None:
         if self.top_n is None or delta.logprobs is None:
             return None
-        return p.ChatLogprobs(content=[self._token(entry) for entry in delta.logprobs])
+        return p.ChatLogprobs(content=[self._chat_token(entry) for entry in delta.logprobs])
 
-    def _token(self, entry: TokenLogprob) -> p.ChatTokenLogprob:
-        texts = self.texts
-        token = entry.text if entry.text is not None else texts.text(entry.token_id)
-        top = [p.TopLogprob(token=texts.text(tid), logprob=finite(lp), bytes=texts.bytes(tid))
-               for tid, lp in entry.top[: self.top_n]]
-        return p.ChatTokenLogprob(token=token, logprob=finite(entry.logprob), bytes=texts.bytes(entry.token_id),
-                                  top_logprobs=top)
-
+    def _chat_token(self, entry: TokenLogprob) -> p.ChatTokenLogprob:
+        """vLLM's chat logprob: `bytes` are the UTF-8 of the token's text (not of "token_id:N")."""
+        top = [p.TopLogprob(token=self._token(tid, text), logprob=finite(lp), bytes=utf8(self._text(tid, text)))
+               for (tid, lp), text in zip(entry.top[: self.top_n], _top_texts(entry))]
+        return p.ChatTokenLogprob(token=self._token(entry.token_id, entry.text), logprob=finite(entry.logprob),
+                                  bytes=utf8(self._text(entry.token_id, entry.text)), top_logprobs=top)

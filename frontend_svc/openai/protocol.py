@@ -11,8 +11,9 @@ Requests follow OpenAI's API reference plus vLLM's extra fields (`top_k`, `min_p
 - Fields unknown to vLLM too are ignored, as vLLM does and as the OpenAI SDKs expect of compatible
   servers (their `extra_body` is how clients send vendor fields); `best_of` other than n, `tools`,
   `functions` and a non-text `response_format` are rejected with 400 naming the field (convert.py).
-- Types are strict (`"0.5"` is not a number, `1` is not a bool), as OpenAI's own API is; an integer is
-  accepted where a number is expected.
+- Types are coerced as vLLM's pydantic models coerce them (pydantic's lax mode: `"0.5"` is a number,
+  `10.0` and `"10"` are integers, `"true"` is a bool; `2.5` for an integer is a 400), except `prompt`,
+  which stays strict: `["1", "2"]` is two text prompts, as vLLM's smart union reads it, never token ids.
 - Value ranges are checked by `SamplingParams` and the processor (one source of truth for both APIs);
   this module only checks shapes, and bounds the size of `logit_bias` while parsing (a body of a
   million entries is refused before anything walks it on the event loop).
@@ -26,14 +27,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from frontend_svc.chat_template import MAX_CHAT_TEMPLATE_CHARS
 from shared_runtime import limits
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(_Request):
@@ -123,11 +124,11 @@ class _Sampling(_Request):
     length_penalty: Any = None
     watermarking: Any = None
     spaces_between_special_tokens: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = None  # top-N per prompt token (the first token's entry is null)
+    return_tokens_as_token_ids: bool | None = False  # logprob tokens as "token_id:N"
+    return_token_ids: bool | None = False  # prompt_token_ids and token_ids in the response
     logprob_token_ids: Any = None
     session_id: Any = None
-    return_tokens_as_token_ids: Any = None
-    return_token_ids: Any = None
     return_token_offsets: Any = None
     routed_experts_prompt_start: Any = None
     mm_payload: Any = None
@@ -148,13 +149,12 @@ class _Sampling(_Request):
 # which is what the value here is (a default means "off": accepting it changes nothing).
 REFUSED_COMMON: dict[str, object] = {
     "use_beam_search": False, "length_penalty": 1.0, "watermarking": False,
-    "spaces_between_special_tokens": True, "prompt_logprobs": None, "logprob_token_ids": None,
-    "session_id": None, "return_tokens_as_token_ids": False, "return_token_ids": False,
-    "return_token_offsets": False, "routed_experts_prompt_start": 0, "mm_payload": "tensors",
+    "spaces_between_special_tokens": True, "logprob_token_ids": None,
+    "session_id": None, "return_token_offsets": False, "routed_experts_prompt_start": 0, "mm_payload": "tensors",
     "return_mm_kwargs": False, "cache_salt": None, "kv_transfer_params": None, "ec_transfer_params": None,
     "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None, "stream_interval": None,
 }
-REFUSED_COMPLETION: dict[str, object] = {**REFUSED_COMMON, "echo": False, "suffix": None,
+REFUSED_COMPLETION: dict[str, object] = {**REFUSED_COMMON, "suffix": None,
                                          "prompt_embeds": None}
 REFUSED_CHAT: dict[str, object] = {**REFUSED_COMMON, "return_prompt_text": False, "media_io_kwargs": None,
                                    "mm_processor_kwargs": None, "include_reasoning": True}
@@ -162,7 +162,8 @@ REFUSED_CHAT: dict[str, object] = {**REFUSED_COMMON, "return_prompt_text": False
 
 # Token ids first, members tried in order: a 4 MiB list of ids validates in one pass (~50 ms here) where
 # pydantic's "smart" union mode tried every member (~250 ms, with the GIL held all along).
-CompletionPrompt = list[int] | list[list[int]] | str | list[str]
+# Strict members: lax mode would read ["1", "2"] as token ids, where vLLM's smart union keeps two text prompts.
+CompletionPrompt = list[StrictInt] | list[list[StrictInt]] | StrictStr | list[StrictStr]
 
 
 class CompletionRequest(_Sampling):
@@ -173,11 +174,10 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16  # OpenAI's default for completions; null fills the context window
     logprobs: int | None = None  # top-N per token, in the completions shape
     add_special_tokens: bool = True  # vLLM: e.g. BOS for a text prompt
-    echo: Any = None  # refused unless false (REFUSED_COMPLETION)
+    echo: bool | None = False  # the prompt before each choice's text (and its logprobs, prompt_logprobs)
     suffix: Any = None
     best_of: int | None = None
     prompt_embeds: Any = None
-    response_format: Any = None
 
 
 class FunctionCall(BaseModel):
@@ -316,12 +316,26 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """One token of a prompt position (vLLM's Logprob: keyed by the token id in the position's dict)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extra: the matched stop string or stop token id
+    token_ids: list[int] | None = None  # vLLM extras: return_token_ids, prompt_logprobs
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):
@@ -330,6 +344,7 @@ class CompletionResponse(_Response):
     created: int
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
 
 
@@ -362,6 +377,7 @@ class ChatChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM extra: return_token_ids
 
 
 class ChatCompletionResponse(_Response):
@@ -370,7 +386,10 @@ class ChatCompletionResponse(_Response):
     created: int
     model: str
     choices: list[ChatChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extras
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(_Response):
@@ -385,6 +404,7 @@ class ChatChunkChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM extra: return_token_ids
 
 
 class ChatCompletionChunk(_Response):
@@ -394,6 +414,8 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None  # on the last chunk only, as vLLM
+    prompt_token_ids: list[int] | None = None  # on the first chunk with return_token_ids
 
 
 class TokenizeResponse(_Response):

@@ -146,13 +146,46 @@ def test_other_finish_flushes_held_back_text(op, processor, encode):
 
 
 @pytest.mark.parametrize("skip_special", [True, False])
-def test_eos_text_is_left_out_and_reported_as_stop_reason(op, processor, encode, skip_special):
+def test_eos_text_is_left_out_and_its_stop_reason_is_none(op, processor, encode, skip_special):
+    """vLLM: an EOS stop has stop_reason None; the same id asked for in stop_token_ids is reported."""
     prepared = add(op, processor, SamplingParams(max_tokens=50, skip_special_tokens=skip_special))
     ids = [*encode(" the boats"), EOS]
     deltas, _ = stream_tokens(op, prepared.engine_request_ids[0], ids, p.FinishReason.STOP, stop_token_id=EOS)
     assert "".join(d.text for d in deltas) == " the boats"
     assert [t for d in deltas for t in d.token_ids] == ids
+    assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", None)
+    asked = add(op, processor, SamplingParams(max_tokens=50, stop_token_ids=[EOS]))
+    deltas, _ = stream_tokens(op, asked.engine_request_ids[0], ids, p.FinishReason.STOP, stop_token_id=EOS)
     assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", EOS)
+
+
+def test_a_length_cut_inside_a_character_leaves_it_out(op, processor, encode):
+    """No trailing U+FFFD: the unfinished character is not part of the text (vLLM '👌🎉🎉🎉🎉🎉')."""
+    ids = encode(" a€")
+    euro = encode("€")
+    assert len(euro) > 1 and ids[-len(euro):] == euro, "the tiny tokenizer should split this character"
+    prepared = add(op, processor, SamplingParams(max_tokens=len(ids) - 1))
+    deltas, _ = stream_tokens(op, prepared.engine_request_ids[0], ids[:-1])
+    assert "".join(d.text for d in deltas) == " a" and deltas[-1].finish_reason == "length"
+
+
+def test_logprob_tokens_inside_a_character_follow_vllm(op, processor, encode, tokenizer):
+    """A piece of a character is "" (text and alternatives), the token that completes it is the whole
+    character, as vLLM's logprobs processor writes them."""
+    ids = encode(" a€€")
+    euro = encode("€")
+    prepared = add(op, processor, SamplingParams(logprobs=1))
+    rid = prepared.engine_request_ids[0]
+    texts = []
+    for i, token in enumerate(ids):
+        entry = p.TokenLogprobs(token_id=token, logprob=-0.5, rank=1, top_token_ids=[token], top_logprobs=[-0.5])
+        (delta,) = step(op, out(rid, [token], p.FinishReason.LENGTH if i == len(ids) - 1 else 0,
+                                new_logprobs=[entry])).deltas
+        (lp,) = delta.logprobs
+        texts.append(lp.text)
+        assert lp.top_texts in (None, [lp.text])
+    pieces = ["" for _ in euro[:-1]] + ["€"]
+    assert texts == [tokenizer.decode([t]) for t in ids[:-2 * len(euro)]] + pieces + pieces
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -248,7 +281,7 @@ def test_outputs_parsed_from_the_wire(op, processor, encode):
     ])
     wire = pb.EngineCoreOutputs.FromString(message.SerializeToString())
     deltas = {d.index: d for d in op.process_outputs(wire).deltas}
-    assert (deltas[0].text, deltas[0].stop_reason, deltas[0].error) == (" the boats", EOS, None)
+    assert (deltas[0].text, deltas[0].stop_reason, deltas[0].error) == (" the boats", None, None)
     assert (deltas[1].text, deltas[1].finish_reason, deltas[1].stop_reason) == (" the boats", "length", None)
 
 

@@ -15,6 +15,7 @@ from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import ApiError, from_pydantic, service_error
 from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
 from frontend_svc.processor import ChatPrompt
+from shared_runtime.contract import StructuredOutputs
 from shared_runtime.violations import FieldViolation, ValidationError
 
 
@@ -33,12 +34,20 @@ def test_prompt_forms_and_strict_types() -> None:
     assert p.CompletionRequest.model_validate_json('{"prompt": [[1], [2, 3]]}').prompt == [[1], [2, 3]]
     body = p.CompletionRequest.model_validate_json('{"prompt": "x", "temperature": 1, "whatever": {"a": 1}}')
     assert body.temperature == 1.0  # an integer is a number; unknown fields are ignored
-    error = parse_error(p.CompletionRequest, {"prompt": "x", "temperature": "0.5"})
-    assert (error.status, error.param) == (400, "temperature")
+    # numbers as vLLM's (lax) pydantic models read them: "0.5", 10.0 and "10" are accepted, 2.5 is no integer
+    lax = p.CompletionRequest.model_validate_json(
+        '{"prompt": "x", "temperature": "0.5", "max_tokens": 10.0, "n": "1", "top_k": "3", "stream": "false"}')
+    assert (lax.temperature, lax.max_tokens, lax.n, lax.top_k, lax.stream) == (0.5, 10, 1, 3, False)
+    assert parse_error(p.CompletionRequest, {"prompt": "x", "max_tokens": 2.5}).param == "max_tokens"
+    assert parse_error(p.CompletionRequest, {"prompt": "x", "temperature": "hot"}).param == "temperature"
+    # but the prompt stays strict, as vLLM's smart union: strings are text prompts, never token ids
+    assert p.CompletionRequest.model_validate_json('{"prompt": ["1", "2"]}').prompt == ["1", "2"]
     error = parse_error(p.CompletionRequest, {"prompt": [1, "a"]})
     assert error.param == "prompt" and "list of token ids" in error.message
     assert parse_error(p.CompletionRequest, {"n": 2}).param == "prompt"  # required
-    assert parse_error(p.CompletionRequest, {"prompt": "x", "n": True}).param == "n"
+    assert parse_error(p.CompletionRequest, {"prompt": "x", "n": [1]}).param == "n"
+    assert convert.sampling_params(completion(seed=-1)).seed is None  # vLLM: -1 is no seed
+    assert convert.sampling_params(completion(seed=-2)).seed == 2**64 - 2
 
 
 def test_chat_params_use_openai_paths() -> None:
@@ -140,7 +149,7 @@ def test_processor_paths_map_to_the_request_fields() -> None:
 
 
 def test_unsupported_fields_are_rejected_not_ignored() -> None:
-    cases = [(completion(echo=True), "echo"), (completion(suffix="s"), "suffix"), (completion(best_of=3), "best_of")]
+    cases = [(completion(suffix="s"), "suffix"), (completion(best_of=3), "best_of")]
     for body, param in cases:
         error = convert.unsupported(body)
         assert error is not None and (error.status, error.param) == (400, param)
@@ -233,7 +242,7 @@ def test_completion_chunks_and_response_agree(tokenizer: Any) -> None:
 def test_completion_logprobs_shape(tokenizer: Any) -> None:
     texts = convert.TokenTexts(tokenizer)
     a, b, c = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("a", "b", "c"))
-    entries = [TokenLogprob(a, -0.5, 1, top=[(a, -0.5), (b, -1.0), (c, -2.0)]),
+    entries = [TokenLogprob(a, -0.5, 1, top=[(a, -0.5), (b, -1.0)]),
                TokenLogprob(c, float("-inf"), 3, top=[(a, -0.1), (b, -0.2)])]
     builder = convert.CompletionBuilder("cmpl-x", "m", 1, 1, texts, 2)
     chunk = json.loads(builder.chunk(0, delta(0, "ac", [a, c], logprobs=entries), with_usage=False) or "{}")
@@ -273,18 +282,30 @@ def test_chat_response(tokenizer: Any) -> None:
     assert body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello", "tool_calls": []},
                                 "logprobs": None,
-                                "finish_reason": "length", "stop_reason": None}]
+                                "finish_reason": "length", "stop_reason": None, "token_ids": None}]
     assert body["usage"]["total_tokens"] == 10
 
 
-def test_token_bytes_are_exact_for_byte_level_tokens(tokenizer: Any) -> None:
-    """A character split over two tokens: each token's bytes are its own UTF-8 bytes, and together they
-    make the character (the decoded text of either half alone is U+FFFD)."""
-    texts = convert.TokenTexts(tokenizer)
+def test_token_bytes_are_the_utf8_of_the_token_text_as_vllm(tokenizer: Any) -> None:
+    """A character split over two tokens: the piece's token is "" with no bytes, the completing token
+    is the character with its bytes (the texts the output processor gives them, vLLM's convention)."""
     ids = tokenizer.encode("€", add_special_tokens=False)
-    assert len(ids) > 1, "the tiny tokenizer should split this character"
-    assert [b for i in ids for b in texts.bytes(i)] == list("€".encode())
-    assert "\ufffd" in texts.text(ids[0])
+    assert len(ids) == 3, "the tiny tokenizer should split this character in three"
+    builder = convert.ChatBuilder("chatcmpl-x", "m", 1, 1, convert.TokenTexts(tokenizer), 1)
+    entries = [TokenLogprob(ids[0], -0.5, 1, top=[(ids[0], -0.5)], text="", top_texts=[""]),
+               TokenLogprob(ids[2], -0.25, 1, top=[(ids[2], -0.25)], text="€", top_texts=["€"])]
+    chunk = json.loads(builder.chunk(0, delta(0, "€", [ids[0], ids[2]], logprobs=entries), with_usage=False)
+                       or "{}")
+    content = chunk["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["bytes"]) for c in content] == [("", []), ("€", list("€".encode()))]
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [[], list("€".encode())]
+
+
+def test_completions_take_response_format() -> None:
+    """vLLM's completions accept OpenAI's response_format as the chat API does (a JSON object here)."""
+    params = convert.sampling_params(completion(response_format={"type": "json_object"}))
+    assert params.structured_outputs == StructuredOutputs(json_object=True)
+    assert convert.sampling_params(completion(response_format={"type": "text"})).structured_outputs is None
 
 
 def test_sse_framing() -> None:

@@ -109,8 +109,8 @@ def test_chat_stream_with_usage_and_logprobs(split: HttpSplit) -> None:
     for token in tokens:  # type: ignore[union-attr]
         assert len(token.top_logprobs) == 2
         assert token.top_logprobs[0].logprob == pytest.approx(token.logprob, abs=1e-5)  # greedy: the top one
-    # the tokens' bytes make the text (a random-weight model may emit invalid UTF-8: U+FFFD in both)
-    assert b"".join(bytes(t.bytes or []) for t in tokens).decode(errors="replace") == content  # type: ignore[union-attr]
+    # vLLM's bytes: the UTF-8 of each token's text (a piece of a character: "" and no bytes)
+    assert all(bytes(t.bytes or []) == t.token.encode() for t in tokens)  # type: ignore[union-attr]
     chunks = list(split.client.chat.completions.create(
         model=split.model, messages=CHAT, max_completion_tokens=10, temperature=0, stream=True,
         stream_options={"include_usage": True}))
@@ -239,14 +239,96 @@ def test_chat_echo_continue_final_message_and_request_id(split: HttpSplit) -> No
 
 
 def test_refused_vllm_fields_are_400_naming_them(split: HttpSplit) -> None:
-    for field, value in (("use_beam_search", True), ("prompt_logprobs", 1), ("echo", True)):
+    for field, value in (("use_beam_search", True), ("suffix", "x")):
         with pytest.raises(openai.BadRequestError) as info:
             split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2,
                                             extra_body={field: value})
         assert info.value.body["param"] == field, field  # type: ignore[index]
     ok = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2,
-                                         extra_body={"use_beam_search": False, "prompt_logprobs": None})
+                                         extra_body={"use_beam_search": False, "suffix": None})
     assert ok.choices[0].finish_reason == "length"
+
+
+def _grpc_prompt_logprobs(split: HttpSplit, **kwargs: Any) -> list[tuple[int, float]]:
+    """The public gRPC API's prompt logprobs (token id, logprob) of positions 1.. of a request."""
+    with TandemClient(split.frontend.address) as client:
+        first = next(iter(client.generate(timeout=60, **kwargs)))
+    return [(e.token_id, e.logprob) for e in first.prompt_logprobs]
+
+
+def test_echo_with_logprobs_through_the_openai_client(split: HttpSplit) -> None:
+    """lm-eval-harness's log-likelihood call: echo + logprobs, with and without generating (max_tokens 0:
+    the prompt alone, one token generated and counted, as vLLM); the prompt's first token has no
+    logprob; the prompt's logprobs are the gRPC API's prompt_logprobs; streaming gives the same text."""
+    prompt = "the boats rocked"
+    ids = split.client.completions.create(model=split.model, prompt=prompt, max_tokens=3, temperature=0,
+                                          extra_body={"return_token_ids": True}).choices[0]
+    generated = split.grpc_text(prompt=prompt, max_tokens=3, temperature=0.0)
+    reference = _grpc_prompt_logprobs(split, prompt=prompt, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    prompt_ids = ids.model_extra["prompt_token_ids"]  # type: ignore[index]
+    assert [t for t, _ in reference] == prompt_ids[1:]
+    for max_tokens in (3, 0):
+        result = split.client.completions.create(model=split.model, prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=0, echo=True, logprobs=1)
+        choice = result.choices[0]
+        shown = len(prompt_ids) + max_tokens
+        assert choice.text == prompt + (generated if max_tokens else "")
+        assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == shown
+        token_logprobs, top = choice.logprobs.token_logprobs or [], choice.logprobs.top_logprobs or []
+        assert token_logprobs[0] is None and top[0] is None
+        assert token_logprobs[1:len(prompt_ids)] == pytest.approx([lp for _, lp in reference], abs=1e-5)
+        assert all(choice.logprobs.tokens[i] in top[i] and 1 <= len(top[i]) <= 2 for i in range(1, shown))
+        assert result.usage is not None and result.usage.completion_tokens == max(max_tokens, 1)
+        assert choice.finish_reason == "length"
+        streamed = "".join(c.choices[0].text for c in split.client.completions.create(
+            model=split.model, prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True, stream=True))
+        assert streamed == choice.text
+
+
+def test_prompt_logprobs_and_token_ids_on_both_apis(split: HttpSplit) -> None:
+    """vLLM's prompt_logprobs ({token id: {logprob, rank, decoded_token}}, null first), return_token_ids
+    (prompt_token_ids, token_ids) and return_tokens_as_token_ids ("token_id:N"), completions and chat,
+    streamed and not; prompt_logprobs with stream is a 400 naming it."""
+    extra = {"prompt_logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    result = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=4, temperature=0,
+                                             logprobs=1, extra_body=extra)
+    choice = result.choices[0].model_extra or {}
+    assert choice["prompt_token_ids"] == PROMPT_IDS and len(choice["token_ids"]) == 4
+    reference = _grpc_prompt_logprobs(split, token_ids=PROMPT_IDS, max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    positions = choice["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(PROMPT_IDS)
+    for position, token, (ref_id, ref_lp) in zip(positions[1:], PROMPT_IDS[1:], reference):
+        assert ref_id == token and position[str(token)]["logprob"] == pytest.approx(ref_lp, abs=1e-5)
+        assert 2 <= len(position) <= 3 and {e["rank"] for e in position.values()} >= {1, 2}
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert (result.system_fingerprint or "").startswith("tandem-")
+    streamed: list[int] = []
+    for chunk in split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=4, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True}):
+        for c in chunk.choices:
+            streamed += (c.model_extra or {})["token_ids"]
+    assert streamed == choice["token_ids"]
+
+    chat = split.client.chat.completions.create(model=split.model, messages=CHAT, max_tokens=4, temperature=0,
+                                                extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    body = chat.model_extra or {}
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == len(body["prompt_token_ids"])
+    chat_ids = (chat.choices[0].model_extra or {})["token_ids"]
+    assert len(chat_ids) == 4
+    firsts, stream_ids = [], []
+    for chunk in split.client.chat.completions.create(model=split.model, messages=CHAT, max_tokens=4,
+                                                      temperature=0, stream=True,
+                                                      extra_body={"return_token_ids": True}):
+        firsts.append((chunk.model_extra or {}).get("prompt_token_ids"))
+        for c in chunk.choices:
+            stream_ids += (c.model_extra or {}).get("token_ids") or []
+    assert firsts[0] == body["prompt_token_ids"] and not any(firsts[1:]) and stream_ids == chat_ids
+    for api, call in (("completions", lambda **kw: split.client.completions.create(prompt=PROMPT_IDS, **kw)),
+                      ("chat", lambda **kw: split.client.chat.completions.create(messages=CHAT, **kw))):
+        with pytest.raises(openai.BadRequestError) as info:
+            call(model=split.model, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})
+        assert info.value.body["param"] == "prompt_logprobs", api  # type: ignore[index]
 
 
 def test_cancel_mid_stream_brings_engine_load_back_to_zero(split: HttpSplit) -> None:

@@ -2,8 +2,7 @@
 
 vLLM's fields come from tests/openai_api/data/vllm_fields.json (recorded from the installed vllm by
 scripts/record_vllm_fields.py: the suite cannot import vllm). A field vLLM adds fails here until tandem
-honours it (with a test named in HONOURED) or refuses it (protocol.REFUSED_*). Structured outputs and
-tools belong to another piece of work: those fields may be either.
+honours it (with a test named in HONOURED) or refuses it (protocol.REFUSED_*).
 """
 
 from __future__ import annotations
@@ -18,9 +17,6 @@ from frontend_svc.openai import protocol as p
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "vllm_fields.json").read_text())
 TESTS = Path(__file__).parent
-
-# Structured outputs and tool calling (honoured or refused as that work lands).
-STRUCTURED = {"response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls"}
 
 _SAMPLING = "test_openai_convert.py::test_sampling_params_carry_every_field"
 _COMMON = {
@@ -40,10 +36,16 @@ _COMMON = {
     "truncation_side": "test_openai_e2e.py::test_truncate_prompt_tokens_keeps_the_last_or_first_tokens",
     "add_special_tokens": "test_openai_e2e.py::test_add_special_tokens_and_max_tokens_fitted_to_the_context",
     "request_id": "test_openai_e2e.py::test_chat_echo_continue_final_message_and_request_id",
+    "prompt_logprobs": "test_openai_e2e.py::test_prompt_logprobs_and_token_ids_on_both_apis",
+    "return_token_ids": "test_openai_e2e.py::test_prompt_logprobs_and_token_ids_on_both_apis",
+    "return_tokens_as_token_ids": "test_openai_e2e.py::test_prompt_logprobs_and_token_ids_on_both_apis",
+    "structured_outputs": "test_structured_outputs_served.py::test_json_object_regex_and_choice",
 }
 HONOURED = {
     "completions": {**_COMMON, "prompt": "test_openai_convert.py::test_prompt_forms_and_strict_types",
-                    "logprobs": "test_openai_e2e.py::test_completion_logprobs_shape"},
+                    "logprobs": "test_openai_e2e.py::test_completion_logprobs_shape",
+                    "echo": "test_openai_e2e.py::test_echo_with_logprobs_through_the_openai_client",
+                    "response_format": "test_openai_convert.py::test_completions_take_response_format"},
     "chat": {**_COMMON, "messages": "test_openai_convert.py::test_prompts_and_chat_messages",
              "logprobs": "test_openai_convert.py::test_chat_logprobs_need_logprobs_true",
              "top_logprobs": "test_openai_convert.py::test_chat_logprobs_need_logprobs_true",
@@ -54,7 +56,11 @@ HONOURED = {
              "documents": "test_openai_convert.py::test_chat_options_follow_vllm",
              "chat_template": "test_chat_template.py::test_a_request_template_is_sandboxed_and_bounded",
              "chat_template_kwargs": "test_openai_convert.py::test_chat_options_follow_vllm",
-             "reasoning_effort": "test_openai_convert.py::test_chat_options_follow_vllm"},
+             "reasoning_effort": "test_openai_convert.py::test_chat_options_follow_vllm",
+             "response_format": "test_structured_outputs_served.py::test_every_completion_validates_against_its_schema",
+             "tools": "test_structured_outputs_served.py::test_named_and_required_tool_choices_yield_valid_calls",
+             "tool_choice": "test_structured_outputs_served.py::test_named_and_required_tool_choices_yield_valid_calls",
+             "parallel_tool_calls": "test_tool_calls.py::test_auto_without_parallel_tool_calls_keeps_the_first_call"},
 }
 MODELS = {"completions": p.CompletionRequest, "chat": p.ChatCompletionRequest}
 REFUSED = {"completions": p.REFUSED_COMPLETION, "chat": p.REFUSED_CHAT}
@@ -63,8 +69,8 @@ BASE = {"completions": {"prompt": "hi"}, "chat": {"messages": [{"role": "user", 
 
 def _test_exists(node: str) -> bool:
     file, name = node.split("::")
-    path = TESTS / file if (TESTS / file).exists() else TESTS.parent / "frontend" / file
-    return path.exists() and f"def {name}(" in path.read_text()
+    paths = [TESTS / file, TESTS.parent / "frontend" / file, TESTS.parent / "realmodel" / file]
+    return any(path.exists() and f"def {name}(" in path.read_text() for path in paths)
 
 
 def _not_default(default: object) -> object:
@@ -86,7 +92,7 @@ def test_the_fixture_names_its_vllm_version_and_how_to_record_it() -> None:
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_every_vllm_field_is_honoured_or_refused_by_name(endpoint: str) -> None:
     model, refused, honoured = MODELS[endpoint], REFUSED[endpoint], HONOURED[endpoint]
-    unaccounted = [f for f in FIXTURE[endpoint] if f not in honoured and f not in refused and f not in STRUCTURED]
+    unaccounted = [f for f in FIXTURE[endpoint] if f not in honoured and f not in refused]
     assert not unaccounted, f"vLLM {endpoint} fields neither honoured nor refused: {unaccounted}"
     assert not set(honoured) & set(refused)
     for field, node in honoured.items():
@@ -94,8 +100,6 @@ def test_every_vllm_field_is_honoured_or_refused_by_name(endpoint: str) -> None:
         assert _test_exists(node), f"{field}: no test {node}"
     for field in refused:
         assert field in model.model_fields, f"{field} is refused but the body model never sees it"
-    for field in STRUCTURED & set(FIXTURE[endpoint]):
-        assert field in model.model_fields or field in refused  # parsed: honoured or refused, never dropped
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
