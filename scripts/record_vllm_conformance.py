@@ -65,6 +65,39 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("n > 1 greedy chat", "/v1/chat/completions", {"messages": CAPITAL, "max_tokens": 3, "n": 2}),
     ("temperature above 2", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 3}),
     ("request_id", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "request_id": "conformance-1"}),
+    # issue 21, second part: echo, prompt logprobs, token ids, stop_reason, multi-byte cuts, lax numbers
+    ("echo with logprobs", "/v1/completions",
+     {"prompt": "The capital of France is", "max_tokens": 3, "echo": True, "logprobs": 1}),
+    ("echo only (max_tokens 0) with logprobs", "/v1/completions",
+     {"prompt": "The capital of France is", "max_tokens": 0, "echo": True, "logprobs": 2}),
+    ("echo without logprobs, token prompt", "/v1/completions", {"prompt": [504, 3575, 282], "max_tokens": 2,
+                                                                "echo": True}),
+    ("echo with return_token_ids", "/v1/completions",
+     {"prompt": "The capital of France is", "max_tokens": 2, "echo": True, "logprobs": 0, "return_token_ids": True}),
+    ("max_tokens 0 without echo", "/v1/completions", {"prompt": "Hi", "max_tokens": 0}),
+    ("prompt_logprobs completions", "/v1/completions",
+     {"prompt": "The capital of France is", "max_tokens": 2, "prompt_logprobs": 2}),
+    ("prompt_logprobs chat with return_token_ids", "/v1/chat/completions",
+     {"messages": CAPITAL, "max_tokens": 4, "prompt_logprobs": 1, "return_token_ids": True}),
+    ("prompt_logprobs with stream", "/v1/completions",
+     {"prompt": "Hi", "max_tokens": 2, "prompt_logprobs": 1, "stream": True}),
+    ("return_tokens_as_token_ids completions", "/v1/completions",
+     {"prompt": "The capital of France is", "max_tokens": 3, "logprobs": 2, "return_tokens_as_token_ids": True}),
+    ("return_tokens_as_token_ids chat", "/v1/chat/completions",
+     {"messages": CAPITAL, "max_tokens": 3, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}),
+    ("stop_reason null on EOS", "/v1/chat/completions", {"messages": CAPITAL, "max_tokens": 60}),
+    ("stop_reason of a stop token id", "/v1/completions",
+     {"prompt": "The capital of France is", "max_tokens": 8, "stop_token_ids": [30]}),
+    ("length cut inside an emoji, chat logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "Reply with three emoji"}], "max_tokens": 20, "logprobs": True,
+      "top_logprobs": 2}),
+    ("length cut inside an emoji, completions logprobs", "/v1/completions",
+     {"prompt": "<|im_start|>user\nReply with three emoji<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 20,
+      "logprobs": 1}),
+    ("numbers as strings and floats, seed -1", "/v1/completions",
+     {"prompt": "The capital of France is", "max_tokens": 4.0, "temperature": "0", "n": "1", "seed": -1,
+      "top_p": "1"}),
+    ("an integer with a fraction", "/v1/completions", {"prompt": "Hi", "max_tokens": 2.5}),
 ]
 
 
@@ -78,15 +111,25 @@ def post(base: str, route: str, body: dict[str, Any]) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read() or b"null")
 
 
+DETAILS = ("stop_reason", "logprobs", "token_ids", "prompt_logprobs", "prompt_token_ids")
+
+
 def summary(status: int, body: Any) -> dict[str, Any]:
-    """What the test compares: the status; for a success each choice's text and finish reason, the usage,
-    and the id."""
+    """What the test compares: the status; for a success each choice's text, finish and stop reason and,
+    when not null, its logprobs, token ids and prompt logprobs (the chat API's prompt_logprobs and
+    prompt_token_ids are the response's), the usage, the id, and whether a system_fingerprint is sent.
+    tests/realmodel/test_vllm_conformance.py imports this function: both sides are summarised alike."""
     if status != 200:
         return {"status": status}
-    choices = [{"text": c["text"] if "text" in c else c["message"]["content"], "finish_reason": c["finish_reason"]}
-               for c in body["choices"]]
+    choices = []
+    for c in body["choices"]:
+        choice = {"text": c["text"] if "text" in c else c["message"]["content"], "finish_reason": c["finish_reason"]}
+        choice.update({k: c.get(k, body.get(k)) for k in DETAILS if c.get(k, body.get(k)) is not None
+                       or k == "stop_reason"})
+        choices.append(choice)
     usage = {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
-    return {"status": status, "id": body["id"], "choices": choices, "usage": usage}
+    return {"status": status, "id": body["id"], "choices": choices, "usage": usage,
+            "system_fingerprint": body.get("system_fingerprint") is not None}
 
 
 def main() -> None:

@@ -164,7 +164,8 @@ def logprobs_of(request: p.CompletionRequest | p.ChatCompletionRequest) -> int |
 
 def prompt_logprobs_of(request: p.CompletionRequest | p.ChatCompletionRequest) -> int | None:
     """Top-N logprobs per prompt token to ask for: `prompt_logprobs`, else with `echo` the logprobs asked
-    for the output (completions `logprobs`, chat `top_logprobs`), as vLLM's to_sampling_params. 400 with
+    for the output (completions `logprobs`, chat `top_logprobs`, 0 when absent), as vLLM's
+    to_sampling_params. 400 with
     `stream` (vLLM: not available when streaming) unless 0, and below -1."""
     top = request.prompt_logprobs
     if top is not None:
@@ -175,7 +176,9 @@ def prompt_logprobs_of(request: p.CompletionRequest | p.ChatCompletionRequest) -
         return top
     if not request.echo:
         return None
-    return request.logprobs if isinstance(request, p.CompletionRequest) else request.top_logprobs
+    if isinstance(request, p.CompletionRequest):
+        return request.logprobs
+    return _or(request.top_logprobs, 0)  # vLLM's chat top_logprobs defaults to 0: chat echo sends them
 
 
 def _seed(seed: int | None) -> int | None:
@@ -402,6 +405,14 @@ class _Builder:
         return list(ids) if self.extras.token_ids else None
 
 
+def _ranked(entry: TokenLogprob) -> dict[int, tuple[float, str | None]]:
+    """vLLM's logprob dict of a position: the token first, then the top-N by rank (each id once)."""
+    ranked = {entry.token_id: (entry.logprob, entry.text)}
+    for (tid, lp), text in zip(entry.top, _top_texts(entry)):
+        ranked.setdefault(tid, (lp, text))
+    return ranked
+
+
 def _top_texts(entry: TokenLogprob) -> list[str | None]:
     return list(entry.top_texts) if entry.top_texts is not None else [None] * len(entry.top)
 
@@ -500,11 +511,8 @@ class CompletionBuilder(_Builder):
             else:
                 token = self._token(token_id, entry.text)
                 out.token_logprobs.append(finite(entry.logprob))
-                ranked = {token_id: (entry.logprob, entry.text)}  # vLLM's order: the token, then by rank
-                for (tid, lp), text in zip(entry.top, _top_texts(entry)):
-                    ranked.setdefault(tid, (lp, text))
                 out.top_logprobs.append({self._token(tid, text): finite(lp)
-                                         for tid, (lp, text) in islice(ranked.items(), top_n + 1)})
+                                         for tid, (lp, text) in islice(_ranked(entry).items(), top_n + 1)})
             out.tokens.append(token)
             out.text_offset.append(choice.offset)
             choice.offset += len(token)
@@ -617,8 +625,11 @@ class ChatBuilder(_Builder):
         return p.ChatLogprobs(content=[self._chat_token(entry) for entry in delta.logprobs])
 
     def _chat_token(self, entry: TokenLogprob) -> p.ChatTokenLogprob:
-        """vLLM's chat logprob: `bytes` are the UTF-8 of the token's text (not of "token_id:N")."""
-        top = [p.TopLogprob(token=self._token(tid, text), logprob=finite(lp), bytes=utf8(self._text(tid, text)))
-               for (tid, lp), text in zip(entry.top[: self.top_n], _top_texts(entry))]
+        """vLLM's chat logprob: the first top_logprobs of the token then the top-N by rank; the token's
+        `bytes` are the UTF-8 of its text (not of "token_id:N"), the alternatives' of what they show."""
+        top = []
+        for tid, (lp, text) in islice(_ranked(entry).items(), self.top_n or 0):
+            token = self._token(tid, text)
+            top.append(p.TopLogprob(token=token, logprob=finite(lp), bytes=utf8(token)))
         return p.ChatTokenLogprob(token=self._token(entry.token_id, entry.text), logprob=finite(entry.logprob),
                                   bytes=utf8(self._text(entry.token_id, entry.text)), top_logprobs=top)
