@@ -19,9 +19,9 @@ and each step decodes the window and returns what lies past `len(prefix)`. Invar
 - One tokenizer call per emitting step: the new prefix is the text of the ids just emitted, which for
   the usual single id is that token decoded alone, read from the shared `TokenTexts` cache
   (token_texts.py: exactly `decode([id])`), so the text is the same as decoding the prefix again.
-- `flush()` at the end of a completion returns the text still withheld (a character the completion
-  never finished decodes to U+FFFD, as `tokenizer.decode` does), so the concatenated deltas equal the
-  definition above exactly.
+- `flush()` returns the text still withheld (a character never finished decodes to U+FFFD, as
+  `tokenizer.decode` does), for a caller that wants the definition above exactly; the output processor
+  does not call it: like vLLM's, a completion's text leaves out a character it never finished.
 """
 
 from __future__ import annotations
