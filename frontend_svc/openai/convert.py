@@ -178,7 +178,7 @@ def prompt_logprobs_of(request: p.CompletionRequest | p.ChatCompletionRequest) -
         return None
     if isinstance(request, p.CompletionRequest):
         return request.logprobs
-    return _or(request.top_logprobs, 0)  # vLLM's chat top_logprobs defaults to 0: chat echo sends them
+    return 0 if request.top_logprobs is None else request.top_logprobs  # vLLM: chat top_logprobs defaults to 0
 
 
 def _seed(seed: int | None) -> int | None:
