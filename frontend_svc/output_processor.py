@@ -34,13 +34,13 @@ from typing import Any
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from tandem.engine.v1 import engine_core_pb2 as epb
 
-from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.errors import INTERNAL
 from frontend_svc.outputs import CompletionDelta, CompletionError, TokenLogprob, Usage
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.request_state import DeltaCollector, RequestState
-from frontend_svc.stop import StopChecker
-from frontend_svc.token_texts import TokenTexts
+from shared_runtime.detokenizer import IncrementalDetokenizer
+from shared_runtime.stop import StopChecker
+from shared_runtime.token_texts import TokenTexts
 
 # Indexed by the wire FinishReason number (0 = unspecified, 1 stop, 2 length, 3 abort, 4 error).
 _FINISH_NAMES: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")

@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerFast
 
 from frontend_svc import gguf_tokenizer
 from frontend_svc.chat_template import ChatOptions, ChatTemplateError, render_chat
-from frontend_svc.token_texts import TokenTexts
+from shared_runtime.token_texts import TokenTexts
 
 __all__ = ["ChatTemplateError", "Tokenizer"]
 
@@ -40,7 +40,7 @@ class Tokenizer:
         self._hf = hf_tokenizer
         self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
         """The Rust ``tokenizers.Tokenizer``: ``encode``/``decode`` here, and the incremental detokenizer's
-        decodes (frontend_svc/detokenizer.py: a prefix/read-offset window, not ``DecodeStream``)."""
+        decodes (shared_runtime/detokenizer.py: a prefix/read-offset window, not ``DecodeStream``)."""
         self.token_texts = TokenTexts(self.backend)
         """Each token's text decoded alone, cached once for the detokenizer, logprobs and the OpenAI layer."""
         self.vocab_size: int = len(hf_tokenizer)

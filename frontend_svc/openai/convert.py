@@ -31,8 +31,8 @@ from frontend_svc.openai import structured, tools
 from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, model_not_found
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from frontend_svc.processor import ChatPrompt, Prompt, PromptOptions
-from frontend_svc.token_texts import TokenTexts as SharedTokenTexts
 from shared_runtime.contract import SamplingParams
+from shared_runtime.token_texts import TokenTexts as SharedTokenTexts
 from shared_runtime.violations import ValidationError
 
 MIN_LOGPROB = -9999.0

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend_svc.detokenizer import IncrementalDetokenizer, prompt_context
+from shared_runtime.detokenizer import IncrementalDetokenizer, prompt_context
 
 REPLACEMENT = "\ufffd"
 MULTIBYTE_CANDIDATES = ["日本語のテキスト", "🙂🚀 emoji", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "Ωμέγα ça va", "你好，世界"]
@@ -220,7 +220,7 @@ class CountingBackend:
 def test_one_tokenizer_call_per_token_once_the_cache_is_warm(encode, encode_prompt, backend) -> None:
     """The hot path: a step that emits one token's text costs one decode (the prefix comes from the shared
     single-token cache), not two."""
-    from frontend_svc.token_texts import TokenTexts
+    from shared_runtime.token_texts import TokenTexts
 
     counting = CountingBackend(backend)
     texts = TokenTexts(counting)

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend_svc.stop import StopChecker
+from shared_runtime.stop import StopChecker
 
 
 def run(deltas, stops, include=False):

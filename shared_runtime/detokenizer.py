@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import tokenizers
 
-from frontend_svc.token_texts import TokenTexts
+from shared_runtime.token_texts import TokenTexts
 
 _REPLACEMENT_CHAR = "\ufffd"
 _MIN_PROMPT_CONTEXT = 4
