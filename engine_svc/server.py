@@ -16,7 +16,10 @@ Scale-out (scale_out_rpcs.py): `SubscribeKvEvents` streams the prefix cache's ch
 `KvEventPublisher` (kv_publisher.py), `GetTokenizer` the model's tokenizer files, read once in a thread at
 start (tokenizer_files.py); `GetEngineInfo` reports the archive's checksum and whether events are on.
 
-Health (`grpc.health.v1`): "" and `tandem.engine.v1.EngineCoreService` are NOT_SERVING until the model is
+SMG's engine protocol (smg_servicer.py): `vllm.grpc.engine.VllmEngine` on the same server, so an SMG gateway
+(or llm-d's router) drives the engine directly; its Generate calls are streams of their own in the busy loop.
+
+Health (`grpc.health.v1`): "", `tandem.engine.v1.EngineCoreService` and `vllm.grpc.engine.VllmEngine` are NOT_SERVING until the model is
 loaded and the KV cache allocated, and again while draining; `liveness` stays SERVING until the process
 exits (so a Kubernetes liveness probe never kills a draining pod).
 """
@@ -37,7 +40,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
+from tandem.vendor.smg import vllm_engine_pb2 as smg_pb
 
+from engine_svc import smg_servicer
 from engine_svc.busy_loop import BusyLoop
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
@@ -65,6 +70,8 @@ from shared_runtime.to_pb import stats_to_load_pb
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCoreService"].full_name
+SMG_SERVICE_NAME = smg_pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name  # smg_servicer.py
+READINESS = ("", SERVICE_NAME, SMG_SERVICE_NAME)  # health names that follow whether the engine takes requests
 LIVENESS = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -116,6 +123,20 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         stream = self._streams.get(stream_id)
         if stream is not None:
             self.loop.call_soon_threadsafe(stream.queue.put_nowait, outputs)
+
+    def open_stream(self) -> tuple[int, asyncio.Queue[EngineCoreOutputs | None]]:
+        """A stream of its own for a caller beside Connect (SMG's Generate, smg_servicer.py): the busy loop
+        delivers the outputs of the requests it adds under this id to the queue; None marks the end."""
+        sid = next(self._ids)
+        stream = _Stream(asyncio.Queue())
+        self._streams[sid] = stream
+        return sid, stream.queue
+
+    def close_stream(self, sid: int) -> None:
+        """The caller is done with stream `sid`: whatever of it is still running is aborted."""
+        self._streams.pop(sid, None)
+        if self.busy is not None:
+            self.busy.close_stream(sid)
 
     async def Connect(self, request_iterator: AsyncIterator[pb.EngineCoreInput],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EngineCoreOutputs]:
@@ -295,7 +316,7 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Future[None]] = set()
         self.health = health.aio.HealthServicer()
-        for name in ("", SERVICE_NAME):
+        for name in READINESS:
             await self.health.set(name, NOT_SERVING)
         await self.health.set(LIVENESS, SERVING)
         self.servicer = EngineCoreServicer(self.config, loop, self.max_message_bytes)
@@ -309,8 +330,10 @@ class EngineServer:
         receive = engine_receive_limit(self.config.max_model_len, self.max_message_bytes)
         server = grpc.aio.server(options=server_options(self.max_message_bytes, receive), interceptors=interceptors)
         pb_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, server)
+        smg_servicer.add_to_server(smg_servicer.VllmEngineServicer(self.servicer, self._serving), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        reflection.enable_server_reflection([SERVICE_NAME, SMG_SERVICE_NAME, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME], server)
         health_server = None
         try:
             self.bound_port = add_port(server, self.host, self.port, self.tls)
@@ -372,10 +395,15 @@ class EngineServer:
     def _set_serving(self, serving: bool) -> None:
         """Readiness ("" and the service name); `liveness` is left SERVING until exit."""
         status = SERVING if serving else NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in READINESS:
             task = asyncio.ensure_future(self.health.set(name, status))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _serving(self) -> bool:
+        """Whether the engine takes requests: loaded, not draining, not failed."""
+        return (self.servicer is not None and self.servicer.core is not None and not self._draining
+                and self.exit_code == 0)
 
     def _on_ready(self, core: EngineCore) -> None:
         self.servicer.core = core

@@ -1,0 +1,67 @@
+"""The engine's KV-cache events (kv_publisher.py) in SMG's shape (`smg.grpc.common.KvEventBatch`).
+
+One subscription of the same `KvEventPublisher` tandem frontends follow; each batch is converted as it is
+sent, on the event loop:
+- live batches keep their numbers (1, 2, 3, ... per engine process, no gap);
+- the snapshot a subscription starts with keeps its chunks (the first begins with a clear), marked as
+  SMG's `KvSnapshotChunk`s whose numbers end at the snapshot's sequence, as SMG's relay numbers them
+  (while the engine has published fewer batches than there are chunks, every chunk carries the
+  snapshot's own number);
+- a block hash is tandem's 16-byte hash folded to SMG's int64: its first 8 bytes, little-endian, signed
+  (SMG matches removals to stores by this number; prefixes by the token ids it receives);
+- the load after each live batch's step rides along (`EngineLoad`: running, waiting, KV usage, the
+  admission window), so the gateway need not poll GetLoads.
+A subscriber that falls behind is dropped with RESOURCE_EXHAUSTED and must subscribe again;
+FAILED_PRECONDITION when the engine runs with --no-enable-kv-cache-events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from tandem.engine.v1 import engine_core_pb2 as pb
+from tandem.vendor.smg import common_pb2 as cpb
+
+from engine_svc.kv_publisher import KvEventPublisher
+from engine_svc.scale_out_rpcs import stream_kv_events
+
+
+def smg_hash(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash[:8], "little", signed=True)
+
+
+def to_smg_batch(batch: pb.KvEventBatch, block_size: int, max_running: int) -> cpb.KvEventBatch:
+    """One tandem batch as SMG's (see the module docstring for the numbering of snapshot chunks)."""
+    out = cpb.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp, dp_rank=0)
+    if batch.HasField("snapshot"):
+        chunk = batch.snapshot
+        first = batch.sequence_number + 1 - chunk.count
+        if first >= 1:
+            out.sequence_number = first + chunk.index
+        out.snapshot.index, out.snapshot.count, out.snapshot.blocks = chunk.index, chunk.count, chunk.num_blocks
+    for event in batch.events:
+        kind = event.WhichOneof("kind")
+        if kind == "stored":
+            stored = out.events.add().stored
+            if event.stored.parent_block_hash:
+                stored.parent_block_hash = smg_hash(event.stored.parent_block_hash)
+            for block in event.stored.blocks:
+                stored.blocks.add(block_hash=smg_hash(block.block_hash), token_ids=block.token_ids,
+                                  block_size=block_size)
+        elif kind == "removed":
+            out.events.add().removed.block_hashes.extend(smg_hash(h) for h in event.removed.block_hashes)
+        else:
+            out.events.add().cleared.SetInParent()
+    if batch.HasField("scheduler_stats"):
+        stats = batch.scheduler_stats
+        out.load.running_requests, out.load.waiting_requests = stats.num_running, stats.num_waiting
+        out.load.token_usage = stats.kv_cache_usage
+        out.load.max_running_requests = max_running
+    return out
+
+
+async def smg_batches(publisher: KvEventPublisher | None, block_size: int, max_running: int,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.KvEventBatch]:
+    async for batch in stream_kv_events(publisher, context):
+        yield to_smg_batch(batch, block_size, max_running)
