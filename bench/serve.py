@@ -13,12 +13,16 @@ script starts), alternating off/on for `--rounds` rounds so that run order does 
 and prints the throughput cost from the per-mode medians. `--api grpc openai` sends the same workload
 through the gRPC API and through the OpenAI-compatible HTTP API (`/v1/completions`, token-id prompts,
 `stream: true` over SSE, usage in the last chunk) of one frontend, alternating the two for `--rounds`
-rounds, and prints the HTTP/gRPC throughput ratio. For HTTP, TTFT and ITL are timed on SSE chunks and
+rounds, and prints the HTTP/gRPC throughput ratio. `--smg` adds an SMG gateway (`smg launch`, the Rust
+gateway of the dev extra) in front of the same engine, driven with the same HTTP requests in the same
+rounds: SMG -> tandem engine (SMG's `vllm.grpc.engine.VllmEngine` protocol) next to tandem's own frontend,
+and prints the SMG/frontend throughput ratio. For HTTP, TTFT and ITL are timed on SSE chunks and
 token counts come from the final usage chunk. On a small CPU box the engine, the frontend and this
 client share the cores: read the numbers as a ratio measured in one run.
 
     python bench/serve.py [--num-requests 64] [--concurrency 64] [--tracing [--rounds 3]]
     python bench/serve.py --api grpc openai --rounds 3 --skip-offline
+    python bench/serve.py --api openai --smg --rounds 3 --skip-offline
     python bench/serve.py --model .tiny-models/SmolLM2-135M-Instruct --dtype float32 bfloat16 \
         --num-requests 16 --max-len 128 --concurrency 16
 """
@@ -53,6 +57,7 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 START_TIMEOUT_S = 180.0
 APIS = ("grpc", "openai")
+SMG_RUN = "SMG gateway -> engine, OpenAI HTTP/SSE"
 
 
 def free_port() -> int:
@@ -91,12 +96,29 @@ def wait_http_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = S
     raise RuntimeError(f"HTTP port {port} not ready after {timeout}s")
 
 
+def wait_smg_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """Until the gateway lists a model and a healthy worker (it registers workers in the background)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"smg exited with {proc.returncode}")
+        try:
+            workers = httpx2.get(f"http://127.0.0.1:{port}/workers", timeout=1).json().get("workers", [])
+            if any(w.get("is_healthy") for w in workers):
+                return
+        except (httpx2.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"smg on port {port} not ready after {timeout}s")
+
+
 class Split:
     """An engine and a frontend process on free loopback ports (stopped with SIGTERM on exit)."""
 
     def __init__(self, model_dir: Path, concurrency: int, env: dict[str, str], log_dir: Path,
-                 dtype: str = "float32", http: bool = False) -> None:
+                 dtype: str = "float32", http: bool = False, smg: bool = False) -> None:
         self.port = free_port()
+        self.smg_port = free_port() if smg else 0
         self.http_port = free_port() if http else 0
         engine_port = free_port()
         common = {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
@@ -115,6 +137,15 @@ class Split:
         wait_serving(self.port, self.procs[1])
         if http:
             wait_http_ready(self.http_port, self.procs[1])
+        if smg:
+            gateway = [str(Path(sys.executable).parent / "smg"), "launch", "--host", "127.0.0.1", "--port",
+                       str(self.smg_port), "--worker-urls", f"grpc://127.0.0.1:{engine_port}", "--model-path",
+                       str(model_dir), "--policy", "cache_aware", "--prometheus-port", str(free_port()),
+                       "--log-level", "warn", "--max-concurrent-requests", str(max(concurrency, 1) * 2)]
+            with (log_dir / "smg.log").open("ab") as out:
+                self.procs.append(subprocess.Popen(gateway, cwd=ROOT, env=full_env, stdout=out,
+                                                   stderr=subprocess.STDOUT))
+            wait_smg_ready(self.smg_port, self.procs[-1])
 
     @staticmethod
     def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -157,15 +188,17 @@ async def _drive(port: int, work: list[tuple[list[int], int]], concurrency: int)
         return await _run_workers(lambda prompt, out: _one(stub, prompt, out), work, concurrency)
 
 
-async def _one_http(client: httpx2.AsyncClient, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+async def _one_http(client: httpx2.AsyncClient, prompt: list[int] | str, max_tokens: int,
+                    model: str) -> dict[str, Any]:
     """One streamed /v1/completions request; arrivals are SSE chunks with text, tokens from usage."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise RuntimeError(f"/v1/completions answered {response.status_code}: {(await response.aread())[:500]!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -181,15 +214,15 @@ async def _one_http(client: httpx2.AsyncClient, prompt: list[int], max_tokens: i
     return {"tokens": tokens, "ttft": ttft, "e2e": e2e, "itl": itl, "tpot": tpot}
 
 
-async def _drive_http(port: int, work: list[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
+async def _drive_http(port: int, work: list[tuple[Any, int]], concurrency: int, model: str) -> dict[str, Any]:
     limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
                                   timeout=httpx2.Timeout(600.0)) as client:
-        await _one_http(client, work[0][0], 4)  # warm-up
-        return await _run_workers(lambda prompt, out: _one_http(client, prompt, out), work, concurrency)
+        await _one_http(client, work[0][0], 4, model)  # warm-up
+        return await _run_workers(lambda prompt, out: _one_http(client, prompt, out, model), work, concurrency)
 
 
-async def _run_workers(one: Any, work: list[tuple[list[int], int]], concurrency: int) -> dict[str, Any]:
+async def _run_workers(one: Any, work: list[tuple[Any, int]], concurrency: int) -> dict[str, Any]:
     pending = list(reversed(work))
     results: list[dict[str, Any]] = []
 
@@ -219,15 +252,26 @@ def run_served(model_dir: Path, work: list[tuple[list[int], int]], concurrency: 
 
 
 def run_apis(model_dir: Path, work: list[tuple[list[int], int]], concurrency: int, rounds: int,
-             dtype: str = "float32") -> dict[str, list[dict[str, Any]]]:
-    """gRPC and HTTP/SSE against one frontend (HTTP on), alternating for `rounds` rounds."""
+             dtype: str = "float32", smg: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """gRPC and HTTP/SSE against one frontend (HTTP on), and with `smg` HTTP/SSE through an SMG gateway in
+    front of the same engine, alternating for `rounds` rounds."""
     runs: dict[str, list[dict[str, Any]]] = {"split, gRPC": [], "split, OpenAI HTTP/SSE": []}
+    http_work: list[tuple[Any, int]] = list(work)
+    if smg:  # SMG takes text prompts only: both HTTP runs send the prompts' text (tokenized by each)
+        import tokenizers
+
+        tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        http_work = [(tok.decode(prompt), out) for prompt, out in work]
+        runs[SMG_RUN] = []
     with tempfile.TemporaryDirectory() as logs:
-        split = Split(model_dir, concurrency, {}, Path(logs), dtype, http=True)
+        split = Split(model_dir, concurrency, {}, Path(logs), dtype, http=True, smg=smg)
         try:
             for _ in range(rounds):
                 runs["split, gRPC"].append(asyncio.run(_drive(split.port, work, concurrency)))
-                runs["split, OpenAI HTTP/SSE"].append(asyncio.run(_drive_http(split.http_port, work, concurrency)))
+                runs["split, OpenAI HTTP/SSE"].append(asyncio.run(_drive_http(split.http_port, http_work, concurrency,
+                                                                              model_dir.name)))
+                if smg:
+                    runs[SMG_RUN].append(asyncio.run(_drive_http(split.smg_port, http_work, concurrency, model_dir.name)))
         finally:
             split.stop()
     return runs
@@ -256,8 +300,12 @@ def main() -> int:
     ap.add_argument("--api", nargs="+", choices=APIS, default=["grpc"],
                     help="the public API(s) to drive; 'grpc openai' compares them on one frontend")
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--smg", action="store_true",
+                    help="with --api openai: also drive an SMG gateway in front of the same engine")
     add_workload_args(ap)
     args = ap.parse_args()
+    if args.smg and "openai" not in args.api:
+        ap.error("--smg compares HTTP/SSE through SMG with HTTP/SSE through tandem's frontend: add --api openai")
     if "openai" in args.api and args.tracing:
         ap.error("--tracing and --api openai are separate comparisons: run them one at a time")
 
@@ -275,7 +323,7 @@ def measure(model_dir: Path, work: list[tuple[list[int], int]], args: argparse.N
     """(offline result, served runs by mode, spans received) for one dtype."""
     offline = None if args.skip_offline else run_tandem(model_dir, work, 1, dtype)
     if "openai" in args.api:
-        runs = run_apis(model_dir, work, args.concurrency, args.rounds, dtype)
+        runs = run_apis(model_dir, work, args.concurrency, args.rounds, dtype, smg=args.smg)
         if "grpc" not in args.api:
             del runs["split, gRPC"]
         return offline, runs, 0
@@ -335,6 +383,11 @@ def report_apis(offline: dict[str, Any] | None, runs: dict[str, list[dict[str, A
                           for a, b in zip(runs["split, gRPC"], runs["split, OpenAI HTTP/SSE"]))
         print(f"HTTP/SSE / gRPC throughput (medians of {len(runs['split, gRPC'])} alternating rounds) = "
               f"{http['tok_s'] / served['split, gRPC']['tok_s']:.2f} (per round: {pairs})")
+    if SMG_RUN in served:
+        pairs = ", ".join(f"{b['tok_s'] / a['tok_s']:.2f}" for a, b in zip(runs["split, OpenAI HTTP/SSE"], runs[SMG_RUN]))
+        print(f"SMG gateway / tandem frontend throughput, HTTP/SSE on the same engine (medians of "
+              f"{len(runs[SMG_RUN])} alternating rounds) = {served[SMG_RUN]['tok_s'] / http['tok_s']:.2f} "
+              f"(per round: {pairs})")
     cpu = ", ".join(f"{name.removeprefix('split, ')} {statistics.median(r['client_cpu'] for r in rs):.2f} s"
                     for name, rs in runs.items())
     print(f"benchmark client CPU per run (it shares the cores with the services): {cpu}")
