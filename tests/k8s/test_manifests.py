@@ -27,6 +27,9 @@ K8S = ROOT / "k8s"
 K8S_VERSION = "1.30.0"
 MIN_K8S_VERSION = "1.27.0"  # gRPC probes are GA from 1.27
 KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/cpu-dev"]
+# Engines behind SMG run without the engine token (SMG sends no gRPC credentials), against the security rules
+# the KUSTOMIZATIONS are held to: validated on its own, and by its own test below.
+SMG_OVERLAY = "overlays/gpu-smg"
 OVERLAYS = ["overlays/gpu", "overlays/cpu-dev"]
 CRD_KINDS = {"ScaledObject", "ServiceMonitor"}  # third-party kinds kept out of validated sets
 
@@ -167,7 +170,7 @@ def test_bundled_schema_version_is_available_offline() -> None:
 
 
 @pytest.mark.parametrize("version", [K8S_VERSION, MIN_K8S_VERSION])
-@pytest.mark.parametrize("name", [*KUSTOMIZATIONS, "extras"])
+@pytest.mark.parametrize("name", [*KUSTOMIZATIONS, SMG_OVERLAY, "extras"])
 def test_rendered_documents_validate_strictly(name: str, version: str) -> None:
     docs = render(name)
     assert docs
@@ -472,3 +475,23 @@ def test_gpu_overlay_mounts_the_model_pvc_read_only_in_the_engines() -> None:
         assert set(model) == {"name", "persistentVolumeClaim"}
         assert model["persistentVolumeClaim"]["claimName"] in pvc
         assert model["persistentVolumeClaim"]["readOnly"] is True
+
+
+def test_smg_overlay_puts_the_gateway_in_front_of_the_engines_without_a_token() -> None:
+    """SMG sends no credentials to gRPC workers: the engines run without the token, only frontends and the
+    gateway may reach their gRPC port, and the gateway discovers exactly the engine pods on that port."""
+    docs = render(SMG_OVERLAY)
+    deployments = by_kind(docs, "Deployment")
+    engine = main_container(deployments["tandem-engine"])
+    assert not any(a.startswith("--engine-token-file") for a in engine["args"])
+    smg = main_container(deployments["tandem-smg"])
+    args = smg["args"]
+    engine_labels = deployments["tandem-engine"]["spec"]["template"]["metadata"]["labels"]
+    selector = args[args.index("--selector") + 1:args.index("--service-discovery-port=50051")]
+    assert selector and all(engine_labels.get(k) == v for k, v in (s.split("=", 1) for s in selector))
+    assert "--policy=cache_aware" in args and "--model-path=/models/model" in args
+    claim = deployments["tandem-smg"]["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]
+    assert claim == {"claimName": "tandem-model", "readOnly": True}
+    policy = by_kind(docs, "NetworkPolicy")["tandem-engine-from-smg"]["spec"]
+    assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "smg"
+    assert "tandem-smg" in by_kind(docs, "Service") and "tandem-smg-discovery" in by_kind(docs, "Role")
