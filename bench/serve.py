@@ -199,8 +199,8 @@ async def _one_http(client: httpx2.AsyncClient, prompt: list[int] | str, max_tok
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"/v1/completions answered {response.status_code}: {(await response.aread())[:500]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for line in _sse_lines(response):
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if chunk["choices"] and chunk["choices"][0]["text"]:
@@ -212,6 +212,17 @@ async def _one_http(client: httpx2.AsyncClient, prompt: list[int] | str, max_tok
     itl = [b - a for a, b in itertools.pairwise(arrivals)]
     tpot = (e2e - ttft) / (tokens - 1) if tokens > 1 else 0.0
     return {"tokens": tokens, "ttft": ttft, "e2e": e2e, "itl": itl, "tpot": tpot}
+
+
+async def _sse_lines(response: Any) -> Any:
+    """The stream's lines split on b"\n" only: a text may hold U+2028 and other characters that str line
+    splitting (httpx's aiter_lines) breaks on, which SMG's JSON leaves unescaped."""
+    pending = b""
+    async for data in response.aiter_bytes():
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
 
 
 async def _drive_http(port: int, work: list[tuple[Any, int]], concurrency: int, model: str) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from tandem.vendor.smg import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine_svc.config import EngineConfig
 from engine_svc.server import EngineServer
+from engine_svc.telemetry import EngineTelemetry
+from engine_svc.telemetry.metrics import EngineMetrics
 from engine_svc.tokenizer_files import read_tokenizer_archive
 from tests.engine.test_engine_server import ServerThread
 from tests.engine_stream import EngineStream, engine_idle, engine_load
@@ -37,7 +39,9 @@ TIMEOUT = 60.0
 def engine(llama_dir: Path) -> Iterator[ServerThread]:
     config = EngineConfig.create(model=str(llama_dir), dtype="float32", device="cpu", max_num_seqs=4,
                                  block_size=4, num_gpu_blocks_override=256)
-    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0, max_waiting=2)).start()
+    telemetry = EngineTelemetry(metrics=EngineMetrics("tiny"))  # tokens sampled: what a stop string saved
+    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0, max_waiting=2,
+                                        telemetry=telemetry)).start()
     wait_until(lambda: engine_idle(running.address), 60, "engine up", retry_on=(grpc.RpcError,))
     yield running
     running.begin_drain()
@@ -145,15 +149,19 @@ def test_a_stop_string_ends_the_sample_in_the_engine(engine: ServerThread, stub:
     stop = next(generated[i:i + 2] for i in range(start, len(generated) - 1)
                 if "\ufffd" not in generated[i:i + 2] and generated[i:i + 2].strip())
     before = generated.index(stop)
-    (only,) = list(stub.Generate(request("ss", stream=False, max_tokens=24, stop=[stop]), timeout=TIMEOUT))
+    sampled = engine.server.telemetry.metrics.generation_tokens  # type: ignore[union-attr]
+    wait_until(lambda: engine_idle(engine.address), 10, "engine idle")
+    start = sampled._value.get()
+    (only,) = list(stub.Generate(request("ss", stream=False, max_tokens=400, stop=[stop]), timeout=TIMEOUT))
     done = only.complete
     assert done.finish_reason == "stop" and done.matched_stop_str == stop, text
     ids = list(done.output_ids)
-    assert ids == expected[:len(ids)] and len(ids) < len(expected)
+    assert ids == expected[:len(ids)] and len(ids) < len(expected) and done.finish_reason == "stop"
     # The sample ended at the token that completed the match, not later.
     assert stop in tok.decode(PROMPT + ids)[len(prompt_text):]
     assert stop not in tok.decode(PROMPT + ids[:-1])[len(prompt_text):][: before + len(stop)]
     wait_until(lambda: engine_idle(engine.address), 10, "the stopped sample freed in the engine")
+    assert sampled._value.get() - start <= len(ids) + 2, "the engine kept generating after the stop string"
 
 
 def test_abort_ends_the_call_with_abort_and_frees_the_engine(engine: ServerThread,
