@@ -5,7 +5,10 @@ the contract's layout with dims 2 and 3 swapped), so that the keys of one (block
 contiguous [block_size, head_dim] run.
 
 Per call: write this step's K/V into the cache through `slot_mapping`, then attend.
-- Decodes (requests [0, num_decodes), q_len == 1) are attended in one batch: their (block, KV head)
+- Decodes (requests [0, num_decodes), q_len == 1) on CPU in float32 / bfloat16 go to the native op
+  (engine_svc/attention/cpu_paged.py): it reads each request's (block, KV head) runs where they lie in
+  the cache and accumulates in float32, so nothing is gathered. Elsewhere (another device or dtype, the
+  op not built, `native=False`) they are attended in torch, in one batch: their (block, KV head)
   runs are gathered whole (one contiguous copy each, into a workspace reused across steps and layers)
   into [B, Hkv, L, D] (L = the longest decode context, rounded up to whole blocks). The H / Hkv query
   heads of one KV head are that head's query rows ([B * Hkv, H / Hkv, D]; GQA without repeating K/V).
@@ -29,14 +32,17 @@ layers must have the same KV head count, head grouping and dtype, as in every su
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine_svc.attention import cpu_paged
 from engine_svc.attention.backend import AttentionMetadata
 
 _PLAN_ATTR = "_torch_attention_plan"
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -153,10 +159,14 @@ def _plan_prefills(meta: AttentionMetadata, block_size: int, dtype: torch.dtype)
     return plans
 
 
-def _get_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> _Plan:
+def _get_plan(
+    meta: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype, plan_decodes: bool = True
+) -> _Plan:
+    """The step's plan, made by the first layer; decode groups only when `plan_decodes` (the torch
+    decode path; the native op needs none)."""
     plan = meta.__dict__.get(_PLAN_ATTR)
     if plan is None:
-        groups = _plan_decodes(meta, block_size, num_kv_heads) if meta.num_decodes else []
+        groups = _plan_decodes(meta, block_size, num_kv_heads) if meta.num_decodes and plan_decodes else []
         plan = _Plan(meta.num_decodes, groups, _plan_prefills(meta, block_size, dtype),
                      _block_and_offset(meta.slot_mapping.long(), block_size))
         meta.__dict__[_PLAN_ATTR] = plan
@@ -166,13 +176,25 @@ def _get_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int, dtype
 class TorchAttentionBackend:
     """Paged attention in torch; see the module docstring for the algorithm.
 
-    Holds no state between calls except scratch workspaces for the decode gather.
+    Holds no state between calls except scratch workspaces for the decode gather. `native=False` keeps
+    CPU decodes on the torch path even where the native op is built (the reference, for tests and
+    benchmarks).
     """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
         self._workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._native = native
+
+    def _native_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The native CPU decode op when it applies to these tensors and is built, else None."""
+        if not self._native or query.device.type != "cpu" or query.dtype not in _NATIVE_DTYPES:
+            return None
+        if kv_cache.dtype != query.dtype:
+            return None
+        op = cpu_paged.load()
+        return None if op is None else op.paged_decode
 
     def _gather_workspace(self, like: torch.Tensor, rows: int, row_elems: int) -> torch.Tensor:
         """A [2, rows, row_elems] scratch tensor, grown (never shrunk) and reused across calls."""
@@ -198,13 +220,17 @@ class TorchAttentionBackend:
         kv_written: bool = False,
     ) -> torch.Tensor:
         num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
-        plan = _get_plan(meta, block_size, num_kv_heads, query.dtype)
+        native = self._native_decode(query, kv_cache) if meta.num_decodes else None
+        plan = _get_plan(meta, block_size, num_kv_heads, query.dtype, plan_decodes=native is None)
         token_major = kv_cache.transpose(2, 3)  # [2, num_blocks, block_size, Hkv, D] view
         if not kv_written:
             token_major[0].index_put_(plan.write_at, key)
             token_major[1].index_put_(plan.write_at, value)
         parts = []
-        if plan.num_decodes:
+        if plan.num_decodes and native is not None:
+            parts.append(native(query[: plan.num_decodes].contiguous(), kv_cache, meta.block_table.contiguous(),
+                                meta.seq_lens.contiguous(), scale))
+        elif plan.num_decodes:
             parts.append(self._decodes(query[: plan.num_decodes], kv_cache, plan.decode_groups, scale))
         for prefill in plan.prefills:
             parts.append(self._prefill(query, key, value, kv_cache, prefill, scale))

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from engine_svc.attention import cpu_paged
 from engine_svc.attention.backend import AttentionMetadata
 from engine_svc.attention.torch_backend import TorchAttentionBackend
 
@@ -104,13 +109,32 @@ def test_decodes_are_grouped_by_length():
     assert _group_decodes([5, 4, 1]) == [[0, 1, 2]]  # too few to split: one group, original order
 
 
-@pytest.mark.parametrize("bmm_from", [1, 10**6])  # decodes attended by batched GEMMs / by one SDPA call
+def native_op_expected() -> bool:
+    """The native CPU op must be built wherever it can be (a C++ compiler and ninja: `make install`)."""
+    if not (shutil.which("c++") and (shutil.which("ninja") or (Path(sys.executable).parent / "ninja").exists())):
+        pytest.skip("no C++ compiler / ninja: the native CPU decode op cannot be built here")
+    assert cpu_paged.load() is not None, "the native CPU decode op did not build"
+    return True
+
+
+# How decodes are attended: the native CPU op reading blocks in place; torch's batched GEMMs; one SDPA call.
+DECODE_PATHS = {"native": (True, 10**6), "bmm": (False, 1), "sdpa": (False, 10**6)}
+
+
+def backend_for(path: str, monkeypatch) -> TorchAttentionBackend:
+    native, bmm_from = DECODE_PATHS[path]
+    monkeypatch.setattr("engine_svc.attention.torch_backend._BMM_MIN_DECODES", bmm_from)
+    if native:
+        native_op_expected()
+    return TorchAttentionBackend(native=native)
+
+
+@pytest.mark.parametrize("decode_path", list(DECODE_PATHS))
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_matches_dense_reference(shape, num_kv_heads, bmm_from, monkeypatch):
-    monkeypatch.setattr("engine_svc.attention.torch_backend._BMM_MIN_DECODES", bmm_from)
+def test_matches_dense_reference(shape, num_kv_heads, decode_path, monkeypatch):
     batch = Batch(SHAPES[shape], num_kv_heads, seed=len(shape) + num_kv_heads)
-    out = TorchAttentionBackend().forward(*batch.inputs(), batch.cache, batch.meta, SCALE)
+    out = backend_for(decode_path, monkeypatch).forward(*batch.inputs(), batch.cache, batch.meta, SCALE)
     assert out.shape == (sum(q for q, _ in SHAPES[shape]), NUM_HEADS, HEAD_DIM)
     torch.testing.assert_close(out, batch.expected(), atol=1e-5, rtol=1e-5)
 
@@ -129,13 +153,87 @@ def test_writes_new_kv_through_slot_mapping_only():
     torch.testing.assert_close(flat[:, untouched], flat_before[:, untouched], equal_nan=True)
 
 
-def test_one_metadata_serves_every_layer():
+@pytest.mark.parametrize("decode_path", ["native", "bmm"])
+def test_one_metadata_serves_every_layer(decode_path, monkeypatch):
     """The per-step plan is memoised on the metadata; a second layer with its own cache must still
     get its own (correct) attention."""
     shape = SHAPES["mixed"]
     layer0, layer1 = Batch(shape, 2, seed=5, value_seed=1), Batch(shape, 2, seed=5, value_seed=2)
-    backend = TorchAttentionBackend()
+    backend = backend_for(decode_path, monkeypatch)
     backend.forward(*layer0.inputs(), layer0.cache, layer0.meta, SCALE)
     out = backend.forward(*layer1.inputs(), layer1.cache, layer0.meta, SCALE)
     assert not torch.allclose(out, layer0.expected())
     torch.testing.assert_close(out, layer1.expected(), atol=1e-5, rtol=1e-5)
+
+
+def _model_sized_decodes(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """Decodes at a real model's shape (SmolLM2: 9 query / 3 KV heads, head_dim 64, 16-token blocks):
+    mixed context lengths (one block, a partial last block, several hundred tokens), random block
+    tables, the cache outside every context filled with large values. Returns (query, cache,
+    block_table, seq_lens, expected) with `expected` computed in float64 from the same rounded inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, block, num_blocks = 9, 3, 64, 16, 160
+    lens = [1, 16, 17, 300, 255, 64, 129, 2]
+    width = max(-(-n // block) for n in lens)
+    cache = (1e3 * torch.randn(2, num_blocks, kv_heads, block, head_dim, generator=gen)).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    query = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    expected = []
+    used = 0
+    for r, n in enumerate(lens):
+        blocks = perm[used : used + -(-n // block)]
+        used += len(blocks)
+        table[r, : len(blocks)] = blocks.int()
+        kv = torch.randn(2, len(blocks), kv_heads, block, head_dim, generator=gen).to(dtype)
+        cache[:, blocks] = kv
+        k, v = kv.double().transpose(2, 3).reshape(2, -1, kv_heads, head_dim)[:, :n].unbind(0)
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        probs = (torch.einsum("hd,khd->hk", query[r].double(), k) * head_dim**-0.5).softmax(-1)
+        expected.append(torch.einsum("hk,khd->hd", probs, v))
+    return query, cache, table, torch.tensor(lens, dtype=torch.int32), torch.stack(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_reads_blocks_in_place_at_model_shapes(dtype):
+    native_op_expected()
+    op = cpu_paged.load()
+    query, cache, table, lens, expected = _model_sized_decodes(dtype, seed=7)
+    before = cache.clone()
+    out = op.paged_decode(query, cache, table, lens, 64**-0.5)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert torch.equal(cache, before)
+    # float32: exact up to summation order; bfloat16: float32 accumulation, only the output rounded
+    # (one bf16 ulp of values ~1), which a bf16 accumulation over hundreds of positions would exceed.
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_native_decode_refuses_tables_that_do_not_cover_the_context():
+    native_op_expected()
+    query, cache, table, lens, _ = _model_sized_decodes(torch.float32, seed=1)
+    with pytest.raises(RuntimeError, match="seq_len out of range"):
+        cpu_paged.load().paged_decode(query, cache, table[:, :2].contiguous(), lens, 0.125)
+    bad = table.clone()
+    bad[0, 0] = cache.shape[1]
+    with pytest.raises(RuntimeError, match="block out of range"):
+        cpu_paged.load().paged_decode(query, cache, bad, lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_uses_the_native_op_on_cpu_and_matches_the_torch_path(dtype, monkeypatch):
+    """The backend's CPU decodes go through the native op (no gather workspace is allocated) and agree
+    with the torch path."""
+    native_op_expected()
+    batch = Batch(SHAPES["mixed"], num_kv_heads=2, seed=11)
+    inputs = [t.to(dtype) for t in batch.inputs()]
+    native = TorchAttentionBackend()
+    out = native.forward(*inputs, batch.cache.to(dtype), batch.meta, SCALE)
+    assert not native._workspace
+    monkeypatch.setattr("engine_svc.attention.torch_backend._BMM_MIN_DECODES", 1)
+    reference = TorchAttentionBackend(native=False)
+    meta = Batch(SHAPES["mixed"], num_kv_heads=2, seed=11).meta  # a fresh plan (the first was made without decode groups)
+    want = reference.forward(*inputs, batch.cache.to(dtype), meta, SCALE)
+    assert reference._workspace
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)

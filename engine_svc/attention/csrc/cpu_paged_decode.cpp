@@ -1,0 +1,148 @@
+// Paged decode attention on CPU, reading K/V blocks where they lie in the cache (no gather).
+//
+// One query token per request (a decode). Cache: head-major blocks [2, num_blocks, Hkv, block_size, D]
+// (engine_svc/attention/torch_backend.py), so the keys of one (block, KV head) pair are one contiguous
+// [block_size, D] run. Work item = (request, KV head): its H / Hkv query heads are scored against every
+// context position block by block, softmaxed and applied to the values, all accumulated in float32;
+// only the output is rounded to the model dtype. Items run in parallel on torch's intra-op pool.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &u, sizeof(float));
+  }
+}
+
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void from_float(const float* src, at::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);  // round to nearest even
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+template <typename T>
+void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), num_kv_heads = kv_cache.size(2), block_size = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
+  const T* q_base = query.data_ptr<T>();
+  const T* k_base = kv_cache.data_ptr<T>();
+  const T* v_base = k_base + num_blocks * num_kv_heads * block_size * head_dim;
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* out_base = out.data_ptr<T>();
+  const int64_t run = block_size * head_dim;  // one (block, KV head) run of keys or values
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), row(run), acc(group * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t req = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t seq_len = lens[req];
+      const int32_t* blocks = table + req * table_width;
+      to_float(q_base + (req * num_heads + kv_head * group) * head_dim, q.data(), group * head_dim);
+      for (float& x : q) x *= fscale;
+      scores.resize(group * seq_len);
+      // scores[g, pos] = q_g . k_pos
+      for (int64_t pos0 = 0; pos0 < seq_len; pos0 += block_size) {
+        const int64_t n = std::min(block_size, seq_len - pos0);
+        const int64_t block = blocks[pos0 / block_size];
+        to_float(k_base + (block * num_kv_heads + kv_head) * run, row.data(), n * head_dim);
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * seq_len + pos0 + t] = dot(q.data() + g * head_dim, row.data() + t * head_dim, head_dim);
+      }
+      // softmax per query head (unnormalised; the sum divides the output)
+      std::vector<float> inv_sum(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * seq_len;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < seq_len; ++p) mx = std::max(mx, s[p]);
+        float sum = 0.f;
+        for (int64_t p = 0; p < seq_len; ++p) {
+          s[p] = std::exp(s[p] - mx);
+          sum += s[p];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos0 = 0; pos0 < seq_len; pos0 += block_size) {
+        const int64_t n = std::min(block_size, seq_len - pos0);
+        const int64_t block = blocks[pos0 / block_size];
+        to_float(v_base + (block * num_kv_heads + kv_head) * run, row.data(), n * head_dim);
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t g = 0; g < group; ++g)
+            axpy(scores[g * seq_len + pos0 + t], row.data() + t * head_dim, acc.data() + g * head_dim, head_dim);
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] *= inv_sum[g];
+      from_float(acc.data(), out_base + (req * num_heads + kv_head * group) * head_dim, group * head_dim);
+    }
+  });
+}
+
+// query [B, H, D], kv_cache [2, num_blocks, Hkv, block_size, D] (same dtype, contiguous), block_table
+// [>= B, width] int32, seq_lens [>= B] int32 (each >= 1, covered by the table); returns [B, H, D].
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                        const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode: bad shapes");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_decode: query and cache dtypes differ");
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous(), "paged_decode: contiguous inputs only");
+  TORCH_CHECK(query.size(2) == kv_cache.size(4) && query.size(1) % kv_cache.size(2) == 0,
+              "paged_decode: head dims / GQA grouping do not match the cache");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "paged_decode: block_table and seq_lens must be int32");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.is_contiguous() && seq_lens.is_contiguous() &&
+                  block_table.size(0) >= query.size(0) && seq_lens.size(0) >= query.size(0),
+              "paged_decode: block_table / seq_lens do not cover the batch");
+  const int64_t block_size = kv_cache.size(3), width = block_table.size(1), num_blocks = kv_cache.size(1);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  for (int64_t r = 0; r < query.size(0); ++r) {
+    TORCH_CHECK(lens[r] >= 1 && (lens[r] - 1) / block_size < width, "paged_decode: seq_len out of range");
+    for (int64_t b = 0; b <= (lens[r] - 1) / block_size; ++b)
+      TORCH_CHECK(table[r * width + b] >= 0 && table[r * width + b] < num_blocks, "paged_decode: block out of range");
+  }
+  at::Tensor out = at::empty_like(query);
+  if (query.scalar_type() == at::kFloat) {
+    decode_kernel<float>(query, kv_cache, block_table, seq_lens, scale, out);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    decode_kernel<at::BFloat16>(query, kv_cache, block_table, seq_lens, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention reading the KV blocks in place");
+}
