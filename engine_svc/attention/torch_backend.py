@@ -228,7 +228,7 @@ class TorchAttentionBackend:
             token_major[1].index_put_(plan.write_at, value)
         parts = []
         if plan.num_decodes and native is not None:
-            parts.append(native(query[: plan.num_decodes].contiguous(), kv_cache, meta.block_table.contiguous(),
+            parts.append(native(query[: plan.num_decodes], kv_cache, meta.block_table.contiguous(),
                                 meta.seq_lens.contiguous(), scale))
         elif plan.num_decodes:
             parts.append(self._decodes(query[: plan.num_decodes], kv_cache, plan.decode_groups, scale))

@@ -200,7 +200,9 @@ def test_native_decode_reads_blocks_in_place_at_model_shapes(dtype):
     op = cpu_paged.load()
     query, cache, table, lens, expected = _model_sized_decodes(dtype, seed=7)
     before = cache.clone()
-    out = op.paged_decode(query, cache, table, lens, 64**-0.5)
+    # the query as the model hands it over: a view of the fused qkv projection's rows
+    qkv = torch.cat([query, torch.full((query.shape[0], 6, query.shape[2]), 1e4, dtype=dtype)], dim=1)
+    out = op.paged_decode(qkv[:, :9], cache, table, lens, 64**-0.5)
     assert out.dtype == dtype and out.shape == query.shape
     assert torch.equal(cache, before)
     # float32: exact up to summation order; bfloat16: float32 accumulation, only the output rounded

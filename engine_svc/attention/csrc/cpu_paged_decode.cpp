@@ -52,6 +52,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
   const int64_t num_blocks = kv_cache.size(1), num_kv_heads = kv_cache.size(2), block_size = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
   const T* q_base = query.data_ptr<T>();
+  const int64_t q_req_stride = query.stride(0), q_head_stride = query.stride(1);
   const T* k_base = kv_cache.data_ptr<T>();
   const T* v_base = k_base + num_blocks * num_kv_heads * block_size * head_dim;
   const int32_t* table = block_table.data_ptr<int32_t>();
@@ -66,7 +67,9 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
       const int64_t req = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t seq_len = lens[req];
       const int32_t* blocks = table + req * table_width;
-      to_float(q_base + (req * num_heads + kv_head * group) * head_dim, q.data(), group * head_dim);
+      for (int64_t g = 0; g < group; ++g)
+        to_float(q_base + req * q_req_stride + (kv_head * group + g) * q_head_stride, q.data() + g * head_dim,
+                 head_dim);
       for (float& x : q) x *= fscale;
       scores.resize(group * seq_len);
       // scores[g, pos] = q_g . k_pos
@@ -107,14 +110,15 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
   });
 }
 
-// query [B, H, D], kv_cache [2, num_blocks, Hkv, block_size, D] (same dtype, contiguous), block_table
+// query [B, H, D] (any request / head strides, dense rows: a view into the qkv projection), kv_cache [2, num_blocks, Hkv, block_size, D] (same dtype, contiguous), block_table
 // [>= B, width] int32, seq_lens [>= B] int32 (each >= 1, covered by the table); returns [B, H, D].
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                         const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode: bad shapes");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_decode: query and cache dtypes differ");
-  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous(), "paged_decode: contiguous inputs only");
+  TORCH_CHECK(query.stride(2) == 1 && kv_cache.is_contiguous(),
+              "paged_decode: the cache must be contiguous and each query head's row dense");
   TORCH_CHECK(query.size(2) == kv_cache.size(4) && query.size(1) % kv_cache.size(2) == 0,
               "paged_decode: head dims / GQA grouping do not match the cache");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -130,7 +134,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
     for (int64_t b = 0; b <= (lens[r] - 1) / block_size; ++b)
       TORCH_CHECK(table[r * width + b] >= 0 && table[r * width + b] < num_blocks, "paged_decode: block out of range");
   }
-  at::Tensor out = at::empty_like(query);
+  at::Tensor out = at::empty(query.sizes(), query.options());  // contiguous [B, H, D]
   if (query.scalar_type() == at::kFloat) {
     decode_kernel<float>(query, kv_cache, block_table, seq_lens, scale, out);
   } else if (query.scalar_type() == at::kBFloat16) {
