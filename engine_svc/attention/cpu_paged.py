@@ -52,10 +52,12 @@ def load() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=_FLAGS, verbose=False)
+        module = cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=_FLAGS, verbose=False)
     except Exception as exc:  # a failed build must not stop the engine: the torch path is correct
         logger.warning("CPU paged attention did not build (%s); decode attention stays in torch", exc)
         return None
+    logger.info("CPU paged attention: the native decode op is loaded")
+    return module
 
 
 if __name__ == "__main__":  # `python -m engine_svc.attention.cpu_paged`: build (or find) the cached op

@@ -60,6 +60,10 @@ class Worker:
         self.model = load_model(self.config.model, dtype=self.dtype, device=self.device, attn_backend=backend)
         if prepack_wanted(self.dtype, self.device):
             prepack_linears(self.model)
+        if self.device.type == "cpu" and self.config.resolved_attention_backend == "torch":
+            from engine_svc.attention import cpu_paged
+
+            cpu_paged.load()  # build or load the native decode op now, not inside the first decode step
         self.runner = ModelRunner(
             self.model,
             device=self.device,
