@@ -21,7 +21,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_decode.cpp"
 _NAME = "tandem_cpu_paged_decode"
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# -fopenmp: at::parallel_for is an OpenMP region compiled into the op (torch's CPU wheel parallelises with
+# OpenMP); without it the op runs on one thread. The op links libgomp.so.1, the runtime torch already loaded.
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def enabled() -> bool:
@@ -52,7 +54,8 @@ def load() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
-        module = cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=_FLAGS, verbose=False)
+        module = cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                                    verbose=False)
     except Exception as exc:  # a failed build must not stop the engine: the torch path is correct
         logger.warning("CPU paged attention did not build (%s); decode attention stays in torch", exc)
         return None
