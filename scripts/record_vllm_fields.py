@@ -28,6 +28,20 @@ def _default(field: Any) -> Any:
     return field.default
 
 
+def _accepts_null(model: Any, base: dict[str, Any]) -> list[str]:
+    """The fields for which the model accepts an explicit `null` (the rest answer a validation error)."""
+    accepted = []
+    for name in model.model_fields:
+        if name in base:
+            continue
+        try:
+            model.model_validate({**base, name: None})
+        except Exception:  # pydantic's ValidationError and vLLM's own validators alike
+            continue
+        accepted.append(name)
+    return sorted(accepted)
+
+
 def main() -> None:
     import vllm
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -38,6 +52,10 @@ def main() -> None:
         "regenerate": "VLLM_PYTHON scripts/record_vllm_fields.py (a Python with vllm installed)",
         "completions": {name: _default(f) for name, f in CompletionRequest.model_fields.items()},
         "chat": {name: _default(f) for name, f in ChatCompletionRequest.model_fields.items()},
+        "accepts_null": {
+            "completions": _accepts_null(CompletionRequest, {"model": "m", "prompt": "hi"}),
+            "chat": _accepts_null(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+        },
     }
     OUT.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {OUT}: {len(record['completions'])} completion fields, {len(record['chat'])} chat fields")

@@ -25,9 +25,9 @@ builder sets, nulls included, appear — e.g. `"finish_reason": null` — and un
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from frontend_svc.chat_template import MAX_CHAT_TEMPLATE_CHARS
 from shared_runtime import limits
@@ -35,6 +35,18 @@ from shared_runtime import limits
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # Fields vLLM types as optional where tandem's type is not: an explicit null means the default, as
+    # there (tests/openai_api/test_vllm_fields.py checks every field vLLM accepts null for).
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.NULL_IS_DEFAULT:
+            nulls = [name for name in cls.NULL_IS_DEFAULT if name in data and data[name] is None]
+            if nulls:
+                data = {key: value for key, value in data.items() if key not in nulls}
+        return data
 
 
 class StreamOptions(_Request):
@@ -89,6 +101,8 @@ class NamedToolChoice(_Request):
 
 class _Sampling(_Request):
     """Fields both generation endpoints share."""
+
+    NULL_IS_DEFAULT = frozenset({"stream"})
 
     model: str | None = None  # None: the served model (vLLM); any other name is 404 model_not_found
     n: int = 1
@@ -227,6 +241,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_Sampling):
     """`POST /v1/chat/completions`, rendered with the model's chat template."""
+
+    NULL_IS_DEFAULT = frozenset({"stream", "n", "logprobs", "parallel_tool_calls"})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens

@@ -116,6 +116,21 @@ def test_refused_fields_are_400_naming_them_unless_default_or_null(endpoint: str
         assert field in error.message
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_null_is_accepted_wherever_vllm_accepts_it(endpoint: str) -> None:
+    """An explicit null (OpenAI's SDKs send `n=None`, `stream=None`, ...) is accepted for every field
+    vLLM's model accepts it for (recorded), and where tandem's type is not optional it means the default."""
+    model, base = MODELS[endpoint], BASE[endpoint]
+    accepted = FIXTURE["accepts_null"][endpoint]
+    assert {"stream", "logprobs"} <= set(accepted)
+    plain = model.model_validate(base)
+    for field in accepted:
+        body = model.model_validate({**base, field: None})
+        assert convert.unsupported(body) is None, field
+        if field in model.NULL_IS_DEFAULT:
+            assert body == plain, f"{field}: null should mean the default"
+
+
 def test_user_is_accepted_and_changes_nothing() -> None:
     """OpenAI's end-user id: vLLM accepts it and it changes nothing there either."""
     plain, tagged = (convert.sampling_params(p.CompletionRequest.model_validate({**BASE["completions"], **extra}))
