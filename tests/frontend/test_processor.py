@@ -144,9 +144,9 @@ def test_processing_modules_import_neither_torch_nor_the_engine():
     import subprocess
     import sys
 
-    modules = ["frontend_svc." + m for m in ("errors", "processor", "detokenizer", "stop", "outputs",
-                                             "output_processor")]
-    modules += ["shared_runtime.contract", "shared_runtime.limits", "shared_runtime.to_pb", "shared_runtime.from_pb"]
+    modules = ["frontend_svc." + m for m in ("errors", "processor", "outputs", "output_processor")]
+    modules += ["shared_runtime." + m for m in ("contract", "limits", "to_pb", "from_pb", "detokenizer", "stop",
+                                                "token_texts")]
     code = (
         "import sys\n"
         + "".join(f"import {m}\n" for m in modules)
