@@ -15,7 +15,7 @@ through the gRPC API and through the OpenAI-compatible HTTP API (`/v1/completion
 `stream: true` over SSE, usage in the last chunk) of one frontend, alternating the two for `--rounds`
 rounds, and prints the HTTP/gRPC throughput ratio. `--smg` adds an SMG gateway (`smg launch`, the Rust
 gateway of the dev extra) in front of the same engine, driven with the same HTTP requests in the same
-rounds: SMG -> tandem engine (SMG's `vllm.grpc.engine.VllmEngine` protocol) next to tandem's own frontend,
+rounds (the frontend's and SMG's HTTP runs swap order every round): SMG -> tandem engine (SMG's `vllm.grpc.engine.VllmEngine` protocol) next to tandem's own frontend,
 and prints the SMG/frontend throughput ratio. For HTTP, TTFT and ITL are timed on SSE chunks and
 token counts come from the final usage chunk. On a small CPU box the engine, the frontend and this
 client share the cores: read the numbers as a ratio measured in one run.
@@ -277,12 +277,11 @@ def run_apis(model_dir: Path, work: list[tuple[list[int], int]], concurrency: in
     with tempfile.TemporaryDirectory() as logs:
         split = Split(model_dir, concurrency, {}, Path(logs), dtype, http=True, smg=smg)
         try:
-            for _ in range(rounds):
+            http_runs = [("split, OpenAI HTTP/SSE", split.http_port)] + ([(SMG_RUN, split.smg_port)] if smg else [])
+            for i in range(rounds):
                 runs["split, gRPC"].append(asyncio.run(_drive(split.port, work, concurrency)))
-                runs["split, OpenAI HTTP/SSE"].append(asyncio.run(_drive_http(split.http_port, http_work, concurrency,
-                                                                              model_dir.name)))
-                if smg:
-                    runs[SMG_RUN].append(asyncio.run(_drive_http(split.smg_port, http_work, concurrency, model_dir.name)))
+                for name, port in http_runs[::-1] if i % 2 else http_runs:  # neither always runs first
+                    runs[name].append(asyncio.run(_drive_http(port, http_work, concurrency, model_dir.name)))
         finally:
             split.stop()
     return runs
