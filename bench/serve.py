@@ -15,10 +15,12 @@ through the gRPC API and through the OpenAI-compatible HTTP API (`/v1/completion
 `stream: true` over SSE, usage in the last chunk) of one frontend, alternating the two for `--rounds`
 rounds, and prints the HTTP/gRPC throughput ratio. `--smg` adds an SMG gateway (`smg launch`, the Rust
 gateway of the dev extra) in front of the same engine, driven with the same HTTP requests in the same
-rounds (the frontend's and SMG's HTTP runs swap order every round): SMG -> tandem engine (SMG's `vllm.grpc.engine.VllmEngine` protocol) next to tandem's own frontend,
-and prints the SMG/frontend throughput ratio. For HTTP, TTFT and ITL are timed on SSE chunks and
-token counts come from the final usage chunk. On a small CPU box the engine, the frontend and this
-client share the cores: read the numbers as a ratio measured in one run.
+rounds (the frontend's and SMG's HTTP runs swap order every round): SMG -> tandem engine (SMG's
+`vllm.grpc.engine.VllmEngine` protocol) next to tandem's own frontend, and prints the SMG/frontend
+throughput ratio and the CPU seconds each path costs the services per 1000 output tokens (engine +
+frontend vs engine + smg). For HTTP, TTFT and ITL are timed on SSE chunks and token counts come from the
+final usage chunk. On a small CPU box the engine, the frontend and this client share the cores: read the
+numbers as a ratio measured in one run.
 
     python bench/serve.py [--num-requests 64] [--concurrency 64] [--tracing [--rounds 3]]
     python bench/serve.py --api grpc openai --rounds 3 --skip-offline
@@ -146,6 +148,12 @@ class Split:
                 self.procs.append(subprocess.Popen(gateway, cwd=ROOT, env=full_env, stdout=out,
                                                    stderr=subprocess.STDOUT))
             wait_smg_ready(self.smg_port, self.procs[-1])
+
+    def cpu_seconds(self) -> list[float]:
+        """CPU seconds (user + system) each process has used so far: engine, frontend[, smg] (Linux /proc)."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        fields = [Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split() for proc in self.procs]
+        return [(int(f[11]) + int(f[12])) / ticks for f in fields]
 
     @staticmethod
     def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -281,7 +289,10 @@ def run_apis(model_dir: Path, work: list[tuple[list[int], int]], concurrency: in
             for i in range(rounds):
                 runs["split, gRPC"].append(asyncio.run(_drive(split.port, work, concurrency)))
                 for name, port in http_runs[::-1] if i % 2 else http_runs:  # neither always runs first
-                    runs[name].append(asyncio.run(_drive_http(port, http_work, concurrency, model_dir.name)))
+                    before = split.cpu_seconds()
+                    run = asyncio.run(_drive_http(port, http_work, concurrency, model_dir.name))
+                    run["service_cpu"] = [b - a for a, b in zip(before, split.cpu_seconds())]
+                    runs[name].append(run)
         finally:
             split.stop()
     return runs
@@ -398,6 +409,13 @@ def report_apis(offline: dict[str, Any] | None, runs: dict[str, list[dict[str, A
         print(f"SMG gateway / tandem frontend throughput, HTTP/SSE on the same engine (medians of "
               f"{len(runs[SMG_RUN])} alternating rounds) = {served[SMG_RUN]['tok_s'] / http['tok_s']:.2f} "
               f"(per round: {pairs})")
+    if SMG_RUN in served:  # the work each path costs the services, less sensitive to neighbours than time
+        per_k = {name: [1e3 * statistics.median(r["service_cpu"][i] / r["tokens"] for r in rs) for i in range(3)]
+                 for name, rs in runs.items() if name != "split, gRPC"}
+        front, gate = per_k["split, OpenAI HTTP/SSE"], per_k[SMG_RUN]
+        print(f"service CPU s per 1000 output tokens (medians): frontend path engine {front[0]:.2f} + frontend "
+              f"{front[1]:.2f} = {front[0] + front[1]:.2f}; SMG path engine {gate[0]:.2f} + smg {gate[2]:.2f} = "
+              f"{gate[0] + gate[2]:.2f}")
     cpu = ", ".join(f"{name.removeprefix('split, ')} {statistics.median(r['client_cpu'] for r in rs):.2f} s"
                     for name, rs in runs.items())
     print(f"benchmark client CPU per run (it shares the cores with the services): {cpu}")
