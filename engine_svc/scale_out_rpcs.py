@@ -4,7 +4,7 @@
   snapshot, then live batches; RESOURCE_EXHAUSTED when the subscriber fell too far behind (it must
   subscribe again), FAILED_PRECONDITION when events are off.
 - `stream_tokenizer`: the tokenizer archive (tokenizer_files.py) in chunks of at most
-  `tokenizer_bundle.CHUNK_BYTES`, the total size on the first and the SHA-256 on the last.
+  `tokenizer_bundle.CHUNK_BYTES` (`TokenizerArchive.chunks`), the total size on the first and the SHA-256 on the last.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from tandem.engine.v1 import engine_core_pb2 as pb
 
 from engine_svc.kv_publisher import KvEventPublisher, SubscriberDropped
 from engine_svc.tokenizer_files import TokenizerArchive
-from shared_runtime.tokenizer_bundle import CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +47,6 @@ async def stream_tokenizer(archive: asyncio.Future[TokenizerArchive | None] | No
                             "(no tokenizer.json, or a .gguf file without a tokenizer); start the frontend "
                             "with --model")
         return
-    data = found.data
-    for start in range(0, max(1, len(data)), CHUNK_BYTES):
-        end = start + CHUNK_BYTES
-        first = start == 0
-        yield pb.TokenizerChunk(data=data[start:end], total_size=len(data) if first else 0,
-                                model_name=model_name if first else "",
-                                sha256=found.sha256 if end >= len(data) else "")
+    for piece, first, last in found.chunks():
+        yield pb.TokenizerChunk(data=piece, total_size=len(found.data) if first else 0,
+                                model_name=model_name if first else "", sha256=found.sha256 if last else "")

@@ -39,7 +39,6 @@ from engine_svc.smg_kv_events import smg_batches
 from engine_svc.smg_model import ModelFacts, read_model_facts
 from engine_svc.smg_request import Refused, SmgPlan, plan_request
 from engine_svc.smg_stops import LazyStopTokenizer, NoTokenizer, SampleStops
-from shared_runtime.tokenizer_bundle import CHUNK_BYTES
 
 if TYPE_CHECKING:
     from engine_svc.server import EngineCoreServicer
@@ -181,10 +180,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         if archive is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "this engine's model has no tokenizer files to serve")
             return
-        data = archive.data
-        for start in range(0, max(1, len(data)), CHUNK_BYTES):
-            end = start + CHUNK_BYTES
-            yield cpb.GetTokenizerChunk(data=data[start:end], sha256=archive.sha256 if end >= len(data) else "")
+        for piece, _, last in archive.chunks():
+            yield cpb.GetTokenizerChunk(data=piece, sha256=archive.sha256 if last else "")
 
     async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.KvEventBatch]:

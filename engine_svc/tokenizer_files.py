@@ -12,6 +12,7 @@ its own. The engine still needs no tokenizer to serve requests.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,13 @@ class TokenizerArchive:
     data: bytes
     sha256: str  # hex
     names: tuple[str, ...]  # the files it holds, sorted
+
+    def chunks(self) -> Iterator[tuple[bytes, bool, bool]]:
+        """The archive as GetTokenizer messages carry it (both engine protocols): (piece, first, last),
+        pieces of at most `tokenizer_bundle.CHUNK_BYTES`; an empty archive is one empty first-and-last piece."""
+        data, size = self.data, tokenizer_bundle.CHUNK_BYTES
+        for start in range(0, max(1, len(data)), size):
+            yield data[start:start + size], start == 0, start + size >= len(data)
 
 
 def read_tokenizer_archive(model: str | Path) -> TokenizerArchive | None:

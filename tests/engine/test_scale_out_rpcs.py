@@ -27,7 +27,6 @@ import pytest
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
-from engine_svc import scale_out_rpcs
 from engine_svc.config import EngineConfig
 from engine_svc.kv.events import StoredBlock
 from engine_svc.kv_publisher import KvEventPublisher
@@ -209,7 +208,7 @@ def serve_archive(bare: Any, loop: LoopThread, model: Path) -> None:
 
 def test_get_tokenizer_streams_the_model_files_with_their_checksum(
         bare: Any, loop: LoopThread, llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scale_out_rpcs, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(tokenizer_bundle, "CHUNK_BYTES", 4096)
     serve_archive(bare, loop, llama_dir)
     data, chunks = fetch(bare.address)
     assert len(chunks) > 2 and chunks[0].total_size == len(data) and chunks[0].model_name == "m"
