@@ -537,9 +537,8 @@ async def _read_ahead(call: Any, queue: asyncio.Queue[Any]) -> None:
     try:
         async for message in call:
             await queue.put(message)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # the processing side raises it, after what was read before it
+    except Exception as exc:  # the processing side raises it, after what was read before it (cancellation,
+        # a BaseException, passes through)
         await queue.put(exc)
         return
     await queue.put(_STREAM_END)

@@ -52,16 +52,21 @@ def unsupported(request: p.CompletionRequest | p.ChatCompletionRequest) -> ApiEr
     """400 for a field tandem knows but does not implement (never silently ignored): one of vLLM's that
     tandem refuses (`protocol.REFUSED_*`) set to something other than null or vLLM's default, or one of
     OpenAI's below."""
-    refused = p.REFUSED_COMPLETION if isinstance(request, p.CompletionRequest) else p.REFUSED_CHAT
+    error = refused_field(request, p.REFUSED_COMPLETION if isinstance(request, p.CompletionRequest) else p.REFUSED_CHAT)
+    if (error is None and isinstance(request, p.CompletionRequest) and request.best_of is not None
+            and request.best_of != request.n):
+        return bad_request("best_of must equal n (beam-style best_of is not supported)", "best_of")
+    return error
+
+
+def refused_field(body: Any, refused: dict[str, object]) -> ApiError | None:
+    """400 naming the first of `refused` (field -> vLLM's default) that `body` sets to neither null nor
+    that default: a field tandem knows and does not implement is never silently ignored."""
     for name, default in refused.items():
-        value = getattr(request, name)
+        value = getattr(body, name)
         if value is not None and value != default:
             return bad_request(f"{name} is not supported by this server (only {json.dumps(default)} or null)",
                                name)
-    if isinstance(request, p.CompletionRequest):
-        if request.best_of is not None and request.best_of != request.n:
-            return bad_request("best_of must equal n (beam-style best_of is not supported)", "best_of")
-        return None
     return None
 
 

@@ -74,10 +74,9 @@ def not_stored(response_id: str) -> ApiError:
 def unsupported(body: rp.ResponsesRequest) -> ApiError | None:
     """400 naming a field tandem does not implement (set to other than null or vLLM's default), or one
     vLLM refuses too without a store or tools."""
-    for name, default in rp.REFUSED_RESPONSES.items():
-        value = getattr(body, name)
-        if value is not None and value != default:
-            return bad_request(f"{name} is not supported by this server (only {json.dumps(default)} or null)", name)
+    error = convert.refused_field(body, rp.REFUSED_RESPONSES)
+    if error is not None:
+        return error
     if body.background:
         return bad_request("background mode needs a response store, which this server does not keep "
                            "(as vLLM without VLLM_ENABLE_RESPONSES_API_STORE)", "background")
