@@ -9,7 +9,6 @@ serves the file's metadata instead: test_served_real_model.py checks a frontend 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,25 +17,12 @@ import pytest
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, MULTIBYTE_QUESTION, START_TIMEOUT_S
-from tests.support import Service, free_port
+from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, MULTIBYTE_QUESTION, Fleet
+from tests.support import Service
 
 pytestmark = pytest.mark.slow
 
 RPC_TIMEOUT_S = 120.0
-ENGINE_FLAGS = ("--host", "127.0.0.1", "--dtype", "float32", "--metrics-port", "0", "--num-gpu-blocks-override", "32")
-
-
-def engine(model: Path, logs: Path) -> Service:
-    port = free_port()
-    return Service("engine", [sys.executable, "-m", "engine_svc.server_cli", "--model", str(model),
-                              "--port", str(port), *ENGINE_FLAGS], port, logs).start()
-
-
-def frontend(engine_address: str, logs: Path, *model: str) -> Service:
-    port = free_port()
-    return Service("frontend", [sys.executable, "-m", "frontend_svc.cli", *model, "--engine", engine_address,
-                                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"], port, logs).start()
 
 
 class Api:
@@ -60,20 +46,13 @@ class Api:
 
 @pytest.fixture(scope="module")
 def pair(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Api, Api]]:
-    logs = tmp_path_factory.mktemp("served-tokenizer")
-    served = engine(smollm2_dir, logs)
-    services = [served]
-    try:
-        served.wait_serving(START_TIMEOUT_S)
-        with_model = frontend(served.address, logs, "--model", str(smollm2_dir))
-        without = frontend(served.address, logs)
-        services += [with_model, without]
-        for service in (with_model, without):
-            service.wait_serving(START_TIMEOUT_S)
+    with Fleet(tmp_path_factory.mktemp("served-tokenizer")) as fleet:
+        engine = fleet.engine(smollm2_dir, "--num-gpu-blocks-override", "32")
+        fleet.wait_serving()  # the frontend without --model fetches the tokenizer from a serving engine
+        with_model = fleet.frontend(engine, "--model", str(smollm2_dir))
+        without = fleet.frontend(engine)
+        fleet.wait_serving()
         yield Api(with_model), Api(without)
-    finally:
-        for service in reversed(services):
-            service.stop()
 
 
 def test_chat_text_tokens_and_model_info_equal_those_of_a_frontend_with_the_model(pair: tuple[Api, Api]) -> None:

@@ -10,7 +10,6 @@ tokenizer comes from the engine (GetTokenizer: the GGUF file's metadata without 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +21,8 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, MULTIBYTE_QUESTION, START_TIMEOUT_S
-from tests.support import Service, free_port
+from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, MULTIBYTE_QUESTION, Fleet
+from tests.support import Service
 
 pytestmark = pytest.mark.slow
 
@@ -46,24 +45,15 @@ class Split:
 
 @pytest.fixture(scope="module")
 def split(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
-    logs = tmp_path_factory.mktemp("realmodel-split")
-    engine_port, frontend_port = free_port(), free_port()
-    engine = Service("engine", [sys.executable, "-m", "engine_svc.server_cli", "--model", str(smollm2_gguf),
-                                "--host", "127.0.0.1", "--port", str(engine_port), "--dtype", "float32",
-                                "--metrics-port", "0", "--block-size", str(BLOCK_SIZE),
-                                "--num-gpu-blocks-override", str(KV_BLOCKS)], engine_port, logs).start()
-    frontend = Service("frontend", [sys.executable, "-m", "frontend_svc.cli", "--model", str(smollm2_gguf),
-                                    "--engine", f"127.0.0.1:{engine_port}", "--host", "127.0.0.1",
-                                    "--port", str(frontend_port), "--metrics-port", "0"], frontend_port, logs).start()
-    pair = Split(engine, frontend)
-    try:
-        engine.wait_serving(START_TIMEOUT_S)
-        frontend.wait_serving(START_TIMEOUT_S)
-        yield pair
-    finally:
-        pair.channel.close()
-        frontend.stop()
-        engine.stop()
+    with Fleet(tmp_path_factory.mktemp("realmodel-split")) as fleet:
+        engine = fleet.engine(smollm2_gguf, "--block-size", str(BLOCK_SIZE),
+                              "--num-gpu-blocks-override", str(KV_BLOCKS))
+        pair = Split(engine, fleet.frontend(engine, "--model", str(smollm2_gguf)))
+        try:
+            fleet.wait_serving()
+            yield pair
+        finally:
+            pair.channel.close()
 
 
 @dataclass
@@ -177,19 +167,13 @@ def test_max_model_len_is_what_the_kv_cache_holds(split: Split) -> None:
 
 def test_a_frontend_without_the_model_serves_the_same_text_from_the_engines_gguf_metadata(
         split: Split, tmp_path: Path) -> None:
-    port = free_port()
-    bare = Service("frontend-no-model", [sys.executable, "-m", "frontend_svc.cli", "--engine", split.engine.address,
-                                         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"],
-                   port, tmp_path).start()
-    try:
-        bare.wait_serving(START_TIMEOUT_S)
-        with grpc.insecure_channel(bare.address) as channel:
-            api = pb_grpc.GenerationServiceStub(channel)
-            for question in CHAT_QUESTIONS[:2]:
-                request = chat_request(question, max_tokens=MAX_TOKENS)
-                assert "".join(r.text for r in api.Generate(request, timeout=RPC_TIMEOUT_S)) == \
-                    generate(split, request).text
-            info = api.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
-        assert info == split.api.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
-    finally:
-        bare.stop()
+    with Fleet(tmp_path) as fleet, grpc.insecure_channel(fleet.frontend(split.engine, name="frontend-no-model")
+                                                         .address) as channel:
+        fleet.wait_serving()
+        api = pb_grpc.GenerationServiceStub(channel)
+        for question in CHAT_QUESTIONS[:2]:
+            request = chat_request(question, max_tokens=MAX_TOKENS)
+            assert "".join(r.text for r in api.Generate(request, timeout=RPC_TIMEOUT_S)) == \
+                generate(split, request).text
+        info = api.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+    assert info == split.api.GetModelInfo(pb.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)

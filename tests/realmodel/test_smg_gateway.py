@@ -23,14 +23,14 @@ import openai
 import pytest
 
 from tests.engine_stream import engine_load
-from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, START_TIMEOUT_S
+from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, Fleet
 from tests.support import Service, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
 SMG = Path(sys.executable).parent / "smg"
 COMPLETION_PROMPTS = ("The capital of France is", "def fibonacci(n):")
-ENGINE_FLAGS = ("--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8")
+ENGINE_FLAGS = ("--max-model-len", "2048", "--max-num-seqs", "8")
 
 
 class Gateway(Service):
@@ -76,37 +76,22 @@ class Deployment:
 def deployment(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     assert SMG.exists(), "the smg gateway is not installed (the dev extra pins it; run `make install`)"
     logs = tmp_path_factory.mktemp("smg-logs")
-    services: list[Service] = []
-    try:
-        engines, metrics_ports = [], []
-        for _ in range(2):
-            port, metrics = free_port(), free_port()
-            engines.append(Service("engine", [sys.executable, "-m", "engine_svc.server_cli", "--model",
-                                              str(smollm2_dir), "--port", str(port), "--metrics-port", str(metrics),
-                                              *ENGINE_FLAGS], port, logs).start())
-            metrics_ports.append(metrics)
-        services += engines
-        front_port, http_port = free_port(), free_port()
-        frontend = Service("frontend", [sys.executable, "-m", "frontend_svc.cli", "--model", str(smollm2_dir),
-                                        "--engine", engines[0].address, "--host", "127.0.0.1", "--port",
-                                        str(front_port), "--metrics-port", "0", "--http-port", str(http_port)],
-                           front_port, logs).start()
-        services.append(frontend)
+    with Fleet(logs) as fleet:
+        metrics_ports = [free_port(), free_port()]
+        engines = [fleet.engine(smollm2_dir, "--metrics-port", str(metrics), *ENGINE_FLAGS)
+                   for metrics in metrics_ports]
+        http_port = free_port()
+        fleet.frontend(engines[0], "--model", str(smollm2_dir), "--http-port", str(http_port))
+        fleet.wait_serving()
         gateway_port = free_port()
         gateway = Gateway("smg", [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(gateway_port),
                                   "--worker-urls", *(f"grpc://{e.address}" for e in engines),
                                   "--model-path", str(smollm2_dir), "--policy", "cache_aware",
                                   "--prometheus-port", str(free_port()), "--log-level", "warn"],
                           gateway_port, logs)
-        for engine in engines:
-            engine.wait_serving(START_TIMEOUT_S)
-        frontend.wait_serving(START_TIMEOUT_S)
-        services.append(gateway.start())
+        fleet.start(gateway)
         gateway.wait_ready(smollm2_dir.name, 60)
         yield Deployment(engines, metrics_ports, gateway, http_port, smollm2_dir.name)
-    finally:
-        for service in reversed(services):
-            service.stop()
 
 
 def chat(client: openai.OpenAI, model: str, question: str, **params: object) -> openai.types.chat.ChatCompletion:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import pytest
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from tests.realmodel.support import START_TIMEOUT_S
+from tests.realmodel.support import Fleet
 from tests.support import MAX_STALL_S, Service, free_port, max_gap, wait_until
 
 pytestmark = pytest.mark.slow
@@ -73,27 +72,17 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    logs = tmp_path_factory.mktemp("structured-logs")
-    engine_port, frontend_port, http_port = free_port(), free_port(), free_port()
-    engine = Service("engine", [sys.executable, "-m", "engine_svc.server_cli", "--model", str(smollm2_dir),
-                                "--host", "127.0.0.1", "--port", str(engine_port), "--dtype", "float32",
-                                "--metrics-port", "0", "--max-model-len", "1024", "--max-num-seqs", "16"],
-                     engine_port, logs).start()
-    frontend = Service("frontend", [sys.executable, "-m", "frontend_svc.cli", "--model", str(smollm2_dir),
-                                    "--engine", f"127.0.0.1:{engine_port}", "--host", "127.0.0.1",
-                                    "--port", str(frontend_port), "--metrics-port", "0", "--http-port",
-                                    str(http_port), "--tool-call-parser", "hermes"], frontend_port, logs).start()
-    try:
-        engine.wait_serving(START_TIMEOUT_S)
-        frontend.wait_serving(START_TIMEOUT_S)
+    http_port = free_port()
+    with Fleet(tmp_path_factory.mktemp("structured-logs")) as fleet:
+        engine = fleet.engine(smollm2_dir, "--max-model-len", "1024", "--max-num-seqs", "16")
+        frontend = fleet.frontend(engine, "--model", str(smollm2_dir), "--http-port", str(http_port),
+                                  "--tool-call-parser", "hermes")
+        fleet.wait_serving()
         wait_until(lambda: httpx2.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200, 30,
                    "/health 200")
         served = Served(engine, frontend, http_port, smollm2_dir.name)
         yield served
         served.channel.close()
-    finally:
-        frontend.stop()
-        engine.stop()
 
 
 def ask(name: str) -> list[dict[str, str]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,8 @@ from typing import Any
 import httpx2
 import pytest
 
-from tests.realmodel.support import START_TIMEOUT_S
-from tests.support import Service, free_port, wait_until
+from tests.realmodel.support import Fleet
+from tests.support import free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -39,28 +38,16 @@ _spec.loader.exec_module(RECORDER)
 
 @pytest.fixture(scope="module")
 def api(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("vllm-conformance")
-    engine_port, frontend_port, http_port = free_port(), free_port(), free_port()
-    engine = Service("engine", [sys.executable, "-m", "engine_svc.server_cli", "--model", str(smollm2_dir),
-                                "--host", "127.0.0.1", "--port", str(engine_port), "--dtype", "float32",
-                                "--metrics-port", "0", "--block-size", str(BLOCK_SIZE),
-                                "--max-model-len", str(MAX_MODEL_LEN),
-                                "--num-gpu-blocks-override", str(MAX_MODEL_LEN // BLOCK_SIZE + 8)],
-                     engine_port, logs).start()
-    frontend = Service("frontend", [sys.executable, "-m", "frontend_svc.cli", "--model", str(smollm2_dir),
-                                    "--engine", f"127.0.0.1:{engine_port}", "--host", "127.0.0.1",
-                                    "--port", str(frontend_port), "--metrics-port", "0",
-                                    "--http-port", str(http_port)], frontend_port, logs).start()
+    http_port = free_port()
     url = f"http://127.0.0.1:{http_port}"
-    try:
-        engine.wait_serving(START_TIMEOUT_S)
-        frontend.wait_serving(START_TIMEOUT_S)
+    with Fleet(tmp_path_factory.mktemp("vllm-conformance")) as fleet:
+        engine = fleet.engine(smollm2_dir, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+                              "--num-gpu-blocks-override", str(MAX_MODEL_LEN // BLOCK_SIZE + 8))
+        fleet.frontend(engine, "--model", str(smollm2_dir), "--http-port", str(http_port))
+        fleet.wait_serving()
         wait_until(lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, 60, "/health 200",
                    retry_on=(httpx2.HTTPError,))
         yield url
-    finally:
-        frontend.stop()
-        engine.stop()
 
 
 def summary(response: httpx2.Response) -> dict[str, Any]:
