@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+import pydantic_core
+
 from frontend_svc.chat_template import ChatOptions
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai import structured, tools
@@ -313,8 +315,8 @@ class PromptInfo:
 class _Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    completion_logprobs: p.CompletionLogprobs | None = None
-    chat_logprobs: list[p.ChatTokenLogprob] | None = None
+    completion_logprobs: dict[str, list[Any]] | None = None  # CompletionLogprobs' fields
+    chat_logprobs: list[dict[str, Any]] | None = None  # ChatTokenLogprob's fields
     prompt_logprobs: p.PromptLogprobs | None = None
     offset: int = 0  # characters of text before the next token (completions text_offset)
     started: bool = False  # a delta of this choice was seen (echo and prompt_token_ids go first)
@@ -401,13 +403,21 @@ class _Builder:
             chunk.usage = None
         return str(chunk.model_dump_json(exclude_unset=True))
 
-    def _stamp(self, chunk: Any, finished: bool, with_usage: bool) -> None:
+    def _stamp(self, body: dict[str, Any], finished: bool, with_usage: bool) -> None:
         """vLLM's system_fingerprint on a stream's last chunk of a choice, unless a usage chunk ends it."""
         if finished and not with_usage and self.extras.fingerprint is not None:
-            chunk.system_fingerprint = self.extras.fingerprint
+            body["system_fingerprint"] = self.extras.fingerprint
 
     def _ids(self, ids: list[int]) -> list[int] | None:
         return list(ids) if self.extras.token_ids else None
+
+
+def dump(body: dict[str, Any]) -> str:
+    """A stream chunk built as plain dicts (keys in the response model's field order, exactly the
+    fields the model would have set) as JSON: pydantic-core's serializer with `model_dump_json`'s
+    options (compact, UTF-8 unescaped, non-finite floats as null), so the bytes are the models' without
+    building a model per chunk, token and top-logprob entry (tests/openai_api/test_chunk_bytes.py)."""
+    return pydantic_core.to_json(body, inf_nan_mode="null").decode()
 
 
 def _ranked(entry: TokenLogprob) -> dict[int, tuple[float, str | None]]:
@@ -436,15 +446,18 @@ class CompletionBuilder(_Builder):
         if not text and logprobs is None and delta.finish_reason is None \
                 and not (self.extras.token_ids and delta.token_ids) and not (first and self.extras.echo):
             return None
-        out = p.CompletionChoice(index=self.index(prompt_index, delta), text=text, logprobs=logprobs,
-                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-        if first and (self.extras.echo or self.extras.token_ids):
-            out.prompt_token_ids = self.prompts[prompt_index].token_ids  # vLLM: on echo, or when asked
+        out = {"index": self.index(prompt_index, delta), "text": text, "logprobs": logprobs,
+               "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # CompletionChoice
         if self.extras.token_ids:
-            out.token_ids = list(delta.token_ids)
-        body = p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[out])
+            out["token_ids"] = list(delta.token_ids)
+        if first and (self.extras.echo or self.extras.token_ids):
+            out["prompt_token_ids"] = list(self.prompts[prompt_index].token_ids)  # vLLM: on echo, or when asked
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [out]}  # CompletionResponse: system_fingerprint, then usage
         self._stamp(body, delta.finish_reason is not None, with_usage)
-        return self._dump(body, with_usage)
+        if with_usage:
+            body["usage"] = None
+        return dump(body)
 
     def add(self, prompt_index: int, delta: CompletionDelta) -> None:
         """Fold `delta` into the final response."""
@@ -459,10 +472,8 @@ class CompletionBuilder(_Builder):
             if whole is None:
                 choice.completion_logprobs = logprobs
             else:
-                whole.text_offset += logprobs.text_offset
-                whole.token_logprobs += logprobs.token_logprobs
-                whole.tokens += logprobs.tokens
-                whole.top_logprobs += logprobs.top_logprobs
+                for name, values in logprobs.items():
+                    whole[name] += values
 
     def response(self) -> str:
         choices = [p.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
@@ -482,7 +493,7 @@ class CompletionBuilder(_Builder):
                                                usage=self.usage.info()))
 
     def _shown(self, choice: _Choice, prompt_index: int, delta: CompletionDelta,
-               first: bool) -> tuple[str, p.CompletionLogprobs | None]:
+               first: bool) -> tuple[str, dict[str, list[Any]] | None]:
         """The text and logprobs `delta` adds to its choice: the prompt's first with echo."""
         echo, echo_only = self.extras.echo, self.extras.echo_only
         if echo_only and not first:
@@ -503,25 +514,29 @@ class CompletionBuilder(_Builder):
             entries += [(e.token_id, e) for e in delta.logprobs or []]
         return text, self._logprobs(choice, entries)
 
-    def _logprobs(self, choice: _Choice, entries: list[tuple[int, TokenLogprob | None]]) -> p.CompletionLogprobs:
-        """vLLM's completions logprobs: per token its text, logprob and a dict of the token and the top-N
-        (token first; null for the prompt's first token); offsets are the summed lengths of the tokens."""
+    def _logprobs(self, choice: _Choice, entries: list[tuple[int, TokenLogprob | None]]) -> dict[str, list[Any]]:
+        """vLLM's completions logprobs (CompletionLogprobs' fields): per token its text, logprob and a dict
+        of the token and the top-N (token first; null for the prompt's first token); offsets are the
+        summed lengths of the tokens."""
         top_n = self.top_n or 0
-        out = p.CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])  # all "set"
+        offsets: list[int] = []
+        logprobs: list[float | None] = []
+        tokens: list[str] = []
+        tops: list[dict[str, float] | None] = []
         for token_id, entry in entries:
             if entry is None:
                 token = self._token(token_id, None)
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
+                logprobs.append(None)
+                tops.append(None)
             else:
                 token = self._token(token_id, entry.text)
-                out.token_logprobs.append(finite(entry.logprob))
-                out.top_logprobs.append({self._token(tid, text): finite(lp)
-                                         for tid, (lp, text) in islice(_ranked(entry).items(), top_n + 1)})
-            out.tokens.append(token)
-            out.text_offset.append(choice.offset)
+                logprobs.append(finite(entry.logprob))
+                tops.append({self._token(tid, text): finite(lp)
+                             for tid, (lp, text) in islice(_ranked(entry).items(), top_n + 1)})
+            tokens.append(token)
+            offsets.append(choice.offset)
             choice.offset += len(token)
-        return out
+        return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": tokens, "top_logprobs": tops}
 
 
 class ChatBuilder(_Builder):
@@ -564,17 +579,21 @@ class ChatBuilder(_Builder):
                     and delta.finish_reason is None and not ids:
                 return None
             finish_reason = calls.finish_reason(delta.finish_reason)
+            shown = message.model_dump(exclude_unset=True)
         else:
-            message = p.DeltaMessage(content=delta.text) if delta.text else p.DeltaMessage()
+            shown = {"content": delta.text} if delta.text else {}  # DeltaMessage
             finish_reason = delta.finish_reason
-        out = p.ChatChunkChoice(index=index, delta=message, logprobs=logprobs, finish_reason=finish_reason)
+        out = {"index": index, "delta": shown, "logprobs": logprobs, "finish_reason": finish_reason}  # ChatChunkChoice
         if delta.finish_reason is not None:
-            out.stop_reason = delta.stop_reason
+            out["stop_reason"] = delta.stop_reason
         if self.extras.token_ids:
-            out.token_ids = list(delta.token_ids)
-        body = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[out])
+            out["token_ids"] = list(delta.token_ids)
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [out]}  # ChatCompletionChunk: usage, then system_fingerprint
+        if with_usage:
+            body["usage"] = None
         self._stamp(body, delta.finish_reason is not None, with_usage)
-        return self._dump(body, with_usage)
+        return dump(body)
 
     def _chunk(self, choices: list[p.ChatChunkChoice], with_usage: bool) -> str:
         body = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
@@ -585,10 +604,10 @@ class ChatBuilder(_Builder):
         choice.text.append(delta.text)
         choice.token_ids.extend(delta.token_ids)
         logprobs = self._logprobs(delta)
-        if logprobs is not None and logprobs.content is not None:
+        if logprobs is not None:
             if choice.chat_logprobs is None:
                 choice.chat_logprobs = []
-            choice.chat_logprobs.extend(logprobs.content)
+            choice.chat_logprobs.extend(logprobs["content"])
 
     def with_tool_calls(self, make: Callable[[], tools.ToolCalls] | None) -> ChatBuilder:
         """Parse each choice's text into tool calls (tools.py) with a `ToolCalls` from `make`."""
@@ -609,7 +628,7 @@ class ChatBuilder(_Builder):
                 message.content = self.echo + (message.content or "")
         choices = [p.ChatChoice(index=i, message=messages[i][0],
                                 finish_reason=messages[i][1], stop_reason=c.stop_reason,
-                                logprobs=(p.ChatLogprobs(content=c.chat_logprobs or [])
+                                logprobs=(p.ChatLogprobs.model_validate({"content": c.chat_logprobs or []})
                                           if self.top_n is not None else None),
                                 token_ids=self._ids(c.token_ids))
                    for i, c in enumerate(self.choices)]
@@ -624,17 +643,19 @@ class ChatBuilder(_Builder):
                                      usage=self.usage.info(), system_fingerprint=self.extras.fingerprint)
         return self._dump(body)
 
-    def _logprobs(self, delta: CompletionDelta) -> p.ChatLogprobs | None:
+    def _logprobs(self, delta: CompletionDelta) -> dict[str, list[dict[str, Any]]] | None:
+        """ChatLogprobs' fields for `delta`'s tokens, or None when no logprobs were asked."""
         if self.top_n is None or delta.logprobs is None:
             return None
-        return p.ChatLogprobs(content=[self._chat_token(entry) for entry in delta.logprobs])
+        return {"content": [self._chat_token(entry) for entry in delta.logprobs]}
 
-    def _chat_token(self, entry: TokenLogprob) -> p.ChatTokenLogprob:
-        """vLLM's chat logprob: the first top_logprobs of the token then the top-N by rank; the token's
-        `bytes` are the UTF-8 of its text (not of "token_id:N"), the alternatives' of what they show."""
+    def _chat_token(self, entry: TokenLogprob) -> dict[str, Any]:
+        """vLLM's chat logprob (ChatTokenLogprob's fields): the first top_logprobs of the token then the
+        top-N by rank; the token's `bytes` are the UTF-8 of its text (not of "token_id:N"), the
+        alternatives' of what they show (TopLogprob's fields)."""
         top = []
         for tid, (lp, text) in islice(_ranked(entry).items(), self.top_n or 0):
             token = self._token(tid, text)
-            top.append(p.TopLogprob(token=token, logprob=finite(lp), bytes=utf8(token)))
-        return p.ChatTokenLogprob(token=self._token(entry.token_id, entry.text), logprob=finite(entry.logprob),
-                                  bytes=utf8(self._text(entry.token_id, entry.text)), top_logprobs=top)
+            top.append({"token": token, "logprob": finite(lp), "bytes": utf8(token)})
+        return {"token": self._token(entry.token_id, entry.text), "logprob": finite(entry.logprob),
+                "bytes": utf8(self._text(entry.token_id, entry.text)), "top_logprobs": top}
