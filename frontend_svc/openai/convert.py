@@ -8,6 +8,8 @@ Responses: `ChoiceIndex` numbers choices (prompt index * n + completion index, a
 batched prompts); `CompletionBuilder` and `ChatBuilder` turn deltas into stream chunks (one per delta
 that carries something) or fold them into the final response, and sum usage over prompts (each prompt
 counted once, every completion's tokens counted). `TokenTexts` decodes logprob tokens, cached per id.
+A delta's chunk is built as plain dicts and serialised by `dump` (the hot path: no pydantic model per
+chunk, token or top-logprob entry); its bytes are exactly the response models' (protocol.py).
 
 Invariants:
 - Concatenating a choice's chunk texts gives the non-streaming text (both come from the same deltas).

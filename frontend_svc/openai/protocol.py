@@ -18,9 +18,11 @@ Requests follow OpenAI's API reference plus vLLM's extra fields (`top_k`, `min_p
   this module only checks shapes, and bounds the size of `logit_bias` while parsing (a body of a
   million entries is refused before anything walks it on the event loop).
 
-Responses are validated models too. Stream chunks are dumped with `exclude_unset=True` (the fields the
-builder sets, nulls included, appear — e.g. `"finish_reason": null` — and untouched defaults such as
-`usage` without `include_usage` do not); whole responses are dumped in full.
+Responses are validated models too, dumped in full. Stream chunks are these models with
+`exclude_unset=True` (the fields the builder sets, nulls included, appear — e.g. `"finish_reason": null` —
+and untouched defaults such as `usage` without `include_usage` do not); the per-delta chunks are built
+as plain dicts in the models' field order instead (convert.dump, no model per token), held to the
+models' bytes by tests/openai_api/test_chunk_bytes.py.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class PydanticChat(convert.ChatBuilder):
 def _entry(rng: random.Random, top_n: int) -> TokenLogprob:
     top = [(rng.randrange(200), rng.choice(FLOATS)) for _ in range(rng.randint(0, top_n + 1))]
     texts = [rng.choice(PIECES) for _ in top] if rng.random() < 0.5 else None
-    return TokenLogprob(token_id=rng.randrange(200), logprob=rng.choice(FLOATS + [-rng.random() * 20]),
+    return TokenLogprob(token_id=rng.randrange(200), logprob=rng.choice([*FLOATS, -rng.random() * 20]),
                         rank=rng.randint(1, 50), top=top, text=rng.choice([None, *PIECES]), top_texts=texts)
 
 
