@@ -237,6 +237,12 @@ class SuspendedCallContext:
 
     def __init__(self) -> None:
         self.done_callbacks: list[Callable[[Any], None]] = []
+        self.written: list[pb.GenerateResponse] = []
+
+    async def write(self, message: pb.GenerateResponse) -> None:
+        """A write that never completes (a client that stopped reading)."""
+        self.written.append(message)
+        await asyncio.get_running_loop().create_future()
 
     def invocation_metadata(self) -> tuple[()]:
         return ()
@@ -257,15 +263,16 @@ def test_the_rpc_ending_releases_a_request_whose_stream_is_suspended(loop: LoopT
     the RPC's done callback must abort the request in the engine and free its admission slot anyway."""
     frontend = stack[0]
     context = SuspendedCallContext()
-    stream = GenerationServicer(frontend).Generate(generate_request(PROMPT, seed=SEED_ENDLESS), context)
-    first = loop.run(stream.__anext__())  # the handler now sits at its yield, as in a slow write
-    assert first.token_ids
+    handler = GenerationServicer(frontend).Generate(generate_request(PROMPT, seed=SEED_ENDLESS), context)
+    task = loop.call(lambda: asyncio.ensure_future(handler))
+    wait_until(lambda: context.written)  # the handler now sits in its first write
+    assert context.written[0].token_ids
     rid = fake.added[-1].request_id
     assert rid in fake.running and frontend.admission.in_use == 1
     loop.call(lambda: [callback(None) for callback in context.done_callbacks])  # the RPC ended
     wait_until(lambda: rid in fake.aborted and rid not in fake.running)
-    assert frontend.admission.in_use == 0
-    loop.run(stream.aclose())
+    assert frontend.admission.in_use == 0 and not task.done()
+    loop.call(task.cancel)
 
 
 def test_deadline_aborts_in_engine(client: TandemClient, fake: FakeEngine) -> None:
