@@ -439,8 +439,9 @@ class CompletionBuilder(_Builder):
     each choice starts with its prompt (text unless return_token_ids, and the prompt's logprobs: the
     first token's null); with echo and max_tokens 0 the prompt is all it shows, as vLLM."""
 
-    def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
-        """One stream chunk for `delta`, or None when it carries nothing (text held back, no logprobs)."""
+    def shown(self, prompt_index: int, delta: CompletionDelta) -> tuple[bool, str, dict[str, list[Any]] | None] | None:
+        """Record `delta`; what its stream chunk shows (first of its choice, text, logprobs), or None when
+        it carries nothing (text held back, no logprobs)."""
         choice = self._record(prompt_index, delta)
         first = not choice.started
         choice.started = True
@@ -448,6 +449,14 @@ class CompletionBuilder(_Builder):
         if not text and logprobs is None and delta.finish_reason is None \
                 and not (self.extras.token_ids and delta.token_ids) and not (first and self.extras.echo):
             return None
+        return first, text, logprobs
+
+    def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
+        """One stream chunk for `delta`, or None when it carries nothing."""
+        shown = self.shown(prompt_index, delta)
+        if shown is None:
+            return None
+        first, text, logprobs = shown
         out = {"index": self.index(prompt_index, delta), "text": text, "logprobs": logprobs,
                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}  # CompletionChoice
         if self.extras.token_ids:
@@ -567,7 +576,10 @@ class ChatBuilder(_Builder):
             chunks.append(self._chunk([out], with_usage))
         return chunks
 
-    def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
+    def shown(self, prompt_index: int, delta: CompletionDelta) -> tuple[
+            int, p.DeltaMessage | None, str | None, dict[str, list[dict[str, Any]]] | None] | None:
+        """Record `delta`; what its stream chunk shows (choice index, the tool-call parser's message or
+        None for the text as content, finish reason, logprobs), or None when it carries nothing."""
         self._record(prompt_index, delta)
         logprobs = self._logprobs(delta)
         ids = self.extras.token_ids and bool(delta.token_ids)
@@ -575,17 +587,25 @@ class ChatBuilder(_Builder):
             return None
         index = self.index(prompt_index, delta)
         calls = self.tool_calls[index] if self.tool_calls else None
-        if calls is not None:  # tool calling: content and tool-call pieces out of the text
-            message = calls.delta(delta.text, finished=delta.finish_reason is not None)
-            if message.content is None and message.tool_calls is None and logprobs is None \
-                    and delta.finish_reason is None and not ids:
-                return None
-            finish_reason = calls.finish_reason(delta.finish_reason)
-            shown = message.model_dump(exclude_unset=True)
+        if calls is None:
+            return index, None, delta.finish_reason, logprobs
+        message = calls.delta(delta.text, finished=delta.finish_reason is not None)  # content and call pieces
+        if message.content is None and message.tool_calls is None and logprobs is None \
+                and delta.finish_reason is None and not ids:
+            return None
+        return index, message, calls.finish_reason(delta.finish_reason), logprobs
+
+    def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
+        """One stream chunk for `delta`, or None when it carries nothing."""
+        shown = self.shown(prompt_index, delta)
+        if shown is None:
+            return None
+        index, message, finish_reason, logprobs = shown
+        if message is not None:
+            content = message.model_dump(exclude_unset=True)
         else:
-            shown = {"content": delta.text} if delta.text else {}  # DeltaMessage
-            finish_reason = delta.finish_reason
-        out = {"index": index, "delta": shown, "logprobs": logprobs, "finish_reason": finish_reason}  # ChatChunkChoice
+            content = {"content": delta.text} if delta.text else {}  # DeltaMessage
+        out = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}  # ChatChunkChoice
         if delta.finish_reason is not None:
             out["stop_reason"] = delta.stop_reason
         if self.extras.token_ids:

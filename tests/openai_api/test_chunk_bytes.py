@@ -38,13 +38,10 @@ class PydanticCompletion(convert.CompletionBuilder):
     """The reference: completions chunks as the response models built them."""
 
     def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
-        choice = self._record(prompt_index, delta)
-        first = not choice.started
-        choice.started = True
-        text, logprobs = self._shown(choice, prompt_index, delta, first)
-        if not text and logprobs is None and delta.finish_reason is None \
-                and not (self.extras.token_ids and delta.token_ids) and not (first and self.extras.echo):
+        shown = self.shown(prompt_index, delta)  # what to show is shared; how it is serialised is not
+        if shown is None:
             return None
+        first, text, logprobs = shown
         out = p.CompletionChoice(index=self.index(prompt_index, delta), text=text,
                                  logprobs=None if logprobs is None else p.CompletionLogprobs(**logprobs),
                                  finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
@@ -62,22 +59,12 @@ class PydanticChat(convert.ChatBuilder):
     """The reference: chat chunks (and their logprobs) as the response models built them."""
 
     def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
-        self._record(prompt_index, delta)
-        logprobs = self._models(delta)
-        ids = self.extras.token_ids and bool(delta.token_ids)
-        if not delta.text and logprobs is None and delta.finish_reason is None and not ids:
+        shown = self.shown(prompt_index, delta)  # what to show is shared; the logprobs (models, below) and JSON are not
+        if shown is None:
             return None
-        index = self.index(prompt_index, delta)
-        calls = self.tool_calls[index] if self.tool_calls else None
-        if calls is not None:
-            message = calls.delta(delta.text, finished=delta.finish_reason is not None)
-            if message.content is None and message.tool_calls is None and logprobs is None \
-                    and delta.finish_reason is None and not ids:
-                return None
-            finish_reason = calls.finish_reason(delta.finish_reason)
-        else:
+        index, message, finish_reason, logprobs = shown
+        if message is None:
             message = p.DeltaMessage(content=delta.text) if delta.text else p.DeltaMessage()
-            finish_reason = delta.finish_reason
         out = p.ChatChunkChoice(index=index, delta=message, logprobs=logprobs, finish_reason=finish_reason)
         if delta.finish_reason is not None:
             out.stop_reason = delta.stop_reason
@@ -92,11 +79,11 @@ class PydanticChat(convert.ChatBuilder):
         choice = self._record(prompt_index, delta)
         choice.text.append(delta.text)
         choice.token_ids.extend(delta.token_ids)
-        logprobs = self._models(delta)
+        logprobs = self._logprobs(delta)
         if logprobs is not None and logprobs.content is not None:
             choice.chat_logprobs = [*(choice.chat_logprobs or []), *logprobs.content]  # type: ignore[list-item]
 
-    def _models(self, delta: CompletionDelta) -> p.ChatLogprobs | None:
+    def _logprobs(self, delta: CompletionDelta) -> p.ChatLogprobs | None:  # type: ignore[override]
         if self.top_n is None or delta.logprobs is None:
             return None
         content = []
