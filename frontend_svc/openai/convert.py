@@ -489,7 +489,8 @@ class CompletionBuilder(_Builder):
     def response(self) -> str:
         choices = [p.CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
                                       stop_reason=c.stop_reason,
-                                      logprobs=c.completion_logprobs if self.top_n is not None else None,
+                                      logprobs=p.CompletionLogprobs.model_validate(c.completion_logprobs)
+                                      if self.top_n is not None and c.completion_logprobs is not None else None,
                                       token_ids=self._ids(c.token_ids), prompt_logprobs=c.prompt_logprobs,
                                       prompt_token_ids=self._ids(self.prompts[i // self.n].token_ids)
                                       if self.prompts else None)
