@@ -24,7 +24,8 @@ Two comparisons (each system runs in its own process; every round runs both, in 
 
       python bench/vs_vllm.py served --model .tiny-models/SmolLM2-135M-Instruct --dtype float32
 
-Both systems get the same 1 GiB KV cache and their default scheduling limits. `--vllm-python` names
+Both systems get the same 1 GiB KV cache and their default scheduling limits (`--tandem-args` adds
+`tandem serve` flags, e.g. other step sizes: `--systems tandem` compares settings without vLLM). `--vllm-python` names
 the interpreter of vLLM's environment (default /work/vllm-venv/bin/python).
 """
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -151,7 +153,7 @@ def _server_command(system: str, args: argparse.Namespace, dtype: str, port: int
                 "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--seed", "0", "--disable-log-stats"]
     return [sys.executable, "-m", "engine_svc.cli", "serve", "--model", args.model, "--dtype", dtype,
             "--http-port", str(port), "--port", str(_free_port()), "--engine-port", str(_free_port()),
-            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *shlex.split(args.tandem_args)]
 
 
 _BENCH_CLIENT = (
@@ -274,6 +276,8 @@ def main() -> int:
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--tandem-tree", type=Path, default=ROOT,
                     help="the tandem source tree to run (default: this one; e.g. a `git archive` of main)")
+    ap.add_argument("--tandem-args", default="",
+                    help="extra `tandem serve` flags for the served runs, e.g. \"--long-prefill-token-threshold 64\"")
     args = ap.parse_args()
     args.model = str(Path(args.model).resolve())
     print(f"model {args.model}, dtypes {' '.join(args.dtype)}, {args.rounds} round(s), {os.cpu_count()} CPUs")
