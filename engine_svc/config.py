@@ -30,6 +30,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told oth
 # of 256 tokens takes ~0.4 s and is as efficient per token as any larger one (2048 tokens: 3.4 ms per
 # token); a 64-token prefill chunk beside decodes keeps their step, and a streaming victim's gap,
 # near 0.2 s even 2,000 tokens into a prompt (8,192-token steps stalled every stream for ~4 s).
+# Served (issue 23: 16 streams, 256-token prompts, bfloat16, BENCHMARKS.md) the chunks do not set the
+# median inter-token latency, the 16-stream decode step does: median ITL 71 ms with 64-token chunks,
+# 71 ms with 128, 77 ms with vLLM's CPU steps (2,048 tokens, no cap; p99 193 vs 268-288 ms, TTFT 1.9
+# vs 1.3 s); larger chunks only trade the victim's gap for the prompt's TTFT, so these stay.
 CPU_MAX_NUM_BATCHED_TOKENS = 256
 CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
 _RESOLVED_FIELDS = frozenset({"architecture", "model_dtype"})  # set by create(), not user arguments

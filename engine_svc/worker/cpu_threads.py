@@ -10,7 +10,12 @@ oversubscribe them.
 them: on the 2-core development machine the engine with one thread (a core left to the frontend, as
 vLLM's CPU backend reserves one) served a third fewer tokens per second at 31% higher median inter-token
 latency than with two (BENCHMARKS.md, issue 23): the frontend needs ~5% of a core per 16 streams, the
-engine's GEMMs need every core.
+engine's GEMMs need every core. The OpenMP threads also keep libgomp's default wait policy (spin a
+while between parallel regions): `OMP_WAIT_POLICY=PASSIVE`, which would hand the spinning core to the
+frontend, served 15% fewer tokens per second at 14% higher median inter-token latency, and pinning
+them (`OMP_PROC_BIND=close OMP_PLACES=cores`) a third fewer at 42% higher (a pinned thread cannot move
+off a core the frontend or a client holds, and every parallel region waits for it): BENCHMARKS.md,
+issue 23, "Served: step sizes and threads". Neither is set.
 """
 
 from __future__ import annotations
