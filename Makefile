@@ -27,9 +27,9 @@ $(STAMP): $(BIN)/python pyproject.toml package.json
 	# npm install follows package-lock.json, which lists buf's optional binaries for every platform (so an
 	# install on any of them leaves the lockfile unchanged).
 	npm install --no-audit --no-fund --loglevel=error
-	# The native CPU paged decode-attention op, built once into torch's extension cache (needs g++; without
-	# one the engine keeps its torch decode path, so a failed build does not fail the install).
-	$(BIN)/python -m engine_svc.attention.cpu_paged || echo "native CPU attention not built: torch path"
+	# The native CPU ops (paged decode attention, fused small ops), built once into torch's extension cache
+	# (needs g++; without one the engine keeps its torch ops, so a failed build does not fail the install).
+	$(BIN)/python -m engine_svc.attention.cpu_paged || echo "native CPU ops not built: torch path"
 	touch $(STAMP)
 
 install: $(STAMP)

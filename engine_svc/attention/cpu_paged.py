@@ -1,10 +1,12 @@
-"""The native CPU paged decode-attention op (csrc/cpu_paged_decode.cpp), built once and cached.
+"""The native CPU ops (csrc/), built once and cached: paged decode attention (cpu_paged_decode.cpp) and
+the fused small ops of a decoder layer, residual add + RMSNorm and SiLU-and-mul (cpu_fused_ops.cpp).
 
 `load()` compiles the op with torch.utils.cpp_extension (g++ and ninja; `make install` builds it ahead)
 into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by the
 source and flags, so later processes only load it. It is built for the host CPU (-march=native): the
 cache is per machine. When the op cannot be built (no compiler, no ninja) or TANDEM_CPU_PAGED_ATTENTION=0,
-`load()` returns None and the torch backend keeps its pure-torch decode path (same results, slower).
+`load()` returns None and the torch backend and layers keep their pure-torch paths (same results within
+rounding, slower). `for_tensor(x)` is the module when x is a CPU float32/bfloat16 tensor and it is built.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_decode.cpp"
-_NAME = "tandem_cpu_paged_decode"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "cpu_paged_decode.cpp", _CSRC / "cpu_fused_ops.cpp"]  # + cpu_math.h, included by both
+_DTYPES = (torch.float32, torch.bfloat16)
+_NAME = "tandem_cpu_ops"
 # -fopenmp: at::parallel_for is an OpenMP region compiled into the op (torch's CPU wheel parallelises with
 # OpenMP); without it the op runs on one thread. The op links libgomp.so.1, the runtime torch already loaded.
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -44,23 +50,31 @@ def _ensure_ninja_on_path() -> bool:
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled module (its `paged_decode(query, kv_cache, block_table, seq_lens, scale)`), or None
-    when disabled or unbuildable (logged once)."""
+    """The compiled module, or None when disabled or unbuildable (logged once). Its functions:
+    `paged_decode(query, kv_cache, block_table, seq_lens, scale)`, `add_rms_norm_(x, residual, weight, eps)`
+    (in place), `silu_and_mul(x)`."""
     if not enabled():
         return None
     if not (_ensure_ninja_on_path() and shutil.which(os.environ.get("CXX", "c++"))):
-        logger.warning("CPU paged attention: no ninja or C++ compiler; decode attention stays in torch")
+        logger.warning("native CPU ops: no ninja or C++ compiler; attention and small ops stay in torch")
         return None
     from torch.utils import cpp_extension
 
     try:
-        module = cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+        module = cpp_extension.load(_NAME, [str(p) for p in _SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                                     verbose=False)
     except Exception as exc:  # a failed build must not stop the engine: the torch path is correct
-        logger.warning("CPU paged attention did not build (%s); decode attention stays in torch", exc)
+        logger.warning("native CPU ops did not build (%s); attention and small ops stay in torch", exc)
         return None
-    logger.info("CPU paged attention: the native decode op is loaded")
+    logger.info("native CPU ops loaded (paged decode attention, add + RMSNorm, SiLU-and-mul)")
     return module
+
+
+def for_tensor(x: torch.Tensor) -> ModuleType | None:
+    """The native ops when they apply to `x` (a CPU float32 / bfloat16 tensor) and are built, else None."""
+    if x.device.type != "cpu" or x.dtype not in _DTYPES:
+        return None
+    return load()
 
 
 if __name__ == "__main__":  # `python -m engine_svc.attention.cpu_paged`: build (or find) the cached op

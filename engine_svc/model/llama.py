@@ -5,7 +5,9 @@ does the preceding residual add. Module and parameter names follow the HF checkp
 the fused ones listed in `LlamaForCausalLM.packed_modules`.
 
 Two numerically equivalent paths (`fused_kernels_wanted`):
-- torch ops (the torch attention backend; HF-exact in float32 on CPU);
+- torch ops (the torch attention backend; HF-exact in float32 on CPU); on CPU in float32 / bfloat16 the
+  native ops of engine_svc/attention/csrc/ (cpu_paged.py) replace the small ones where built: residual
+  add + RMSNorm and RoPE in place, SiLU-and-mul (the torch ops stay the fallback and the reference);
 - fused Triton kernels (the Triton attention backend, on CUDA or under TRITON_INTERPRET): residual add +
   RMSNorm in place, q/k norm + RoPE in place on the qkv output with the KV-cache write fused in
   (the backend is told the cache is written), and SiLU-and-mul. Per layer a decode step then runs
@@ -21,6 +23,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
+from engine_svc.attention import cpu_paged
 from engine_svc.attention.backend import AttentionBackend, AttentionMetadata
 from engine_svc.model.layers.activation import GatedActivation
 from engine_svc.model.layers.attention import Attention
@@ -100,7 +103,11 @@ class LlamaAttention(nn.Module):
             qk = qkv[:, :num_qk]
             if self.qk_norm is not None:
                 qk = self.qk_norm(qk)
-            qk = apply_rotary(qk, rope.cos, rope.sin)
+            native = cpu_paged.for_tensor(qk) if rope.positions.dtype == torch.int64 else None
+            if native is not None:  # in place on the projection's rows (the model owns them)
+                native.rotary_(qk, rope.positions, rope.cos_sin_cache)
+            else:
+                qk = apply_rotary(qk, rope.cos, rope.sin)
             out = self.attn(qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_qk:], kv_cache, meta)
         projected: torch.Tensor = self.o_proj(out)
         return projected

@@ -5,7 +5,8 @@
 // [block_size, D] run. Work item = (request, KV head): its H / Hkv query heads are scored against every
 // context position block by block, softmaxed and applied to the values, all accumulated in float32;
 // only the output is rounded to the model dtype. Items run in parallel on torch's intra-op pool.
-#include <torch/extension.h>
+#include "cpu_math.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -17,32 +18,45 @@
 
 namespace {
 
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+using tandem::as_float;
 
-inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(dst + i, &u, sizeof(float));
+// dst [D, block_size] = the block's first n key rows [n, D] transposed, in float32; columns n.. zeroed.
+template <typename T>
+inline void keys_transposed(const T* src, float* dst, int64_t n, int64_t block_size, int64_t head_dim) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < head_dim; ++d) dst[d * block_size + t] = as_float(src[t * head_dim + d]);
+  for (int64_t d = 0; d < head_dim; ++d)
+    for (int64_t t = n; t < block_size; ++t) dst[d * block_size + t] = 0.f;
+}
+
+// s[0, BS) = q . k_t[:, t] for a block of BS keys transposed [D, BS]: the BS scores stay in registers
+// (one vector for BS = 16 floats), each query element scaling one row of the block (no horizontal sums).
+template <int64_t BS>
+inline void block_scores(const float* q, const float* k_t, float* s, int64_t head_dim) {
+  float acc[BS] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float qd = q[d];
+#pragma omp simd
+    for (int64_t t = 0; t < BS; ++t) acc[t] += qd * k_t[d * BS + t];
+  }
+  for (int64_t t = 0; t < BS; ++t) s[t] = acc[t];
+}
+
+// The same for a block size known only at run time (the scores accumulate in memory).
+inline void block_scores_any(const float* q, const float* k_t, float* s, int64_t head_dim, int64_t block_size) {
+  for (int64_t t = 0; t < block_size; ++t) s[t] = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float qd = q[d];
+#pragma omp simd
+    for (int64_t t = 0; t < block_size; ++t) s[t] += qd * k_t[d * block_size + t];
   }
 }
 
-inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-inline void from_float(const float* src, at::BFloat16* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = at::BFloat16(src[i]);  // round to nearest even
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+// y[0, n) += alpha * x[0, n), x converted to float32 element by element.
+template <typename T>
+inline void axpy(float alpha, const T* x, float* y, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * as_float(x[i]);
 }
 
 template <typename T>
@@ -62,34 +76,41 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), row(run), acc(group * head_dim), scores;
+    std::vector<float> q(group * head_dim), k_t(run), acc(group * head_dim), inv_sum(group), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t req = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t seq_len = lens[req];
+      const int64_t padded = (seq_len + block_size - 1) / block_size * block_size;
       const int32_t* blocks = table + req * table_width;
-      for (int64_t g = 0; g < group; ++g)
-        to_float(q_base + req * q_req_stride + (kv_head * group + g) * q_head_stride, q.data() + g * head_dim,
-                 head_dim);
-      for (float& x : q) x *= fscale;
-      scores.resize(group * seq_len);
-      // scores[g, pos] = q_g . k_pos
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_base + req * q_req_stride + (kv_head * group + g) * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = as_float(src[d]) * fscale;
+      }
+      scores.resize(group * padded);
+      // scores[g, pos] = q_g . k_pos, a block's keys transposed so that each query element scales a
+      // vector of block_size keys' elements (no horizontal sum per score)
       for (int64_t pos0 = 0; pos0 < seq_len; pos0 += block_size) {
         const int64_t n = std::min(block_size, seq_len - pos0);
         const int64_t block = blocks[pos0 / block_size];
-        to_float(k_base + (block * num_kv_heads + kv_head) * run, row.data(), n * head_dim);
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * seq_len + pos0 + t] = dot(q.data() + g * head_dim, row.data() + t * head_dim, head_dim);
+        keys_transposed(k_base + (block * num_kv_heads + kv_head) * run, k_t.data(), n, block_size, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * padded + pos0;
+          if (block_size == 16) {
+            block_scores<16>(q.data() + g * head_dim, k_t.data(), s, head_dim);
+          } else {
+            block_scores_any(q.data() + g * head_dim, k_t.data(), s, head_dim, block_size);
+          }
+        }
       }
-      // softmax per query head (unnormalised; the sum divides the output)
-      std::vector<float> inv_sum(group);
+      // softmax per query head over [0, seq_len) (unnormalised; the sum divides the output)
       for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * seq_len;
+        float* s = scores.data() + g * padded;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t p = 0; p < seq_len; ++p) mx = std::max(mx, s[p]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t p = 0; p < seq_len; ++p) {
-          s[p] = std::exp(s[p] - mx);
+          s[p] = tandem::exp_clamped(s[p] - mx);
           sum += s[p];
         }
         inv_sum[g] = 1.f / sum;
@@ -97,15 +118,14 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos0 = 0; pos0 < seq_len; pos0 += block_size) {
         const int64_t n = std::min(block_size, seq_len - pos0);
-        const int64_t block = blocks[pos0 / block_size];
-        to_float(v_base + (block * num_kv_heads + kv_head) * run, row.data(), n * head_dim);
+        const T* v = v_base + (blocks[pos0 / block_size] * num_kv_heads + kv_head) * run;
         for (int64_t t = 0; t < n; ++t)
           for (int64_t g = 0; g < group; ++g)
-            axpy(scores[g * seq_len + pos0 + t], row.data() + t * head_dim, acc.data() + g * head_dim, head_dim);
+            axpy(scores[g * padded + pos0 + t], v + t * head_dim, acc.data() + g * head_dim, head_dim);
       }
+      T* dst = out_base + (req * num_heads + kv_head * group) * head_dim;
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] *= inv_sum[g];
-      from_float(acc.data(), out_base + (req * num_heads + kv_head * group) * head_dim, group * head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) dst[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv_sum[g]);
     }
   });
 }
@@ -147,6 +167,14 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
 
 }  // namespace
 
+// cpu_fused_ops.cpp
+void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cache);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading the KV blocks in place");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight (in place)");
+  m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up");
+  m.def("rotary_", &rotary_, "rotary embedding of [T, H, D] rows in place from a (cos, signed sin) cache");
 }

@@ -6,6 +6,9 @@ weight is applied before the result is rounded once (HF rounds, then multiplies 
 
 `fused=True` (set by the model when it runs the Triton attention backend) computes the same with the
 Triton kernels of `kernels/rms_norm.py`: one pass per row, and the residual add fused in place.
+On CPU in float32 / bfloat16 the residual form runs the native `add_rms_norm_` op
+(engine_svc/attention/csrc/cpu_fused_ops.cpp: one pass per row, in place) when it is built; the torch
+ops are the fallback and the reference.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_svc.attention import cpu_paged
 from engine_svc.model.layers.linear import copy_full, make_param
 from kernels import rms_norm as triton_norm  # importing kernels never imports triton
 
@@ -32,8 +36,9 @@ class RMSNorm(nn.Module):
     The second form is the pre-norm decoder's "add the residual, then normalise" step in one call,
     returning the new residual stream alongside the normalised activations.
 
-    With `fused`, the second form works in place (vLLM's fused_add_rms_norm): `residual` becomes
-    x + residual and `x` its normalisation; both tensors are returned. Callers must own both.
+    With `fused`, or on CPU where the native op is built, the second form works in place (vLLM's
+    fused_add_rms_norm): `residual` becomes x + residual and `x` its normalisation; both tensors are
+    returned. Callers must own both.
     """
 
     def __init__(
@@ -58,6 +63,10 @@ class RMSNorm(nn.Module):
             return x, residual
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
+        native = cpu_paged.for_tensor(x)
+        if native is not None:
+            native.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
         x = x + residual
         return rms_norm(x, self.weight, self.eps), x
 
