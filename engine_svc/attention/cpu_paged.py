@@ -1,5 +1,5 @@
 """The native CPU ops (csrc/), built once and cached: paged decode attention (cpu_paged_decode.cpp) and
-the fused small ops of a decoder layer, residual add + RMSNorm and SiLU-and-mul (cpu_fused_ops.cpp).
+the fused small ops of a decoder layer, residual add + RMSNorm, RoPE and SiLU-and-mul (cpu_fused_ops.cpp).
 
 `load()` compiles the op with torch.utils.cpp_extension (g++ and ninja; `make install` builds it ahead)
 into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed by the
@@ -52,7 +52,7 @@ def _ensure_ninja_on_path() -> bool:
 def load() -> ModuleType | None:
     """The compiled module, or None when disabled or unbuildable (logged once). Its functions:
     `paged_decode(query, kv_cache, block_table, seq_lens, scale)`, `add_rms_norm_(x, residual, weight, eps)`
-    (in place), `silu_and_mul(x)`."""
+    (in place), `rotary_(x, positions, cos_sin_cache)` (in place), `silu_and_mul(x)`."""
     if not enabled():
         return None
     if not (_ensure_ninja_on_path() and shutil.which(os.environ.get("CXX", "c++"))):
@@ -66,7 +66,7 @@ def load() -> ModuleType | None:
     except Exception as exc:  # a failed build must not stop the engine: the torch path is correct
         logger.warning("native CPU ops did not build (%s); attention and small ops stay in torch", exc)
         return None
-    logger.info("native CPU ops loaded (paged decode attention, add + RMSNorm, SiLU-and-mul)")
+    logger.info("native CPU ops loaded (paged decode attention, add + RMSNorm, RoPE, SiLU-and-mul)")
     return module
 
 
