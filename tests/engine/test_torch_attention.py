@@ -194,21 +194,32 @@ def _model_sized_decodes(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, .
     return query, cache, table, torch.tensor(lens, dtype=torch.int32), torch.stack(expected)
 
 
+@pytest.mark.parametrize("entry", ["paged_decode", "paged_decode_portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_reads_blocks_in_place_at_model_shapes(dtype):
+def test_native_decode_reads_blocks_in_place_at_model_shapes(dtype, entry):
+    """Both kernels: the one this CPU runs (bfloat16 keys scored with AVX512-BF16 where the build has
+    it) and the portable one every CPU can run."""
     native_op_expected()
     op = cpu_paged.load()
     query, cache, table, lens, expected = _model_sized_decodes(dtype, seed=7)
     before = cache.clone()
     # the query as the model hands it over: a view of the fused qkv projection's rows
     qkv = torch.cat([query, torch.full((query.shape[0], 6, query.shape[2]), 1e4, dtype=dtype)], dim=1)
-    out = op.paged_decode(qkv[:, :9], cache, table, lens, 64**-0.5)
+    out = getattr(op, entry)(qkv[:, :9], cache, table, lens, 64**-0.5)
     assert out.dtype == dtype and out.shape == query.shape
     assert torch.equal(cache, before)
     # float32: exact up to summation order; bfloat16: float32 accumulation, only the output rounded
     # (one bf16 ulp of values ~1), which a bf16 accumulation over hundreds of positions would exceed.
     tol = 1e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def test_native_decode_uses_avx512_bf16_where_the_cpu_has_it():
+    """A -march=native build on a CPU with AVX512-BF16 must score bfloat16 keys with it (the fast path
+    is not silently lost to a build flag)."""
+    native_op_expected()
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert cpu_paged.load().has_avx512_bf16() == ("avx512_bf16" in flags)
 
 
 def test_native_decode_refuses_tables_that_do_not_cover_the_context():

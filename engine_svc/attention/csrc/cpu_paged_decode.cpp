@@ -5,15 +5,23 @@
 // [block_size, D] run. Work item = (request, KV head): its H / Hkv query heads are scored against every
 // context position block by block, softmaxed and applied to the values, all accumulated in float32;
 // only the output is rounded to the model dtype. Items run in parallel on torch's intra-op pool.
+// Where the build has AVX512-BF16, bfloat16 with 16-token blocks scores keys with vdpbf16ps and (head_dim
+// 64) sums values in registers; everything else, and `paged_decode_portable`, takes the portable loops.
 #include "cpu_math.h"
 
 #include <ATen/Parallel.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define TANDEM_AVX512_BF16 1
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -59,9 +67,79 @@ inline void axpy(float alpha, const T* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * as_float(x[i]);
 }
 
+#ifdef TANDEM_AVX512_BF16
+// AVX512-BF16 scores of one 16-key block: s[t] = scale * sum_d q_g[d] k_t[d] for the group's query rows,
+// straight from the bfloat16 cache. Per pair of head dims p, one gather takes the 16 keys' (2p, 2p+1)
+// pairs (a 32-bit lane each) and vdpbf16ps adds q[2p] k[2p] + q[2p+1] k[2p+1] to each key's lane: the
+// 16 scores stay in one register, products are exact and sums are float32 (as the portable kernel).
+// head_dim even; q rows dense bfloat16, not scaled.
+inline void block_scores_bf16(const at::BFloat16* const* q_rows, const at::BFloat16* keys, int64_t group,
+                              int64_t head_dim, float scale, float* const* s) {
+  const int32_t* k32 = reinterpret_cast<const int32_t*>(keys);
+  const int32_t pairs = static_cast<int32_t>(head_dim / 2);
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(pairs));
+  constexpr int64_t kMaxGroup = 8;
+  for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+    const int64_t ng = std::min(kMaxGroup, group - g0);
+    __m512 acc[kMaxGroup];
+    for (int64_t g = 0; g < ng; ++g) acc[g] = _mm512_setzero_ps();
+    for (int32_t p = 0; p < pairs; ++p) {
+      const __m512bh k = (__m512bh)_mm512_i32gather_epi32(rows, k32 + p, 4);
+      for (int64_t g = 0; g < ng; ++g) {
+        int32_t qp;
+        std::memcpy(&qp, q_rows[g0 + g] + 2 * p, sizeof(qp));
+        acc[g] = _mm512_dpbf16_ps(acc[g], k, (__m512bh)_mm512_set1_epi32(qp));
+      }
+    }
+    for (int64_t g = 0; g < ng; ++g) _mm512_storeu_ps(s[g0 + g], _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+  }
+}
+#endif
+
+#ifdef TANDEM_AVX512_BF16
+// acc[g, 0:64] = sum_pos scores[g, pos] * v_pos for head_dim 64: each value row converted once (4 float32
+// vectors) and the group's accumulators held in registers, 4 query heads a pass.
+inline void weighted_values_64(const float* scores, int64_t padded, int64_t seq_len, const at::BFloat16* v_base,
+                               const int32_t* blocks, int64_t num_kv_heads, int64_t kv_head, int64_t run,
+                               int64_t block_size, int64_t group, float* acc_out) {
+  constexpr int64_t kG = 4;
+  for (int64_t g0 = 0; g0 < group; g0 += kG) {
+    const int64_t ng = std::min(kG, group - g0);
+    __m512 acc[kG][4];
+    for (int64_t g = 0; g < kG; ++g)
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t pos = 0; pos < seq_len; ++pos) {
+      const at::BFloat16* v = v_base + (blocks[pos / block_size] * num_kv_heads + kv_head) * run + (pos % block_size) * 64;
+      __m512 x[4];
+      for (int c = 0; c < 4; ++c)
+        x[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c))), 16));
+      for (int64_t g = 0; g < ng; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * padded + pos]);
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, x[c], acc[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < ng; ++g)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc_out + (g0 + g) * 64 + 16 * c, acc[g][c]);
+  }
+}
+#endif
+
+// Whether this build scores bfloat16 blocks with AVX512-BF16 (block size 16, even head_dim) unless
+// `portable` asks for the compiler-vectorised float32 path every CPU runs.
+template <typename T>
+inline bool use_bf16_dot(bool portable, int64_t block_size, int64_t head_dim) {
+#ifdef TANDEM_AVX512_BF16
+  return std::is_same_v<T, at::BFloat16> && !portable && block_size == 16 && head_dim % 2 == 0;
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                   const at::Tensor& seq_lens, double scale, at::Tensor& out, bool portable) {
   const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), num_kv_heads = kv_cache.size(2), block_size = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
@@ -74,22 +152,37 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
   T* out_base = out.data_ptr<T>();
   const int64_t run = block_size * head_dim;  // one (block, KV head) run of keys or values
   const float fscale = static_cast<float>(scale);
+  const bool bf16_dot = use_bf16_dot<T>(portable, block_size, head_dim);
 
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), k_t(run), acc(group * head_dim), inv_sum(group), scores;
+    std::vector<const T*> q_rows(group);
+    std::vector<float*> s_rows(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t req = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t seq_len = lens[req];
       const int64_t padded = (seq_len + block_size - 1) / block_size * block_size;
       const int32_t* blocks = table + req * table_width;
       for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_base + req * q_req_stride + (kv_head * group + g) * q_head_stride;
+        const T* src = q_rows[g] = q_base + req * q_req_stride + (kv_head * group + g) * q_head_stride;
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = as_float(src[d]) * fscale;
       }
       scores.resize(group * padded);
+#ifdef TANDEM_AVX512_BF16
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (bf16_dot) {
+          for (int64_t pos0 = 0; pos0 < seq_len; pos0 += block_size) {
+            const T* keys = k_base + (blocks[pos0 / block_size] * num_kv_heads + kv_head) * run;
+            for (int64_t g = 0; g < group; ++g) s_rows[g] = scores.data() + g * padded + pos0;
+            // a partial last block scores its tail from finite cache values; the softmax never reads them
+            block_scores_bf16(q_rows.data(), keys, group, head_dim, fscale, s_rows.data());
+          }
+        }
+      }
+#endif
       // scores[g, pos] = q_g . k_pos, a block's keys transposed so that each query element scales a
       // vector of block_size keys' elements (no horizontal sum per score)
-      for (int64_t pos0 = 0; pos0 < seq_len; pos0 += block_size) {
+      for (int64_t pos0 = 0; pos0 < seq_len && !bf16_dot; pos0 += block_size) {
         const int64_t n = std::min(block_size, seq_len - pos0);
         const int64_t block = blocks[pos0 / block_size];
         keys_transposed(k_base + (block * num_kv_heads + kv_head) * run, k_t.data(), n, block_size, head_dim);
@@ -116,7 +209,17 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
         inv_sum[g] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos0 = 0; pos0 < seq_len; pos0 += block_size) {
+      bool values_done = false;
+#ifdef TANDEM_AVX512_BF16
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (bf16_dot && head_dim == 64) {
+          weighted_values_64(scores.data(), padded, seq_len, v_base, blocks, num_kv_heads, kv_head, run,
+                             block_size, group, acc.data());
+          values_done = true;
+        }
+      }
+#endif
+      for (int64_t pos0 = 0; pos0 < seq_len && !values_done; pos0 += block_size) {
         const int64_t n = std::min(block_size, seq_len - pos0);
         const T* v = v_base + (blocks[pos0 / block_size] * num_kv_heads + kv_head) * run;
         for (int64_t t = 0; t < n; ++t)
@@ -132,8 +235,9 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
 
 // query [B, H, D] (any request / head strides, dense rows: a view into the qkv projection), kv_cache [2, num_blocks, Hkv, block_size, D] (same dtype, contiguous), block_table
 // [>= B, width] int32, seq_lens [>= B] int32 (each >= 1, covered by the table); returns [B, H, D].
-at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                        const at::Tensor& seq_lens, double scale) {
+// `portable` keeps bfloat16 on the float32 path CPUs without AVX512-BF16 take (tests compare the two).
+at::Tensor paged_decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                             const at::Tensor& seq_lens, double scale, bool portable) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode: bad shapes");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_decode: query and cache dtypes differ");
@@ -156,13 +260,31 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, con
   }
   at::Tensor out = at::empty(query.sizes(), query.options());  // contiguous [B, H, D]
   if (query.scalar_type() == at::kFloat) {
-    decode_kernel<float>(query, kv_cache, block_table, seq_lens, scale, out);
+    decode_kernel<float>(query, kv_cache, block_table, seq_lens, scale, out, portable);
   } else if (query.scalar_type() == at::kBFloat16) {
-    decode_kernel<at::BFloat16>(query, kv_cache, block_table, seq_lens, scale, out);
+    decode_kernel<at::BFloat16>(query, kv_cache, block_table, seq_lens, scale, out, portable);
   } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
   }
   return out;
+}
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                        const at::Tensor& seq_lens, double scale) {
+  return paged_decode_impl(query, kv_cache, block_table, seq_lens, scale, false);
+}
+
+at::Tensor paged_decode_portable(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                 const at::Tensor& seq_lens, double scale) {
+  return paged_decode_impl(query, kv_cache, block_table, seq_lens, scale, true);
+}
+
+bool has_avx512_bf16() {
+#ifdef TANDEM_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -174,6 +296,9 @@ void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cache)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading the KV blocks in place");
+  m.def("paged_decode_portable", &paged_decode_portable,
+        "paged_decode on the portable path (bfloat16 without AVX512-BF16 dot products), for tests");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether bfloat16 decodes score keys with AVX512-BF16");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight (in place)");
   m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up");
   m.def("rotary_", &rotary_, "rotary embedding of [T, H, D] rows in place from a (cos, signed sin) cache");
