@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx2
 
 from tests.security.secure_stack import Stack
 from tests.support import LoopThread, free_port, max_gap, wait_until
+
+T = TypeVar("T")
 
 
 class HttpStack(Stack):
@@ -61,6 +64,17 @@ class SseReader:
 
     def max_gap(self, start: float, end: float) -> float:
         return max_gap(self.arrivals, start, end)
+
+    def during(self, label: str, action: Callable[[], T]) -> tuple[T, float]:
+        """`action`'s result and this stream's longest gap while it ran (printed with `label`); waits 50 ms
+        after it so a token held back by it has the time to arrive and count."""
+        start = time.monotonic()
+        result = action()
+        end = time.monotonic()
+        time.sleep(0.05)
+        gap = self.max_gap(start, end)
+        print(f"[stall] {label}: victim max gap {1000 * gap:.1f} ms over {end - start:.2f} s")
+        return result, gap
 
     def stop(self) -> None:
         """Close the connection (the client going away) and wait for the reader thread."""
