@@ -42,7 +42,6 @@ from engine_svc.attention import cpu_paged
 from engine_svc.attention.backend import AttentionMetadata
 
 _PLAN_ATTR = "_torch_attention_plan"
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -189,11 +188,9 @@ class TorchAttentionBackend:
 
     def _native_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The native CPU decode op when it applies to these tensors and is built, else None."""
-        if not self._native or query.device.type != "cpu" or query.dtype not in _NATIVE_DTYPES:
+        if not self._native or kv_cache.dtype != query.dtype:
             return None
-        if kv_cache.dtype != query.dtype:
-            return None
-        op = cpu_paged.load()
+        op = cpu_paged.for_tensor(query)
         return None if op is None else op.paged_decode
 
     def _gather_workspace(self, like: torch.Tensor, rows: int, row_elems: int) -> torch.Tensor:
