@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's tool-call format for OpenAI tool_choice 'auto' (hermes; docs/openai.md)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat request's own chat_template (vLLM's flag; only for trusted clients)")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="the frontend's --stream-interval: tokens per streamed chunk at least (default 1)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="the frontend's Prometheus port (default 0: off, so nothing else on the host clashes)")
     p.add_argument("--engine-metrics-port", type=int, default=0, help="the engine's Prometheus port (0: off)")
@@ -139,6 +141,8 @@ def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[li
         frontend += ["--tool-call-parser", args.tool_call_parser]
     if args.trust_request_chat_template:
         frontend.append("--trust-request-chat-template")
+    if args.stream_interval is not None:
+        frontend += ["--stream-interval", str(args.stream_interval)]
     frontend += _frontend_security_args(args) + http_limit_argv(args)
     return engine, frontend
 

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat request's own `chat_template` (vLLM's flag). A template is code: even in "
                         "jinja2's sandbox one request can loop for minutes, so only for trusted clients")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="stream each completion in chunks of at least this many tokens (vLLM's flag; the first "
+                        "and last chunks go out at once; a request's stream_interval may raise it)")
     p.add_argument("--log-level", default="INFO")
     add_http_limit_args(p.add_argument_group("HTTP API limits (docs/security.md)"))
     add_security_args(p)
@@ -145,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_message_bytes=args.max_message_bytes, tokenizer_threads=args.tokenizer_threads,
         health_port=args.health_port, http_port=args.http_port, http_limits=http_limits,
         tool_call_parser=args.tool_call_parser, trust_request_chat_template=args.trust_request_chat_template,
+        stream_interval=args.stream_interval,
         tls=tls_files(args), engine_tls=tls_files(args, "--engine-ssl"),
         api_keys=tuple(args.api_key) + _env_keys(), api_key_file=args.api_key_file,
         engine_token_file=args.engine_token_file, engine_ssl_server_name=args.engine_ssl_server_name,

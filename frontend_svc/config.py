@@ -57,6 +57,7 @@ class FrontendConfig:
     tokenizer_fetch_timeout_s: float = 600.0  # without --model: how long to wait for an engine's tokenizer
     tool_call_parser: str | None = None  # OpenAI tool_choice "auto": the model's call format (vLLM's flag)
     trust_request_chat_template: bool = False  # accept a chat request's own chat_template (vLLM's flag)
+    stream_interval: int = 1  # tokens per streamed delta at least (vLLM's flag; output_processor.py)
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -88,6 +89,8 @@ class FrontendConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSER_NAMES:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSER_NAMES)}, "
                               f"got {self.tool_call_parser!r}")
+        if self.stream_interval < 1:
+            raise ConfigError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.tokenizer_threads < 0:
             raise ConfigError(f"--tokenizer-threads must be >= 0, got {self.tokenizer_threads}")
         self._check_security()

@@ -79,6 +79,7 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
             bad_words=list(msg.bad_words),
             structured_outputs=(structured_outputs_from_pb(msg.structured_outputs)
                                 if has("structured_outputs") else None),
+            stream_interval=msg.stream_interval if has("stream_interval") else None,
         )
     except ValidationError as exc:
         raise ValidationError(v.with_prefix("sampling_params") for v in exc.violations) from None

@@ -19,6 +19,12 @@ incrementally, checks stop strings and reports finishes. Invariants:
   one record of which completions are still running; this processor only indexes them by engine id.
 - A request added with a `DeltaCollector` gets its deltas there (merged for a slow reader); the others'
   deltas are returned in `ProcessedOutputs.deltas` (the offline API folds them itself).
+- Stream interval (vLLM's): a request with a collector streams each completion in deltas of at least
+  `interval` tokens, the larger of the server's `stream_interval` and the request's
+  `params.stream_interval`. A completion's first delta and its last (finished) one go out at once; any
+  other waits in `Completion.held`, merged with the next, until >= interval tokens accumulated since
+  the last delta sent. Merged deltas concatenate to the same output as interval 1. What is held when a
+  request is aborted or fails (its engine lost) is dropped with it.
 - With `log_stats`, each step's engine-clock queue times (first SCHEDULED - QUEUED of a request) are
   handed out in `ProcessedOutputs.queue_times` for telemetry to record; nothing here records metrics.
 Nothing here formats strings or logs per token.
@@ -61,10 +67,11 @@ class ProcessedOutputs:
 class Completion:
     """Per engine request state: detokenizer, stop checker, counters."""
 
-    __slots__ = ("detokenizer", "engine_id", "index", "logprob_context", "num_cached", "num_tokens", "request",
-                 "sent_first", "stop_checker")
+    __slots__ = ("detokenizer", "engine_id", "held", "index", "interval", "logprob_context", "num_cached",
+                 "num_sent", "num_tokens", "request", "sent_first", "stop_checker")
 
-    def __init__(self, request: RequestState, index: int, detokenizer: IncrementalDetokenizer) -> None:
+    def __init__(self, request: RequestState, index: int, detokenizer: IncrementalDetokenizer,
+                 interval: int = 1) -> None:
         params = request.prepared.params
         stops = params.stop
         self.request = request
@@ -76,14 +83,34 @@ class Completion:
         self.num_cached = 0
         self.sent_first = False
         self.logprob_context: list[int] = []  # the last sampled ids (partial_token_text's context)
+        self.interval = interval  # stream interval: > 1 holds deltas back (`due`)
+        self.held: CompletionDelta | None = None  # output not yet due (stream interval)
+        self.num_sent = 0  # num_tokens when the last delta went out
+
+    def due(self, delta: CompletionDelta) -> CompletionDelta | None:
+        """With a stream interval: what to send now, `delta` after whatever was held (merged), when it
+        is the first output, the last (finished) one, or >= interval tokens since the last sent; else
+        None (it is held until then)."""
+        held = self.held
+        if held is not None:
+            held.merge(delta)
+            delta = held
+        if delta.finish_reason is None and self.num_sent and self.num_tokens - self.num_sent < self.interval:
+            self.held = delta
+            return None
+        self.held = None
+        self.num_sent = self.num_tokens
+        return delta
 
 
 class OutputProcessor:
     """Turns engine outputs into `CompletionDelta`s for every request added with `add_request`."""
 
-    def __init__(self, tokenizer: Any, log_stats: bool = False) -> None:
+    def __init__(self, tokenizer: Any, log_stats: bool = False, stream_interval: int = 1) -> None:
         """`tokenizer`: the frontend `Tokenizer` (its `.backend` is the `tokenizers.Tokenizer`);
-        `log_stats`: hand out queue times in each `ProcessedOutputs`."""
+        `log_stats`: hand out queue times in each `ProcessedOutputs`; `stream_interval`: the server's
+        (vLLM's `--stream-interval`), the least a request with a collector streams in."""
+        self._stream_interval = stream_interval
         self._backend = getattr(tokenizer, "backend", tokenizer)
         self._texts: TokenTexts = getattr(tokenizer, "token_texts", None) or TokenTexts(self._backend)
         self._log_stats = log_stats
@@ -94,10 +121,12 @@ class OutputProcessor:
     def add_request(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> RequestState:
         """Start tracking a request's n completions; its deltas go to `collector` when given."""
         request = RequestState(prepared, collector)
-        primed = IncrementalDetokenizer(self._backend, prepared.prompt_token_ids, prepared.params.skip_special_tokens,
+        params = prepared.params
+        primed = IncrementalDetokenizer(self._backend, prepared.prompt_token_ids, params.skip_special_tokens,
                                         self._texts)
+        interval = max(self._stream_interval, params.stream_interval or 1) if collector is not None else 1
         for index, engine_id in enumerate(prepared.engine_request_ids):
-            completion = Completion(request, index, primed if index == 0 else primed.copy())
+            completion = Completion(request, index, primed if index == 0 else primed.copy(), interval)
             self._completions[engine_id] = request.unfinished[engine_id] = completion
         return request
 
@@ -130,6 +159,10 @@ class OutputProcessor:
                 delta = self._fail(completion, result.reqs_to_abort)
             if delta is None:
                 continue
+            if completion.interval > 1:
+                delta = completion.due(delta)
+                if delta is None:
+                    continue
             request = completion.request
             if request.collector is not None:
                 request.collector.put(delta)

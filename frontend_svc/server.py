@@ -187,7 +187,8 @@ class FrontendServer:
                                   or self.tokenizer.model_max_length or DEFAULT_MAX_MODEL_LEN)
         self.processor = Processor(self.tokenizer, max_model_len=self._model_max_len,
                                    vocab_size=vocab_size, model_name=config.model_name)
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.telemetry.logs_stats)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.telemetry.logs_stats,
+                                                stream_interval=config.stream_interval)
         self.api_keys = KeySet.from_sources(config.api_keys, config.api_key_file, env={})
         self.tls: ServerTls | None = server_tls(config.tls)
         token = BearerToken(config.engine_token_file) if config.engine_token_file else None

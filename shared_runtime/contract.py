@@ -8,8 +8,9 @@ Both services and the offline API use these msgspec structs (no torch, no protob
   becomes a list) and validates it.
 - `EngineSamplingParams` is its token-level part, the part that crosses the link: `SamplingParams` is
   an `EngineSamplingParams` plus what only the frontend acts on (`stop`, `include_stop_str_in_output`,
-  `n`, `skip_special_tokens`). `SamplingParams.engine_params()` copies every engine field, so a new
-  token-level field is declared once, here (and in the protos, and mapped from each public API).
+  `n`, `skip_special_tokens`, `stream_interval`). `SamplingParams.engine_params()` copies every engine
+  field, so a new token-level field is declared once, here (and in the protos, and mapped from each
+  public API).
 - `EngineCoreRequest` is one engine request (n is always 1 there), built by the frontend's `Processor`
   and handed to the engine as it is (offline) or through protobuf (shared_runtime/to_pb.py, then
   shared_runtime/from_pb.py on the engine).
@@ -139,6 +140,9 @@ class SamplingParams(EngineSamplingParams, kw_only=True):
     # Words never to generate (vLLM's bad_words); the frontend's processor tokenizes them into
     # `bad_words_token_ids` (`bad_words_sequences`).
     bad_words: list[str] = msgspec.field(default_factory=list)
+    # Streamed output in chunks of at least this many tokens (vLLM's per-request `stream_interval`):
+    # the frontend's output path, with the server's `--stream-interval` as the floor. None: the server's.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         stop: object = self.stop
@@ -180,6 +184,9 @@ class SamplingParams(EngineSamplingParams, kw_only=True):
     def violations(self, vocab_size: int | None = None) -> list[FieldViolation]:
         bad = sampling_violations(self, self.stop, self.n, vocab_size)
         _check_bad_words(bad, self.bad_words)
+        interval = self.stream_interval
+        if interval is not None and (not _is_int(interval) or not 1 <= interval <= limits.INT32_MAX):
+            bad.append(FieldViolation("stream_interval", f"must be an integer in [1, 2**31), got {interval!r}"))
         return bad
 
     def engine_params(self, seed_offset: int = 0) -> EngineSamplingParams:

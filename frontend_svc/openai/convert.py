@@ -229,6 +229,7 @@ def sampling_params(request: p.CompletionRequest | p.ChatCompletionRequest) -> S
         bad_words=request.bad_words or [],
         structured_outputs=structured.request_constraint(
             request, tools.constraint(request) if isinstance(request, p.ChatCompletionRequest) else None),
+        stream_interval=request.stream_interval,
     )
 
 

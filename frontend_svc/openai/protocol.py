@@ -155,7 +155,7 @@ class _Sampling(_Request):
     vllm_xargs: Any = None
     repetition_detection: Any = None
     thinking_token_budget: Any = None
-    stream_interval: Any = None
+    stream_interval: int | None = None  # tokens per streamed chunk, at least the server's (output_processor.py)
     # Structured outputs (frontend_svc/openai/structured.py): OpenAI's and vLLM's spellings
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -168,7 +168,7 @@ REFUSED_COMMON: dict[str, object] = {
     "spaces_between_special_tokens": True, "logprob_token_ids": None,
     "session_id": None, "return_token_offsets": False, "routed_experts_prompt_start": 0, "mm_payload": "tensors",
     "return_mm_kwargs": False, "cache_salt": None, "kv_transfer_params": None, "ec_transfer_params": None,
-    "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None, "stream_interval": None,
+    "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None,
 }
 REFUSED_COMPLETION: dict[str, object] = {**REFUSED_COMMON, "suffix": None,
                                          "prompt_embeds": None}

@@ -19,7 +19,7 @@ EVERY_FIELD: dict[str, Any] = {
     "ignore_eos": True, "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.25,
     "logprobs": 2, "prompt_logprobs": 1, "n": 3, "skip_special_tokens": False,
     "logit_bias": {5: 1.5, 9: -100.0}, "allowed_token_ids": [5, 6, 7], "bad_words": ["x", "y z"],
-    "structured_outputs": pb.StructuredOutputs(choice=pb.Choices(choices=["yes", "no"])),
+    "structured_outputs": pb.StructuredOutputs(choice=pb.Choices(choices=["yes", "no"])), "stream_interval": 4,
 }
 # What each field becomes in the contract, where that is not the proto value itself.
 CONTRACT_VALUE: dict[str, Any] = {"structured_outputs": StructuredOutputs(choice=["yes", "no"])}

@@ -91,7 +91,7 @@ def test_sampling_params_carry_every_field() -> None:
         n=3, temperature=0.5, top_p=0.9, seed=7, stop=["a", "b"], presence_penalty=0.5, frequency_penalty=-0.5,
         top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2, ignore_eos=True, stop_token_ids=[3],
         skip_special_tokens=False, include_stop_str_in_output=True, logprobs=2, max_tokens=9,
-        logit_bias={"5": 2.0, "0": -100}, allowed_token_ids=[4, 2], bad_words=["no", "never"]))
+        logit_bias={"5": 2.0, "0": -100}, allowed_token_ids=[4, 2], bad_words=["no", "never"], stream_interval=4))
     assert (params.n, params.temperature, params.top_p, params.seed, params.stop) == (3, 0.5, 0.9, 7, ["a", "b"])
     assert (params.presence_penalty, params.frequency_penalty, params.top_k, params.min_p) == (0.5, -0.5, 5, 0.1)
     assert (params.repetition_penalty, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (
@@ -99,7 +99,8 @@ def test_sampling_params_carry_every_field() -> None:
     assert (params.skip_special_tokens, params.include_stop_str_in_output, params.logprobs, params.max_tokens) == (
         False, True, 2, 9)
     assert params.logit_bias == {5: 2.0, 0: -100.0}  # OpenAI's string keys are token ids
-    assert (params.allowed_token_ids, params.bad_words) == ([4, 2], ["no", "never"])
+    assert (params.allowed_token_ids, params.bad_words, params.stream_interval) == ([4, 2], ["no", "never"], 4)
+    assert convert.sampling_params(chat()).stream_interval is None  # the server's
     assert convert.sampling_params(completion(stop="x")).stop == ["x"]
     assert convert.sampling_params(chat(logit_bias={"7": 1e4})).logit_bias == {7: 100.0}  # clamped, as vLLM
 

@@ -40,6 +40,7 @@ _COMMON = {
     "return_token_ids": "test_openai_e2e.py::test_prompt_logprobs_and_token_ids_on_both_apis",
     "return_tokens_as_token_ids": "test_openai_e2e.py::test_prompt_logprobs_and_token_ids_on_both_apis",
     "structured_outputs": "test_structured_outputs_served.py::test_json_object_regex_and_choice",
+    "stream_interval": "test_openai_stream_interval.py::test_chunks_hold_the_interval_and_add_up_to_interval_1",
 }
 HONOURED = {
     "completions": {**_COMMON, "prompt": "test_openai_convert.py::test_prompt_forms_and_strict_types",

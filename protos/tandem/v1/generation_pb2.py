@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"O\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xaa\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x08\x88\x01\x01\x12\t\n\x01n\x18\x11 \x01(\r\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\t\x88\x01\x01\x12<\n\nlogit_bias\x18\x13 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x38\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12\x11\n\tbad_words\x18\x16 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"\xac\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.tandem.v1.TokenLogprobsB\r\n\x0bstop_reason\"\x89\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\x04text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\x07\n\x05_text\"K\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x11\n\x04text\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_text\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x83\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xce\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x19\n\x11num_ready_engines\x18\x07 \x01(\rB\x0f\n\r_bos_token_id*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbb\x02\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\xd0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x32\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"O\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdc\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x08\x88\x01\x01\x12\t\n\x01n\x18\x11 \x01(\r\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\t\x88\x01\x01\x12<\n\nlogit_bias\x18\x13 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x38\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12\x1c\n\x0fstream_interval\x18\x17 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_stream_interval\"\xac\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.tandem.v1.TokenLogprobsB\r\n\x0bstop_reason\"\x89\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x11\n\x04text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\x07\n\x05_text\"K\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x11\n\x04text\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_text\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x83\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xce\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x19\n\x11num_ready_engines\x18\x07 \x01(\rB\x0f\n\r_bos_token_id*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbb\x02\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2631
-  _globals['_FINISHREASON']._serialized_end=2751
+  _globals['_FINISHREASON']._serialized_start=2681
+  _globals['_FINISHREASON']._serialized_end=2801
   _globals['_GENERATEREQUEST']._serialized_start=42
   _globals['_GENERATEREQUEST']._serialized_end=250
   _globals['_TOKENIDS']._serialized_start=252
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=358
   _globals['_CHATMESSAGE']._serialized_end=402
   _globals['_SAMPLINGPARAMS']._serialized_start=405
-  _globals['_SAMPLINGPARAMS']._serialized_end=1215
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1017
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1065
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1218
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1390
-  _globals['_CHOICES']._serialized_start=1392
-  _globals['_CHOICES']._serialized_end=1418
-  _globals['_GENERATERESPONSE']._serialized_start=1421
-  _globals['_GENERATERESPONSE']._serialized_end=1746
-  _globals['_TOKENLOGPROBS']._serialized_start=1749
-  _globals['_TOKENLOGPROBS']._serialized_end=1886
-  _globals['_TOPLOGPROB']._serialized_start=1888
-  _globals['_TOPLOGPROB']._serialized_end=1963
-  _globals['_USAGE']._serialized_start=1965
-  _globals['_USAGE']._serialized_end=2052
-  _globals['_TOKENIZEREQUEST']._serialized_start=2055
-  _globals['_TOKENIZEREQUEST']._serialized_end=2186
-  _globals['_TOKENIZERESPONSE']._serialized_start=2188
-  _globals['_TOKENIZERESPONSE']._serialized_end=2263
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2265
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2361
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2363
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2397
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2399
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2420
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2423
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2629
-  _globals['_GENERATIONSERVICE']._serialized_start=2754
-  _globals['_GENERATIONSERVICE']._serialized_end=3069
+  _globals['_SAMPLINGPARAMS']._serialized_end=1265
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1047
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1095
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1268
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1440
+  _globals['_CHOICES']._serialized_start=1442
+  _globals['_CHOICES']._serialized_end=1468
+  _globals['_GENERATERESPONSE']._serialized_start=1471
+  _globals['_GENERATERESPONSE']._serialized_end=1796
+  _globals['_TOKENLOGPROBS']._serialized_start=1799
+  _globals['_TOKENLOGPROBS']._serialized_end=1936
+  _globals['_TOPLOGPROB']._serialized_start=1938
+  _globals['_TOPLOGPROB']._serialized_end=2013
+  _globals['_USAGE']._serialized_start=2015
+  _globals['_USAGE']._serialized_end=2102
+  _globals['_TOKENIZEREQUEST']._serialized_start=2105
+  _globals['_TOKENIZEREQUEST']._serialized_end=2236
+  _globals['_TOKENIZERESPONSE']._serialized_start=2238
+  _globals['_TOKENIZERESPONSE']._serialized_end=2313
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2315
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2411
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2413
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2447
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2449
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2470
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2473
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2679
+  _globals['_GENERATIONSERVICE']._serialized_start=2804
+  _globals['_GENERATIONSERVICE']._serialized_end=3119
 # @@protoc_insertion_point(module_scope)
