@@ -30,7 +30,13 @@ Tokens delivered = the completion_tokens of each stream's final usage. Rounds al
 so that drift on a noisy machine does not favour one; the summary is the median over rounds.
 
     python bench/frontend_capacity.py [--regime capacity|kept-up] [--step-ms MS] [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
-        [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--baseline DIR] [--profile DIR]
+        [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--stream-interval N [N ...]]
+        [--baseline DIR] [--profile DIR]
+
+`--stream-interval N` starts this tree's frontend with `--stream-interval N` (vLLM's: chunks of at least N
+tokens, frontend_svc/output_processor.py); several values start one frontend per value, alternated on the
+same engine and clients, and print each one / the first per round (with `--baseline`: / the baseline,
+which runs with its defaults).
 
 `--baseline DIR` (a checkout of another revision, e.g. `git worktree add --detach /tmp/base main`) starts
 a second frontend that imports the frontend's code from DIR, on the same fake engine and clients, and
@@ -282,11 +288,12 @@ class Bench:
         engine.start()
         self.engine_pid = engine.pid
         self.procs.append(engine)
-        trees: list[tuple[str, Path | None]] = [("this tree", None)]
+        trees: list[tuple[str, Path | None, int | None]] = [
+            (f"interval {n}", None, n) for n in self.args.stream_interval or []] or [("this tree", None, None)]
         if self.args.baseline is not None:
-            trees.append(("baseline", self.args.baseline.resolve()))
-        for label, tree in trees:
-            self.frontends.append(self._start_frontend(label, tree, gguf, engine_port))
+            trees.append(("baseline", self.args.baseline.resolve(), None))
+        for label, tree, interval in trees:
+            self.frontends.append(self._start_frontend(label, tree, gguf, engine_port, interval))
         self.jobs = [ctx.Queue() for _ in range(self.args.clients)]
         self.results = ctx.Queue()
         for queue in self.jobs:
@@ -296,14 +303,18 @@ class Bench:
         for frontend in self.frontends:
             self._wait_serving(frontend)
 
-    def _start_frontend(self, label: str, tree: Path | None, gguf: Path, engine_port: int) -> Frontend:
-        """A frontend on the shared fake engine; `tree`: import frontend_svc & co. from that checkout."""
+    def _start_frontend(self, label: str, tree: Path | None, gguf: Path, engine_port: int,
+                        stream_interval: int | None) -> Frontend:
+        """A frontend on the shared fake engine; `tree`: import frontend_svc & co. from that checkout;
+        `stream_interval`: its --stream-interval (None: its default)."""
         grpc_port, http_port = free_port(), free_port()
         frontend_bin = Path(sys.executable).parent / "tandem-frontend"
         argv = [str(frontend_bin) if frontend_bin.exists() else shutil.which("tandem-frontend") or "tandem-frontend",
                 "--model", str(gguf), "--engine", f"127.0.0.1:{engine_port}", "--host", "127.0.0.1",
                 "--port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(free_port()),
                 "--max-concurrent-requests", str(max(512, self.args.streams)), "--log-level", "WARNING"]
+        if stream_interval is not None:
+            argv += ["--stream-interval", str(stream_interval)]
         env = dict(os.environ)
         if tree is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
@@ -400,6 +411,8 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout of another revision: run its frontend too, alternating with this one")
     parser.add_argument("--profile", type=Path, default=None, help="write py-spy samples here")
+    parser.add_argument("--stream-interval", type=int, nargs="+", default=None,
+                        help="this tree's frontend's --stream-interval; several: one frontend per value")
     args = parser.parse_args()
     if args.step_ms is None:
         args.step_ms = STEP_MS[args.regime]
@@ -424,7 +437,7 @@ def main() -> None:
                             profile = args.profile / f"{api}-{case.replace('+', '-')}{suffix}.txt"
                         m = bench.measure(frontend, api, case, args.streams, args.tokens, profile)
                         runs.setdefault((frontend.label, api, case), []).append(m)
-                        print(f"  round {r + 1} {frontend.label:9} {api:6} {case:14} frontend "
+                        print(f"  round {r + 1} {frontend.label:11} {api:6} {case:14} frontend "
                               f"{m['frontend']:6.1f} us/tok  client {m['client']:5.1f}  engine {m['engine']:5.1f}  "
                               f"tok/msg {m['tok_per_msg']:.2f}  {m['tok_s']:7.0f} tok/s", flush=True)
         report(runs, args)
@@ -435,21 +448,24 @@ def main() -> None:
 def report(runs: dict[tuple[str, str, str], list[dict[str, float]]], args: argparse.Namespace) -> None:
     """Medians over rounds; with a baseline, this tree / baseline per API and case."""
     print("\nmedian over rounds (us of CPU per delivered token):")
-    print(f"  {'frontend':9} {'api':6} {'case':14} {'frontend':>9} {'client':>7} {'engine':>7} {'tok/msg':>8} "
+    print(f"  {'frontend':11} {'api':6} {'case':14} {'frontend':>9} {'client':>7} {'engine':>7} {'tok/msg':>8} "
           f"{'tok/s':>7}")
     for key, ms in sorted(runs.items(), key=lambda kv: (APIS.index(kv[0][1]), CASES.index(kv[0][2]), kv[0][0])):
         med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
-        print(f"  {key[0]:9} {key[1]:6} {key[2]:14} {med['frontend']:9.1f} {med['client']:7.1f} "
+        print(f"  {key[0]:11} {key[1]:6} {key[2]:14} {med['frontend']:9.1f} {med['client']:7.1f} "
               f"{med['engine']:7.1f} {med['tok_per_msg']:8.2f} {med['tok_s']:7.0f}")
-    if args.baseline is None:
-        return
-    print("\nthis tree / baseline, frontend us/tok (median of the per-round ratios):")
-    for api in args.apis:
-        for case in args.cases:
-            ratios = [a["frontend"] / b["frontend"]
-                      for a, b in zip(runs[("this tree", api, case)], runs[("baseline", api, case)])]
-            print(f"  {api:6} {case:14} {statistics.median(ratios):.2f}  "
-                  f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+    labels = list(dict.fromkeys(key[0] for key in runs))
+    reference = "baseline" if "baseline" in labels else labels[0]
+    for label in labels:
+        if label == reference:
+            continue
+        print(f"\n{label} / {reference}, frontend us/tok (median of the per-round ratios):")
+        for api in args.apis:
+            for case in args.cases:
+                ratios = [a["frontend"] / b["frontend"]
+                          for a, b in zip(runs[(label, api, case)], runs[(reference, api, case)])]
+                print(f"  {api:6} {case:14} {statistics.median(ratios):.2f}  "
+                      f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
 
 
 if __name__ == "__main__":
