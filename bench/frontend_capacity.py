@@ -16,6 +16,10 @@ Three kinds of processes, each on its own:
   prompt, greedy). gRPC clients keep each response as raw bytes and parse only the last one (its usage);
   SSE clients read the raw HTTP response and parse only the usage chunk, so the clients stay cheap.
 
+`--apis grpc-node` runs the same gRPC streams from Node clients instead (bench/grpc_load_client.js,
+@grpc/grpc-js from `make install`'s node_modules; one Node process per client process), to tell the
+frontend's cost from the Python grpc.aio client's on this shared box.
+
 For each API (gRPC `Generate`; OpenAI `/v1/chat/completions` with stream: true over SSE) and each case
 (plain; 4 stop strings that never match; top-5 logprobs; both) it prints
 
@@ -69,7 +73,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-APIS = ("grpc", "openai")
+APIS = ("grpc", "grpc-node", "openai")  # grpc-node: the same Generate streams from @grpc/grpc-js clients
+NODE_CLIENT = ROOT / "bench" / "grpc_load_client.js"
 REGIMES = ("capacity", "kept-up")
 STEP_MS = {"capacity": 2.0, "kept-up": 40.0}  # the engine's step time per regime (128 streams: 64k / 3.2k tok/s)
 CASES = ("plain", "stop", "logprobs", "stop+logprobs")
@@ -132,24 +137,52 @@ class Result:
 
 
 def client_loop(jobs: Any, results: Any) -> None:
-    """One client process: run each job's streams at once and report what they received."""
+    """One client process: run each job's streams at once and report what they received (grpc-node
+    jobs through a Node process it starts once, whose CPU is counted as the client's)."""
     import grpc
 
+    node: subprocess.Popen[str] | None = None
     while True:
         job = jobs.get()
         if job is None:
             break
         start_cpu, start = time.process_time(), time.perf_counter()
+        node_cpu = 0.0
         try:
             if job.api == "grpc":
                 tokens, messages = asyncio.run(_grpc_streams(grpc, job))
+            elif job.api == "grpc-node":
+                node = node or subprocess.Popen(["node", str(NODE_CLIENT)], stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE, text=True)
+                tokens, messages, node_cpu = _node_streams(node, job)
             else:
                 tokens, messages = asyncio.run(_sse_streams(job))
             error = None
         except Exception as exc:  # reported to the parent, which stops
             tokens = messages = 0
             error = f"{type(exc).__name__}: {exc}"
-        results.put(Result(tokens, messages, time.process_time() - start_cpu, time.perf_counter() - start, error))
+        cpu = time.process_time() - start_cpu + node_cpu
+        results.put(Result(tokens, messages, cpu, time.perf_counter() - start, error))
+    if node is not None:
+        node.stdin.close()  # type: ignore[union-attr]
+        node.wait(timeout=10)
+
+
+def _node_streams(node: subprocess.Popen[str], job: Job) -> tuple[int, int, float]:
+    """(tokens, messages, the Node client's CPU seconds) of one job run by bench/grpc_load_client.js."""
+    import base64
+
+    from tandem.v1 import generation_pb2 as pb
+
+    request = {"address": job.address, "streams": job.streams, "payload": base64.b64encode(job.payload).decode()}
+    node.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+    node.stdin.flush()  # type: ignore[union-attr]
+    answer = json.loads(node.stdout.readline())  # type: ignore[union-attr]
+    if "error" in answer:
+        raise RuntimeError(answer["error"])
+    tokens = sum(pb.GenerateResponse.FromString(base64.b64decode(last)).usage.completion_tokens
+                 for last in answer["lasts"])
+    return tokens, int(answer["messages"]), float(answer["cpu_s"])
 
 
 async def _grpc_streams(grpc: Any, job: Job) -> tuple[int, int]:
@@ -344,7 +377,7 @@ class Bench:
 
     def measure(self, frontend: Frontend, api: str, case: str, streams: int, tokens: int,
                 profile: Path | None = None) -> dict[str, float]:
-        if api == "grpc":
+        if api in ("grpc", "grpc-node"):
             address, payload = f"127.0.0.1:{frontend.grpc_port}", grpc_payload(case, tokens)
         else:
             address = f"127.0.0.1:{frontend.http_port}"
@@ -401,7 +434,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--clients", type=int, default=4, help="client processes sharing the streams")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--apis", nargs="+", choices=APIS, default=list(APIS))
+    parser.add_argument("--apis", nargs="+", choices=APIS, default=["grpc", "openai"],
+                        help="grpc-node: gRPC from Node clients (@grpc/grpc-js, `make install`'s node_modules)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--regime", choices=REGIMES, default="capacity",
                         help="capacity: the engine offers more than the frontend takes; kept-up: less")
@@ -437,7 +471,7 @@ def main() -> None:
                             profile = args.profile / f"{api}-{case.replace('+', '-')}{suffix}.txt"
                         m = bench.measure(frontend, api, case, args.streams, args.tokens, profile)
                         runs.setdefault((frontend.label, api, case), []).append(m)
-                        print(f"  round {r + 1} {frontend.label:11} {api:6} {case:14} frontend "
+                        print(f"  round {r + 1} {frontend.label:11} {api:9} {case:14} frontend "
                               f"{m['frontend']:6.1f} us/tok  client {m['client']:5.1f}  engine {m['engine']:5.1f}  "
                               f"tok/msg {m['tok_per_msg']:.2f}  {m['tok_s']:7.0f} tok/s", flush=True)
         report(runs, args)
@@ -448,11 +482,11 @@ def main() -> None:
 def report(runs: dict[tuple[str, str, str], list[dict[str, float]]], args: argparse.Namespace) -> None:
     """Medians over rounds; with a baseline, this tree / baseline per API and case."""
     print("\nmedian over rounds (us of CPU per delivered token):")
-    print(f"  {'frontend':11} {'api':6} {'case':14} {'frontend':>9} {'client':>7} {'engine':>7} {'tok/msg':>8} "
+    print(f"  {'frontend':11} {'api':9} {'case':14} {'frontend':>9} {'client':>7} {'engine':>7} {'tok/msg':>8} "
           f"{'tok/s':>7}")
     for key, ms in sorted(runs.items(), key=lambda kv: (APIS.index(kv[0][1]), CASES.index(kv[0][2]), kv[0][0])):
         med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
-        print(f"  {key[0]:11} {key[1]:6} {key[2]:14} {med['frontend']:9.1f} {med['client']:7.1f} "
+        print(f"  {key[0]:11} {key[1]:9} {key[2]:14} {med['frontend']:9.1f} {med['client']:7.1f} "
               f"{med['engine']:7.1f} {med['tok_per_msg']:8.2f} {med['tok_s']:7.0f}")
     labels = list(dict.fromkeys(key[0] for key in runs))
     reference = "baseline" if "baseline" in labels else labels[0]
@@ -464,7 +498,7 @@ def report(runs: dict[tuple[str, str, str], list[dict[str, float]]], args: argpa
             for case in args.cases:
                 ratios = [a["frontend"] / b["frontend"]
                           for a, b in zip(runs[(label, api, case)], runs[(reference, api, case)])]
-                print(f"  {api:6} {case:14} {statistics.median(ratios):.2f}  "
+                print(f"  {api:9} {case:14} {statistics.median(ratios):.2f}  "
                       f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
 
 
