@@ -35,7 +35,7 @@ so that drift on a noisy machine does not favour one; the summary is the median 
 
     python bench/frontend_capacity.py [--regime capacity|kept-up] [--step-ms MS] [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
         [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--stream-interval N [N ...]]
-        [--baseline DIR] [--profile DIR]
+        [--baseline DIR] [--profile DIR] [--variant LABEL:NAME=VALUE[;NAME=VALUE...] ...]
 
 `--stream-interval N` starts this tree's frontend with `--stream-interval N` (vLLM's: chunks of at least N
 tokens, frontend_svc/output_processor.py); several values start one frontend per value, alternated on the
@@ -46,6 +46,18 @@ which runs with its defaults).
 a second frontend that imports the frontend's code from DIR, on the same fake engine and clients, and
 alternates the two on every API and case; it prints this tree / baseline per round (ratios measured side
 by side are what this noisy machine can compare).
+
+`--variant "LABEL:NAME=VALUE;..."` (repeatable) starts one more frontend of this tree per variant, alternated
+with the others: a NAME starting with `grpc.` is a channel argument of the frontend's public gRPC server,
+placed before the frontend's own so that it overrides them (grpc keeps the first of a name; an integer
+VALUE is passed as an int; bench/grpc_options_shim), any other NAME an environment
+variable of the frontend process (e.g. GRPC_POLL_STRATEGY=poll, GRPC_EXPERIMENTS=...). Ratios are to the
+first frontend ("this tree", its defaults).
+
+`--syscalls` counts the frontend's system calls (all its threads) with `perf stat` tracepoints during each
+measurement and prints them per response message (gRPC) or SSE event: sendmsg = wire writes,
+write = mostly grpc's eventfd wake-ups of the event loop, epoll_wait = poller wake-ups. perf adds little
+cost, but do not mix its figures with an unprofiled run's.
 
 `--profile DIR` (`pip install py-spy` first) runs `py-spy record` on the frontend during each measurement and writes its samples per
 API and case there (collapsed stacks: `flamegraph.pl` or speedscope draw them; PYSPY_NATIVE=1 adds native
@@ -75,9 +87,12 @@ sys.path.insert(0, str(ROOT))
 
 APIS = ("grpc", "grpc-node", "openai")  # grpc-node: the same Generate streams from @grpc/grpc-js clients
 NODE_CLIENT = ROOT / "bench" / "grpc_load_client.js"
+OPTIONS_SHIM = ROOT / "bench" / "grpc_options_shim"  # sitecustomize.py: --variant's grpc.* server options
 REGIMES = ("capacity", "kept-up")
 STEP_MS = {"capacity": 2.0, "kept-up": 40.0}  # the engine's step time per regime (128 streams: 64k / 3.2k tok/s)
 CASES = ("plain", "stop", "logprobs", "stop+logprobs")
+SYSCALLS = ("sendmsg", "sendto", "write", "writev", "recvmsg", "recvfrom", "read", "epoll_wait", "epoll_pwait",
+            "futex", "poll", "ppoll")  # --syscalls: counted per message with perf's syscalls:sys_enter_* tracepoints
 STOP_STRINGS = ["\nUser:", "<|im_end|>", "THE END", "###"]  # none occurs in the passage
 TOP_LOGPROBS = 5
 QUESTION = "Tell me a long story about a lighthouse keeper."
@@ -321,12 +336,13 @@ class Bench:
         engine.start()
         self.engine_pid = engine.pid
         self.procs.append(engine)
-        trees: list[tuple[str, Path | None, int | None]] = [
-            (f"interval {n}", None, n) for n in self.args.stream_interval or []] or [("this tree", None, None)]
+        trees: list[tuple[str, Path | None, int | None, dict[str, str]]] = [
+            (f"interval {n}", None, n, {}) for n in self.args.stream_interval or []] or [("this tree", None, None, {})]
+        trees += [(label, None, None, settings) for label, settings in self.args.variant or []]
         if self.args.baseline is not None:
-            trees.append(("baseline", self.args.baseline.resolve(), None))
-        for label, tree, interval in trees:
-            self.frontends.append(self._start_frontend(label, tree, gguf, engine_port, interval))
+            trees.append(("baseline", self.args.baseline.resolve(), None, {}))
+        for label, tree, interval, settings in trees:
+            self.frontends.append(self._start_frontend(label, tree, gguf, engine_port, interval, settings))
         self.jobs = [ctx.Queue() for _ in range(self.args.clients)]
         self.results = ctx.Queue()
         for queue in self.jobs:
@@ -337,9 +353,10 @@ class Bench:
             self._wait_serving(frontend)
 
     def _start_frontend(self, label: str, tree: Path | None, gguf: Path, engine_port: int,
-                        stream_interval: int | None) -> Frontend:
+                        stream_interval: int | None, settings: dict[str, str]) -> Frontend:
         """A frontend on the shared fake engine; `tree`: import frontend_svc & co. from that checkout;
-        `stream_interval`: its --stream-interval (None: its default)."""
+        `stream_interval`: its --stream-interval (None: its default); `settings`: --variant's
+        (grpc.* server options through OPTIONS_SHIM, the rest environment variables)."""
         grpc_port, http_port = free_port(), free_port()
         frontend_bin = Path(sys.executable).parent / "tandem-frontend"
         argv = [str(frontend_bin) if frontend_bin.exists() else shutil.which("tandem-frontend") or "tandem-frontend",
@@ -351,6 +368,12 @@ class Bench:
         env = dict(os.environ)
         if tree is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
+        options = [[name, int(value) if value.lstrip("-").isdigit() else value]
+                   for name, value in settings.items() if name.startswith("grpc.")]
+        env.update({name: value for name, value in settings.items() if not name.startswith("grpc.")})
+        if options:
+            env["FRONTEND_CAPACITY_GRPC_OPTIONS"] = json.dumps(options)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(OPTIONS_SHIM), env.get("PYTHONPATH")) if p)
         log_path = self.log_dir / f"frontend-{len(self.frontends)}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -385,6 +408,7 @@ class Bench:
         shares = [streams // len(self.jobs) + (i < streams % len(self.jobs)) for i in range(len(self.jobs))]
         pid = frontend.process.pid
         spy = self._spy(profile, pid) if profile is not None else None
+        perf = self._perf(pid) if self.args.syscalls else None
         frontend0, engine0 = cpu_seconds(pid), cpu_seconds(self.engine_pid)
         start = time.perf_counter()
         for queue, share in zip(self.jobs, shares):
@@ -395,6 +419,7 @@ class Bench:
         if spy is not None:
             spy.send_signal(2)
             spy.wait()
+        calls = self._perf_counts(perf) if perf is not None else {}
         errors = [r.error for r in results if r.error]
         if errors:
             raise RuntimeError(f"{api}/{case}: {errors[0]}")
@@ -403,7 +428,28 @@ class Bench:
             raise RuntimeError(f"{api}/{case}: {delivered} tokens delivered, expected {streams * tokens}")
         return {"frontend": frontend_s / delivered * 1e6, "client": sum(r.cpu_s for r in results) / delivered * 1e6,
                 "engine": engine_s / delivered * 1e6, "tok_per_msg": delivered / sum(r.messages for r in results),
-                "tok_s": delivered / wall}
+                "tok_s": delivered / wall,
+                **{f"{name}/msg": n / sum(r.messages for r in results) for name, n in calls.items()}}
+
+    def _perf(self, pid: int) -> tuple[subprocess.Popen[bytes], Path]:
+        out = self.log_dir / f"perf-{pid}.csv"
+        events = ",".join(f"syscalls:sys_enter_{name}" for name in SYSCALLS)
+        perf = subprocess.Popen(["perf", "stat", "-x", ",", "-e", events, "-p", str(pid), "-o", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)  # attached
+        return perf, out
+
+    @staticmethod
+    def _perf_counts(perf: tuple[subprocess.Popen[bytes], Path]) -> dict[str, float]:
+        process, out = perf
+        process.send_signal(2)
+        process.wait()
+        counts = {}
+        for line in out.read_text().splitlines():
+            fields = line.split(",")
+            if len(fields) > 2 and fields[2].startswith("syscalls:sys_enter_") and fields[0].isdigit():
+                counts[fields[2].removeprefix("syscalls:sys_enter_")] = float(fields[0])
+        return counts
 
     def _spy(self, out: Path, pid: int) -> subprocess.Popen[bytes]:
         mode = ["--native"] if os.environ.get("PYSPY_NATIVE") else ["--nonblocking"]
@@ -447,6 +493,11 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="write py-spy samples here")
     parser.add_argument("--stream-interval", type=int, nargs="+", default=None,
                         help="this tree's frontend's --stream-interval; several: one frontend per value")
+    parser.add_argument("--syscalls", action="store_true",
+                        help="count the frontend's system calls per message (perf stat tracepoints)")
+    parser.add_argument("--variant", type=variant, action="append", default=None,
+                        help="LABEL:NAME=VALUE;... one more frontend of this tree with these grpc.* server "
+                             "options / environment variables")
     args = parser.parse_args()
     if args.step_ms is None:
         args.step_ms = STEP_MS[args.regime]
@@ -474,9 +525,21 @@ def main() -> None:
                         print(f"  round {r + 1} {frontend.label:11} {api:9} {case:14} frontend "
                               f"{m['frontend']:6.1f} us/tok  client {m['client']:5.1f}  engine {m['engine']:5.1f}  "
                               f"tok/msg {m['tok_per_msg']:.2f}  {m['tok_s']:7.0f} tok/s", flush=True)
+                        if args.syscalls:
+                            print("    syscalls per message: " + "  ".join(
+                                f"{k[:-4]} {v:.2f}" for k, v in m.items() if k.endswith("/msg") and v), flush=True)
         report(runs, args)
     finally:
         bench.stop()
+
+
+def variant(spec: str) -> tuple[str, dict[str, str]]:
+    """--variant's LABEL:NAME=VALUE;NAME=VALUE -> (LABEL, {NAME: VALUE}) (a VALUE may hold commas)."""
+    label, _, pairs = spec.partition(":")
+    settings = dict(pair.split("=", 1) for pair in pairs.split(";") if pair)
+    if not label or not settings:
+        raise argparse.ArgumentTypeError(f"expected LABEL:NAME=VALUE[;NAME=VALUE...], got {spec!r}")
+    return label[:11], settings
 
 
 def report(runs: dict[tuple[str, str, str], list[dict[str, float]]], args: argparse.Namespace) -> None:
