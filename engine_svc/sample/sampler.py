@@ -9,7 +9,9 @@ Pipeline (vLLM V1 semantics):
   4. random rows: divide by temperature, min-p, top-k, top-p (filters.py), then sample with the
      exponential race: argmax(probs / q), q ~ Exp(1) i.i.d. — which picks token t with probability
      probs[t]. Seeded rows draw q from their own generator, one [V] draw per sampled token, so their
-     tokens depend only on (seed, logits), never on the rest of the batch or their row.
+     tokens depend only on (seed, logits), never on the rest of the batch or their row. On CPU the
+     unseeded rows sample the same distribution by inverse transform (one uniform per row over the
+     running sum of probs): V exponentials per row cost a third of a decode step there.
 
 When every row is plain greedy (no penalties, min_tokens, logit_bias, allowed_token_ids, bad words or
 logprobs) the call is a single argmax.
@@ -72,8 +74,11 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     """Sample every row (greedy rows, if any, take their argmax). Modifies `logits`."""
     greedy_tokens = logits.argmax(dim=-1) if meta.greedy_rows is not None else None
     probs = torch.softmax(scale_and_filter(logits, meta), dim=-1)
-    q = _exponential_noise(probs, meta)
-    sampled = probs.div_(q).argmax(dim=-1)
+    if probs.device.type == "cpu":
+        sampled = _sample_cpu(probs, meta)
+    else:
+        q = _exponential_noise(probs, meta)
+        sampled = probs.div_(q).argmax(dim=-1)
     if greedy_tokens is not None:
         assert meta.greedy_rows is not None
         sampled = torch.where(meta.greedy_rows, greedy_tokens, sampled)
@@ -92,6 +97,27 @@ def scale_and_filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     if meta.top_k is not None:
         apply_top_k_only(logits, meta.top_k, meta.top_k_max)
     return logits
+
+
+def _sample_cpu(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """CPU: unseeded rows by inverse transform, seeded rows by the exponential race on their own stream.
+
+    Inverse transform: one float64 uniform u per row, and the token t with cdf[t-1] <= u * total <
+    cdf[t] over the row's float64 running sum — token t with probability probs[t], as the race, but
+    from one random number instead of V exponentials: torch's CPU `exponential_` costs ~15 ms for 16
+    rows of a 49,152-token vocabulary on 2 cores (a third of a decode step), this ~0.5 ms
+    (BENCHMARKS.md, issue 23, "Where the served decode step goes"). A zero-probability token has no
+    width in the running sum, so it is never picked; u * total is kept below the total, so the pick
+    is always inside the row. Seeded rows keep the race, so their streams are unchanged."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    point = torch.rand(total.shape, dtype=torch.float64).mul_(total)
+    point = torch.minimum(point, torch.nextafter(total, torch.zeros_like(total)))
+    sampled = torch.searchsorted(cdf, point, right=True).squeeze_(1)
+    for row, state in meta.seeded or []:
+        q = state.draw_exponential(probs.shape[1], probs.device).clamp_min_(torch.finfo(probs.dtype).tiny)
+        sampled[row] = probs[row].div(q).argmax()
+    return sampled
 
 
 def _exponential_noise(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

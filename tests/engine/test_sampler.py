@@ -289,6 +289,31 @@ def test_greedy_rows_inside_a_random_batch_take_the_argmax():
     assert out[0::2].tolist() == logits[0::2].argmax(dim=1).tolist()
 
 
+def test_unseeded_cpu_rows_sample_without_a_vocabulary_of_exponentials(monkeypatch):
+    """On CPU an unseeded random row draws one uniform, not V exponentials (torch's CPU exponential_
+    is a third of a 16-stream decode step); seeded rows keep their exponential stream."""
+    def no_exponential(self, *args, **kwargs):
+        raise AssertionError("an unseeded CPU row drew a vocabulary of exponentials")
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", no_exponential)
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]] * 3)
+    out = sample([state(4, temperature=1.0), state(4, temperature=0.0), state(4, temperature=0.7)], logits)
+    assert out.sampled_token_ids[1] == 2 and all(0 <= t < 4 for t in out.sampled_token_ids.tolist())
+    with pytest.raises(AssertionError, match="exponentials"):
+        sample([state(4, temperature=1.0, seed=3)], logits[:1])
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53, 1.0])
+def test_cpu_inverse_transform_picks_only_kept_tokens_at_both_ends_of_the_uniform(monkeypatch, u):
+    """The uniform's extremes land on the first / last token the filters kept, never on a removed one:
+    u * total is held below the total even where the product rounds up to it."""
+    monkeypatch.setattr(torch, "rand", lambda shape, dtype: torch.full(shape, u, dtype=dtype))
+    logits = torch.tensor([[-math.inf, 3.0, 1.0, 2.0, -math.inf, -math.inf],
+                           [0.5, 0.25, 0.125, -math.inf, 1.0, -math.inf]])
+    got = sample([state(6, temperature=1.0), state(6, temperature=1.0, top_k=3)], logits).sampled_token_ids
+    assert got.tolist() == ([1, 0] if u == 0.0 else [3, 4])
+
+
 def test_min_tokens_row_becomes_plain_once_released():
     s = state(8, eos=[2], min_tokens=2, temperature=0.0)
     assert not build_sampling_metadata([s], CPU).is_plain_greedy
