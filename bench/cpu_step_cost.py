@@ -7,6 +7,8 @@ chunk size asked. Printed per chunk: the decode-only step (median of the steps b
 steps that carry a chunk (median, max), their count, and the prompt's time to first token. A decoding
 stream's inter-token gap is the step time, so "chunk step / decode step" is what one prefill chunk adds
 to every stream's gap, and (steps carrying chunks) x (their extra time) is what the prompt costs them.
+The streams decode greedily unless `--temperature` says otherwise; the served benchmark's requests sample
+(temperature 1.0), so its twin here is `--temperature 1`.
 
     python bench/cpu_step_cost.py --model .tiny-models/SmolLM2-135M-Instruct --dtype bfloat16 \
         --chunks 64 128 256 --prompt 256
@@ -49,13 +51,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="tokens of the arriving prompt")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding stream")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the decoding streams' temperature (0: greedy; `vllm bench serve` sends none, so "
+                         "served streams sample at 1.0)")
     args = ap.parse_args()
     budget = max(args.chunks) + DECODERS
     config = EngineConfig.create(model=args.model, dtype=args.dtype, device="cpu", max_model_len=4096,
                                  max_num_batched_tokens=max(budget, 256), long_prefill_token_threshold=0)
     core = EngineCore(config)
     rng = random.Random(0)
-    params = EngineSamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+    params = EngineSamplingParams(temperature=args.temperature, max_tokens=3000, ignore_eos=True)
     for i in range(DECODERS):
         prompt = [rng.randrange(100, 40000) for _ in range(args.context)]
         core.add_request(EngineCoreRequest(request_id=f"d{i}", prompt_token_ids=prompt, sampling_params=params))

@@ -20,7 +20,8 @@ Two comparisons (each system runs in its own process; every round runs both, in 
 
 - served: `tandem serve` vs vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), both
   loaded by vLLM's own client (`vllm bench serve --backend openai --dataset-name random`, 256 in / 128
-  out, 64 prompts, concurrency 16, ignore_eos); output throughput, median ITL / TTFT / TPOT.
+  out, 64 prompts, concurrency 16, ignore_eos); output throughput, median ITL / TTFT / TPOT. The client
+  sends no temperature, so both servers sample at 1.0 (unlike the offline run, which is greedy).
 
       python bench/vs_vllm.py served --model .tiny-models/SmolLM2-135M-Instruct --dtype float32
 
