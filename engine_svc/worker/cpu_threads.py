@@ -15,7 +15,11 @@ while between parallel regions): `OMP_WAIT_POLICY=PASSIVE`, which would hand the
 frontend, served 15% fewer tokens per second at 14% higher median inter-token latency, and pinning
 them (`OMP_PROC_BIND=close OMP_PLACES=cores`) a third fewer at 42% higher (a pinned thread cannot move
 off a core the frontend or a client holds, and every parallel region waits for it): BENCHMARKS.md,
-issue 23, "Served: step sizes and threads". Neither is set.
+issue 23, "Served: step sizes and threads". Neither is set. Nor is a lower CPU priority for
+`tandem serve`'s frontend (nice 10: +2.5% tokens per second, -0.7 ms median inter-token latency, inside one
+round's spread; it would starve the frontend behind two spinning engine threads at higher concurrency):
+sharing the cores costs the served 16-stream decode step ~2 ms of ~45 (BENCHMARKS.md, issue 23, "Where the
+served decode step goes").
 """
 
 from __future__ import annotations
