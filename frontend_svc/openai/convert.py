@@ -24,7 +24,6 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 import pydantic_core
@@ -267,13 +266,72 @@ def finite(logprob: float) -> float:
 
 
 class TokenTexts:
-    """Token id -> its text (the tokenizer's `token_texts` cache, shared with the output processor)."""
+    """Token id -> its text (the tokenizer's `token_texts` cache, shared with the output processor);
+    `pieces`: the logprob rows' cached token forms, shared by every request of the app."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._texts: SharedTokenTexts = tokenizer.token_texts
+        self.pieces = TokenPieces(self)
 
     def text(self, token_id: int) -> str:
         return self._texts.text(token_id)
+
+
+Piece = tuple[str, list[int]]  # a logprob row's token as shown, and its `bytes`
+
+
+class TokenPieces:
+    """What a logprob row shows of a token, cached: (token, UTF-8 bytes of it). Only pure functions are
+    cached: per token id the token's own decode (`text`), or "token_id:N" with return_tokens_as_token_ids
+    (two tables: the option changes the form); a text the output processor gave an entry (a piece of a
+    multi-byte character differs by context) is never keyed by id, only its bytes by the text itself.
+    Bounded: a table is cleared when it reaches _TOKEN_CACHE_LIMIT entries. The byte lists are shared
+    between chunks: they are only serialised, never mutated."""
+
+    __slots__ = ("_by_id", "_by_text", "_texts")
+
+    def __init__(self, texts: Any) -> None:
+        self._texts = texts  # TokenTexts' interface: text(token_id)
+        self._by_id: tuple[dict[int, Piece], dict[int, Piece]] = ({}, {})  # [as_token_ids]
+        self._by_text: dict[str, list[int]] = {}
+
+    def of(self, token_id: int, text: str | None, as_token_ids: bool) -> Piece:
+        """The row's token for `token_id` (whose text is `text` when the entry carries one) and its bytes."""
+        if text is None or as_token_ids:
+            table = self._by_id[as_token_ids]
+            piece = table.get(token_id)
+            if piece is None:
+                if len(table) >= _TOKEN_CACHE_LIMIT:
+                    table.clear()
+                token = token_id_text(token_id) if as_token_ids else self._texts.text(token_id)
+                piece = table[token_id] = (token, utf8(token))
+            return piece
+        return text, self.utf8(text)
+
+    def utf8(self, text: str) -> list[int]:
+        """`utf8(text)`, cached by the text."""
+        data = self._by_text.get(text)
+        if data is None:
+            if len(self._by_text) >= _TOKEN_CACHE_LIMIT:
+                self._by_text.clear()
+            data = self._by_text[text] = utf8(text)
+        return data
+
+    def ranked(self, entry: TokenLogprob, count: int, as_token_ids: bool) -> list[tuple[Piece, float]]:
+        """The first `count` of vLLM's logprob dict of a position (`_ranked`: the token first, then the
+        top-N by rank, each id once), each as its piece and its finite logprob."""
+        out = [(self.of(entry.token_id, entry.text, as_token_ids), finite(entry.logprob))] if count > 0 else []
+        if count > 1 and entry.top:
+            seen = {entry.token_id}
+            texts = entry.top_texts
+            pairs = zip(entry.top, texts) if texts is not None else ((top, None) for top in entry.top)
+            for (tid, lp), text in pairs:
+                if tid not in seen:
+                    seen.add(tid)
+                    out.append((self.of(tid, text, as_token_ids), finite(lp)))
+                    if len(out) == count:
+                        break
+        return out
 
 
 def utf8(text: str) -> list[int]:
@@ -358,6 +416,7 @@ class _Builder:
         self.created = int(time.time())
         self.n = n
         self.texts = texts
+        self.pieces: TokenPieces = getattr(texts, "pieces", None) or TokenPieces(texts)
         self.top_n = top_n  # None: no logprobs asked
         self.extras = extras or Extras()
         self.prompts: list[PromptInfo] = []  # per prompt index, set once the prompts are tokenized
@@ -531,7 +590,8 @@ class CompletionBuilder(_Builder):
         """vLLM's completions logprobs (CompletionLogprobs' fields): per token its text, logprob and a dict
         of the token and the top-N (token first; null for the prompt's first token); offsets are the
         summed lengths of the tokens."""
-        top_n = self.top_n or 0
+        count = (self.top_n or 0) + 1
+        as_ids = self.extras.as_token_ids
         offsets: list[int] = []
         logprobs: list[float | None] = []
         tokens: list[str] = []
@@ -542,10 +602,10 @@ class CompletionBuilder(_Builder):
                 logprobs.append(None)
                 tops.append(None)
             else:
-                token = self._token(token_id, entry.text)
-                logprobs.append(finite(entry.logprob))
-                tops.append({self._token(tid, text): finite(lp)
-                             for tid, (lp, text) in islice(_ranked(entry).items(), top_n + 1)})
+                ranked = self.pieces.ranked(entry, count, as_ids)
+                token = ranked[0][0][0]  # the entry's own token leads
+                logprobs.append(ranked[0][1])
+                tops.append({piece[0]: lp for piece, lp in ranked})
             tokens.append(token)
             offsets.append(choice.offset)
             choice.offset += len(token)
@@ -677,9 +737,12 @@ class ChatBuilder(_Builder):
         """vLLM's chat logprob (ChatTokenLogprob's fields): the first top_logprobs of the token then the
         top-N by rank; the token's `bytes` are the UTF-8 of its text (not of "token_id:N"), the
         alternatives' of what they show (TopLogprob's fields)."""
-        top = []
-        for tid, (lp, text) in islice(_ranked(entry).items(), self.top_n or 0):
-            token = self._token(tid, text)
-            top.append({"token": token, "logprob": finite(lp), "bytes": utf8(token)})
-        return {"token": self._token(entry.token_id, entry.text), "logprob": finite(entry.logprob),
-                "bytes": utf8(self._text(entry.token_id, entry.text)), "top_logprobs": top}
+        as_ids = self.extras.as_token_ids
+        ranked = self.pieces.ranked(entry, self.top_n or 0, as_ids)
+        top = [{"token": token, "logprob": lp, "bytes": data} for (token, data), lp in ranked]
+        if ranked and not as_ids:
+            token, data = ranked[0][0]  # the entry's own token leads the top
+        else:
+            token = self._token(entry.token_id, entry.text)
+            data = self.pieces.of(entry.token_id, entry.text, False)[1]  # the text's bytes, not "token_id:N"'s
+        return {"token": token, "logprob": finite(entry.logprob), "bytes": data, "top_logprobs": top}
