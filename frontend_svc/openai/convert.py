@@ -324,8 +324,17 @@ class TokenPieces:
         if count > 1 and entry.top:
             seen = {entry.token_id}
             texts = entry.top_texts
-            pairs = zip(entry.top, texts) if texts is not None else ((top, None) for top in entry.top)
-            for (tid, lp), text in pairs:
+            if texts is None:  # the common case, inlined: every alternative is its own decode
+                table = self._by_id[as_token_ids]
+                for tid, lp in entry.top:
+                    if tid not in seen:
+                        seen.add(tid)
+                        piece = table.get(tid) or self.of(tid, None, as_token_ids)
+                        out.append((piece, lp if lp >= MIN_LOGPROB else MIN_LOGPROB))  # finite(), inlined
+                        if len(out) == count:
+                            break
+                return out
+            for (tid, lp), text in zip(entry.top, texts):
                 if tid not in seen:
                     seen.add(tid)
                     out.append((self.of(tid, text, as_token_ids), finite(lp)))
