@@ -7,11 +7,11 @@ no tensor built at all when every row is plain greedy (the common benchmark case
 
 Invariants:
 - `output_token_ids` is append-only: the worker appends each sampled token and never rewrites it.
-- A seeded, non-greedy request draws exactly one `[V]` exponential sample from its generator for each
-  token it samples, so its random stream is a function of (seed, number of tokens sampled) only. A
-  state constructed on resume with `output_token_ids=...` replays the draws it owes before its first
-  new one (see `RequestSamplingState.draw_exponential`), so preemption does not change its tokens
-  (given the same logits).
+- A seeded, non-greedy request makes exactly one draw from its generator for each token it samples (a
+  `[V]` exponential sample on GPUs, one float64 uniform on CPU: sampler.py), so its random stream is a
+  function of (seed, number of tokens sampled) only. A state constructed on resume with
+  `output_token_ids=...` replays the draws it owes before its first new one (`RequestSamplingState._draw`),
+  so preemption does not change its tokens (given the same logits).
 """
 
 from __future__ import annotations
@@ -112,22 +112,28 @@ class RequestSamplingState:
         self._prompt_ids_tensor: torch.Tensor | None = None
 
     def draw_exponential(self, size: int, device: torch.device) -> torch.Tensor:
-        """The next Exp(1) sample of `size` from this request's seeded stream, on `device`.
+        """The next draw of this request's seeded stream as an Exp(1) sample of `size`, on `device`."""
+        return self._draw(lambda g: torch.empty(size, device=device).exponential_(generator=g), device)
 
-        The stream's k-th draw is the same whatever happened before: a generator that is behind it
-        (fresh after a resume, or re-created because it lived on another device) replays first.
-        """
+    def draw_uniform(self, device: torch.device) -> torch.Tensor:
+        """The next draw of this request's seeded stream as one float64 U[0, 1) number (shape [1])."""
+        return self._draw(lambda g: torch.rand(1, generator=g, dtype=torch.float64, device=device), device)
+
+    def _draw(self, make: Callable[[torch.Generator], torch.Tensor], device: torch.device) -> torch.Tensor:
+        """`make`'s next draw from the seeded generator. The stream's k-th draw is the same whatever
+        happened before: a generator that is behind it (fresh after a resume, or re-created because it
+        lived on another device) replays first, with the same `make` (a device always draws one kind)."""
         g = self.generator
         assert g is not None and self.params.seed is not None, "only seeded random requests draw"
         if not _same_device(g.device, device):
             g = self.generator = _seeded_generator(self.params.seed, device)
             self._generator_draws = 0
         while self._generator_draws < self._stream_draws:
-            torch.empty(size, device=device).exponential_(generator=g)
+            make(g)
             self._generator_draws += 1
         self._stream_draws += 1
         self._generator_draws += 1
-        return torch.empty(size, device=device).exponential_(generator=g)
+        return make(g)
 
     def output_ids_tensor(self) -> torch.Tensor:
         """`output_token_ids` as a CPU int64 tensor, copying only the ids appended since last call."""

@@ -8,10 +8,10 @@ Pipeline (vLLM V1 semantics):
   3. greedy rows: argmax (ties -> lowest index);
   4. random rows: divide by temperature, min-p, top-k, top-p (filters.py), then sample with the
      exponential race: argmax(probs / q), q ~ Exp(1) i.i.d. — which picks token t with probability
-     probs[t]. Seeded rows draw q from their own generator, one [V] draw per sampled token, so their
-     tokens depend only on (seed, logits), never on the rest of the batch or their row. On CPU the
-     unseeded rows sample the same distribution by inverse transform (one uniform per row over the
-     running sum of probs): V exponentials per row cost a third of a decode step there.
+     probs[t]. On CPU rows sample the same distribution by inverse transform (one uniform per row over
+     the running sum of probs): V exponentials per row cost a third of a decode step there. Seeded
+     rows draw from their own generator (one [V] exponential draw, or on CPU one uniform, per sampled
+     token), so their tokens depend only on (seed, logits), never on the rest of the batch or their row.
 
 When every row is plain greedy (no penalties, min_tokens, logit_bias, allowed_token_ids, bad words or
 logprobs) the call is a single argmax.
@@ -100,7 +100,7 @@ def scale_and_filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
 
 
 def _sample_cpu(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """CPU: unseeded rows by inverse transform, seeded rows by the exponential race on their own stream.
+    """CPU: every random row by inverse transform; seeded rows take their uniform from their own stream.
 
     Inverse transform: one float64 uniform u per row, and the token t with cdf[t-1] <= u * total <
     cdf[t] over the row's float64 running sum — token t with probability probs[t], as the race, but
@@ -108,16 +108,14 @@ def _sample_cpu(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     rows of a 49,152-token vocabulary on 2 cores (a third of a decode step), this ~0.5 ms
     (BENCHMARKS.md, issue 23, "Where the served decode step goes"). A zero-probability token has no
     width in the running sum, so it is never picked; u * total is kept below the total, so the pick
-    is always inside the row. Seeded rows keep the race, so their streams are unchanged."""
+    is always inside the row."""
     cdf = probs.to(torch.float64).cumsum_(dim=-1)
     total = cdf[:, -1:]
-    point = torch.rand(total.shape, dtype=torch.float64).mul_(total)
-    point = torch.minimum(point, torch.nextafter(total, torch.zeros_like(total)))
-    sampled = torch.searchsorted(cdf, point, right=True).squeeze_(1)
+    point = torch.rand(total.shape, dtype=torch.float64)
     for row, state in meta.seeded or []:
-        q = state.draw_exponential(probs.shape[1], probs.device).clamp_min_(torch.finfo(probs.dtype).tiny)
-        sampled[row] = probs[row].div(q).argmax()
-    return sampled
+        point[row] = state.draw_uniform(probs.device)
+    point = torch.minimum(point.mul_(total), torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze_(1)
 
 
 def _exponential_noise(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

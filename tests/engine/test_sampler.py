@@ -289,18 +289,30 @@ def test_greedy_rows_inside_a_random_batch_take_the_argmax():
     assert out[0::2].tolist() == logits[0::2].argmax(dim=1).tolist()
 
 
-def test_unseeded_cpu_rows_sample_without_a_vocabulary_of_exponentials(monkeypatch):
-    """On CPU an unseeded random row draws one uniform, not V exponentials (torch's CPU exponential_
-    is a third of a 16-stream decode step); seeded rows keep their exponential stream."""
+def test_cpu_rows_sample_without_a_vocabulary_of_exponentials(monkeypatch):
+    """On CPU a random row draws one uniform, not V exponentials (torch's CPU exponential_ is a third
+    of a 16-stream decode step) — seeded rows too, from their own stream."""
     def no_exponential(self, *args, **kwargs):
-        raise AssertionError("an unseeded CPU row drew a vocabulary of exponentials")
+        raise AssertionError("a CPU row drew a vocabulary of exponentials")
 
     monkeypatch.setattr(torch.Tensor, "exponential_", no_exponential)
-    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]] * 3)
-    out = sample([state(4, temperature=1.0), state(4, temperature=0.0), state(4, temperature=0.7)], logits)
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]] * 4)
+    states = [state(4, temperature=1.0), state(4, temperature=0.0), state(4, temperature=0.7),
+              state(4, temperature=1.0, seed=3)]
+    out = sample(states, logits)
     assert out.sampled_token_ids[1] == 2 and all(0 <= t < 4 for t in out.sampled_token_ids.tolist())
-    with pytest.raises(AssertionError, match="exponentials"):
-        sample([state(4, temperature=1.0, seed=3)], logits[:1])
+
+
+def test_seeded_cpu_rows_sample_the_distribution():
+    """One seeded row per seed, a seed per row: the tokens are distributed as softmax(logits / T)."""
+    logits_row = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    draws, temperature = 4000, 0.8
+    states = [state(4, temperature=temperature, seed=seed) for seed in range(draws)]
+    tokens = sample(states, logits_row.repeat(draws, 1)).sampled_token_ids
+    freq = torch.bincount(tokens, minlength=4).double() / draws
+    target = torch.softmax(logits_row.double() / temperature, dim=0)
+    chi2 = float((draws * (freq - target) ** 2 / target).sum())
+    assert chi2 < 16.3  # p = 0.001 with 3 degrees of freedom
 
 
 @pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53, 1.0])
