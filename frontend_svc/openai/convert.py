@@ -318,8 +318,8 @@ class TokenPieces:
         return data
 
     def ranked(self, entry: TokenLogprob, count: int, as_token_ids: bool) -> list[tuple[Piece, float]]:
-        """The first `count` of vLLM's logprob dict of a position (`_ranked`: the token first, then the
-        top-N by rank, each id once), each as its piece and its finite logprob."""
+        """The first `count` of vLLM's logprob dict of a position (the token first, then the top-N by
+        rank, each id once), each as its piece and its finite logprob."""
         out = [(self.of(entry.token_id, entry.text, as_token_ids), finite(entry.logprob))] if count > 0 else []
         if count > 1 and entry.top:
             seen = {entry.token_id}
@@ -489,14 +489,6 @@ def dump(body: dict[str, Any]) -> str:
     options (compact, UTF-8 unescaped, non-finite floats as null), so the bytes are the models' without
     building a model per chunk, token and top-logprob entry (tests/openai_api/test_chunk_bytes.py)."""
     return pydantic_core.to_json(body, inf_nan_mode="null").decode()
-
-
-def _ranked(entry: TokenLogprob) -> dict[int, tuple[float, str | None]]:
-    """vLLM's logprob dict of a position: the token first, then the top-N by rank (each id once)."""
-    ranked = {entry.token_id: (entry.logprob, entry.text)}
-    for (tid, lp), text in zip(entry.top, _top_texts(entry)):
-        ranked.setdefault(tid, (lp, text))
-    return ranked
 
 
 def _top_texts(entry: TokenLogprob) -> list[str | None]:

@@ -27,6 +27,16 @@ FLOATS = [0.0, -0.0, -1e-9, -1.5e-7, -0.1, -0.123456789, -1.0, -2.5, -13.37, -1e
           -math.inf, math.inf, math.nan, -3.4028234663852886e38, -1 / 3]
 
 
+def vllm_ranked(entry: TokenLogprob) -> dict[int, tuple[float, str | None]]:
+    """The oracle's logprob dict of a position, as vLLM builds it: the token first, then the top-N by
+    rank, each id once (a later duplicate of an id is dropped)."""
+    texts = entry.top_texts if entry.top_texts is not None else [None] * len(entry.top)
+    ranked = {entry.token_id: (entry.logprob, entry.text)}
+    for (tid, lp), text in zip(entry.top, texts):
+        ranked.setdefault(tid, (lp, text))
+    return ranked
+
+
 class Texts:
     """TokenTexts' interface: an id's text."""
 
@@ -89,7 +99,7 @@ class PydanticChat(convert.ChatBuilder):
         content = []
         for entry in delta.logprobs:
             top = []
-            for tid, (lp, text) in islice(convert._ranked(entry).items(), self.top_n or 0):
+            for tid, (lp, text) in islice(vllm_ranked(entry).items(), self.top_n or 0):
                 token = self._token(tid, text)
                 top.append(p.TopLogprob(token=token, logprob=convert.finite(lp), bytes=convert.utf8(token)))
             content.append(p.ChatTokenLogprob(token=self._token(entry.token_id, entry.text),

@@ -1,5 +1,5 @@
 """The logprob rows' cached token forms (convert.TokenPieces) are what the uncached form gives: vLLM's
-ranked dict of a position (`convert._ranked`), each token as the response shows it (`_token`: its own
+ranked dict of a position (test_chunk_bytes' `vllm_ranked`), each token as the response shows it (`_token`: its own
 text, the text the entry carries, or "token_id:N") with the UTF-8 of that. One cache serves every
 request of an app, so it is checked across requests with and without return_tokens_as_token_ids and
 with texts that differ by context (a piece of a multi-byte character), and it stays bounded.
@@ -16,7 +16,7 @@ import pytest
 
 from frontend_svc.openai import convert
 from frontend_svc.outputs import TokenLogprob
-from tests.openai_api.test_chunk_bytes import FLOATS, PIECES, Texts
+from tests.openai_api.test_chunk_bytes import FLOATS, PIECES, Texts, vllm_ranked
 
 
 class _App:
@@ -39,7 +39,7 @@ def _entry(rng: random.Random) -> TokenLogprob:
 
 def _expected(builder: convert._Builder, entry: TokenLogprob, count: int) -> list[tuple[tuple[str, list[int]], float]]:
     rows = []
-    for tid, (lp, text) in islice(convert._ranked(entry).items(), count):
+    for tid, (lp, text) in islice(vllm_ranked(entry).items(), count):
         token = builder._token(tid, text)
         rows.append(((token, convert.utf8(token)), convert.finite(lp)))
     return rows
