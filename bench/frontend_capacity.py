@@ -35,7 +35,7 @@ so that drift on a noisy machine does not favour one; the summary is the median 
 
     python bench/frontend_capacity.py [--regime capacity|kept-up] [--step-ms MS] [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
         [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--stream-interval N [N ...]]
-        [--baseline DIR] [--profile DIR] [--variant LABEL:NAME=VALUE[;NAME=VALUE...] ...]
+        [--pin] [--baseline DIR] [--profile DIR] [--variant LABEL:NAME=VALUE[;NAME=VALUE...] ...]
 
 `--stream-interval N` starts this tree's frontend with `--stream-interval N` (vLLM's: chunks of at least N
 tokens, frontend_svc/output_processor.py); several values start one frontend per value, alternated on the
@@ -53,6 +53,11 @@ placed before the frontend's own so that it overrides them (grpc keeps the first
 VALUE is passed as an int; bench/grpc_options_shim), any other NAME an environment
 variable of the frontend process (e.g. GRPC_POLL_STRATEGY=poll, GRPC_EXPERIMENTS=...). Ratios are to the
 first frontend ("this tree", its defaults).
+
+`--pin` gives the frontend a core of its own (CPU 1, with `taskset`; its threads included) and puts the fake
+engine, the clients and this process on CPU 0, as one frontend core per pod would run: unpinned, the frontend
+shares both cores with the clients (whose CPU per token is of the frontend's order), so how far it falls
+behind at capacity, and how much it merges, depends on how the scheduler shares them.
 
 `--syscalls` counts the frontend's system calls (all its threads) with `perf stat` tracepoints during each
 measurement and prints them per response message (gRPC) or SSE event: sendmsg = wire writes,
@@ -329,6 +334,8 @@ class Bench:
         vocab_size = model_limits(read_metadata(gguf))["vocab_size"]
         passage_ids = Tokenizer.from_pretrained(gguf).encode(PASSAGE, add_special_tokens=False)
         ctx = mp.get_context("spawn")
+        if self.args.pin:
+            os.sched_setaffinity(0, {0})
         engine_port = free_port()
         step_s = self.args.step_ms / 1000
         engine = ctx.Process(target=serve_engine, args=(engine_port, vocab_size, 8192, passage_ids, step_s),
@@ -376,6 +383,8 @@ class Bench:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(OPTIONS_SHIM), env.get("PYTHONPATH")) if p)
         log_path = self.log_dir / f"frontend-{len(self.frontends)}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        if self.args.pin:
+            argv = ["taskset", "-c", "1", *argv]
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         return Frontend(label, process, grpc_port, http_port, log_path)
 
@@ -493,6 +502,8 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="write py-spy samples here")
     parser.add_argument("--stream-interval", type=int, nargs="+", default=None,
                         help="this tree's frontend's --stream-interval; several: one frontend per value")
+    parser.add_argument("--pin", action="store_true",
+                        help="the frontend alone on CPU 1, the engine, clients and this process on CPU 0")
     parser.add_argument("--syscalls", action="store_true",
                         help="count the frontend's system calls per message (perf stat tracepoints)")
     parser.add_argument("--variant", type=variant, action="append", default=None,
