@@ -129,7 +129,7 @@ def serve_engine(port: int, vocab_size: int, max_model_len: int, output_ids: lis
 
     async def main() -> None:
         fake = FakeEngine(vocab_size, max_model_len=max_model_len, step_s=step_s, default_max_tokens=None,
-                          output_ids=output_ids, clocked=True)
+                          output_ids=output_ids, clocked=True, catch_up=True)
         server, _ = await start_fake_engine(fake, port)
         await server.wait_for_termination()
 

@@ -14,7 +14,10 @@ their checksum in GetEngineInfo; without, GetTokenizer is NOT_FOUND. It serves n
 With `clocked=True` it behaves like the real engine's server at a fixed step time instead: a step is made
 every `step_s` whether or not the stream took the previous one, and the steps that queued up while a
 message was being written go out together in the next message, in order (engine_svc/server.py does the
-same), so a frontend that cannot keep up receives several tokens per request per message.
+same), so a frontend that cannot keep up receives several tokens per request per message. With
+`catch_up=True` too, a clock tick that comes late (the fake engine's process starved of CPU, which a real
+engine's device never is) makes every step it owes at once, so the engine offers one step per `step_s`
+of wall time whatever the load on its core.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
     def __init__(self, vocab_size: int, max_model_len: int = 256, step_s: float = 0.004,
                  default_max_tokens: int | None = 8, output_ids: list[int] | None = None,
                  tokenizer_files: dict[str, bytes] | None = None, model_name: str = "fake",
-                 clocked: bool = False) -> None:
+                 clocked: bool = False, catch_up: bool = False) -> None:
         self.vocab_size, self.max_model_len, self.step_s = vocab_size, max_model_len, step_s
-        self.clocked = clocked
+        self.clocked, self.catch_up = clocked, catch_up
+        self.steps = 0  # clocked: steps made, over all streams
         self.messages = 0  # EngineCoreOutputs messages sent, over all streams
         self.model_name = model_name
         self.archive = tokenizer_bundle.pack(tokenizer_files) if tokenizer_files is not None else None
@@ -113,10 +117,20 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
         loop = asyncio.get_running_loop()
         due = loop.time()
         while True:
-            due = max(due + self.step_s, loop.time() - self.step_s)  # after a stall: no burst of catch-up steps
+            if self.catch_up and mine:
+                due += self.step_s
+            else:  # after a stall: no burst of catch-up steps
+                due = max(due + self.step_s, loop.time() - self.step_s)
             await asyncio.sleep(max(0.0, due - loop.time()) if mine else max(self.step_s, IDLE_POLL_S))
-            outputs = self._steps(mine)
-            if outputs:
+            owed = 1
+            if self.catch_up:
+                owed += max(0, int((loop.time() - due) / self.step_s))
+                due += (owed - 1) * self.step_s
+            for _ in range(owed):
+                outputs = self._steps(mine)
+                if not outputs:
+                    break
+                self.steps += 1
                 queued.extend(outputs)
                 made.set()
 
