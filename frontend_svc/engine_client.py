@@ -19,7 +19,8 @@ Invariants:
 - Everything runs on one asyncio loop; the per-step path does no logging or string formatting, and a
   large engine step is processed in slices (`OUTPUT_SLICE`) with the loop free between them.
 - Coalescing when behind, never holding: a reader task reads each engine stream ahead (at most
-  `READ_AHEAD` messages, so gRPC flow control still pushes back on the engine), and the messages that
+  `READ_AHEAD` messages; the stream's receive window stays 64 KiB, no BDP probing, so gRPC flow control
+  pushes back on the engine, which then packs the steps that queue into one message), and the messages that
   arrived while the previous ones were processed are processed together, each request's outputs next
   to each other (in engine order within a request). A request whose outputs of several steps are
   processed together gets one merged delta (request_state.DeltaCollector), so its reader sends them in
@@ -71,7 +72,13 @@ INFO_TIMEOUT_S = 5.0
 LOAD_POLL_S = 1.0
 OUTPUT_SLICE = 32  # engine outputs processed between two turns of the event loop (EngineClient.on_outputs)
 READ_AHEAD = 8  # engine messages read but not yet processed, per stream (EngineConnection._read_ahead)
-CHANNEL_OPTIONS = [*KEEPALIVE_OPTIONS, *message_size_options(), ("grpc.enable_retries", 0)]
+# No BDP probing: the engine stream's receive window stays HTTP/2's 64 KiB instead of growing to megabytes,
+# so an engine ahead of this frontend is held back after a few messages and packs the steps that queue
+# meanwhile into its next message (engine_svc/server.py) instead of sending each step alone into a deep
+# buffer that grpc.aio reads back one message per event-loop turn (bench/frontend_capacity.py, issue 19;
+# tests/frontend/test_engine_backpressure.py).
+CHANNEL_OPTIONS = [*KEEPALIVE_OPTIONS, *message_size_options(), ("grpc.enable_retries", 0),
+                   ("grpc.http2.bdp_probe", 0)]
 
 
 class ChannelFactory:
