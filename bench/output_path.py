@@ -1,0 +1,140 @@
+"""CPU per token of the frontend's per-token path alone: engine messages -> `CompletionDelta`s in the
+requests' `DeltaCollector`s, through `EngineClient.on_outputs` (slicing, `OutputProcessor.process`,
+delivery), with no gRPC and no API layer.
+
+SmolLM2-135M-Instruct's tokenizer (the demo GGUF); 128 requests added with collectors; every step is one
+`EngineCoreOutputs` with one token per request (the fake engine's shape, tests/fake_engine.py: the
+passage of bench/frontend_capacity.py, top-N rows of consecutive ids), parsed from its wire bytes as the
+frontend gets it; after each step every collector is read (a reader that keeps up). Cases: plain, 4 stop
+strings (never matching), top-5 logprobs, both. Prints µs per token (median and best of `--rounds`).
+
+Compare two trees in one run on a quiet machine (`/work/bin/quiet` on the shared box):
+
+    python bench/output_path.py --root /tmp/base_tree --root .   # [--tokens 256] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+CASES = ("plain", "stop", "logprobs", "stop+logprobs")
+
+
+def measure(case: str, streams: int, tokens: int, rounds: int) -> list[float]:
+    """µs per token of each round (run inside the tree under test: its modules are imported)."""
+    sys.path[:0] = [str(Path.cwd()), str(Path.cwd() / "bench")]  # the tree under test (cwd), not this file's
+    from frontend_capacity import PASSAGE, QUESTION, STOP_STRINGS, TOP_LOGPROBS  # type: ignore[import-not-found]
+    from tandem.engine.v1 import engine_core_pb2 as epb
+
+    import frontend_svc
+    from engine_svc.demo_model import demo_gguf_path
+    from frontend_svc.engine_client import EngineClient
+    from frontend_svc.output_processor import OutputProcessor
+    from frontend_svc.processor import Processor
+    from frontend_svc.request_state import DeltaCollector
+    from frontend_svc.tokenizer import Tokenizer
+    from shared_runtime.contract import SamplingParams
+
+    assert Path(frontend_svc.__file__).resolve().is_relative_to(Path.cwd().resolve()), "not the tree of --root"
+
+    tokenizer = Tokenizer.from_pretrained(demo_gguf_path())
+    passage = tokenizer.encode(PASSAGE, add_special_tokens=False)
+    vocab = tokenizer.vocab_size
+    processor = Processor(tokenizer, max_model_len=8192, vocab_size=vocab, model_name="bench")
+    top = TOP_LOGPROBS if "logprobs" in case else None
+    params = SamplingParams(max_tokens=tokens, stop=STOP_STRINGS if "stop" in case else [], logprobs=top)
+
+    class Connection:  # what on_outputs/_deliver use of an EngineConnection
+        retiring = False
+
+        def __init__(self) -> None:
+            self.requests: set[Any] = set()
+
+        def note_stats(self, stats: Any) -> None:
+            pass
+
+        def send(self, message: Any) -> None:
+            raise AssertionError("no stop string matches the passage")
+
+    def messages(engine_ids: list[str]) -> list[Any]:
+        out = []
+        for position in range(tokens):
+            message = epb.EngineCoreOutputs()
+            token = passage[position % len(passage)]
+            for rid in engine_ids:
+                output = message.outputs.add(request_id=rid, new_token_ids=[token])
+                if top is not None:
+                    output.new_logprobs.add(token_id=token, logprob=-0.5, rank=1,
+                                            top_token_ids=[(token + k) % vocab for k in range(top)],
+                                            top_logprobs=[-0.5 - k for k in range(top)])
+                if position == tokens - 1:
+                    output.finish_reason = epb.FINISH_REASON_LENGTH
+            out.append(epb.EngineCoreOutputs.FromString(message.SerializeToString()))
+        return out
+
+    async def one_round() -> float:
+        op = OutputProcessor(tokenizer)
+        client = EngineClient([], op, vocab)
+        connection = Connection()
+        collectors, engine_ids = [], []
+        for i in range(streams):
+            collector = DeltaCollector()
+            state = op.add_request(processor.process(QUESTION, params, request_id=f"r{i}"), collector)
+            state.connection = connection
+            connection.requests.add(state)
+            collectors.append(collector)
+            engine_ids.extend(state.prepared.engine_request_ids)
+        steps = messages(engine_ids)
+        on_outputs = client.on_outputs
+        start = time.perf_counter()
+        for message in steps:
+            await on_outputs(connection, message)  # type: ignore[arg-type]
+            for collector in collectors:
+                await collector.get()
+        elapsed = time.perf_counter() - start
+        assert not connection.requests, "every request finished"
+        return elapsed / (streams * tokens) * 1e6
+
+    return [asyncio.run(one_round()) for _ in range(rounds)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", action="append", help="a tree to measure (repeat to compare; default: this one)")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--streams", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # a case, measured in this process
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.streams, args.tokens, args.rounds)))
+        return
+    roots = [Path(r).resolve() for r in (args.root or [HERE.parents[1]])]
+    print(f"{args.streams} requests x {args.tokens} tokens, µs per token: median (best) of {args.rounds} rounds")
+    for case in args.cases:
+        medians = []
+        for root in roots:  # each tree in its own process, its own modules
+            env = {**os.environ, "PYTHONPATH": str(root)}
+            child = [sys.executable, str(HERE), "--child", case, "--streams", str(args.streams),
+                     "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
+            rounds = json.loads(subprocess.run(child, cwd=root, env=env, check=True, capture_output=True,
+                                               text=True).stdout.strip().splitlines()[-1])
+            medians.append(statistics.median(rounds))
+            print(f"  {case:14s} {root!s:28s} {medians[-1]:6.2f} ({min(rounds):.2f})", flush=True)
+        if len(medians) > 1:
+            print(f"  {case:14s} {'last / first':28s} {medians[-1] / medians[0]:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
