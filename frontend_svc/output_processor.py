@@ -68,13 +68,14 @@ class Completion:
     """Per engine request state: detokenizer, stop checker, counters."""
 
     __slots__ = ("detokenizer", "engine_id", "held", "index", "interval", "logprob_context", "num_cached",
-                 "num_sent", "num_tokens", "request", "sent_first", "stop_checker")
+                 "num_sent", "num_tokens", "plain", "request", "request_id", "sent_first", "stop_checker")
 
     def __init__(self, request: RequestState, index: int, detokenizer: IncrementalDetokenizer,
                  interval: int = 1) -> None:
         params = request.prepared.params
         stops = params.stop
         self.request = request
+        self.request_id = request.prepared.request_id  # the client's
         self.index = index
         self.engine_id = request.prepared.engine_request_ids[index]
         self.detokenizer = detokenizer
@@ -82,6 +83,9 @@ class Completion:
         self.num_tokens = 0
         self.num_cached = 0
         self.sent_first = False
+        # The fast path's completions (`OutputProcessor._process_one`): past their first delta, with no
+        # stop strings and no logprobs to look after.
+        self.plain = False
         self.logprob_context: list[int] = []  # the last sampled ids (partial_token_text's context)
         self.interval = interval  # stream interval: > 1 holds deltas back (`due`)
         self.held: CompletionDelta | None = None  # output not yet due (stream interval)
@@ -117,6 +121,7 @@ class OutputProcessor:
         backend = self._backend
         self._decode: Callable[[list[int]], str] = lambda ids: backend.decode(ids, skip_special_tokens=False)
         self._completions: dict[str, Completion] = {}  # engine id -> unfinished completion (an index)
+        self._pieces = self._texts.pieces()  # decoded once per tokenizer, here rather than under a request
 
     def add_request(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> RequestState:
         """Start tracking a request's n completions; its deltas go to `collector` when given."""
@@ -145,9 +150,9 @@ class OutputProcessor:
     def process(self, outputs: Iterable[epb.EngineCoreOutput]) -> ProcessedOutputs:
         """Process some of a step's outputs (a caller may split a large step into slices, in order)."""
         result = ProcessedOutputs()
-        log_stats = self._log_stats
+        log_stats, completions, deltas = self._log_stats, self._completions, result.deltas
         for output in outputs:
-            completion = self._completions.get(output.request_id)
+            completion = completions.get(output.request_id)
             if completion is None:
                 continue
             if log_stats and output.events:
@@ -164,17 +169,18 @@ class OutputProcessor:
                 if delta is None:
                     continue
             request = completion.request
-            if request.collector is not None:
-                request.collector.put(delta)
+            collector = request.collector
+            if collector is not None:
+                collector.put(delta)
             else:
-                result.deltas.append(delta)
-            if request.done:
+                deltas.append(delta)
+            if delta.finish_reason is not None and not request.unfinished:  # only a finished delta ends it
                 result.finished.append(request)
         return result
 
     def _fail(self, c: Completion, to_abort: list[str]) -> CompletionDelta:
         """End a completion with an INTERNAL error and have the engine drop it."""
-        delta = CompletionDelta(c.request.prepared.request_id, c.index, "", [], c.engine_id)
+        delta = CompletionDelta(c.request_id, c.index, "", [], c.engine_id)
         delta.finish_reason, delta.error = "error", CompletionError(INTERNAL, "output processing failed")
         delta.usage = Usage(len(c.request.prepared.prompt_token_ids), c.num_tokens, c.num_cached)
         to_abort.append(c.engine_id)
@@ -183,11 +189,16 @@ class OutputProcessor:
 
     def _process_one(self, c: Completion, output: epb.EngineCoreOutput,
                      to_abort: list[str]) -> CompletionDelta | None:
-        params = c.request.prepared.params
-        new_ids = list(output.new_token_ids)
+        new_ids = output.new_token_ids[:]  # a list
         c.num_tokens += len(new_ids)
-        if output.num_cached_tokens:
-            c.num_cached = output.num_cached_tokens
+        cached = output.num_cached_tokens
+        if cached:
+            c.num_cached = cached
+        if c.plain and not output.finish_reason and not output.HasField("error"):
+            # The common output, what the general path below makes of it: its tokens' text, nothing else.
+            return CompletionDelta(c.request_id, c.index, c.detokenizer.add(new_ids), new_ids, c.engine_id) \
+                if new_ids else None
+        params = c.request.prepared.params
         finish = _finish_name(output.finish_reason)
         error = None
         if output.HasField("error"):
@@ -214,8 +225,10 @@ class OutputProcessor:
             prompt_logprobs = self._logprobs(output.prompt_logprobs, [])
         if not (text or new_ids or finish or prompt_logprobs):
             return None
-        c.sent_first = True
-        delta = CompletionDelta(c.request.prepared.request_id, c.index, text, new_ids, c.engine_id)
+        if not c.sent_first:
+            c.sent_first = True
+            c.plain = c.stop_checker is None and params.logprobs is None
+        delta = CompletionDelta(c.request_id, c.index, text, new_ids, c.engine_id)
         if params.logprobs is not None:
             delta.logprobs = self._logprobs(output.new_logprobs, c.logprob_context)
         delta.prompt_logprobs = prompt_logprobs
@@ -228,16 +241,25 @@ class OutputProcessor:
     def _logprobs(self, entries: Sequence[epb.TokenLogprobs], context: list[int]) -> list[TokenLogprob]:
         """Logprob entries with token texts, pieces of a character as vLLM writes them; `context` (the
         last sampled or prompt ids before them) is updated."""
-        out = _logprob_list(entries, self._texts)
-        for entry in out:
-            if entry.text is not None and entry.text.endswith(_REPLACEMENT):
-                entry.text = partial_token_text(self._decode, entry.token_id, context)
-            if any(self._texts.text(tid).endswith(_REPLACEMENT) for tid, _ in entry.top):
-                entry.top_texts = [partial_token_text(self._decode, tid, context)
-                                   if self._texts.text(tid).endswith(_REPLACEMENT) else self._texts.text(tid)
-                                   for tid, _ in entry.top]
-            context.append(entry.token_id)
-            del context[:-_CONTEXT]
+        texts, pieces = self._texts, self._pieces
+        kept = texts.kept
+        out = []
+        for e in entries:
+            token_id = e.token_id
+            top_ids = e.top_token_ids[:]
+            text = kept.get(token_id)
+            if text is None:
+                text = texts.text(token_id)
+            entry = TokenLogprob(token_id, e.logprob, e.rank, list(zip(top_ids, e.top_logprobs)), text)
+            if token_id in pieces:
+                entry.text = partial_token_text(self._decode, token_id, context)
+            if not pieces.isdisjoint(top_ids):
+                entry.top_texts = [partial_token_text(self._decode, tid, context) if tid in pieces
+                                   else texts.text(tid) for tid in top_ids]
+            out.append(entry)
+            context.append(token_id)
+            if len(context) > _CONTEXT:
+                del context[0]
         return out
 
     def _finish(self, c: Completion) -> None:
@@ -290,16 +312,3 @@ def _note_queue_time(events: RepeatedCompositeFieldContainer[epb.RequestEvent], 
     if queued is not None and scheduled is not None:
         into.append(max(0.0, scheduled - queued))
 
-
-def _logprob_list(entries: Sequence[epb.TokenLogprobs], texts: TokenTexts) -> list[TokenLogprob]:
-    """Engine logprob entries as `TokenLogprob`s, each with its token's own text."""
-    return [
-        TokenLogprob(
-            token_id=e.token_id,
-            logprob=e.logprob,
-            rank=e.rank,
-            top=list(zip(e.top_token_ids, e.top_logprobs)),
-            text=texts.text(e.token_id),
-        )
-        for e in entries
-    ]

@@ -1,0 +1,117 @@
+"""The output processor's shortcuts give what its general path gives.
+
+- The fast path (`OutputProcessor._process_one` for a plain completion past its first delta) against the
+  general path, forced by a stop string that never occurs: the same deltas for every kind of output that
+  may arrive in the fast path's shape (a finish, an error with or without a finish reason, a stop token,
+  cached tokens reported late, an empty step, a character split over tokens).
+- The per-tokenizer set of character pieces (`TokenTexts.pieces`) against decoding each id, and the
+  logprob rows built from it (a piece among the top-N alternatives gets its context text).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from frontend_svc.output_processor import OutputProcessor, partial_token_text
+from frontend_svc.processor import Processor
+from shared_runtime import contract as p
+from shared_runtime.contract import SamplingParams
+from shared_runtime.to_pb import outputs_to_pb
+from shared_runtime.token_texts import TokenTexts
+
+EOS = 1  # <|eos|> in the tiny tokenizer
+NEVER = "\x00never"  # a stop string no output contains: the general path, same text
+ERROR = p.EngineError(code=p.ErrorCode.INTERNAL, message="worker died")
+
+
+@pytest.fixture
+def processor(tokenizer):
+    return Processor(tokenizer, max_model_len=512, vocab_size=tokenizer.vocab_size, model_name="tiny")
+
+
+def _deltas(tokenizer, processor, stop, steps):
+    """Every delta of one request (n=1) fed `steps` (kwargs of an EngineCoreOutput each), as tuples."""
+    op = OutputProcessor(tokenizer)
+    state = op.add_request(processor.process("Mara walked", SamplingParams(max_tokens=400, stop=stop)))
+    rid = state.prepared.engine_request_ids[0]
+    deltas = []
+    for kwargs in steps:
+        message = outputs_to_pb(p.EngineCoreOutputs(outputs=[p.EngineCoreOutput(request_id=rid, **kwargs)]))
+        deltas += op.process_outputs(message).deltas
+    assert state.done
+    return [(d.text, d.token_ids, d.finish_reason, d.stop_reason, d.usage, d.error) for d in deltas]
+
+
+ENDINGS = {
+    "length": {"finish_reason": p.FinishReason.LENGTH},
+    "abort": {"finish_reason": p.FinishReason.ABORT},
+    "eos": {"finish_reason": p.FinishReason.STOP, "stop_token_id": EOS},
+    "error": {"finish_reason": p.FinishReason.ERROR, "error": ERROR},
+    "error without a finish reason": {"error": ERROR},
+}
+
+
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_the_fast_path_gives_what_the_general_path_gives(tokenizer, processor, encode, ending):
+    ids = encode(" the boats rocked € against their ropes, naïve 🌊 café")
+    rng = random.Random(ending)
+    steps = [{"new_token_ids": ids[:1]}]
+    position = 1
+    while position < len(ids) - 1:
+        size = rng.choice([0, 1, 1, 1, 2])  # an empty step now and then; sometimes two tokens
+        step = {"new_token_ids": ids[position:position + size]}
+        if position > 6 and rng.random() < 0.2:
+            step["num_cached_tokens"] = 3  # reported late: still counted in the usage
+        steps.append(step)
+        position += len(step["new_token_ids"])
+    last = dict(ENDINGS[ending])
+    last["new_token_ids"] = ids[position:] + ([EOS] if ending == "eos" else [])
+    steps.append(last)
+    fast = _deltas(tokenizer, processor, [], steps)
+    general = _deltas(tokenizer, processor, [NEVER], steps)
+    assert fast == general
+    assert "".join(d[0] for d in fast) == tokenizer.backend.decode(ids)  # EOS's text left out
+    _, _, finish, _, usage, error = fast[-1]
+    assert finish == ("stop" if ending == "eos" else ending.split()[0])
+    assert (error is not None) == ending.startswith("error")
+    assert usage.cached_prompt_tokens == (3 if any("num_cached_tokens" in s for s in steps) else 0)
+    assert sum(len(d[1]) for d in fast) == usage.completion_tokens == sum(len(s["new_token_ids"]) for s in steps)
+
+
+def test_pieces_are_the_ids_whose_own_decode_is_a_piece(tokenizer):
+    backend = tokenizer.backend
+    pieces = TokenTexts(backend).pieces()
+    size = backend.get_vocab_size(with_added_tokens=True)
+    assert pieces == {t for t in range(size) if backend.decode([t], skip_special_tokens=False).endswith("\ufffd")}
+    assert pieces, "the tiny tokenizer splits multi-byte characters"
+    assert tokenizer.token_texts.pieces() is tokenizer.token_texts.pieces()  # decoded once per tokenizer
+
+
+def test_a_piece_among_the_alternatives_gets_its_context_text(tokenizer, processor, encode):
+    """vLLM's text of a top-N alternative that is a piece of a character depends on the ids before it;
+    the others are their own decode."""
+    decode = lambda ids: tokenizer.backend.decode(ids, skip_special_tokens=False)  # noqa: E731
+    ids = encode(" a€ b€")
+    euro = encode("€")
+    whole = encode(" the")[0]
+    op = OutputProcessor(tokenizer)
+    state = op.add_request(processor.process("Mara walked", SamplingParams(logprobs=3)))
+    rid = state.prepared.engine_request_ids[0]
+    context: list[int] = []
+    for i, token in enumerate(ids):
+        top = [token, euro[0], euro[-1], whole]
+        entry = p.TokenLogprobs(token_id=token, logprob=-0.5, rank=1, top_token_ids=top,
+                                top_logprobs=[-0.5, -1.0, -2.0, -3.0])
+        finish = p.FinishReason.LENGTH if i == len(ids) - 1 else 0
+        message = outputs_to_pb(p.EngineCoreOutputs(outputs=[
+            p.EngineCoreOutput(request_id=rid, new_token_ids=[token], new_logprobs=[entry], finish_reason=finish)]))
+        (delta,) = op.process_outputs(message).deltas
+        (lp,) = delta.logprobs
+        expected = [partial_token_text(decode, t, context) if decode([t]).endswith("\ufffd") else decode([t])
+                    for t in top]
+        assert lp.top_texts == expected
+        assert lp.text == expected[0]
+        context = [*context, token][-4:]
+    assert len(euro) > 1
