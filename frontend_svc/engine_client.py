@@ -476,7 +476,7 @@ class EngineClient:
         for message in messages:
             if message.HasField("scheduler_stats"):
                 connection.note_stats(message.scheduler_stats)
-        process, first = self._output_processor.process, True
+        process, first = self._output_processor.process_keyed, True
         for outputs in _slices(messages):
             if not first:
                 await asyncio.sleep(0)
@@ -514,19 +514,25 @@ class EngineClient:
             task.add_done_callback(self._background.discard)
 
 
-def _slices(messages: Sequence[epb.EngineCoreOutputs]) -> Iterator[list[epb.EngineCoreOutput]]:
-    """The messages' outputs, each request's next to each other in engine order (requests in the order
-    they first appear; one engine message may hold several steps too, engine_svc/packing.py), in slices
-    of about `OUTPUT_SLICE` outputs that never split a request's outputs."""
-    groups: dict[str, list[epb.EngineCoreOutput]] = {}
-    for message in messages:
-        for output in message.outputs:
-            group = groups.get(output.request_id)
-            if group is None:
-                groups[output.request_id] = [output]
-            else:
-                group.append(output)
-    chunk: list[epb.EngineCoreOutput] = []
+def _slices(messages: Sequence[epb.EngineCoreOutputs]) -> Iterator[list[tuple[str, epb.EngineCoreOutput]]]:
+    """The messages' outputs with their request ids (each read once), each request's next to each other
+    in engine order (requests in the order they first appear; one engine message may hold several steps
+    too, engine_svc/packing.py), in slices of about `OUTPUT_SLICE` outputs that never split a request's
+    outputs. Outputs of distinct requests (the usual message) are already in that order: sliced as they
+    come."""
+    keyed = [(output.request_id, output) for message in messages for output in message.outputs]
+    if len(dict(keyed)) == len(keyed):
+        for start in range(0, max(len(keyed), 1), OUTPUT_SLICE):
+            yield keyed[start:start + OUTPUT_SLICE]
+        return
+    groups: dict[str, list[tuple[str, epb.EngineCoreOutput]]] = {}
+    for pair in keyed:
+        group = groups.get(pair[0])
+        if group is None:
+            groups[pair[0]] = [pair]
+        else:
+            group.append(pair)
+    chunk: list[tuple[str, epb.EngineCoreOutput]] = []
     for group in groups.values():
         if len(chunk) + len(group) > OUTPUT_SLICE and chunk:
             yield chunk

@@ -149,10 +149,14 @@ class OutputProcessor:
 
     def process(self, outputs: Iterable[epb.EngineCoreOutput]) -> ProcessedOutputs:
         """Process some of a step's outputs (a caller may split a large step into slices, in order)."""
+        return self.process_keyed([(output.request_id, output) for output in outputs])
+
+    def process_keyed(self, outputs: Iterable[tuple[str, epb.EngineCoreOutput]]) -> ProcessedOutputs:
+        """`process` for outputs that come with their request ids (read once, by the engine client)."""
         result = ProcessedOutputs()
         log_stats, completions, deltas = self._log_stats, self._completions, result.deltas
-        for output in outputs:
-            completion = completions.get(output.request_id)
+        for request_id, output in outputs:
+            completion = completions.get(request_id)
             if completion is None:
                 continue
             if log_stats and output.events:
@@ -160,7 +164,7 @@ class OutputProcessor:
             try:
                 delta = self._process_one(completion, output, result.reqs_to_abort)
             except Exception:  # a fault in one completion's processing must not fail the others
-                logger.exception("processing output of %s failed; ending that completion", output.request_id)
+                logger.exception("processing output of %s failed; ending that completion", request_id)
                 delta = self._fail(completion, result.reqs_to_abort)
             if delta is None:
                 continue

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from frontend_svc.engine_client import OUTPUT_SLICE, EngineClient
+from tandem.engine.v1 import engine_core_pb2 as epb
+
+from frontend_svc.engine_client import OUTPUT_SLICE, EngineClient, _slices
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import Processor
 from frontend_svc.request_state import DeltaCollector
@@ -52,3 +54,31 @@ def test_a_256_request_step_leaves_the_loop_free_between_slices(tokenizer, encod
     assert partial == sorted(partial)  # slices in engine order
     assert all(c.num_pending == 1 for c in collectors)
     assert all("".join(d.text for d in asyncio.run(c.get())) == " boats" for c in collectors)
+
+
+def _message(*request_ids: str) -> epb.EngineCoreOutputs:
+    return outputs_to_pb(p.EngineCoreOutputs(
+        outputs=[p.EngineCoreOutput(request_id=rid, new_token_ids=[i]) for i, rid in enumerate(request_ids)]))
+
+
+def _shape(slices: list[list[tuple[str, epb.EngineCoreOutput]]]) -> list[list[tuple[str, int]]]:
+    """Each slice as (request id, the output's token), the id checked against the output's own."""
+    assert all(rid == output.request_id for chunk in slices for rid, output in chunk)
+    return [[(rid, output.new_token_ids[0]) for rid, output in chunk] for chunk in slices]
+
+
+def test_one_message_with_several_steps_of_a_request_is_grouped_by_request() -> None:
+    """engine_svc/packing.py puts several queued steps in one message: a request's outputs still go
+    through the output processor next to each other (one merged delta), requests in first-seen order."""
+    slices = list(_slices([_message("a", "b", "a", "c", "b")]))
+    assert _shape(slices) == [[("a", 0), ("a", 2), ("b", 1), ("b", 4), ("c", 3)]]
+    across = list(_slices([_message("a", "b"), _message("b", "a")]))
+    assert _shape(across) == [[("a", 0), ("a", 1), ("b", 1), ("b", 0)]]
+
+
+def test_distinct_requests_are_sliced_in_engine_order() -> None:
+    ids = [f"r{i}" for i in range(2 * OUTPUT_SLICE + 3)]
+    shape = _shape(list(_slices([_message(*ids)])))
+    assert [len(chunk) for chunk in shape] == [OUTPUT_SLICE, OUTPUT_SLICE, 3]
+    assert [rid for chunk in shape for rid, _ in chunk] == ids
+    assert list(_slices([epb.EngineCoreOutputs()])) == [[]]  # an empty message is still delivered (stats)
