@@ -200,8 +200,17 @@ class OutputProcessor:
             c.num_cached = cached
         if c.plain and not output.finish_reason and not output.HasField("error"):
             # The common output, what the general path below makes of it: its tokens' text, nothing else.
-            return CompletionDelta(c.request_id, c.index, c.detokenizer.add(new_ids), new_ids, c.engine_id) \
-                if new_ids else None
+            if not new_ids:
+                return None
+            text = c.detokenizer.add(new_ids)
+            held = c.held
+            if held is None:
+                return CompletionDelta(c.request_id, c.index, text, new_ids, c.engine_id)
+            # Held back by the stream interval: what `due` would merge into it, without a delta to merge.
+            c.held = None
+            held.text += text
+            held.token_ids.extend(new_ids)
+            return held
         params = c.request.prepared.params
         finish = _finish_name(output.finish_reason)
         error = None
