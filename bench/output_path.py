@@ -6,7 +6,8 @@ SmolLM2-135M-Instruct's tokenizer (the demo GGUF); 128 requests added with colle
 `EngineCoreOutputs` with one token per request (the fake engine's shape, tests/fake_engine.py: the
 passage of bench/frontend_capacity.py, top-N rows of consecutive ids), parsed from its wire bytes as the
 frontend gets it; after each step every collector is read (a reader that keeps up). Cases: plain, 4 stop
-strings (never matching), top-5 logprobs, both. Prints µs per token (median and best of `--rounds`).
+strings (never matching), top-5 logprobs, both; `--stream-interval N` holds each completion's deltas to
+N tokens as the server's flag does. Prints µs per token (median and best of `--rounds`).
 
 Compare two trees in one run on a quiet machine (`/work/bin/quiet` on the shared box):
 
@@ -30,7 +31,7 @@ HERE = Path(__file__).resolve()
 CASES = ("plain", "stop", "logprobs", "stop+logprobs")
 
 
-def measure(case: str, streams: int, tokens: int, rounds: int) -> list[float]:
+def measure(case: str, streams: int, tokens: int, rounds: int, interval: int = 1) -> list[float]:
     """µs per token of each round (run inside the tree under test: its modules are imported)."""
     sys.path[:0] = [str(Path.cwd()), str(Path.cwd() / "bench")]  # the tree under test (cwd), not this file's
     from frontend_capacity import PASSAGE, QUESTION, STOP_STRINGS, TOP_LOGPROBS  # type: ignore[import-not-found]
@@ -83,7 +84,7 @@ def measure(case: str, streams: int, tokens: int, rounds: int) -> list[float]:
         return out
 
     async def one_round() -> float:
-        op = OutputProcessor(tokenizer)
+        op = OutputProcessor(tokenizer, stream_interval=interval)
         client = EngineClient([], op, vocab)
         connection = Connection()
         collectors, engine_ids = [], []
@@ -100,7 +101,8 @@ def measure(case: str, streams: int, tokens: int, rounds: int) -> list[float]:
         for message in steps:
             await on_outputs(connection, message)  # type: ignore[arg-type]
             for collector in collectors:
-                await collector.get()
+                if collector.num_pending:  # (a stream interval holds some back)
+                    await collector.get()
         elapsed = time.perf_counter() - start
         assert not connection.requests, "every request finished"
         return elapsed / (streams * tokens) * 1e6
@@ -115,19 +117,22 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--stream-interval", type=int, default=1, help="the server's (vLLM's --stream-interval)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a case, measured in this process
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.streams, args.tokens, args.rounds)))
+        print(json.dumps(measure(args.child, args.streams, args.tokens, args.rounds, args.stream_interval)))
         return
     roots = [Path(r).resolve() for r in (args.root or [HERE.parents[1]])]
-    print(f"{args.streams} requests x {args.tokens} tokens, µs per token: median (best) of {args.rounds} rounds")
+    print(f"{args.streams} requests x {args.tokens} tokens, stream interval {args.stream_interval}, "
+          f"µs per token: median (best) of {args.rounds} rounds")
     for case in args.cases:
         medians = []
         for root in roots:  # each tree in its own process, its own modules
             env = {**os.environ, "PYTHONPATH": str(root)}
             child = [sys.executable, str(HERE), "--child", case, "--streams", str(args.streams),
-                     "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
+                     "--tokens", str(args.tokens), "--rounds", str(args.rounds),
+                     "--stream-interval", str(args.stream_interval)]
             rounds = json.loads(subprocess.run(child, cwd=root, env=env, check=True, capture_output=True,
                                                text=True).stdout.strip().splitlines()[-1])
             medians.append(statistics.median(rounds))
