@@ -35,12 +35,12 @@ so that drift on a noisy machine does not favour one; the summary is the median 
 
     python bench/frontend_capacity.py [--regime capacity|kept-up] [--step-ms MS] [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
         [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--stream-interval N [N ...]]
-        [--pin] [--baseline DIR] [--profile DIR] [--variant LABEL:NAME=VALUE[;NAME=VALUE...] ...]
+        [--pin] [--baseline DIR [--baseline-stream-interval N]] [--profile DIR] [--variant LABEL:NAME=VALUE[;NAME=VALUE...] ...]
 
 `--stream-interval N` starts this tree's frontend with `--stream-interval N` (vLLM's: chunks of at least N
 tokens, frontend_svc/output_processor.py); several values start one frontend per value, alternated on the
 same engine and clients, and print each one / the first per round (with `--baseline`: / the baseline,
-which runs with its defaults).
+which runs with its defaults, or `--baseline-stream-interval N`).
 
 `--baseline DIR` (a checkout of another revision, e.g. `git worktree add --detach /tmp/base main`) starts
 a second frontend that imports the frontend's code from DIR, on the same fake engine and clients, and
@@ -347,7 +347,7 @@ class Bench:
             (f"interval {n}", None, n, {}) for n in self.args.stream_interval or []] or [("this tree", None, None, {})]
         trees += [(label, None, None, settings) for label, settings in self.args.variant or []]
         if self.args.baseline is not None:
-            trees.append(("baseline", self.args.baseline.resolve(), None, {}))
+            trees.append(("baseline", self.args.baseline.resolve(), self.args.baseline_stream_interval, {}))
         for label, tree, interval, settings in trees:
             self.frontends.append(self._start_frontend(label, tree, gguf, engine_port, interval, settings))
         self.jobs = [ctx.Queue() for _ in range(self.args.clients)]
@@ -499,6 +499,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct's)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout of another revision: run its frontend too, alternating with this one")
+    parser.add_argument("--baseline-stream-interval", type=int, default=None, metavar="N",
+                        help="the baseline frontend's --stream-interval (default: its default)")
     parser.add_argument("--profile", type=Path, default=None, help="write py-spy samples here")
     parser.add_argument("--stream-interval", type=int, nargs="+", default=None,
                         help="this tree's frontend's --stream-interval; several: one frontend per value")
