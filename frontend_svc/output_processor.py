@@ -27,6 +27,9 @@ incrementally, checks stop strings and reports finishes. Invariants:
   request is aborted or fails (its engine lost) is dropped with it.
 - With `log_stats`, each step's engine-clock queue times (first SCHEDULED - QUEUED of a request) are
   handed out in `ProcessedOutputs.queue_times` for telemetry to record; nothing here records metrics.
+- The common output (a completion past its first delta, without stop strings or logprobs, no finish, no
+  error) takes a shortcut in `_process_one` that gives exactly the delta the general path gives; which
+  logprob tokens are pieces of a character is read from the tokenizer's `TokenTexts.pieces()`.
 Nothing here formats strings or logs per token.
 """
 
