@@ -9,7 +9,9 @@ batched prompts); `CompletionBuilder` and `ChatBuilder` turn deltas into stream 
 that carries something) or fold them into the final response, and sum usage over prompts (each prompt
 counted once, every completion's tokens counted). `TokenTexts` decodes logprob tokens, cached per id.
 A delta's chunk is built as plain dicts and serialised by `dump` (the hot path: no pydantic model per
-chunk, token or top-logprob entry); its bytes are exactly the response models' (protocol.py).
+chunk, token or top-logprob entry); a chat chunk's logprobs are spliced in as text joined from JSON
+fragments cached per token (`TokenPieces.json`) and one `dump` of their floats; the bytes are exactly
+the response models' (protocol.py; tests/openai_api/test_chunk_bytes.py).
 
 Invariants:
 - Concatenating a choice's chunk texts gives the non-streaming text (both come from the same deltas).
@@ -24,7 +26,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import pydantic_core
 
@@ -40,6 +42,7 @@ from shared_runtime.violations import ValidationError
 
 MIN_LOGPROB = -9999.0
 _TOKEN_CACHE_LIMIT = 1 << 16
+LogprobsT = TypeVar("LogprobsT")  # logprobs in some form: dicts (`_logprobs`) or JSON text (`_logprobs_json`)
 
 
 # ---- requests ---------------------------------------------------------------------------------------
@@ -288,12 +291,14 @@ class TokenPieces:
     Bounded: a table is cleared when it reaches _TOKEN_CACHE_LIMIT entries. The byte lists are shared
     between chunks: they are only serialised, never mutated."""
 
-    __slots__ = ("_by_id", "_by_text", "_texts")
+    __slots__ = ("_by_id", "_by_text", "_json", "_json_by_id", "_texts")
 
     def __init__(self, texts: Any) -> None:
         self._texts = texts  # TokenTexts' interface: text(token_id)
         self._by_id: tuple[dict[int, Piece], dict[int, Piece]] = ({}, {})  # [as_token_ids]
         self._by_text: dict[str, list[int]] = {}
+        self._json: dict[str, RowJson] = {}
+        self._json_by_id: tuple[dict[int, tuple[str, str]], dict[int, tuple[str, str]]] = ({}, {})  # .later
 
     def of(self, token_id: int, text: str | None, as_token_ids: bool) -> Piece:
         """The row's token for `token_id` (whose text is `text` when the entry carries one) and its bytes."""
@@ -316,6 +321,54 @@ class TokenPieces:
                 self._by_text.clear()
             data = self._by_text[text] = utf8(text)
         return data
+
+    def json(self, token: str) -> RowJson:
+        """The JSON around a logprob of the token `token` shows (its bytes are `utf8(token)`), cached by
+        the token; `dump`'s escaping (pydantic-core's), so the bytes are the dicts'."""
+        row = self._json.get(token)
+        if row is None:
+            if len(self._json) >= _TOKEN_CACHE_LIMIT:
+                self._json.clear()
+            head = '{"token":' + dump(token) + ',"logprob":'
+            data = ',"bytes":' + dump(utf8(token))
+            row = self._json[token] = RowJson(head, (head, data + "}"), ("," + head, data + "}"),
+                                              data + ',"top_logprobs":[')
+        return row
+
+    def rows_json(self, entry: TokenLogprob, own: RowJson, count: int, as_token_ids: bool, parts: list[str],
+                  logprobs: list[float]) -> None:
+        """`ranked(entry, count, as_token_ids)` as chat rows' JSON (TopLogprob's fields), but for their
+        logprobs: per row, appends the text before and after its logprob to `parts` and its finite
+        logprob to `logprobs`. `own` is the JSON of the entry's own token (the first row)."""
+        if count < 1:
+            return
+        parts += own.first
+        logprobs.append(finite(entry.logprob))
+        if count == 1 or not entry.top:
+            return
+        if entry.top_texts is not None:  # alternatives with context texts: the general walk
+            for (token, _), logprob in self.ranked(entry, count, as_token_ids)[1:]:
+                parts += self.json(token).later
+                logprobs.append(logprob)
+            return
+        table = self._json_by_id[as_token_ids]  # ranked()'s common case, inlined, with rows cached by id
+        seen = {entry.token_id}
+        n = 1
+        for tid, lp in entry.top:
+            if tid not in seen:
+                seen.add(tid)
+                parts += table.get(tid) or self._id_json(tid, as_token_ids)
+                logprobs.append(lp if lp >= MIN_LOGPROB else MIN_LOGPROB)  # finite(), inlined
+                n += 1
+                if n == count:
+                    break
+
+    def _id_json(self, token_id: int, as_token_ids: bool) -> tuple[str, str]:
+        table = self._json_by_id[as_token_ids]
+        if len(table) >= _TOKEN_CACHE_LIMIT:
+            table.clear()
+        row = table[token_id] = self.json(self.of(token_id, None, as_token_ids)[0]).later
+        return row
 
     def ranked(self, entry: TokenLogprob, count: int, as_token_ids: bool) -> list[tuple[Piece, float]]:
         """The first `count` of vLLM's logprob dict of a position (the token first, then the top-N by
@@ -341,6 +394,16 @@ class TokenPieces:
                     if len(out) == count:
                         break
         return out
+
+
+class RowJson(NamedTuple):
+    """The JSON text around the logprob of a chat logprob row (TopLogprob: token, logprob, bytes) or entry
+    (ChatTokenLogprob: the same, then top_logprobs) of one token."""
+
+    head: str  # '{"token":"...","logprob":'
+    first: tuple[str, str]  # a row's (head, ',"bytes":[...]}'): the first of a top_logprobs list
+    later: tuple[str, str]  # the same after another row: ',' + head
+    entry_tail: str  # ',"bytes":[...],"top_logprobs":[' (its rows follow, then ']}')
 
 
 def utf8(text: str) -> list[int]:
@@ -483,7 +546,7 @@ class _Builder:
         return list(ids) if self.extras.token_ids else None
 
 
-def dump(body: dict[str, Any]) -> str:
+def dump(body: Any) -> str:
     """A stream chunk built as plain dicts (keys in the response model's field order, exactly the
     fields the model would have set) as JSON: pydantic-core's serializer with `model_dump_json`'s
     options (compact, UTF-8 unescaped, non-finite floats as null), so the bytes are the models' without
@@ -644,7 +707,11 @@ class ChatBuilder(_Builder):
         """Record `delta`; what its stream chunk shows (choice index, the tool-call parser's message or
         None for the text as content, finish reason, logprobs), or None when it carries nothing."""
         self._record(prompt_index, delta)
-        logprobs = self._logprobs(delta)
+        return self._shown(prompt_index, delta, self._logprobs(delta))
+
+    def _shown(self, prompt_index: int, delta: CompletionDelta, logprobs: LogprobsT) -> tuple[
+            int, p.DeltaMessage | None, str | None, LogprobsT] | None:
+        """`shown` with the delta recorded and its logprobs (None: none asked) in whatever form."""
         ids = self.extras.token_ids and bool(delta.token_ids)
         if not delta.text and logprobs is None and delta.finish_reason is None and not ids:
             return None
@@ -659,8 +726,11 @@ class ChatBuilder(_Builder):
         return index, message, calls.finish_reason(delta.finish_reason), logprobs
 
     def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
-        """One stream chunk for `delta`, or None when it carries nothing."""
-        shown = self.shown(prompt_index, delta)
+        """One stream chunk for `delta`, or None when it carries nothing. Its logprobs are JSON text
+        (`_logprobs_json`), put in the place of the `"logprobs":null` the rest is dumped with: a JSON
+        string escapes its quotes, so that text only occurs as the choice's key and its null value."""
+        self._record(prompt_index, delta)
+        shown = self._shown(prompt_index, delta, self._logprobs_json(delta))
         if shown is None:
             return None
         index, message, finish_reason, logprobs = shown
@@ -668,7 +738,7 @@ class ChatBuilder(_Builder):
             content = message.model_dump(exclude_unset=True)
         else:
             content = {"content": delta.text} if delta.text else {}  # DeltaMessage
-        out = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}  # ChatChunkChoice
+        out = {"index": index, "delta": content, "logprobs": None, "finish_reason": finish_reason}  # ChatChunkChoice
         if delta.finish_reason is not None:
             out["stop_reason"] = delta.stop_reason
         if self.extras.token_ids:
@@ -678,7 +748,9 @@ class ChatBuilder(_Builder):
         if with_usage:
             body["usage"] = None
         self._stamp(body, delta.finish_reason is not None, with_usage)
-        return dump(body)
+        if logprobs is None:
+            return dump(body)
+        return dump(body).replace('"logprobs":null', '"logprobs":' + logprobs, 1)
 
     def _chunk(self, choices: list[p.ChatChunkChoice], with_usage: bool) -> str:
         body = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)
@@ -733,6 +805,38 @@ class ChatBuilder(_Builder):
         if self.top_n is None or delta.logprobs is None:
             return None
         return {"content": [self._chat_token(entry) for entry in delta.logprobs]}
+
+    def _logprobs_json(self, delta: CompletionDelta) -> str | None:
+        """`_logprobs(delta)` as `dump` writes it, from the JSON around each logprob cached per token
+        (`TokenPieces.json`): the logprobs, the only text not cached, are dumped in one call (pydantic-core
+        writes a float without a comma, so the list splits at commas) and go between."""
+        entries = delta.logprobs
+        if self.top_n is None or entries is None:
+            return None
+        if not entries:
+            return '{"content":[]}'
+        as_ids = self.extras.as_token_ids
+        count = self.top_n
+        pieces = self.pieces
+        parts: list[str] = []  # the text before and after each of logprobs, in turn
+        logprobs: list[float] = []
+        before = '{"content":['
+        for entry in entries:
+            token = self._token(entry.token_id, entry.text)
+            own = pieces.json(token)  # the first row's too: ranked() leads with the same token
+            # with return_tokens_as_token_ids the token is "token_id:N" and its bytes are its text's
+            tail = pieces.json(self._text(entry.token_id, entry.text)).entry_tail if as_ids else own.entry_tail
+            parts += (before + own.head, tail)
+            logprobs.append(finite(entry.logprob))
+            pieces.rows_json(entry, own, count, as_ids, parts, logprobs)
+            before = "]},"
+        texts = dump(logprobs)[1:-1].split(",")
+        out = [""] * (3 * len(texts) + 1)
+        out[0:-1:3] = parts[::2]
+        out[1::3] = texts
+        out[2::3] = parts[1::2]
+        out[-1] = "]}]}"
+        return "".join(out)
 
     def _chat_token(self, entry: TokenLogprob) -> dict[str, Any]:
         """vLLM's chat logprob (ChatTokenLogprob's fields): the first top_logprobs of the token then the

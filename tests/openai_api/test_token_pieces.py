@@ -2,7 +2,8 @@
 ranked dict of a position (test_chunk_bytes' `vllm_ranked`), each token as the response shows it (`_token`: its own
 text, the text the entry carries, or "token_id:N") with the UTF-8 of that. One cache serves every
 request of an app, so it is checked across requests with and without return_tokens_as_token_ids and
-with texts that differ by context (a piece of a multi-byte character), and it stays bounded.
+with texts that differ by context (a piece of a multi-byte character), and it stays bounded; so are the
+chat rows' JSON fragments cached beside them (`TokenPieces.json`, the stream chunks' logprobs).
 (tests/openai_api/test_chunk_bytes.py checks the chat chunks' bytes; its completions side shares
 `_logprobs` with the builders, so the completions rows are checked here.)"""
 
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from frontend_svc.openai import convert
-from frontend_svc.outputs import TokenLogprob
+from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from tests.openai_api.test_chunk_bytes import FLOATS, PIECES, Texts, vllm_ranked
 
 
@@ -59,13 +60,18 @@ def test_cached_rows_are_the_uncached_rows_across_requests_and_options() -> None
             chat = builder._chat_token(entry)
             assert chat["token"] == builder._token(entry.token_id, entry.text)
             assert chat["bytes"] == convert.utf8(builder._text(entry.token_id, entry.text))
+        # the stream chunks' logprobs JSON, from the rows' JSON cached across requests, is the dicts' dump
+        delta = CompletionDelta(request_id="r", index=0, text="", token_ids=[], logprobs=[_entry(rng) for _ in range(3)])
+        assert builder._logprobs_json(delta) == convert.dump(builder._logprobs(delta))
 
 
 def test_the_tables_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(convert, "_TOKEN_CACHE_LIMIT", 8)
     pieces = convert.TokenPieces(Texts())
-    tables: Any = (*pieces._by_id, pieces._by_text)
+    tables: Any = (*pieces._by_id, pieces._by_text, pieces._json, *pieces._json_by_id)
     for token_id in range(100):
         assert pieces.of(token_id, None, token_id % 2 == 0) == pieces.of(token_id, None, token_id % 2 == 0)
         pieces.of(token_id, f"t{token_id}", False)
+        entry = TokenLogprob(token_id=token_id, logprob=-1.0, rank=1, top=[(token_id + 1, -2.0), (token_id + 2, -3.0)])
+        pieces.rows_json(entry, pieces.json(f"own{token_id}"), 3, token_id % 3 == 0, [], [])
         assert all(len(table) <= 8 for table in tables)
