@@ -49,7 +49,7 @@ from frontend_svc.processor import PreparedRequest
 from frontend_svc.request_state import DeltaCollector, RequestState
 from shared_runtime.detokenizer import IncrementalDetokenizer
 from shared_runtime.stop import StopChecker
-from shared_runtime.token_texts import TokenTexts
+from shared_runtime.token_texts import REPLACEMENT, TokenTexts
 
 # Indexed by the wire FinishReason number (0 = unspecified, 1 stop, 2 length, 3 abort, 4 error).
 _FINISH_NAMES: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")
@@ -284,7 +284,6 @@ class OutputProcessor:
         del c.request.unfinished[c.engine_id]
 
 
-_REPLACEMENT = "\ufffd"
 _CONTEXT = 4  # ids: enough for any UTF-8 character
 
 
@@ -296,10 +295,10 @@ def partial_token_text(decode: Callable[[list[int]], str], token_id: int, contex
     for size in range(1, min(len(context), _CONTEXT) + 1):
         ctx = list(context[-size:])
         full = decode([*ctx, token_id])
-        if full.endswith(_REPLACEMENT):
+        if full.endswith(REPLACEMENT):
             continue
         clean = len(ctx)
-        while clean > 0 and decode([ctx[clean - 1]]).endswith(_REPLACEMENT):
+        while clean > 0 and decode([ctx[clean - 1]]).endswith(REPLACEMENT):
             clean -= 1
         prefix = decode(ctx[:clean]) if clean else ""
         if full.startswith(prefix):

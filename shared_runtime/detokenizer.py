@@ -30,9 +30,8 @@ from collections.abc import Callable, Sequence
 
 import tokenizers
 
-from shared_runtime.token_texts import TokenTexts
+from shared_runtime.token_texts import REPLACEMENT, TokenTexts
 
-_REPLACEMENT_CHAR = "\ufffd"
 _MIN_PROMPT_CONTEXT = 4
 _MAX_PROMPT_CONTEXT = 24
 
@@ -70,7 +69,7 @@ class IncrementalDetokenizer:
         ids = self._ids
         ids.extend(token_ids)
         text = self._decode(ids, skip_special_tokens=self._skip_special)
-        if len(text) <= self._prefix_len or text.endswith(_REPLACEMENT_CHAR):
+        if len(text) <= self._prefix_len or text.endswith(REPLACEMENT):
             return ""
         delta = text[self._prefix_len :]
         # The ids just read become the new prefix; older ones are no longer needed as context.
@@ -109,6 +108,6 @@ def prompt_context(backend: tokenizers.Tokenizer, prompt_token_ids: Sequence[int
         return list(prompt_token_ids)
     for size in range(_MIN_PROMPT_CONTEXT, min(n, _MAX_PROMPT_CONTEXT) + 1):
         suffix = list(prompt_token_ids[n - size :])
-        if not backend.decode(suffix, skip_special_tokens=False).startswith(_REPLACEMENT_CHAR):
+        if not backend.decode(suffix, skip_special_tokens=False).startswith(REPLACEMENT):
             return suffix
     return list(prompt_token_ids[n - min(n, _MAX_PROMPT_CONTEXT) :])

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import tokenizers
 
 CACHE_LIMIT = 1 << 18
+REPLACEMENT = "\ufffd"  # what a decode ends in when it stops inside a multi-byte character
 
 
 class TokenTexts:
@@ -56,8 +57,6 @@ class TokenTexts:
         if self._pieces is None:
             size = self._backend.get_vocab_size(with_added_tokens=True)
             texts = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
-            self._pieces = frozenset(i for i, text in enumerate(texts) if text.endswith(_REPLACEMENT))
+            self._pieces = frozenset(i for i, text in enumerate(texts) if text.endswith(REPLACEMENT))
         return self._pieces
 
-
-_REPLACEMENT = "\ufffd"

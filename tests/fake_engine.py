@@ -43,7 +43,6 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
                  clocked: bool = False, catch_up: bool = False) -> None:
         self.vocab_size, self.max_model_len, self.step_s = vocab_size, max_model_len, step_s
         self.clocked, self.catch_up = clocked, catch_up
-        self.steps = 0  # clocked: steps made, over all streams
         self.messages = 0  # EngineCoreOutputs messages sent, over all streams
         self.model_name = model_name
         self.archive = tokenizer_bundle.pack(tokenizer_files) if tokenizer_files is not None else None
@@ -130,7 +129,6 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
                 outputs = self._steps(mine)
                 if not outputs:
                     break
-                self.steps += 1
                 queued.extend(outputs)
                 made.set()
 
