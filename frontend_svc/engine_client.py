@@ -55,7 +55,7 @@ from frontend_svc.errors import UNAVAILABLE, ServiceError
 from frontend_svc.kv_index import KvBlockIndex, follow_kv_events
 from frontend_svc.output_processor import OutputProcessor, ProcessedOutputs
 from frontend_svc.processor import PreparedRequest
-from frontend_svc.request_state import DeltaCollector, RequestState
+from frontend_svc.request_state import DeltaCollector, DrainGate, RequestState
 from frontend_svc.router import Router
 from shared_runtime.contract import EngineCoreRequest
 from shared_runtime.link import KEEPALIVE_OPTIONS, message_size_options
@@ -127,6 +127,7 @@ class EngineConnection:
         self.state = State.CONNECTING
         self.info: epb.EngineInfo | None = None
         self.requests: set[RequestState] = set()  # sent here and not done
+        self.gate = DrainGate()  # the next batch of engine messages waits for the readers of the last
         self.kv_index = KvBlockIndex()  # the engine's cached blocks (followed only for cache-aware routing)
         self._reported_load = 0
         self._sent_since_report = 0
@@ -254,7 +255,8 @@ class EngineConnection:
     async def _process_stream(self, call: Any) -> None:
         """Process the engine's messages until the stream ends (returns) or breaks (raises what the read
         raised): whatever was read before the end is processed first. The messages queued while the
-        previous batch was processed form the next batch (`EngineClient.on_outputs`)."""
+        previous batch was processed, and its readers took their output (`DrainGate`), form the next
+        batch (`EngineClient.on_outputs`)."""
         queue: asyncio.Queue[Any] = asyncio.Queue(READ_AHEAD)
         reader = asyncio.get_running_loop().create_task(_read_ahead(call, queue))
         on_outputs = self._client.on_outputs
@@ -266,6 +268,7 @@ class EngineConnection:
                 end = batch.pop() if not isinstance(batch[-1], epb.EngineCoreOutputs) else None
                 if batch:
                     await on_outputs(self, *batch)
+                    await self.gate.drained()
                 if end is _STREAM_END:
                     return
                 if end is not None:
@@ -417,6 +420,7 @@ class EngineClient:
         messages = [add_to_pb(request) for request in engine_requests]  # may raise: before any state
         request = self._output_processor.add_request(prepared, collector)
         request.connection = connection
+        collector.gate = connection.gate
         connection.requests.add(request)
         connection.note_sent(len(messages))
         for message in messages:

@@ -186,12 +186,14 @@ class Generation:
                     remaining -= 1
                 self.call.on_delta(delta)
             yield deltas
+        self._collector.release()
 
     def close(self) -> None:
         """Abort what is unfinished in the engine and give the slots back (once; later calls no-op)."""
         if self._closed:
             return
         self._closed = True
+        self._collector.release()
         if self._request is not None:
             self._engines.abort(self._request)  # a no-op once the request is done
         self._admission.give_back(self.slots, self._preparing)

@@ -103,6 +103,71 @@ def _run(tokenizer: Any, encode: Callable[[str], list[int]], *, kept_up: bool,
     return asyncio.run(main())
 
 
+class _PacedStream:
+    """An engine a little ahead of the frontend: one message ready per turn of the event loop."""
+
+    def __init__(self, messages: list[epb.EngineCoreOutputs]) -> None:
+        self.messages = messages
+
+    async def __aiter__(self) -> AsyncIterator[epb.EngineCoreOutputs]:
+        for message in self.messages:
+            await asyncio.sleep(0)
+            yield message
+
+
+def _batches_with_busy_readers(tokenizer: Any, encode: Callable[[str], list[int]], *, gated: bool) -> tuple[
+        list[int], list[list[list[CompletionDelta]]]]:
+    """How many engine messages each `on_outputs` call got, and what the readers got, when sending a
+    response takes a reader `WRITE_TURNS` turns of the loop (a gRPC write completes through grpc's
+    poller), with the connection's `DrainGate` on the collectors (as `EngineClient.submit` sets it) or not."""
+    async def main() -> tuple[list[int], list[list[list[CompletionDelta]]]]:
+        connection, collectors, messages, _ = _setup(tokenizer, encode, 3)
+        if gated:
+            for collector in collectors:
+                collector.gate = connection.gate
+        sizes: list[int] = []
+        process = connection._client.on_outputs
+
+        async def counting(conn: EngineConnection, *batch: epb.EngineCoreOutputs) -> None:
+            sizes.append(len(batch))
+            await process(conn, *batch)
+
+        connection._client.on_outputs = counting  # type: ignore[method-assign]
+        pumping = asyncio.get_running_loop().create_task(connection._process_stream(_PacedStream(messages)))
+
+        async def reader(collector: DeltaCollector, n: int) -> list[list[CompletionDelta]]:
+            batches: list[list[CompletionDelta]] = []
+            while sum(d.finished for batch in batches for d in batch) < n:
+                batches.append(await collector.get())
+                for _ in range(WRITE_TURNS):  # the write of the response
+                    await asyncio.sleep(0)
+            collector.release()
+            return batches
+
+        read = await asyncio.gather(*(reader(c, 2 if i == 0 else 1) for i, c in enumerate(collectors)))
+        await pumping
+        return sizes, list(read)
+    return asyncio.run(main())
+
+
+WRITE_TURNS = 4
+
+
+def test_steps_that_arrive_while_the_readers_write_are_processed_together(tokenizer, encode) -> None:
+    """The connection takes its next batch of engine messages once the readers it handed output to have
+    sent it (`DrainGate`): the steps that arrived meanwhile are processed as one batch, so the frontend
+    processes and each stream sends once per several steps. Without the gate every message is processed
+    alone, as it arrives, and the readers' collectors merge what comes while they write."""
+    sizes, read = _batches_with_busy_readers(tokenizer, encode, gated=True)
+    ungated_sizes, ungated = _batches_with_busy_readers(tokenizer, encode, gated=False)
+    assert sum(sizes) == sum(ungated_sizes) == STEPS
+    assert ungated_sizes == [1] * STEPS
+    assert len(sizes) <= STEPS // 2 and max(sizes) >= WRITE_TURNS - 1
+    same = _by_completion(read), _by_completion(ungated)
+    assert {k: _concat_responses([response_from_delta(d) for d in v]) for k, v in same[0].items()} == \
+        {k: _concat_responses([response_from_delta(d) for d in v]) for k, v in same[1].items()}
+
+
 def _by_completion(read: list[list[list[CompletionDelta]]]) -> dict[tuple[str, int], list[CompletionDelta]]:
     out: dict[tuple[str, int], list[CompletionDelta]] = {}
     for batches in read:
@@ -217,6 +282,8 @@ async def _consume(frontend: Any, request: Any, slow: bool) -> list[list[Any]]:
     responses: list[list[Any]] = [[], []]
     try:
         await generation.start(lambda: frontend.prepare(request))
+        gate = generation._request.connection.gate
+        assert generation._collector.gate is gate  # the connection paces by this stream's reader too
         async for deltas in generation.batches():
             for delta in deltas:
                 responses[delta.index].append(response_from_delta(delta))
@@ -224,4 +291,5 @@ async def _consume(frontend: Any, request: Any, slow: bool) -> list[list[Any]]:
                 await asyncio.sleep(0.03)
     finally:
         generation.close()
+    assert gate.outstanding == 0  # an ended stream is no reader for the engine stream to wait for
     return responses

@@ -8,7 +8,7 @@ import pytest
 
 from frontend_svc.errors import UNAVAILABLE, ServiceError
 from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
-from frontend_svc.request_state import DeltaCollector
+from frontend_svc.request_state import DeltaCollector, DrainGate
 
 
 def delta(index: int, step: int, *, finish: str | None = None) -> CompletionDelta:
@@ -66,3 +66,82 @@ def test_get_waits_for_output() -> None:
         return await asyncio.wait_for(reader, 1.0)
 
     assert [d.text for d in asyncio.run(scenario())] == ["<0.0>"]
+
+
+# ---- DrainGate: an engine stream paced by the readers it handed output to -------------------------------
+
+
+def _gated(gate: DrainGate, count: int) -> list[DeltaCollector]:
+    collectors = [DeltaCollector() for _ in range(count)]
+    for collector in collectors:
+        collector.gate = gate
+    return collectors
+
+
+async def _turns(count: int) -> None:
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+def test_the_gate_opens_once_every_reader_handed_output_came_back_for_more() -> None:
+    async def scenario() -> None:
+        gate = DrainGate()
+        first, second = _gated(gate, 2)
+        first.put(delta(0, 0))
+        second.put(delta(0, 0))
+        second.put(delta(0, 1))  # merged into unread output: handed once
+        drained = asyncio.ensure_future(gate.drained(timeout=10.0))
+        taken = await first.get()  # taken, but not yet sent: the reader has not come back
+        await _turns(5)
+        assert [d.text for d in taken] == ["<0.0>"] and not drained.done()
+        reading = asyncio.ensure_future(first.get())  # sent: back for more
+        await _turns(5)
+        assert not drained.done()  # the second reader has not even taken its output
+        assert [d.text for d in await second.get()] == ["<0.0><0.1>"]
+        second.release()  # the reader stops reading (its stream ended)
+        await asyncio.wait_for(drained, 1.0)
+        reading.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_gate_with_nothing_handed_does_not_wait() -> None:
+    async def scenario() -> None:
+        gate = DrainGate()
+        collector, = _gated(gate, 1)
+        collector.put(delta(0, 0))
+        await collector.get()
+        reading = asyncio.ensure_future(collector.get())
+        await asyncio.sleep(0)
+        await asyncio.wait_for(gate.drained(timeout=10.0), 0.5)
+        await asyncio.wait_for(gate.drained(timeout=10.0), 0.5)  # nothing handed since
+        reading.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_reader_holds_back_one_batch_at_most_the_wait_once() -> None:
+    """A reader that never comes back delays the batch after its output by `timeout`, and no later one:
+    output put into its unread collector is not handed again, and its late `taken` is for an epoch gone."""
+    async def scenario() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        gate = DrainGate()
+        stalled, live = _gated(gate, 2)
+        stalled.put(delta(0, 0))
+        start = loop.time()
+        await gate.drained(timeout=0.05)
+        held = loop.time() - start
+        stalled.put(delta(0, 1))
+        live.put(delta(0, 1))
+        await live.get()
+        reading = asyncio.ensure_future(live.get())
+        start = loop.time()
+        await asyncio.wait_for(gate.drained(timeout=10.0), 1.0)
+        second = loop.time() - start
+        assert [d.text for d in await stalled.get()] == ["<0.0><0.1>"]  # all of it, merged
+        reading.cancel()
+        return held, second
+
+    held, second = asyncio.run(scenario())
+    assert 0.04 <= held < 1.0
+    assert second < 0.04
