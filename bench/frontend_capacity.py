@@ -29,6 +29,8 @@ For each API (gRPC `Generate`; OpenAI `/v1/chat/completions` with stream: true o
     tok/msg           tokens delivered per response message (gRPC) or SSE event: 1.0 means every token went
                       out on its own (the frontend and its clients kept up); more, that steps were merged
     tok/s             tokens delivered per second of wall time
+    stream ms         a stream's time from its request to its last byte, as its client saw it (median)
+    first ms          gRPC: to its first response (median; an SSE stream's first event is the role chunk)
 
 Tokens delivered = the completion_tokens of each stream's final usage. Rounds alternate APIs and cases
 so that drift on a noisy machine does not favour one; the summary is the median over rounds.
@@ -83,7 +85,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +156,8 @@ class Result:
     cpu_s: float
     wall_s: float
     error: str | None = None
+    stream_s: list[float] = field(default_factory=list)  # each stream's time from its request to its end
+    first_s: list[float] = field(default_factory=list)  # to its first response (gRPC; SSE's first event is the role)
 
 
 def client_loop(jobs: Any, results: Any) -> None:
@@ -168,21 +172,22 @@ def client_loop(jobs: Any, results: Any) -> None:
             break
         start_cpu, start = time.process_time(), time.perf_counter()
         node_cpu = 0.0
+        timing = Result(0, 0, 0.0, 0.0)
         try:
             if job.api == "grpc":
-                tokens, messages = asyncio.run(_grpc_streams(grpc, job))
+                tokens, messages = asyncio.run(_grpc_streams(grpc, job, timing))
             elif job.api == "grpc-node":
                 node = node or subprocess.Popen(["node", str(NODE_CLIENT)], stdin=subprocess.PIPE,
                                                 stdout=subprocess.PIPE, text=True)
                 tokens, messages, node_cpu = _node_streams(node, job)
             else:
-                tokens, messages = asyncio.run(_sse_streams(job))
+                tokens, messages = asyncio.run(_sse_streams(job, timing))
             error = None
         except Exception as exc:  # reported to the parent, which stops
             tokens = messages = 0
             error = f"{type(exc).__name__}: {exc}"
         cpu = time.process_time() - start_cpu + node_cpu
-        results.put(Result(tokens, messages, cpu, time.perf_counter() - start, error))
+        results.put(Result(tokens, messages, cpu, time.perf_counter() - start, error, timing.stream_s, timing.first_s))
     if node is not None:
         node.stdin.close()  # type: ignore[union-attr]
         node.wait(timeout=10)
@@ -205,7 +210,7 @@ def _node_streams(node: subprocess.Popen[str], job: Job) -> tuple[int, int, floa
     return tokens, int(answer["messages"]), float(answer["cpu_s"])
 
 
-async def _grpc_streams(grpc: Any, job: Job) -> tuple[int, int]:
+async def _grpc_streams(grpc: Any, job: Job, timing: Result) -> tuple[int, int]:
     from tandem.v1 import generation_pb2 as pb
 
     async with grpc.aio.insecure_channel(job.address) as channel:
@@ -213,24 +218,30 @@ async def _grpc_streams(grpc: Any, job: Job) -> tuple[int, int]:
 
         async def one() -> tuple[int, int]:
             last, count = b"", 0
+            start = time.perf_counter()
             async for message in generate(job.payload):
+                if not count:
+                    timing.first_s.append(time.perf_counter() - start)
                 last, count = message, count + 1
+            timing.stream_s.append(time.perf_counter() - start)
             return pb.GenerateResponse.FromString(last).usage.completion_tokens, count
 
         done = await asyncio.gather(*(one() for _ in range(job.streams)))
     return sum(t for t, _ in done), sum(m for _, m in done)
 
 
-async def _sse_streams(job: Job) -> tuple[int, int]:
+async def _sse_streams(job: Job, timing: Result) -> tuple[int, int]:
     host, port = job.address.rsplit(":", 1)
 
     async def one() -> tuple[int, int]:
+        start = time.perf_counter()
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(job.payload)
         parts = []
         while data := await reader.read(1 << 16):
             parts.append(data)
         writer.close()
+        timing.stream_s.append(time.perf_counter() - start)
         return _sse_usage(b"".join(parts))
 
     done = await asyncio.gather(*(one() for _ in range(job.streams)))
@@ -437,7 +448,8 @@ class Bench:
             raise RuntimeError(f"{api}/{case}: {delivered} tokens delivered, expected {streams * tokens}")
         return {"frontend": frontend_s / delivered * 1e6, "client": sum(r.cpu_s for r in results) / delivered * 1e6,
                 "engine": engine_s / delivered * 1e6, "tok_per_msg": delivered / sum(r.messages for r in results),
-                "tok_s": delivered / wall,
+                "tok_s": delivered / wall, "stream_ms": _median_ms([t for r in results for t in r.stream_s]),
+                "first_ms": _median_ms([t for r in results for t in r.first_s]),
                 **{f"{name}/msg": n / sum(r.messages for r in results) for name, n in calls.items()}}
 
     def _perf(self, pid: int) -> tuple[subprocess.Popen[bytes], Path]:
@@ -537,13 +549,18 @@ def main() -> None:
                         runs.setdefault((frontend.label, api, case), []).append(m)
                         print(f"  round {r + 1} {frontend.label:11} {api:9} {case:14} frontend "
                               f"{m['frontend']:6.1f} us/tok  client {m['client']:5.1f}  engine {m['engine']:5.1f}  "
-                              f"tok/msg {m['tok_per_msg']:.2f}  {m['tok_s']:7.0f} tok/s", flush=True)
+                              f"tok/msg {m['tok_per_msg']:.2f}  {m['tok_s']:7.0f} tok/s  stream {m['stream_ms']:6.0f} ms"
+                              f"  first {m['first_ms']:5.1f} ms", flush=True)
                         if args.syscalls:
                             print("    syscalls per message: " + "  ".join(
                                 f"{k[:-4]} {v:.2f}" for k, v in m.items() if k.endswith("/msg") and v), flush=True)
         report(runs, args)
     finally:
         bench.stop()
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3 if seconds else float("nan")
 
 
 def variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -559,11 +576,12 @@ def report(runs: dict[tuple[str, str, str], list[dict[str, float]]], args: argpa
     """Medians over rounds; with a baseline, this tree / baseline per API and case."""
     print("\nmedian over rounds (us of CPU per delivered token):")
     print(f"  {'frontend':11} {'api':9} {'case':14} {'frontend':>9} {'client':>7} {'engine':>7} {'tok/msg':>8} "
-          f"{'tok/s':>7}")
+          f"{'tok/s':>7} {'stream ms':>9} {'first ms':>8}")
     for key, ms in sorted(runs.items(), key=lambda kv: (APIS.index(kv[0][1]), CASES.index(kv[0][2]), kv[0][0])):
         med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
         print(f"  {key[0]:11} {key[1]:9} {key[2]:14} {med['frontend']:9.1f} {med['client']:7.1f} "
-              f"{med['engine']:7.1f} {med['tok_per_msg']:8.2f} {med['tok_s']:7.0f}")
+              f"{med['engine']:7.1f} {med['tok_per_msg']:8.2f} {med['tok_s']:7.0f} {med['stream_ms']:9.0f} "
+              f"{med['first_ms']:8.1f}")
     labels = list(dict.fromkeys(key[0] for key in runs))
     reference = "baseline" if "baseline" in labels else labels[0]
     for label in labels:
