@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tandem.engine.v1 import engine_core_pb2 as epb
+from tandem.v1 import generation_pb2 as pb
 
 from frontend_svc.convert import response_from_delta
 from frontend_svc.engine_client import OUTPUT_SLICE, READ_AHEAD, EngineClient, EngineConnection
@@ -293,3 +294,52 @@ async def _consume(frontend: Any, request: Any, slow: bool) -> list[list[Any]]:
         generation.close()
     assert gate.outstanding == 0  # an ended stream is no reader for the engine stream to wait for
     return responses
+
+
+def test_a_reader_that_never_comes_back_does_not_hold_back_the_others(loop, tokenizer, tiny_model_dir) -> None:
+    """A stream whose reader took its first output and then stopped reading (a client that does not read)
+    shares the engine stream with a victim: the victim streams to its end, in many responses, while
+    the stalled stream's output waits merged in its collector, none of it lost."""
+    from frontend_svc.client import generate_request
+    from frontend_svc.config import FrontendConfig
+    from frontend_svc.server import FrontendServer
+    from tests.fake_engine import FakeEngine, start_fake_engine
+
+    request = generate_request(TEXT, max_tokens=60, seed=7)
+
+    async def main() -> tuple[list[Any], list[CompletionDelta], float]:
+        engine, port = await start_fake_engine(FakeEngine(vocab_size=tokenizer.vocab_size, step_s=0.002))
+        frontend = FrontendServer(FrontendConfig(model=str(tiny_model_dir), engines=(f"127.0.0.1:{port}",),
+                                                 host="127.0.0.1", port=0), tokenizer=tokenizer)
+        await frontend.start()
+        stalled = frontend.open_generation(1, frontend.begin_call([], "Generate", {}))
+        try:
+            while not frontend.serving:
+                await asyncio.sleep(0.01)
+            await stalled.start(lambda: frontend.prepare(request))
+            batches = stalled.batches()
+            first = await anext(batches)  # ... and never again until the victim is done
+            start = asyncio.get_running_loop().time()
+            victim = await _consume_one(frontend, request)
+            took = asyncio.get_running_loop().time() - start
+            rest = [d for deltas in [first, *[b async for b in batches]] for d in deltas]
+            return victim, rest, took
+        finally:
+            stalled.close()
+            await frontend.stop()
+            await engine.stop(None)
+
+    victim, stalled, took = loop.run(main())
+    assert len(victim) > 10 and victim[-1].finish_reason == pb.FINISH_REASON_LENGTH and took < 5.0
+    assert len(stalled) == 2  # the first delta, then everything else merged into one
+    assert sum(len(d.token_ids) for d in stalled) == sum(len(r.token_ids) for r in victim) == 60
+    assert "".join(d.text for d in stalled) == "".join(r.text for r in victim)
+
+
+async def _consume_one(frontend: Any, request: Any) -> list[Any]:
+    generation = frontend.open_generation(1, frontend.begin_call([], "Generate", {}))
+    try:
+        await generation.start(lambda: frontend.prepare(request))
+        return [response_from_delta(d) async for deltas in generation.batches() for d in deltas]
+    finally:
+        generation.close()
