@@ -47,6 +47,7 @@ from frontend_svc.config import (
 )
 from frontend_svc.openai.tool_parsers import TOOL_CALL_PARSER_NAMES
 from frontend_svc.router import CacheAwareSettings
+from shared_runtime.heap import settle_heap
 from shared_runtime.security.auth import API_KEY_ENV
 from shared_runtime.security.flags import (
     API_KEY_FLAG_WARNING,
@@ -228,6 +229,7 @@ async def _serve_with_model(config: FrontendConfig) -> int:
     signals.install()
     try:
         await server.start()
+        settle_heap()  # after start-up: the tokenizer, templates and libraries are what the heap holds
         await server.wait_stopped()
     except BindError as exc:
         print(f"tandem-frontend: {exc}", file=sys.stderr)

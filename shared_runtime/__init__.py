@@ -8,6 +8,7 @@
 - `telemetry.py` — OpenTelemetry set-up from the standard `OTEL_*` variables, the Prometheus /metrics server.
 - `link.py` — the frontend <-> engine link: message-size limit and keepalive settings.
 - `signals.py` — drain / force stop / reload wiring for SIGTERM, SIGINT and SIGHUP.
+- `heap.py` — the garbage collector's settings for a serving process (`settle_heap()` after start-up).
 
 Nothing here imports torch, `frontend_svc` or `engine_svc` (tests/test_layering.py).
 """
