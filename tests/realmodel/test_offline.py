@@ -17,6 +17,7 @@ from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, chat, greedy
 pytestmark = pytest.mark.slow  # a 135M model and its transformers oracle: `make test`, not `make test-fast`
 
 TOP_K = 5
+THE, L = 504, 60  # SmolLM2 ids of "The" and "L": the France answer's first token, a near-tie in bfloat16
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,13 @@ def test_bfloat16_greedy_agrees_with_transformers_within_top_k(smollm2_dir: Path
             ours_top = [[t for t, _ in e.top] for e in comp.logprobs or []]
             matched += _first_divergence_is_a_near_tie(comp.token_ids, ours_top, theirs, theirs_top)
         assert matched >= 24, f"only {matched} tokens agree before the first near-tie"
-        assert outs[0].outputs[0].text.startswith("The capital of France is Paris")
+        first = outs[0].outputs[0]
+        if not first.text.startswith("The capital of France is Paris"):
+            # Its first token is a near-tie in bfloat16 ("The" vs "L", 0.08 apart in float32): a CPU whose
+            # -march=native build rounds differently may take the other one; it must be that tie, no other.
+            assert first.logprobs is not None
+            (a, lp_a), (b, lp_b) = first.logprobs[0].top[:2]
+            assert {a, b} == {THE, L} and abs(lp_a - lp_b) < 0.15, first.text
     finally:
         bf16.engine.shutdown()
 
