@@ -147,6 +147,7 @@ class Job:
     streams: int
     payload: bytes  # a serialized GenerateRequest, or an HTTP request
     address: str
+    calls: int = 1  # calls each stream makes one after another (gRPC and SSE clients)
 
 
 @dataclass
@@ -217,14 +218,17 @@ async def _grpc_streams(grpc: Any, job: Job, timing: Result) -> tuple[int, int]:
         generate = channel.unary_stream(GENERATE)  # no (de)serializers: bytes in, bytes out
 
         async def one() -> tuple[int, int]:
-            last, count = b"", 0
-            start = time.perf_counter()
-            async for message in generate(job.payload):
-                if not count:
-                    timing.first_s.append(time.perf_counter() - start)
-                last, count = message, count + 1
-            timing.stream_s.append(time.perf_counter() - start)
-            return pb.GenerateResponse.FromString(last).usage.completion_tokens, count
+            tokens = count = 0
+            for _ in range(job.calls):
+                last, start, first = b"", time.perf_counter(), True
+                async for message in generate(job.payload):
+                    if first:
+                        timing.first_s.append(time.perf_counter() - start)
+                        first = False
+                    last, count = message, count + 1
+                timing.stream_s.append(time.perf_counter() - start)
+                tokens += pb.GenerateResponse.FromString(last).usage.completion_tokens
+            return tokens, count
 
         done = await asyncio.gather(*(one() for _ in range(job.streams)))
     return sum(t for t, _ in done), sum(m for _, m in done)
@@ -234,15 +238,19 @@ async def _sse_streams(job: Job, timing: Result) -> tuple[int, int]:
     host, port = job.address.rsplit(":", 1)
 
     async def one() -> tuple[int, int]:
-        start = time.perf_counter()
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(job.payload)
-        parts = []
-        while data := await reader.read(1 << 16):
-            parts.append(data)
-        writer.close()
-        timing.stream_s.append(time.perf_counter() - start)
-        return _sse_usage(b"".join(parts))
+        tokens = events = 0
+        for _ in range(job.calls):
+            start = time.perf_counter()
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(job.payload)
+            parts = []
+            while data := await reader.read(1 << 16):
+                parts.append(data)
+            writer.close()
+            timing.stream_s.append(time.perf_counter() - start)
+            got = _sse_usage(b"".join(parts))
+            tokens, events = tokens + got[0], events + got[1]
+        return tokens, events
 
     done = await asyncio.gather(*(one() for _ in range(job.streams)))
     return sum(t for t, _ in done), sum(m for _, m in done)
@@ -283,6 +291,23 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) per thread of a process, from /proc, keyed "main" (the process's first
+    thread) or "NAME:TID" (Python's threads keep the process's name; grpc's C threads have their own)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = "main" if int(task) == pid else f"{head.split('(', 1)[1]}:{task}"
+        fields = rest.split()
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return totals
 
 
 def case_params(case: str) -> tuple[list[str], bool]:
@@ -419,7 +444,7 @@ class Bench:
         raise RuntimeError("the frontend did not become ready")
 
     def measure(self, frontend: Frontend, api: str, case: str, streams: int, tokens: int,
-                profile: Path | None = None) -> dict[str, float]:
+                profile: Path | None = None, calls: int = 1) -> dict[str, float]:
         if api in ("grpc", "grpc-node"):
             address, payload = f"127.0.0.1:{frontend.grpc_port}", grpc_payload(case, tokens)
         else:
@@ -430,27 +455,30 @@ class Bench:
         spy = self._spy(profile, pid) if profile is not None else None
         perf = self._perf(pid) if self.args.syscalls else None
         frontend0, engine0 = cpu_seconds(pid), cpu_seconds(self.engine_pid)
+        threads0 = thread_cpu_seconds(pid) if self.args.threads else {}
         start = time.perf_counter()
         for queue, share in zip(self.jobs, shares):
-            queue.put(Job(api, share, payload, address))
+            queue.put(Job(api, share, payload, address, calls))
         results = [self.results.get() for _ in self.jobs]
         wall = time.perf_counter() - start
         frontend_s, engine_s = cpu_seconds(pid) - frontend0, cpu_seconds(self.engine_pid) - engine0
+        threads = {name: s - threads0.get(name, 0.0) for name, s in thread_cpu_seconds(pid).items()} if self.args.threads else {}
         if spy is not None:
             spy.send_signal(2)
             spy.wait()
-        calls = self._perf_counts(perf) if perf is not None else {}
+        counted = self._perf_counts(perf) if perf is not None else {}
         errors = [r.error for r in results if r.error]
         if errors:
             raise RuntimeError(f"{api}/{case}: {errors[0]}")
         delivered = sum(r.tokens for r in results)
-        if delivered != streams * tokens:
-            raise RuntimeError(f"{api}/{case}: {delivered} tokens delivered, expected {streams * tokens}")
+        if delivered != streams * tokens * calls:
+            raise RuntimeError(f"{api}/{case}: {delivered} tokens delivered, expected {streams * tokens * calls}")
         return {"frontend": frontend_s / delivered * 1e6, "client": sum(r.cpu_s for r in results) / delivered * 1e6,
                 "engine": engine_s / delivered * 1e6, "tok_per_msg": delivered / sum(r.messages for r in results),
                 "tok_s": delivered / wall, "stream_ms": _median_ms([t for r in results for t in r.stream_s]),
                 "first_ms": _median_ms([t for r in results for t in r.first_s]),
-                **{f"{name}/msg": n / sum(r.messages for r in results) for name, n in calls.items()}}
+                **{f"{name}/msg": n / sum(r.messages for r in results) for name, n in counted.items()},
+                **{f"{name}/call": s / (streams * calls) * 1e6 for name, s in threads.items() if s > 0}}
 
     def _perf(self, pid: int) -> tuple[subprocess.Popen[bytes], Path]:
         out = self.log_dir / f"perf-{pid}.csv"
@@ -499,6 +527,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=1,
+                        help="calls each stream makes one after another (gRPC and SSE; per-request cost at few tokens)")
     parser.add_argument("--clients", type=int, default=4, help="client processes sharing the streams")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--apis", nargs="+", choices=APIS, default=["grpc", "openai"],
@@ -518,6 +548,8 @@ def main() -> None:
                         help="this tree's frontend's --stream-interval; several: one frontend per value")
     parser.add_argument("--pin", action="store_true",
                         help="the frontend alone on CPU 1, the engine, clients and this process on CPU 0")
+    parser.add_argument("--threads", action="store_true",
+                        help="print the frontend's CPU per call by thread name (/proc/PID/task)")
     parser.add_argument("--syscalls", action="store_true",
                         help="count the frontend's system calls per message (perf stat tracepoints)")
     parser.add_argument("--variant", type=variant, action="append", default=None,
@@ -526,6 +558,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.step_ms is None:
         args.step_ms = STEP_MS[args.regime]
+    if args.calls > 1 and "grpc-node" in args.apis:
+        parser.error("--calls applies to the Python gRPC and SSE clients only")
     bench = Bench(args)
     try:
         bench.start()
@@ -533,7 +567,7 @@ def main() -> None:
             for api in args.apis:  # warm-up: connections, caches, the chat template
                 bench.measure(frontend, api, "stop+logprobs", min(args.streams, 16), 32)
         runs: dict[tuple[str, str, str], list[dict[str, float]]] = {}
-        print(f"{args.regime} (engine step {args.step_ms:g} ms): {args.streams} streams x {args.tokens} tokens, {args.clients} client processes, "
+        print(f"{args.regime} (engine step {args.step_ms:g} ms): {args.streams} streams x {args.calls} calls x {args.tokens} tokens, {args.clients} client processes, "
               f"{os.cpu_count()} CPUs; per round:")
         for r in range(args.rounds):
             forward = r % 2 == 0
@@ -545,12 +579,16 @@ def main() -> None:
                             args.profile.mkdir(parents=True, exist_ok=True)
                             suffix = "-baseline" if frontend.label == "baseline" else ""
                             profile = args.profile / f"{api}-{case.replace('+', '-')}{suffix}.txt"
-                        m = bench.measure(frontend, api, case, args.streams, args.tokens, profile)
+                        m = bench.measure(frontend, api, case, args.streams, args.tokens, profile, args.calls)
                         runs.setdefault((frontend.label, api, case), []).append(m)
                         print(f"  round {r + 1} {frontend.label:11} {api:9} {case:14} frontend "
                               f"{m['frontend']:6.1f} us/tok  client {m['client']:5.1f}  engine {m['engine']:5.1f}  "
                               f"tok/msg {m['tok_per_msg']:.2f}  {m['tok_s']:7.0f} tok/s  stream {m['stream_ms']:6.0f} ms"
                               f"  first {m['first_ms']:5.1f} ms", flush=True)
+                        if args.threads:
+                            per_thread = sorted(((v, k[:-5]) for k, v in m.items() if k.endswith("/call")), reverse=True)
+                            print("    us per call by thread: " + "  ".join(f"{k} {v:.0f}" for v, k in per_thread),
+                                  flush=True)
                         if args.syscalls:
                             print("    syscalls per message: " + "  ".join(
                                 f"{k[:-4]} {v:.2f}" for k, v in m.items() if k.endswith("/msg") and v), flush=True)
@@ -578,7 +616,7 @@ def report(runs: dict[tuple[str, str, str], list[dict[str, float]]], args: argpa
     print(f"  {'frontend':11} {'api':9} {'case':14} {'frontend':>9} {'client':>7} {'engine':>7} {'tok/msg':>8} "
           f"{'tok/s':>7} {'stream ms':>9} {'first ms':>8}")
     for key, ms in sorted(runs.items(), key=lambda kv: (APIS.index(kv[0][1]), CASES.index(kv[0][2]), kv[0][0])):
-        med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
+        med = {k: statistics.median(m.get(k, 0.0) for m in ms) for k in ms[0]}
         print(f"  {key[0]:11} {key[1]:9} {key[2]:14} {med['frontend']:9.1f} {med['client']:7.1f} "
               f"{med['engine']:7.1f} {med['tok_per_msg']:8.2f} {med['tok_s']:7.0f} {med['stream_ms']:9.0f} "
               f"{med['first_ms']:8.1f}")
