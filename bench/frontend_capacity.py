@@ -502,7 +502,7 @@ class Bench:
 
     def _spy(self, out: Path, pid: int) -> subprocess.Popen[bytes]:
         mode = ["--native"] if os.environ.get("PYSPY_NATIVE") else ["--nonblocking"]
-        argv = [str(Path(sys.executable).parent / "py-spy"), "record", "-r", "200", *mode, "--format", "raw",
+        argv = [str(Path(sys.executable).parent / "py-spy"), "record", "-r", os.environ.get("PYSPY_RATE", "200"), *mode, "--format", "raw",
                 "-o", str(out), "--pid", str(pid)]
         spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # attached
