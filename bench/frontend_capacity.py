@@ -38,6 +38,12 @@ so that drift on a noisy machine does not favour one; the summary is the median 
     python bench/frontend_capacity.py [--regime capacity|kept-up] [--step-ms MS] [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
         [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--stream-interval N [N ...]]
         [--pin] [--baseline DIR [--baseline-stream-interval N]] [--profile DIR] [--variant LABEL:NAME=VALUE[;NAME=VALUE...] ...]
+        [--calls N] [--threads]
+
+`--calls N`: each stream makes N calls one after another (gRPC and SSE clients), so a run of short streams
+(`--tokens 2`: what a request costs apart from its tokens) lasts long enough for /proc's 10 ms CPU clock.
+`--threads` prints the frontend's CPU per call by thread ("main" is the event loop; the tokenizer pool's and
+grpc's aio poller are Python threads under the process's name, grpc's C threads are "event_engine").
 
 `--stream-interval N` starts this tree's frontend with `--stream-interval N` (vLLM's: chunks of at least N
 tokens, frontend_svc/output_processor.py); several values start one frontend per value, alternated on the
@@ -68,7 +74,8 @@ cost, but do not mix its figures with an unprofiled run's.
 
 `--profile DIR` (`pip install py-spy` first) runs `py-spy record` on the frontend during each measurement and writes its samples per
 API and case there (collapsed stacks: `flamegraph.pl` or speedscope draw them; PYSPY_NATIVE=1 adds native
-frames). py-spy's sampling costs the frontend CPU: do not report the numbers of a profiled run.
+frames; PYSPY_RATE sets the samples per second, default 200). py-spy's sampling costs the frontend CPU: do not
+report the numbers of a profiled run.
 """
 
 from __future__ import annotations
