@@ -342,10 +342,18 @@ def _clamped(bias: float) -> float:
 
 
 def _is_int(value: object) -> bool:
+    """An integral number that is not a bool (plain ints answered without the ABC check, ~0.5 µs each:
+    the sampling rules ask about a dozen values per request, twice)."""
+    if type(value) is int:
+        return True
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def _is_finite(value: object) -> bool:
+    """A finite real number that is not a bool (plain floats and ints answered without the ABC check)."""
+    kind = type(value)
+    if kind is float or kind is int:
+        return math.isfinite(value)  # type: ignore[arg-type]
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 

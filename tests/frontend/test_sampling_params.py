@@ -147,3 +147,20 @@ def test_validation_error_needs_a_violation_and_prefixes():
 def test_a_temperature_below_1e_5_is_sent_as_greedy(temperature: float, sent: float) -> None:
     """vLLM's rule (_SAMPLING_EPS): dividing logits by 5e-324 overflows to inf and NaN probabilities."""
     assert SamplingParams(temperature=temperature).engine_params().temperature == sent
+
+
+def test_number_checks_answer_plain_numbers_and_others_alike() -> None:
+    """The sampling rules' number checks (plain int and float take a fast path, issue 19)."""
+    import fractions
+
+    import numpy as np
+
+    from shared_runtime.contract import _is_finite, _is_int
+
+    for value, is_int, is_finite in [(3, True, True), (-1, True, True), (True, False, False), (2.0, False, True),
+                                     (float("nan"), False, False), (float("inf"), False, False),
+                                     (np.int64(4), True, True), (np.float32(0.5), False, True),
+                                     (np.bool_(True), False, False), (fractions.Fraction(1, 2), False, True),
+                                     ("1", False, False), (None, False, False)]:
+        assert _is_int(value) is is_int, value
+        assert _is_finite(value) is is_finite, value
