@@ -315,7 +315,9 @@ def test_https_keep_alive_and_certificate_rotation(tls_stack: tuple[HttpStack, C
         for _ in range(2):
             tls.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert status_of(read_response(tls)) == 200
-        assert time.perf_counter() - t0 < 0.010
+        # Two requests on one kept-alive TLS connection: ~1 ms with TCP_NODELAY; without it each small
+        # response write waits for the client's delayed ACK (~40 ms). 40 ms for both leaves room for a busy box.
+        assert time.perf_counter() - t0 < 0.040
     rotated = ca.issue("second-frontend")
     files = stack.frontend.http.tls.files
     Path(files.certfile).write_bytes(Path(rotated.certfile).read_bytes())
