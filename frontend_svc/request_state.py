@@ -9,6 +9,7 @@ deltas ends when it has handed out one final delta per completion).
 holds at most one pending delta per completion: a delta arriving while the previous one is unread is
 merged into it (`CompletionDelta.merge`), so a slow reader costs memory bounded by the request's n, not
 by how far it lags. A failure (`ServiceError`) is delivered after whatever deltas are already pending.
+
 `DrainGate` paces an engine stream by its readers, as Nagle's algorithm paces a socket by its
 acknowledgements: after processing a batch of engine messages the connection waits until the readers
 it handed output to have taken it and sent it (at most `DRAIN_WAIT_S`) before it takes the next batch.
