@@ -244,7 +244,9 @@ def test_refused_vllm_fields_are_400_naming_them(split: HttpSplit) -> None:
             split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2,
                                             extra_body={field: value})
         assert info.value.body["param"] == field, field  # type: ignore[index]
-    ok = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2,
+    # greedy: sampled (the default temperature 1, no seed), the two tokens come from the engine's global RNG,
+    # whose position depends on the tests before and their timing; one of them samples EOS ("stop")
+    ok = split.client.completions.create(model=split.model, prompt=PROMPT_IDS, max_tokens=2, temperature=0,
                                          extra_body={"use_beam_search": False, "suffix": None})
     assert ok.choices[0].finish_reason == "length"
 
