@@ -293,27 +293,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _stat_cpu(path: str) -> tuple[str, float]:
+    """(the name in parentheses, user + system CPU seconds) of a /proc .../stat file."""
+    with open(path) as f:
+        head, _, rest = f.read().rpartition(")")
+    fields = rest.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat_cpu(f"/proc/{pid}/stat")[1]
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) per thread of a process, from /proc, keyed "main" (the process's first
     thread) or "NAME:TID" (Python's threads keep the process's name; grpc's C threads have their own)."""
-    tick = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                head, _, rest = f.read().rpartition(")")
+            comm, seconds = _stat_cpu(f"/proc/{pid}/task/{task}/stat")
         except OSError:  # the thread ended meanwhile
             continue
-        name = "main" if int(task) == pid else f"{head.split('(', 1)[1]}:{task}"
-        fields = rest.split()
-        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        name = "main" if int(task) == pid else f"{comm}:{task}"
+        totals[name] = totals.get(name, 0.0) + seconds
     return totals
 
 

@@ -110,9 +110,8 @@ class DeltaCollector:
 
     def release(self) -> None:
         """The reader is done with what it took (it sent it, or it stops reading)."""
-        if self._handed >= 0:
-            if self.gate is not None:
-                self.gate.taken(self._handed)
+        if self._handed >= 0 and self.gate is not None:  # only a gated collector is ever handed output
+            self.gate.taken(self._handed)
             self._handed = -1
 
     def fail(self, error: ServiceError) -> None:
