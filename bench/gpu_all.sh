@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Every GPU check and figure issue 11 owes, in one device call. Logs (and a summary) land in $OUT.
+# Every GPU check and figure issue 18 owes, in few device calls. Logs (and a summary) land in $OUT.
 #
 #   here, once:      bash ../shared/gpu/prepare.sh        # stages wheels + on-device.sh in .gpu/
-#   on the device:   run(command="bash bench/gpu_all.sh", carry=[".gpu"])           # ~8 min
+#   on the device:   run(command="bash bench/gpu_all.sh tests", carry=[".gpu"])   # ~8 min (see below)
+#                    run(command="bash bench/gpu_all.sh kernels profile e2e", carry=[".gpu"])  # ~3 min
+#                    run(command="bash bench/gpu_all.sh sweep host", carry=[".gpu"])   # ~4 min
 #                    run(command="bash bench/gpu_all.sh hf", carry=[".gpu"])        # HF baseline, ~6 min
-#                    run(command="bash bench/gpu_all.sh host", carry=[".gpu"])      # host time per step, ~3 min
 #
-# Stages (default: tests kernels profile e2e): pass stage names to run a subset. Each stage has its own
-# timeout, so one hang still leaves every other log. The device tool caps a call at 10 minutes.
+# Measured on an H200 (2026-11-27): the kernel tests take ~20 s over 8 xdist workers; the tests that build
+# an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially); kernels 18 s, profile 60 + 49 s,
+# e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host greedy 61 s.
+# Stages (default: tests kernels profile e2e; also sweep hf host): pass stage names to run a subset. Each
+# stage has its own timeout, so one hang still leaves every other log. The device tool caps a call at 10
+# minutes and lends a session 15 minutes of device time in all: pick the stages that the session needs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -17,6 +22,11 @@ if ! source .gpu/on-device.sh >"$OUT/env.log" 2>&1; then
   cat "$OUT/env.log"; echo "on-device.sh failed: run ../shared/gpu/prepare.sh here and carry .gpu"; exit 1
 fi
 cat "$OUT/env.log"
+git log -1 --format='commit %h %s' 2>/dev/null || true
+# Compiled kernels, never the interpreter (tests/conftest.py turns it on when it sees no /dev/nvidia0).
+export TRITON_INTERPRET=0
+# Triton compiles are CPU-bound: spread the correctness tests over workers when pytest-xdist is there.
+xdist=(); python -c "import xdist" 2>/dev/null && xdist=(-n 8)
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests kernels profile e2e)
 
@@ -32,17 +42,29 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...: run, log to $OUT/NAME.log, record 
 
 for s in "${stages[@]}"; do
   case $s in
-    tests)   stage tests 240 python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/kernels tests/gpu \
+    # Kernel tests in parallel; the tests that build an engine one at a time (each engine takes 90% of
+    # the GPU's memory for its KV cache, as vLLM's gpu_memory_utilization does: side by side they OOM).
+    tests)   stage tests_kernels 120 python -m pytest -q -p no:cacheprovider "${xdist[@]}" --timeout 120 -rfE \
+               -m "slow or not slow" tests/kernels --ignore tests/kernels/test_triton_engine.py
+             stage tests_engine 480 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE \
+               -m "slow or not slow" tests/kernels/test_triton_engine.py tests/gpu \
                tests/engine/test_profile_run.py tests/engine/test_cuda_graph_plan.py ;;
-    kernels) stage kernel_attention 150 python bench/kernel_attention.py ;;
+    # The decode launch-shape sweep, then the whole engine and the table with its winner (if it won).
+    sweep)   stage attention_sweep 150 python bench/kernel_attention.py --sweep --best-out "$OUT/attn_best.txt"
+             best=$(cat "$OUT/attn_best.txt" 2>/dev/null)
+             if [ -n "$best" ]; then
+               stage gpu_e2e_best 120 env TANDEM_DECODE_ATTENTION="$best" python bench/gpu_e2e.py --skip-hf
+               stage kernel_attention_best 60 env TANDEM_DECODE_ATTENTION="$best" python bench/kernel_attention.py
+             fi ;;
+    kernels) stage kernel_attention 120 python bench/kernel_attention.py ;;
     profile) stage gpu_profile 150 python bench/gpu_profile.py --batch 1 16 64 256 --trace "$OUT/trace"
              stage gpu_profile_unfused 90 env TANDEM_FUSED_KERNELS=0 python bench/gpu_profile.py --batch 1 64 ;;
-    e2e)     stage gpu_e2e 200 python bench/gpu_e2e.py --skip-hf ;;
+    e2e)     stage gpu_e2e 170 python bench/gpu_e2e.py --skip-hf ;;
     hf)      stage gpu_e2e_hf 560 python bench/gpu_e2e.py --hf-batch-size 128 ;;
-    host)    stage gpu_host_step 240 python bench/gpu_host_step.py --device cuda --attention-backend triton
-             stage gpu_host_step_t06 240 python bench/gpu_host_step.py --device cuda --attention-backend triton \
+    host)    stage gpu_host_step 90 python bench/gpu_host_step.py --device cuda --attention-backend triton
+             stage gpu_host_step_t06 90 python bench/gpu_host_step.py --device cuda --attention-backend triton \
                --temperature 0.6 ;;
-    *)       echo "unknown stage $s (tests kernels profile e2e hf host)"; exit 2 ;;
+    *)       echo "unknown stage $s (tests kernels sweep profile e2e hf host)"; exit 2 ;;
   esac
 done
 echo; cat "$OUT/summary.txt"

@@ -15,6 +15,12 @@ Usage (GPU only): python bench/kernel_attention.py [--contexts 1024 4096 16384] 
    - eager (`triton.testing.do_bench`): includes Python/host launch overhead, which dominates small
      batches (a Triton launch costs tens of microseconds of host time; the batch-1 4k data moves in ~6 us).
 Prints a markdown table.
+
+`--sweep` instead searches the decode launch shape (keys per inner step, warps, pipeline stages) over a
+fixed set of decode shapes, graph-timed as above: first tile x warps at triton's default stages, then the
+stages for the best pair. A config is scored by the geometric mean of its speed-up over the kernel's
+current default across the shapes; its outputs must match the default's. `--best-out FILE` writes the
+winner as `tile=..,warps=..,stages=..`, the form TANDEM_DECODE_ATTENTION takes.
 """
 
 from __future__ import annotations
@@ -86,6 +92,80 @@ def contiguous_kv(data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return k, v
 
 
+SWEEP_SHAPES = ((1024, 256), (4096, 1), (4096, 4), (4096, 16), (4096, 64), (4096, 256), (16384, 4), (16384, 16))
+WORTH_A_CHANGE = 1.03  # a winner must beat the default by this factor (the graph timings repeat within ~1%)
+SWEEP_TILES, SWEEP_WARPS, SWEEP_STAGES = (16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4)
+
+
+def sweep(hbm: float, best_out: str | None) -> None:
+    """Search (tile, warps, stages) for decode; print each config's score and per-shape % of HBM."""
+    from kernels.paged_attention import unified_paged_attention
+
+    scale = HEAD_DIM**-0.5
+    shapes = []
+    for context, batch in SWEEP_SHAPES:
+        kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+        copies = max(1, min(64, -(-L2_FLUSH_BYTES // kv_bytes)))
+        shapes.append((context, batch, kv_bytes, [make_decode_batch(batch, context) for _ in range(copies)]))
+
+    def run(config: dict[str, int]) -> list[float] | None:
+        times = []
+        for context, batch, _, datas in shapes:
+            def call(d, context=context):
+                return unified_paged_attention(
+                    d["query"], d["cache"], d["qsl"], d["seq_lens"], d["table"], scale, 1, context,
+                    tile_size=config.get("tile"), num_warps=config.get("warps"), num_stages=config.get("stages"),
+                )
+            try:
+                got = call(datas[0]).float()
+            except Exception as exc:  # e.g. out of shared memory for a large tile with many stages
+                print(f"  {config}: {type(exc).__name__}: {str(exc)[:120]}")
+                return None
+            want = reference.setdefault((context, batch), got)  # the first config run is the default
+            if (got - want).abs().max().item() > 2e-2:
+                print(f"  {config}: wrong result at context {context} batch {batch}")
+                return None
+            times.append(graph_ms([lambda d=d: call(d) for d in datas]))
+        return times
+
+    reference: dict[tuple[int, int], torch.Tensor] = {}
+    base = run({})
+    assert base is not None
+    header = " | ".join(f"{c // 1024}k x{b}" for c, b, _, _ in shapes)
+    print(f"| config | score | {header} |  (% of HBM per shape)")
+    print("|---|---|" + "---|" * len(shapes))
+
+    def report(name: str, times: list[float]) -> float:
+        score = 1.0
+        for t, b in zip(times, base):
+            score *= b / t
+        score **= 1 / len(times)
+        pcts = " | ".join(f"{100 * kv / (t * 1e-3) / hbm:.0f}%" for t, (_, _, kv, _) in zip(times, shapes))
+        print(f"| {name} | {score:.3f} | {pcts} |", flush=True)
+        return score
+
+    report("default", base)
+    results: dict[tuple[int, int, int | None], float] = {}
+    for tile in SWEEP_TILES:
+        for warps in SWEEP_WARPS:
+            times = run({"tile": tile, "warps": warps})
+            if times is not None:
+                results[(tile, warps, None)] = report(f"tile={tile},warps={warps}", times)
+    tile, warps, _ = max(results, key=results.__getitem__)
+    for stages in SWEEP_STAGES:
+        times = run({"tile": tile, "warps": warps, "stages": stages})
+        if times is not None:
+            results[(tile, warps, stages)] = report(f"tile={tile},warps={warps},stages={stages}", times)
+    tile, warps, stages = max(results, key=results.__getitem__)
+    best = f"tile={tile},warps={warps}" + (f",stages={stages}" if stages else "")
+    print(f"\nBEST {best} (score {results[(tile, warps, stages)]:.3f} vs the current default)")
+    if results[(tile, warps, stages)] < WORTH_A_CHANGE:
+        best = ""  # keep the default
+    if best_out:
+        with open(best_out, "w") as f:
+            f.write(best + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -94,6 +174,8 @@ def main() -> None:
     parser.add_argument(
         "--splits", type=int, default=None, help="KV splits (default: the kernel's heuristic)"
     )
+    parser.add_argument("--sweep", action="store_true", help="search the decode launch shape instead")
+    parser.add_argument("--best-out", default=None, help="with --sweep: write the winner here")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -105,12 +187,15 @@ def main() -> None:
         from triton.testing import do_bench
     except ImportError:
         sys.exit("triton is not installed: pip install 'tandem[triton]'")
-    from kernels.paged_attention import _auto_num_splits, unified_paged_attention
+    from kernels.paged_attention import DECODE_CONFIG, _auto_num_splits, unified_paged_attention
 
     hbm = measure_hbm_bandwidth(do_bench)
     print(
         f"device: {torch.cuda.get_device_name()}; measured HBM bandwidth (D2D copy): {hbm / 1e9:.0f} GB/s\n"
     )
+    if args.sweep:
+        sweep(hbm, args.best_out)
+        return
     print(
         "| context | batch | splits | triton us | triton GB/s | % HBM | SDPA us | SDPA GB/s | % HBM "
         "| triton eager us (% HBM) | SDPA eager us (% HBM) | max abs diff |"
@@ -147,7 +232,7 @@ def main() -> None:
             t_ms, s_ms = graph_ms(triton_calls), graph_ms(sdpa_calls)
             te_ms = do_bench(triton_calls[0], warmup=25, rep=200)
             se_ms = do_bench(sdpa_calls[0], warmup=25, rep=200)
-            tile = args.tile_size or BLOCK_SIZE
+            tile = args.tile_size or DECODE_CONFIG.get("tile", BLOCK_SIZE)
             splits = args.splits or _auto_num_splits(torch.device("cuda"), batch, KV_HEADS, context, tile)
 
             def pct(ms: float, num_bytes: int = num_bytes) -> float:

@@ -26,6 +26,7 @@ Head sizes that are not a power of two (40, 72, 80, 96, ...) are padded to HEAD_
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -47,6 +48,33 @@ MIN_CONTEXT_TO_SPLIT = 512  # below this one program is quick; a split adds a re
 ENOUGH_WAVES = 2  # programs >= ENOUGH_WAVES * SMs: the grid already keeps every SM busy
 TARGET_PROGRAMS_PER_SM = 4  # otherwise split until about this many programs per SM
 MAX_SPLITS = 64
+
+# Decode launch shape (q_len 1 everywhere): keys per inner step and the launch's warps / software-pipeline
+# stages (absent = triton's default, 3 on Hopper). Chosen by `bench/kernel_attention.py --sweep` on an H200
+# (2026-11-27): 32 keys and 2 warps scored 1.34x the block-size tile with 4 warps (geometric mean over
+# 8 decode shapes; 82-103% of HBM bandwidth at batch >= 16), stages 2-4 equal. A 16-row dot with 32 keys
+# is too little work for 4 warps to share. TANDEM_DECODE_ATTENTION="tile=64,warps=4,stages=3" overrides
+# any of them for a process (read once, at import), so a sweep's pick can be run end to end.
+DECODE_DEFAULTS: dict[str, int] = {"tile": 32, "warps": 2}
+DECODE_ENV = "TANDEM_DECODE_ATTENTION"
+DECODE_KEYS = ("tile", "warps", "stages")
+
+
+def parse_decode_config(text: str) -> dict[str, int]:
+    """"tile=64,warps=4,stages=3" (any subset) -> {"tile": 64, ...}; a clear error for anything else."""
+    config: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in DECODE_KEYS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{DECODE_ENV}: {item!r} is not one of {'/'.join(DECODE_KEYS)}=<positive int>")
+        config[key] = int(value)
+    tile = config.get("tile")
+    if tile is not None and (tile < 16 or tile & (tile - 1)):
+        raise ValueError(f"{DECODE_ENV}: tile must be a power of two >= 16, got {tile}")
+    return config
+
+
+DECODE_CONFIG: dict[str, int] = {**DECODE_DEFAULTS, **parse_decode_config(os.environ.get(DECODE_ENV, ""))}
 
 
 def _attention_kernel(
@@ -286,6 +314,8 @@ def unified_paged_attention(
     num_kv_splits: int | None = None,
     tile_size: int | None = None,
     min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a ragged batch; returns [T, Hq, D] in query's dtype.
 
@@ -295,8 +325,9 @@ def unified_paged_attention(
     max_query_len must bound every q_len (it picks the query-block shape; 1 selects the decode path);
     max_seq_len only tunes the split heuristic. Rows past query_start_loc[-1] (padding) are undefined.
     num_kv_splits (None = auto: `choose_num_splits`, 1 on CPU), tile_size (keys per inner step, power of
-    two >= 16) and min_keys_per_split (the floor on each split's share of a context) are tuning knobs
-    that never change the result beyond rounding.
+    two >= 16), min_keys_per_split (the floor on each split's share of a context), num_warps and
+    num_stages (the launch's; decode steps default to DECODE_CONFIG) are tuning knobs that never change
+    the result beyond rounding.
     """
     require_triton()
     check_device(query)
@@ -322,6 +353,15 @@ def unified_paged_attention(
         block_m = max(64 if max_query_len >= 16 else 16, next_power_of_2(qpk))
         block_q = block_m // qpk
         grid_q = num_tokens // block_q + num_reqs
+    if decode_only:
+        tile_size = tile_size or DECODE_CONFIG.get("tile")
+        num_warps = num_warps or DECODE_CONFIG.get("warps")
+        num_stages = num_stages or DECODE_CONFIG.get("stages")
+    launch: dict[str, int] = {}
+    if num_warps is not None:
+        launch["num_warps"] = num_warps
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
     tile = tile_size if tile_size is not None else max(16, next_power_of_2(block_size))
     head_dim_p = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     # triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits: upcast there.
@@ -366,6 +406,7 @@ def unified_paged_attention(
         DECODE_ONLY=decode_only,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,
+        **launch,
     )
     if splits > 1:
         _reduce_splits[(num_tokens, num_heads)](

@@ -33,9 +33,9 @@ def test_profile_seq_lens(num_tokens, max_model_len, max_num_seqs, expected):
     assert max(lens) <= max_model_len and len(lens) <= max_num_seqs
 
 
-def _worker(make_model, backend: str, max_pos: int, **kw) -> Worker:
+def _worker(make_model, backend: str, max_pos: int, device: str = "cpu", **kw) -> Worker:
     model_dir = make_model("qwen3", max_position_embeddings=max_pos)
-    config = EngineConfig.create(model=str(model_dir), dtype="float32", device="cpu", attention_backend=backend, **kw)
+    config = EngineConfig.create(model=str(model_dir), dtype="float32", device=device, attention_backend=backend, **kw)
     worker = Worker(config)
     worker.load_model()
     return worker
@@ -79,9 +79,11 @@ def test_profile_run_respects_max_num_seqs(make_model):
 
 
 def test_profile_run_on_the_triton_backend(make_model):
-    """The fused RoPE + cache-write kernel and the attention kernel (interpreter) on the profile shapes."""
+    """The fused RoPE + cache-write kernel and the attention kernel on the profile shapes: compiled on a
+    GPU machine, through the interpreter on CPU (a GPU machine does not switch the interpreter on)."""
     pytest.importorskip("triton")
-    worker = _worker(make_model, "triton", 32, max_num_batched_tokens=80, max_num_seqs=4, block_size=8)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    worker = _worker(make_model, "triton", 32, device, max_num_batched_tokens=80, max_num_seqs=4, block_size=8)
     calls = _record_forward(worker)
     worker.runner.profile_run(80)
     (positions, meta), = calls

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from engine_svc.attention.backend import AttentionMetadata
 from engine_svc.attention.triton_backend import TritonAttentionBackend
-from kernels import _triton
+from kernels import _triton, paged_attention
 from kernels._triton import HAS_TRITON
 from kernels.kv_write_ref import kv_write as kv_write_ref
-from kernels.paged_attention import unified_paged_attention
+from kernels.paged_attention import DECODE_CONFIG, parse_decode_config, unified_paged_attention
 from kernels.paged_attention_ref import unified_paged_attention as attention_ref
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -178,6 +178,45 @@ def test_long_prefill_chunk_spans_several_query_blocks(device):
 def test_kv_splits_and_tile_sizes_do_not_change_result(splits, device):
     batch = _filled(make_batch([(1, 45), (4, 30), (1, 2)], block_size=8, device=device, seed=splits))
     _check(batch, num_kv_splits=splits, tile_size=32 if splits == 3 else 16, min_keys_per_split=1)
+
+
+@pytest.mark.parametrize(("tile", "warps", "stages"), [(64, 2, 1), (32, 8, 4)])
+def test_decode_launch_shapes_do_not_change_result(tile, warps, stages, device):
+    """The decode sweep's knobs (bench/kernel_attention.py --sweep): keys per step, warps, stages."""
+    batch = _filled(make_batch([(1, 45), (1, 130), (1, 2), (1, 64)], block_size=16, device=device, seed=tile))
+    _check(batch, tile_size=tile, num_warps=warps, num_stages=stages)
+
+
+class _LaunchRecorder:
+    """Stands in for a LazyKernel: records each launch's grid and keyword arguments."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple[int, ...], dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((tuple(grid), kwargs))
+
+
+@pytest.mark.parametrize(("q_lens", "decode"), [([1, 1, 1], True), ([1, 4, 1], False)])
+def test_decode_steps_launch_with_the_tuned_shape(monkeypatch, q_lens, decode):
+    """Decode steps use DECODE_CONFIG (the H200 sweep's 32 keys x 2 warps); prefill keeps its own shape."""
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(paged_attention, "_attention", recorder)
+    batch = make_batch([(q, 40) for q in q_lens], block_size=16)
+    unified_paged_attention(*batch.attention_args(), 1.0, *batch.limits(), num_kv_splits=1)
+    (_, kwargs), = recorder.launches
+    if decode:
+        assert (kwargs["TILE"], kwargs["num_warps"]) == (32, 2) == (DECODE_CONFIG["tile"], DECODE_CONFIG["warps"])
+    else:
+        assert kwargs["TILE"] == 16 and "num_warps" not in kwargs
+
+
+def test_decode_config_from_the_environment() -> None:
+    assert parse_decode_config("tile=64, warps=4,stages=3") == {"tile": 64, "warps": 4, "stages": 3}
+    assert parse_decode_config("") == {}
+    for bad in ("tile=48", "tile=8", "warps=0", "lanes=4", "warps", "warps=four"):
+        with pytest.raises(ValueError, match="TANDEM_DECODE_ATTENTION"):
+            parse_decode_config(bad)
 
 
 # Decodes whose contexts span 1..7 tiles of 16 keys, and a prefill chunk: with up to 9 splits, some
