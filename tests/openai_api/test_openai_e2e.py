@@ -334,9 +334,10 @@ def test_prompt_logprobs_and_token_ids_on_both_apis(split: HttpSplit) -> None:
 
 
 def test_cancel_mid_stream_brings_engine_load_back_to_zero(split: HttpSplit) -> None:
-    # ignore_eos: without it the first completion samples EOS after ~250 tokens (the second runs to the
-    # context, ~260), and a suite run on a busy box read the load after the engine had got that far.
-    stream = split.client.chat.completions.create(model=split.model, messages=CHAT, max_tokens=400, n=2,
+    # Both completions must still run when the load is read: without ignore_eos the first sampled EOS after
+    # ~250 tokens, and a suite run on a busy box read the load after the engine had got that far. 2,000
+    # tokens each (the context is 2,048; the prompt 26) is seconds of runway on this engine.
+    stream = split.client.chat.completions.create(model=split.model, messages=CHAT, max_tokens=2000, n=2,
                                                   temperature=0.8, seed=1, stream=True,
                                                   extra_body={"ignore_eos": True})
     for received, _ in enumerate(stream, 1):
