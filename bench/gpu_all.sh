@@ -6,11 +6,12 @@
 #                    run(command="bash bench/gpu_all.sh kernels profile e2e", carry=[".gpu"])  # ~3 min
 #                    run(command="bash bench/gpu_all.sh sweep host", carry=[".gpu"])   # ~4 min
 #                    run(command="bash bench/gpu_all.sh hf", carry=[".gpu"])        # HF baseline, ~6 min
+#                    run(command="bash bench/gpu_all.sh owed profile host", carry=[".gpu"])  # what is owed, ~7 min
 #
 # Measured on an H200 (2026-11-27): the kernel tests take ~20 s over 8 xdist workers; the tests that build
 # an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially); kernels 18 s, profile 60 + 49 s,
 # e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host greedy 61 s.
-# Stages (default: tests kernels profile e2e; also sweep hf host): pass stage names to run a subset. Each
+# Stages (default: tests kernels profile e2e; also owed sweep hf host): pass stage names to run a subset. Each
 # stage has its own timeout, so one hang still leaves every other log. The device tool caps a call at 10
 # minutes and lends a session 15 minutes of device time in all: pick the stages that the session needs.
 set -uo pipefail
@@ -49,6 +50,12 @@ for s in "${stages[@]}"; do
              stage tests_engine 480 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE \
                -m "slow or not slow" tests/kernels/test_triton_engine.py tests/gpu \
                tests/engine/test_profile_run.py tests/engine/test_cuda_graph_plan.py ;;
+    # What the 2026-11-27 H200 session could not run natively (its device time ran out), ~3 min.
+    owed)    stage tests_owed 300 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE \
+               "tests/gpu/test_cuda_graphs.py::test_short_rotary_cache_with_a_large_token_budget" \
+               "tests/gpu/test_cuda_graphs.py::test_torch_backend_on_cuda_runs_without_graphs" \
+               "tests/engine/test_profile_run.py::test_profile_run_on_the_triton_backend" \
+               tests/engine/test_cuda_graph_plan.py ;;
     # The decode launch-shape sweep, then the whole engine and the table with its winner (if it won).
     sweep)   stage attention_sweep 150 python bench/kernel_attention.py --sweep --best-out "$OUT/attn_best.txt"
              best=$(cat "$OUT/attn_best.txt" 2>/dev/null)
@@ -64,7 +71,7 @@ for s in "${stages[@]}"; do
     host)    stage gpu_host_step 90 python bench/gpu_host_step.py --device cuda --attention-backend triton
              stage gpu_host_step_t06 90 python bench/gpu_host_step.py --device cuda --attention-backend triton \
                --temperature 0.6 ;;
-    *)       echo "unknown stage $s (tests kernels sweep profile e2e hf host)"; exit 2 ;;
+    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host)"; exit 2 ;;
   esac
 done
 echo; cat "$OUT/summary.txt"
