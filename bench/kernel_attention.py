@@ -187,7 +187,7 @@ def main() -> None:
         from triton.testing import do_bench
     except ImportError:
         sys.exit("triton is not installed: pip install 'tandem[triton]'")
-    from kernels.paged_attention import DECODE_CONFIG, _auto_num_splits, unified_paged_attention
+    from kernels.paged_attention import _auto_num_splits, decode_launch_config, unified_paged_attention
 
     hbm = measure_hbm_bandwidth(do_bench)
     print(
@@ -232,7 +232,7 @@ def main() -> None:
             t_ms, s_ms = graph_ms(triton_calls), graph_ms(sdpa_calls)
             te_ms = do_bench(triton_calls[0], warmup=25, rep=200)
             se_ms = do_bench(sdpa_calls[0], warmup=25, rep=200)
-            tile = args.tile_size or DECODE_CONFIG.get("tile", BLOCK_SIZE)
+            tile = args.tile_size or decode_launch_config(HEAD_DIM).get("tile", BLOCK_SIZE)
             splits = args.splits or _auto_num_splits(torch.device("cuda"), batch, KV_HEADS, context, tile)
 
             def pct(ms: float, num_bytes: int = num_bytes) -> float:

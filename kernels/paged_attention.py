@@ -53,9 +53,11 @@ MAX_SPLITS = 64
 # stages (absent = triton's default, 3 on Hopper). Chosen by `bench/kernel_attention.py --sweep` on an H200
 # (2026-11-27): 32 keys and 2 warps scored 1.34x the block-size tile with 4 warps (geometric mean over
 # 8 decode shapes; 82-103% of HBM bandwidth at batch >= 16), stages 2-4 equal. A 16-row dot with 32 keys
-# is too little work for 4 warps to share. TANDEM_DECODE_ATTENTION="tile=64,warps=4,stages=3" overrides
-# any of them for a process (read once, at import), so a sweep's pick can be run end to end.
+# is too little work for 4 warps to share. Measured at head_dim 128 only, so larger heads (whose tiles
+# hold twice the registers) keep triton's defaults. TANDEM_DECODE_ATTENTION="tile=64,warps=4,stages=3"
+# overrides any of them for a process (read once, at import), so a sweep's pick can be run end to end.
 DECODE_DEFAULTS: dict[str, int] = {"tile": 32, "warps": 2}
+DECODE_DEFAULTS_MAX_HEAD_DIM = 128
 DECODE_ENV = "TANDEM_DECODE_ATTENTION"
 DECODE_KEYS = ("tile", "warps", "stages")
 
@@ -74,7 +76,14 @@ def parse_decode_config(text: str) -> dict[str, int]:
     return config
 
 
-DECODE_CONFIG: dict[str, int] = {**DECODE_DEFAULTS, **parse_decode_config(os.environ.get(DECODE_ENV, ""))}
+DECODE_OVERRIDE: dict[str, int] = parse_decode_config(os.environ.get(DECODE_ENV, ""))
+
+
+def decode_launch_config(head_dim_p: int) -> dict[str, int]:
+    """The decode launch shape for a (padded) head size: the tuned defaults where they were measured,
+    then the environment's override."""
+    tuned = DECODE_DEFAULTS if head_dim_p <= DECODE_DEFAULTS_MAX_HEAD_DIM else {}
+    return {**tuned, **DECODE_OVERRIDE}
 
 
 def _attention_kernel(
@@ -326,7 +335,7 @@ def unified_paged_attention(
     max_seq_len only tunes the split heuristic. Rows past query_start_loc[-1] (padding) are undefined.
     num_kv_splits (None = auto: `choose_num_splits`, 1 on CPU), tile_size (keys per inner step, power of
     two >= 16), min_keys_per_split (the floor on each split's share of a context), num_warps and
-    num_stages (the launch's; decode steps default to DECODE_CONFIG) are tuning knobs that never change
+    num_stages (the launch's; decode steps default to `decode_launch_config`) are tuning knobs that never change
     the result beyond rounding.
     """
     require_triton()
@@ -353,17 +362,18 @@ def unified_paged_attention(
         block_m = max(64 if max_query_len >= 16 else 16, next_power_of_2(qpk))
         block_q = block_m // qpk
         grid_q = num_tokens // block_q + num_reqs
+    head_dim_p = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     if decode_only:
-        tile_size = tile_size or DECODE_CONFIG.get("tile")
-        num_warps = num_warps or DECODE_CONFIG.get("warps")
-        num_stages = num_stages or DECODE_CONFIG.get("stages")
+        shape = decode_launch_config(head_dim_p)
+        tile_size = tile_size or shape.get("tile")
+        num_warps = num_warps or shape.get("warps")
+        num_stages = num_stages or shape.get("stages")
     launch: dict[str, int] = {}
     if num_warps is not None:
         launch["num_warps"] = num_warps
     if num_stages is not None:
         launch["num_stages"] = num_stages
     tile = tile_size if tile_size is not None else max(16, next_power_of_2(block_size))
-    head_dim_p = max(16, next_power_of_2(head_dim))  # tl.dot needs K >= 16
     # triton 3.9's interpreter multiplies bf16 dot operands as raw uint16 bits: upcast there.
     dot_in_fp32 = query.dtype == torch.bfloat16 and interpret_mode()
     splits = num_kv_splits or _auto_num_splits(query.device, grid_q, num_kv_heads, max_seq_len, tile)

@@ -22,7 +22,7 @@ from engine_svc.attention.triton_backend import TritonAttentionBackend
 from kernels import _triton, paged_attention
 from kernels._triton import HAS_TRITON
 from kernels.kv_write_ref import kv_write as kv_write_ref
-from kernels.paged_attention import DECODE_CONFIG, parse_decode_config, unified_paged_attention
+from kernels.paged_attention import DECODE_DEFAULTS, parse_decode_config, unified_paged_attention
 from kernels.paged_attention_ref import unified_paged_attention as attention_ref
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -197,18 +197,27 @@ class _LaunchRecorder:
         return lambda *args, **kwargs: self.launches.append((tuple(grid), kwargs))
 
 
-@pytest.mark.parametrize(("q_lens", "decode"), [([1, 1, 1], True), ([1, 4, 1], False)])
-def test_decode_steps_launch_with_the_tuned_shape(monkeypatch, q_lens, decode):
-    """Decode steps use DECODE_CONFIG (the H200 sweep's 32 keys x 2 warps); prefill keeps its own shape."""
+@pytest.mark.parametrize(("q_lens", "head_dim", "tuned"), [([1, 1, 1], 128, True), ([1, 1], 64, True),
+                                                          ([1, 4, 1], 128, False), ([1, 1], 256, False)])
+def test_decode_steps_launch_with_the_tuned_shape(monkeypatch, q_lens, head_dim, tuned):
+    """Decode steps with heads up to 128 use the H200 sweep's 32 keys x 2 warps; prefill chunks and larger
+    heads (not measured) keep the block-size tile and triton's warps."""
+    monkeypatch.setattr(paged_attention, "DECODE_OVERRIDE", {})
     recorder = _LaunchRecorder()
     monkeypatch.setattr(paged_attention, "_attention", recorder)
-    batch = make_batch([(q, 40) for q in q_lens], block_size=16)
+    batch = make_batch([(q, 40) for q in q_lens], block_size=16, kv_heads=1, group=2, head_dim=head_dim)
     unified_paged_attention(*batch.attention_args(), 1.0, *batch.limits(), num_kv_splits=1)
     (_, kwargs), = recorder.launches
-    if decode:
-        assert (kwargs["TILE"], kwargs["num_warps"]) == (32, 2) == (DECODE_CONFIG["tile"], DECODE_CONFIG["warps"])
+    if tuned:
+        assert (kwargs["TILE"], kwargs["num_warps"]) == (32, 2) == tuple(DECODE_DEFAULTS.values())
     else:
         assert kwargs["TILE"] == 16 and "num_warps" not in kwargs
+
+
+def test_the_environment_overrides_the_tuned_shape(monkeypatch):
+    monkeypatch.setattr(paged_attention, "DECODE_OVERRIDE", parse_decode_config("warps=8,stages=1"))
+    assert paged_attention.decode_launch_config(128) == {"tile": 32, "warps": 8, "stages": 1}
+    assert paged_attention.decode_launch_config(256) == {"warps": 8, "stages": 1}
 
 
 def test_decode_config_from_the_environment() -> None:
