@@ -75,7 +75,11 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
                                     num_heads=2, num_kv_heads=1, vocab_size=512)
         config = EngineConfig.create(model=str(model_dir), dtype="float32", device=args.device,
                                      max_num_seqs=args.batch, max_model_len=args.prompt_len + args.steps + 8,
-                                     attention_backend=args.attention_backend)
+                                     attention_backend=args.attention_backend,
+                                     # the GPU engine's step budget on any device: every request is admitted
+                                     # in a few steps, so all `--batch` of them decode together (the CPU's
+                                     # default 256 tokens / 64-token chunks never get there)
+                                     max_num_batched_tokens=max(8192, args.batch), long_prefill_token_threshold=0)
         core = EngineCore(config)
     worker = core.executor.worker  # type: ignore[attr-defined]
     runner, sched = worker.runner, core.scheduler
