@@ -93,8 +93,16 @@ class KVCacheManager:
         Returns the block ids appended to the table (hits first), or None when there are not enough free
         blocks, in which case nothing changed.
         """
-        computed = list(new_computed_blocks or ())
         table = self._tables.get(request.request_id)
+        if table is not None and not new_computed_blocks:
+            # Fast path (a decode, most steps): the tokens fit in the blocks held and fill none of them.
+            num_computed = request.num_computed_tokens
+            num_tokens = num_computed + num_new_tokens
+            bs = self.block_size
+            if num_tokens <= len(table) * bs and (num_tokens // bs == num_computed // bs
+                                                  or not self.enable_prefix_caching):
+                return []
+        computed = list(new_computed_blocks or ())
         if computed and table is not None:
             raise ValueError(f"{request.request_id}: computed blocks can only be added at admission")
         bs = self.block_size
