@@ -59,7 +59,10 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block table from index `start` on ([] for an unknown request)."""
-        return [b.block_id for b in self._tables.get(request_id, ())[start:]]
+        table = self._tables.get(request_id)
+        if table is None or len(table) <= start:
+            return []  # most decode steps: no block added since the last look
+        return [b.block_id for b in table[start:]]
 
     def hash_blocks(self, request: Request) -> None:
         """Bring `request.block_hashes` up to date with its tokens (no-op when prefix caching is off)."""

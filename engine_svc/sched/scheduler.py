@@ -222,13 +222,14 @@ class Scheduler:
         """Returns (budget left, whether anything was preempted)."""
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(min(request.num_tokens, self.max_model_len) - request.num_computed_tokens, budget, cap)
+        running, max_model_len, allocate = self.running, self.max_model_len, self.kv.allocate_slots
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n = min(min(len(request.all_token_ids), max_model_len) - request.num_computed_tokens, budget, cap)
             if n <= 0:  # nothing left below max_model_len: never send 0 tokens
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, n) is None:
+            while allocate(request, n) is None:
                 victim = self._pick_victim()
                 preempted = True
                 if self.running.index(victim) < i:  # already scheduled this step: undo that
