@@ -225,7 +225,9 @@ class Scheduler:
         running, max_model_len, allocate = self.running, self.max_model_len, self.kv.allocate_slots
         while i < len(running) and budget > 0:
             request = running[i]
-            n = min(min(len(request.all_token_ids), max_model_len) - request.num_computed_tokens, budget, cap)
+            n = min(len(request.all_token_ids), max_model_len) - request.num_computed_tokens
+            if n > budget or n > cap:  # (a decode never is: two compares instead of a min() call)
+                n = min(n, budget, cap)
             if n <= 0:  # nothing left below max_model_len: never send 0 tokens
                 i += 1
                 continue

@@ -31,6 +31,7 @@ class StepInputs:
     num_decodes: int
     # Requests whose scheduled tokens reach the end of their known tokens: they sample this step.
     sample_mask: np.ndarray  # [B] bool
+    rows: np.ndarray  # [B] int64: each request's row of the persistent batch
 
 
 class InputBatch:
@@ -127,4 +128,5 @@ class InputBatch:
             block_table=self.block_table[rows, :max_blocks],
             num_decodes=num_decodes,
             sample_mask=seq_lens >= self.num_tokens[rows],
+            rows=rows,
         )

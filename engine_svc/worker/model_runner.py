@@ -153,9 +153,9 @@ class ModelRunner:
             # samples (a decode step), the sampling rows are the batch order itself.
             every_row = len(sample_idx) == len(req_ids)
             sample_ids = req_ids if every_row else [req_ids[i] for i in sample_idx.tolist()]
-            states_of, row_of = self.sampling_states, self.batch.row_of
+            states_of = self.sampling_states
             states = [states_of[r] for r in sample_ids]
-            batch_rows = np.fromiter((row_of[r] for r in sample_ids), np.int64, len(sample_ids))
+            batch_rows = inputs.rows if every_row else inputs.rows[sample_idx]
             meta: SamplingMetadata = build_sampling_metadata(
                 states, self.device, columns=self.sampling_columns, rows=batch_rows, stage=self.staging.stage_arrays,
             )
