@@ -83,6 +83,9 @@ class Request:
         # Structured outputs: the compile this request waits for, then its matcher (None: unconstrained).
         self.grammar_ticket: Ticket | None = None
         self.grammar: RequestGrammar | None = None
+        # The tokens that stop it once it has min_tokens outputs: its EOS ids (unless ignore_eos) and its
+        # stop_token_ids. Set by `set_stop_tokens` once the request is validated; checked per sampled token.
+        self.stop_token_set: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +106,12 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason:
         return _FINISH_REASON.get(self.status, FinishReason.UNSPECIFIED)
+
+    def set_stop_tokens(self) -> None:
+        """Fill `stop_token_set` from the sampling params (valid ones: call after validation)."""
+        params = self.sampling_params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        self.stop_token_set = eos | frozenset(params.stop_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -55,6 +55,7 @@ from engine_svc.tokenizer_files import TokenizerArchive, read_tokenizer_archive
 from engine_svc.validation import add_size_problem, request_id_problem
 from shared_runtime.contract import EngineCoreOutput, EngineCoreOutputs, EngineError, ErrorCode, FinishReason
 from shared_runtime.from_pb import request_from_pb
+from shared_runtime.heap import settle_heap
 from shared_runtime.link import (
     KEEPALIVE_OPTIONS,
     MAX_MESSAGE_BYTES,
@@ -285,10 +286,13 @@ class EngineServer:
                  executor: object | None = None, telemetry: EngineTelemetry | None = None,
                  tls: ServerTls | None = None, tokens: KeySet | None = None, health_port: int = 0,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, kv_events: bool = True,
-                 kv_events_buffer: int = DEFAULT_BUFFER) -> None:
+                 kv_events_buffer: int = DEFAULT_BUFFER, settle_heap_when_ready: bool = False) -> None:
         """`max_waiting`: None = 4 x max_num_seqs, a negative value = unbounded. `tokens`: the engine
         tokens a caller must present (None: no token needed). `kv_events`: record the prefix cache's
-        changes for SubscribeKvEvents; `kv_events_buffer`: batches a subscriber may fall behind."""
+        changes for SubscribeKvEvents; `kv_events_buffer`: batches a subscriber may fall behind.
+        `settle_heap_when_ready`: once the engine is built, freeze what start-up allocated out of the
+        garbage collector's reach (shared_runtime/heap.py); for a process that only serves (the CLI),
+        since a frozen object is never collected."""
         self.config = config
         self.telemetry = telemetry or EngineTelemetry()
         self.host, self.port = host, port
@@ -304,6 +308,7 @@ class EngineServer:
         self.health_port = 0
         self.max_message_bytes = max_message_bytes
         self.kv_events, self.kv_events_buffer = kv_events, kv_events_buffer
+        self.settle_heap_when_ready = settle_heap_when_ready
         self.exit_code = 0
         self.bound_port = 0
         self.servicer: EngineCoreServicer | None = None
@@ -408,6 +413,8 @@ class EngineServer:
     def _on_ready(self, core: EngineCore) -> None:
         self.servicer.core = core
         logger.info("engine ready: %d KV blocks", core.num_blocks)
+        if self.settle_heap_when_ready:  # else a full collection of start-up's ~10^5-10^6 objects pauses a step
+            settle_heap()
         if not self._draining:
             self._set_serving(True)
 

@@ -104,7 +104,7 @@ async def _serve(config, args: argparse.Namespace, executor, security) -> int:
                           drain_grace_s=args.drain_grace_period, executor=executor, telemetry=telemetry,
                           tls=tls, tokens=tokens, health_port=args.health_port,
                           max_message_bytes=args.max_message_bytes, kv_events=args.enable_kv_cache_events,
-                          kv_events_buffer=args.kv_events_buffer)
+                          kv_events_buffer=args.kv_events_buffer, settle_heap_when_ready=True)
     signals = ServiceSignals(drain=server.begin_drain, stop=server.force_exit, reload=server.reload_credentials)
     signals.install()
     try:

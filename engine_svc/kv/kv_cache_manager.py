@@ -59,7 +59,10 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block table from index `start` on ([] for an unknown request)."""
-        return [b.block_id for b in self._tables.get(request_id, ())[start:]]
+        table = self._tables.get(request_id)
+        if table is None or len(table) <= start:
+            return []  # most decode steps: no block added since the last look
+        return [b.block_id for b in table[start:]]
 
     def hash_blocks(self, request: Request) -> None:
         """Bring `request.block_hashes` up to date with its tokens (no-op when prefix caching is off)."""
@@ -93,8 +96,22 @@ class KVCacheManager:
         Returns the block ids appended to the table (hits first), or None when there are not enough free
         blocks, in which case nothing changed.
         """
-        computed = list(new_computed_blocks or ())
         table = self._tables.get(request.request_id)
+        if table is not None and not new_computed_blocks:
+            # Fast path (a decode, most steps): the tokens fit in the blocks held and fill none of them, so
+            # `_allocate` would take no block and cache none (the request's hashes are already current).
+            num_computed = request.num_computed_tokens
+            num_tokens = num_computed + num_new_tokens
+            bs = self.block_size
+            if num_tokens <= len(table) * bs and (num_tokens // bs == num_computed // bs
+                                                  or not self.enable_prefix_caching):
+                return []
+        return self._allocate(request, num_new_tokens, new_computed_blocks, table)
+
+    def _allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] | None,
+                  table: list[KVCacheBlock] | None) -> list[int] | None:
+        """`allocate_slots` in general: `table` is the request's table (None before admission)."""
+        computed = list(new_computed_blocks or ())
         if computed and table is not None:
             raise ValueError(f"{request.request_id}: computed blocks can only be added at admission")
         bs = self.block_size

@@ -52,6 +52,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     # The allowed tokens of this step's constrained rows; None when no scheduled request has a grammar.
     grammar: GrammarBitmask | None = None
+    # For the scheduler's own step stats (workers ignore it): prompt tokens among the scheduled tokens of
+    # each request that has any (prefill chunks); decodes are absent.
+    num_prompt_tokens: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

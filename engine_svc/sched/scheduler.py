@@ -125,6 +125,7 @@ class Scheduler:
             self._emit_terminal(request, EngineError(code=ErrorCode.INVALID_ARGUMENT, message=problem))
             return
         request.max_total_tokens = min(request.max_total_tokens, self.kv.num_blocks * self.block_size)
+        request.set_stop_tokens()
         self.kv.hash_blocks(request)
         self.requests[request.request_id] = request
         constraint = request.sampling_params.structured_outputs
@@ -166,15 +167,11 @@ class Scheduler:
         budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens, cap)
         if not preempted:
             self._schedule_waiting(scheduled, budget, cap)
-        output = self._make_output(scheduled)
+        grammar = None
         if self._bitmask is not None and self._num_constrained:
-            output.grammar = self._grammar_bitmask(scheduled, self._bitmask)
-        # Only now, after every preemption of this step: the KV manager caches blocks when it allocates
-        # them and, when a request is freed, uncaches its blocks past `num_computed_tokens` - for a
-        # request undone in this step those are blocks whose K/V will never be written. The workers also
-        # need the pre-step count in the output's diffs.
-        for request_id, num_tokens in scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            grammar = self._grammar_bitmask(scheduled, self._bitmask)  # reads the pre-step counts
+        output = self._make_output(scheduled)  # advances num_computed_tokens
+        output.grammar = grammar
         return output
 
     def _prefill_cap(self) -> int:
@@ -225,13 +222,16 @@ class Scheduler:
         """Returns (budget left, whether anything was preempted)."""
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(min(request.num_tokens, self.max_model_len) - request.num_computed_tokens, budget, cap)
+        running, max_model_len, allocate = self.running, self.max_model_len, self.kv.allocate_slots
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n = min(len(request.all_token_ids), max_model_len) - request.num_computed_tokens
+            if n > budget or n > cap:  # (a decode never is: two compares instead of a min() call)
+                n = min(n, budget, cap)
             if n <= 0:  # nothing left below max_model_len: never send 0 tokens
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, n) is None:
+            while allocate(request, n) is None:
                 victim = self._pick_victim()
                 preempted = True
                 if self.running.index(victim) < i:  # already scheduled this step: undo that
@@ -287,17 +287,28 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+        """The step's SchedulerOutput (new requests in full, the others as diffs against what the workers
+        hold), then each scheduled request's `num_computed_tokens` advanced by its tokens.
+
+        The advance comes only now, after every preemption of this step: the KV manager caches blocks when
+        it allocates them and, when a request is freed, uncaches its blocks past `num_computed_tokens` -
+        for a request undone in this step those are blocks whose K/V will never be written. The diffs
+        carry the pre-step count.
+        """
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        for request_id in scheduled:
-            request = self.requests[request_id]
-            tokens_sent = self._num_tokens_sent.get(request_id)
+        prompt_tokens: dict[str, int] = {}
+        requests, tokens_sent_of, blocks_sent_of = self.requests, self._num_tokens_sent, self._num_blocks_sent
+        kv = self.kv
+        for request_id, n in scheduled.items():
+            request = requests[request_id]
+            tokens_sent = tokens_sent_of.get(request_id)
             if tokens_sent is None:
                 new_reqs.append(self._new_request_data(request))
-                self._num_blocks_sent[request_id] = len(new_reqs[-1].block_ids)
+                blocks_sent_of[request_id] = len(new_reqs[-1].block_ids)
             else:
-                blocks_sent = self._num_blocks_sent[request_id]
-                new_blocks = self.kv.get_block_ids(request_id, blocks_sent)
+                blocks_sent = blocks_sent_of[request_id]
+                new_blocks = kv.get_block_ids(request_id, blocks_sent)
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=request_id,
@@ -306,8 +317,13 @@ class Scheduler:
                         num_computed_tokens=request.num_computed_tokens,
                     )
                 )
-                self._num_blocks_sent[request_id] = blocks_sent + len(new_blocks)
-            self._num_tokens_sent[request_id] = request.num_tokens
+                if new_blocks:
+                    blocks_sent_of[request_id] = blocks_sent + len(new_blocks)
+            tokens_sent_of[request_id] = len(request.all_token_ids)
+            start = request.num_computed_tokens
+            if start < len(request.prompt_token_ids):
+                prompt_tokens[request_id] = min(len(request.prompt_token_ids) - start, n)
+            request.num_computed_tokens = start + n
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -315,6 +331,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
+            num_prompt_tokens=prompt_tokens,
         )
         self._finished_ids, self._preempted_ids = [], []
         return output
@@ -346,15 +363,16 @@ class Scheduler:
         num_sampled = 0
         any_finished = False
         logprobs = model_runner_output.logprobs
+        requests, running = self.requests, RequestStatus.RUNNING
         for i, (request_id, token) in enumerate(
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
         ):
-            request = self.requests.get(request_id)
-            if token < 0 or request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(request_id)
+            if token < 0 or request is None or request.status is not running:
                 continue  # a partial prefill chunk, or aborted since it was scheduled
             num_sampled += 1
             outputs.append(self._on_sampled(request, token, logprobs[i] if logprobs else None))
-            any_finished = any_finished or request.is_finished
+            any_finished = any_finished or request.status is not running
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
@@ -362,10 +380,16 @@ class Scheduler:
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.get_stats())
 
     def _on_sampled(self, request: Request, token: int, logprobs: SampledLogprobs | None) -> EngineCoreOutput:
+        """Append one sampled token to a running request and build its output (finishing it when it
+        stops). Runs once per running request per step: no work beyond the checks a plain decode needs."""
         if request.grammar is not None and not request.grammar.accept(token):
             return self._grammar_violated(request, token)
-        request.append_output_token(token)
-        self.kv.hash_blocks(request)
+        request.output_token_ids.append(token)
+        tokens = request.all_token_ids
+        tokens.append(token)
+        kv = self.kv
+        if kv.enable_prefix_caching and len(tokens) // self.block_size > len(request.block_hashes):
+            kv.hash_blocks(request)  # a block just filled
         output = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=[token],
@@ -377,12 +401,15 @@ class Scheduler:
             request.first_token_sent = True
             request.record_event(EventType.FIRST_TOKEN)
             output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
-        if self._check_stop(request, token):
+        if (token in request.stop_token_set or len(tokens) >= request.max_total_tokens) and self._check_stop(
+            request, token
+        ):
             self._release(request)
             request.record_event(EventType.FINISHED)
             output.finish_reason = request.finish_reason
             output.stop_token_id = request.stop_token_id
-        output.events, request.pending_events = request.pending_events, []
+        if request.pending_events:  # else the output keeps its own empty list
+            output.events, request.pending_events = request.pending_events, []
         return output
 
     def _grammar_violated(self, request: Request, token: int) -> EngineCoreOutput:
@@ -403,10 +430,7 @@ class Scheduler:
     @staticmethod
     def _check_stop(request: Request, token: int) -> bool:
         """EOS / stop token (not before min_tokens outputs), then the length limit. Sets the status."""
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens and (
-            (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-        ):
+        if token in request.stop_token_set and request.num_output_tokens >= request.sampling_params.min_tokens:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_token_id = token
             return True
@@ -416,14 +440,10 @@ class Scheduler:
         return False
 
     def _count_prompt_tokens(self, scheduler_output: SchedulerOutput) -> int:
-        """Prompt tokens among this step's scheduled tokens (num_computed_tokens already advanced)."""
-        total = 0
-        for request_id, n in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is not None:
-                start = request.num_computed_tokens - n
-                total += max(0, min(request.num_prompt_tokens - start, n))
-        return total
+        """Prompt tokens among this step's scheduled tokens, of the requests still known (not aborted
+        since): `_make_output` counted them per request."""
+        requests = self.requests
+        return sum(n for request_id, n in scheduler_output.num_prompt_tokens.items() if request_id in requests)
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
     def _release(self, request: Request) -> None:

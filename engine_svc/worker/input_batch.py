@@ -31,6 +31,7 @@ class StepInputs:
     num_decodes: int
     # Requests whose scheduled tokens reach the end of their known tokens: they sample this step.
     sample_mask: np.ndarray  # [B] bool
+    rows: np.ndarray  # [B] int64: each request's row of the persistent batch
 
 
 class InputBatch:
@@ -92,12 +93,19 @@ class InputBatch:
 
     def prepare(self, num_scheduled: dict[str, int]) -> StepInputs:
         """Lay out one step. Decodes first so attention can batch them; the rest keep schedule order."""
-        decode_ids = [r for r, n in num_scheduled.items() if n == 1]
-        other_ids = [r for r, n in num_scheduled.items() if n != 1]
-        req_ids = decode_ids + other_ids
+        num_reqs = len(num_scheduled)
+        counts = num_scheduled.values()
+        if num_reqs and min(counts) == 1 == max(counts):  # every request decodes one token (the steady step)
+            req_ids = list(num_scheduled)
+            num_decodes = num_reqs
+            query_lens = np.ones(num_reqs, dtype=np.int64)
+        else:
+            decode_ids = [r for r, n in num_scheduled.items() if n == 1]
+            req_ids = decode_ids + [r for r, n in num_scheduled.items() if n != 1]
+            num_decodes = len(decode_ids)
+            query_lens = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=num_reqs)
         row_of = self.row_of
-        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        query_lens = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=num_reqs)
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         total = int(query_start_loc[-1])
@@ -118,6 +126,7 @@ class InputBatch:
             positions=positions,
             slot_mapping=slot_mapping,
             block_table=self.block_table[rows, :max_blocks],
-            num_decodes=len(decode_ids),
+            num_decodes=num_decodes,
             sample_mask=seq_lens >= self.num_tokens[rows],
+            rows=rows,
         )

@@ -143,14 +143,19 @@ class ModelRunner:
         last_token = inputs.query_start_loc[1:][sample_idx] - 1  # the hidden row each sampling request reads
         self.staging.begin_step()
         hidden, sample_rows = self._forward(inputs, last_token)
-        sampled = [-1] * len(inputs.req_ids)
+        req_ids = inputs.req_ids
+        sampled = [-1] * len(req_ids)
         logprobs = None
         if not len(sample_idx):
             self.staging.end_step()
         else:
-            states = [self.sampling_states[inputs.req_ids[i]] for i in sample_idx]
-            row_of = self.batch.row_of
-            batch_rows = np.fromiter((row_of[inputs.req_ids[i]] for i in sample_idx), np.int64, len(sample_idx))
+            # Python ints, not numpy scalars, index the per-request lists and dicts below; when every row
+            # samples (a decode step), the sampling rows are the batch order itself.
+            every_row = len(sample_idx) == len(req_ids)
+            sample_ids = req_ids if every_row else [req_ids[i] for i in sample_idx.tolist()]
+            states_of = self.sampling_states
+            states = [states_of[r] for r in sample_ids]
+            batch_rows = inputs.rows if every_row else inputs.rows[sample_idx]
             meta: SamplingMetadata = build_sampling_metadata(
                 states, self.device, columns=self.sampling_columns, rows=batch_rows, stage=self.staging.stage_arrays,
             )
@@ -158,14 +163,17 @@ class ModelRunner:
             rows = hidden[: len(sample_idx)] if sample_rows is None else hidden.index_select(0, sample_rows)
             logits = self.model.compute_logits(rows)
             if so.grammar is not None:  # structured outputs: mask the constrained rows before sampling
-                apply_bitmask(logits, so.grammar, {inputs.req_ids[i]: j for j, i in enumerate(sample_idx)})
+                apply_bitmask(logits, so.grammar, {r: j for j, r in enumerate(sample_ids)})
             out = self.sampler(logits, meta)
             tokens = out.sampled_token_ids.tolist()  # the step's one device -> host sync
-            for j, i in enumerate(sample_idx):
-                sampled[i] = tokens[j]
-            logprobs = self._scatter_logprobs(out, sample_idx, len(inputs.req_ids))
+            if every_row:
+                sampled = tokens
+            else:
+                for j, i in enumerate(sample_idx.tolist()):
+                    sampled[i] = tokens[j]
+            logprobs = self._scatter_logprobs(out, sample_idx, len(req_ids))
         return ModelRunnerOutput(
-            req_ids=inputs.req_ids,
+            req_ids=req_ids,
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=self._prompt_logprobs(inputs, hidden) if self.prompt_logprobs_wanted else {},
@@ -202,8 +210,10 @@ class ModelRunner:
         rows = out.logprobs_lists()  # type: ignore[attr-defined]
         if rows is None:
             return None
+        if len(rows) == batch_size:  # every row sampled, in batch order
+            return rows
         full: list = [None] * batch_size
-        for j, i in enumerate(sample_idx):
+        for j, i in enumerate(sample_idx.tolist()):
             full[i] = rows[j]
         return full
 
