@@ -12,7 +12,8 @@ Each step (`schedule`):
    the decodes - and the gap between their tokens - stays short. A prefill with nobody decoding beside
    it has no stream to stall and takes what the budget allows.
 3. The output sends a request in full on its first schedule and on resume after a preemption, otherwise
-   only what the workers have not seen (appended tokens and blocks).
+   only what the workers have not seen (appended tokens and blocks); a steady decode (one token, no
+   block) goes in the output's decode columns, not as a per-request struct.
 4. `num_computed_tokens` advances by the scheduled count right away: the K/V of the scheduled tokens is
    considered written once the step runs.
 
@@ -297,11 +298,16 @@ class Scheduler:
         """
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        decode_ids: list[str] = []  # steady decodes (one token appended, no block): columnar
+        decode_tokens: list[int] = []
+        decode_computed: list[int] = []
         prompt_tokens: dict[str, int] = {}
         requests, tokens_sent_of, blocks_sent_of = self.requests, self._num_tokens_sent, self._num_blocks_sent
         kv = self.kv
         for request_id, n in scheduled.items():
             request = requests[request_id]
+            tokens = request.all_token_ids
+            num_tokens = len(tokens)
             tokens_sent = tokens_sent_of.get(request_id)
             if tokens_sent is None:
                 new_reqs.append(self._new_request_data(request))
@@ -309,17 +315,22 @@ class Scheduler:
             else:
                 blocks_sent = blocks_sent_of[request_id]
                 new_blocks = kv.get_block_ids(request_id, blocks_sent)
-                cached_reqs.append(
-                    CachedRequestData(
-                        req_id=request_id,
-                        new_token_ids=request.all_token_ids[tokens_sent:],
-                        new_block_ids=new_blocks,
-                        num_computed_tokens=request.num_computed_tokens,
+                if not new_blocks and tokens_sent == num_tokens - 1:
+                    decode_ids.append(request_id)
+                    decode_tokens.append(tokens[-1])
+                    decode_computed.append(request.num_computed_tokens)
+                else:
+                    cached_reqs.append(
+                        CachedRequestData(
+                            req_id=request_id,
+                            new_token_ids=tokens[tokens_sent:],
+                            new_block_ids=new_blocks,
+                            num_computed_tokens=request.num_computed_tokens,
+                        )
                     )
-                )
-                if new_blocks:
-                    blocks_sent_of[request_id] = blocks_sent + len(new_blocks)
-            tokens_sent_of[request_id] = len(request.all_token_ids)
+                    if new_blocks:
+                        blocks_sent_of[request_id] = blocks_sent + len(new_blocks)
+            tokens_sent_of[request_id] = num_tokens
             start = request.num_computed_tokens
             if start < len(request.prompt_token_ids):
                 prompt_tokens[request_id] = min(len(request.prompt_token_ids) - start, n)
@@ -332,6 +343,9 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
             num_prompt_tokens=prompt_tokens,
+            decode_req_ids=decode_ids,
+            decode_token_ids=decode_tokens,
+            decode_num_computed_tokens=decode_computed,
         )
         self._finished_ids, self._preempted_ids = [], []
         return output
