@@ -226,7 +226,10 @@ class Scheduler:
         running, max_model_len, allocate = self.running, self.max_model_len, self.kv.allocate_slots
         while i < len(running) and budget > 0:
             request = running[i]
-            n = min(len(request.all_token_ids), max_model_len) - request.num_computed_tokens
+            n = len(request.all_token_ids)
+            if n > max_model_len:  # (a compare, not a min() call: this runs per request per step)
+                n = max_model_len
+            n -= request.num_computed_tokens
             if n > budget or n > cap:  # (a decode never is: two compares instead of a min() call)
                 n = min(n, budget, cap)
             if n <= 0:  # nothing left below max_model_len: never send 0 tokens
@@ -404,10 +407,11 @@ class Scheduler:
         kv = self.kv
         if kv.enable_prefix_caching and len(tokens) // self.block_size > len(request.block_hashes):
             kv.hash_blocks(request)  # a block just filled
+        num_cached = request.num_cached_tokens  # -1 until first scheduled; a compare costs less than max()
         output = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=[token],
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=num_cached if num_cached > 0 else 0,
         )
         if logprobs is not None:
             output.new_logprobs = [_token_logprobs(token, logprobs)]
