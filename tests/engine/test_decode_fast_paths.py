@@ -271,3 +271,21 @@ def test_fast_paths_match_the_general_path_step_by_step(caching: bool) -> None:
     assert not fast.has_unfinished_requests() and not ref.has_unfinished_requests()
     assert fast.kv.num_free_blocks == fast.kv.num_blocks
     assert all(seen.values()), seen  # the workload reached every case it is here for
+
+
+def test_prepare_never_reuses_decode_rows_after_rows_moved() -> None:
+    """`InputBatch.prepare` reuses the rows of the last `apply_decode_diffs` only while no request joined:
+    here both requests leave and rejoin in swapped rows, and a step with no decode columns lays them out."""
+    from engine_svc.worker.input_batch import InputBatch
+
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4)
+    batch.add("a", [1, 2, 3], [5], 3)
+    batch.add("b", [7, 8, 9], [6], 3)
+    batch.apply_decode_diffs(["a", "b"], [4, 10], [3, 3])
+    batch.remove("a")
+    batch.remove("b")
+    batch.add("a", [1, 2, 3, 4], [5], 3)  # rows swapped: a takes b's old row
+    batch.add("b", [7, 8, 9, 10], [6], 3)
+    inputs = batch.prepare({"a": 1, "b": 1})
+    assert inputs.rows.tolist() == [batch.row_of["a"], batch.row_of["b"]] == [1, 0]
+    assert inputs.input_ids.tolist() == [4, 10] and inputs.slot_mapping.tolist() == [23, 27]
