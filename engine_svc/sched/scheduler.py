@@ -377,20 +377,18 @@ class Scheduler:
             if request is not None and not request.first_token_sent:
                 request.prompt_logprobs.extend(_token_logprobs(row[0], row[1:]) for row in rows)
 
-        num_sampled = 0
-        any_finished = False
+        num_terminal, num_finished = len(outputs), len(self._finished_ids)
         logprobs = model_runner_output.logprobs
-        requests, running = self.requests, RequestStatus.RUNNING
+        requests, running, on_sampled = self.requests, RequestStatus.RUNNING, self._on_sampled
         for i, (request_id, token) in enumerate(
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
         ):
             request = requests.get(request_id)
             if token < 0 or request is None or request.status is not running:
                 continue  # a partial prefill chunk, or aborted since it was scheduled
-            num_sampled += 1
-            outputs.append(self._on_sampled(request, token, logprobs[i] if logprobs else None))
-            any_finished = any_finished or request.status is not running
-        if any_finished:
+            outputs.append(on_sampled(request, token, logprobs[i] if logprobs else None))
+        num_sampled = len(outputs) - num_terminal  # one output per sampled request
+        if len(self._finished_ids) > num_finished:  # `_release` lists every request it ends
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
         self._last_step = (scheduler_output.total_num_scheduled_tokens, num_prompt_tokens, num_sampled)
