@@ -164,14 +164,15 @@ class Scheduler:
         if self._compiling:
             self._admit_compiled()
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in schedule order
+        grown: set[str] = set()  # running requests whose block table grew this step
         cap = self._prefill_cap()
-        budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens, cap)
+        budget, preempted = self._schedule_running(scheduled, grown, self.max_num_batched_tokens, cap)
         if not preempted:
             self._schedule_waiting(scheduled, budget, cap)
         grammar = None
         if self._bitmask is not None and self._num_constrained:
             grammar = self._grammar_bitmask(scheduled, self._bitmask)  # reads the pre-step counts
-        output = self._make_output(scheduled)  # advances num_computed_tokens
+        output = self._make_output(scheduled, grown)  # advances num_computed_tokens
         output.grammar = grammar
         return output
 
@@ -219,8 +220,10 @@ class Scheduler:
                 grammars.append(request.grammar)
         return filler.fill(ids, grammars) if ids else None
 
-    def _schedule_running(self, scheduled: dict[str, int], budget: int, cap: int) -> tuple[int, bool]:
-        """Returns (budget left, whether anything was preempted)."""
+    def _schedule_running(self, scheduled: dict[str, int], grown: set[str], budget: int,
+                          cap: int) -> tuple[int, bool]:
+        """Returns (budget left, whether anything was preempted). Adds to `grown` the scheduled requests
+        that got blocks (the others' tables are as the workers last saw them)."""
         preempted = False
         i = 0
         running, max_model_len, allocate = self.running, self.max_model_len, self.kv.allocate_slots
@@ -235,7 +238,8 @@ class Scheduler:
             if n <= 0:  # nothing left below max_model_len: never send 0 tokens
                 i += 1
                 continue
-            while allocate(request, n) is None:
+            new_blocks = allocate(request, n)
+            while new_blocks is None:
                 victim = self._pick_victim()
                 preempted = True
                 if self.running.index(victim) < i:  # already scheduled this step: undo that
@@ -244,6 +248,9 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is request:
                     return budget, True
+                new_blocks = allocate(request, n)
+            if new_blocks:
+                grown.add(request.request_id)
             scheduled[request.request_id] = n
             budget -= n
             i += 1
@@ -290,7 +297,7 @@ class Scheduler:
         self._preempted_ids.append(request.request_id)
         self.waiting.prepend(request)
 
-    def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+    def _make_output(self, scheduled: dict[str, int], grown: set[str]) -> SchedulerOutput:
         """The step's SchedulerOutput (new requests in full, the others as diffs against what the workers
         hold), then each scheduled request's `num_computed_tokens` advanced by its tokens.
 
@@ -298,6 +305,10 @@ class Scheduler:
         it allocates them and, when a request is freed, uncaches its blocks past `num_computed_tokens` -
         for a request undone in this step those are blocks whose K/V will never be written. The diffs
         carry the pre-step count.
+
+        `grown`: the running requests that got blocks this step. The workers hold every block of every
+        other request already (blocks are only added by this step's allocations, and each is sent in the
+        step that adds it), so those skip the look at their block table.
         """
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -315,6 +326,10 @@ class Scheduler:
             if tokens_sent is None:
                 new_reqs.append(self._new_request_data(request))
                 blocks_sent_of[request_id] = len(new_reqs[-1].block_ids)
+            elif request_id not in grown and tokens_sent == num_tokens - 1:
+                decode_ids.append(request_id)
+                decode_tokens.append(tokens[-1])
+                decode_computed.append(request.num_computed_tokens)
             else:
                 blocks_sent = blocks_sent_of[request_id]
                 new_blocks = kv.get_block_ids(request_id, blocks_sent)

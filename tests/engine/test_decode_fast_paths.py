@@ -86,8 +86,9 @@ class ReferenceScheduler(Scheduler):
             return True
         return False
 
-    def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
-        """Every cached request as a CachedRequestData, no decode columns (as before 47d8759's successor)."""
+    def _make_output(self, scheduled: dict[str, int], grown: set[str]) -> SchedulerOutput:
+        """Every cached request as a CachedRequestData, new blocks read from the block table (`grown`
+        unused), no decode columns: the form before the columnar decodes."""
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         prompt_tokens: dict[str, int] = {}
