@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 
 from engine_svc.kv.events import KVEventLog
 from engine_svc.kv.kv_cache_manager import KVCacheManager
@@ -395,13 +396,12 @@ class Scheduler:
         num_terminal, num_finished = len(outputs), len(self._finished_ids)
         logprobs = model_runner_output.logprobs
         requests, running, on_sampled = self.requests, RequestStatus.RUNNING, self._on_sampled
-        for i, (request_id, token) in enumerate(
-            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
-        ):
+        for request_id, token, row in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids,
+                                          repeat(None) if logprobs is None else logprobs):
             request = requests.get(request_id)
             if token < 0 or request is None or request.status is not running:
                 continue  # a partial prefill chunk, or aborted since it was scheduled
-            outputs.append(on_sampled(request, token, logprobs[i] if logprobs else None))
+            outputs.append(on_sampled(request, token, row))
         num_sampled = len(outputs) - num_terminal  # one output per sampled request
         if len(self._finished_ids) > num_finished:  # `_release` lists every request it ends
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
@@ -417,9 +417,9 @@ class Scheduler:
         request.output_token_ids.append(token)
         tokens = request.all_token_ids
         tokens.append(token)
-        kv = self.kv
-        if kv.enable_prefix_caching and len(tokens) // self.block_size > len(request.block_hashes):
-            kv.hash_blocks(request)  # a block just filled
+        num_tokens = len(tokens)
+        if num_tokens // self.block_size > len(request.block_hashes) and self.kv.enable_prefix_caching:
+            self.kv.hash_blocks(request)  # a block just filled
         num_cached = request.num_cached_tokens  # -1 until first scheduled; a compare costs less than max()
         output = EngineCoreOutput(
             request_id=request.request_id,
@@ -432,7 +432,7 @@ class Scheduler:
             request.first_token_sent = True
             request.record_event(EventType.FIRST_TOKEN)
             output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
-        if (token in request.stop_token_set or len(tokens) >= request.max_total_tokens) and self._check_stop(
+        if (token in request.stop_token_set or num_tokens >= request.max_total_tokens) and self._check_stop(
             request, token
         ):
             self._release(request)
