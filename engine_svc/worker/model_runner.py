@@ -202,7 +202,9 @@ class ModelRunner:
         """(hidden states [T, hidden], device indices of the rows to sample, or None when they are the
         first len(last_token) rows): a CUDA graph replay for a decode-only step that fits a captured
         size, else the eager model call."""
-        first_rows = bool(np.array_equal(last_token, np.arange(len(last_token))))
+        # Every request decodes one token and samples (the steady step): the rows are 0..n-1 by construction.
+        first_rows = (inputs.num_decodes == len(last_token) == len(inputs.req_ids)
+                      or bool(np.array_equal(last_token, np.arange(len(last_token)))))
         rows = None if first_rows else self.staging.stage_sample_rows(last_token)
         if self.cuda_graphs is not None:
             size = self.cuda_graphs.size_for(inputs)
