@@ -189,7 +189,7 @@ class ModelRunner:
     def _sampling_metadata(self, sample_ids: list[str], batch_rows: np.ndarray) -> SamplingMetadata:
         """`build_sampling_metadata` of the sampling rows; when every live request is plain greedy by now
         (`PlainRows`), the shared plain-greedy metadata without a look at any row."""
-        if self._plain.all_plain(self.sampling_states):
+        if self._plain.all_plain():
             return PLAIN_GREEDY
         states_of = self.sampling_states
         return build_sampling_metadata(
@@ -328,7 +328,7 @@ class PlainRows:
             if not self._counts[name]:
                 self.features.discard(name)
 
-    def all_plain(self, states: dict[str, RequestSamplingState]) -> bool:
+    def all_plain(self) -> bool:
         """True when every live request is plain greedy now (forgetting those that became plain)."""
         if self._never:
             return False
