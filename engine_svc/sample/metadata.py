@@ -17,7 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +37,9 @@ Stage = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
 GREEDY_TEMPERATURE_EPS = limits.GREEDY_TEMPERATURE
 
 _NEVER = math.inf
+
+# The optional per-row passes of `build_sampling_metadata`, by the name `RequestSamplingState.features` uses.
+FEATURES = ("seeded", "allowed", "bad_words", "min_tokens", "bias", "penalties", "logprobs")
 
 
 def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -105,6 +108,14 @@ class RequestSamplingState:
         if params.seed is not None and not self.is_greedy:
             self.generator = _seeded_generator(params.seed, torch.device(device))
             self._stream_draws = len(self.output_token_ids)
+
+        # The per-row passes of `build_sampling_metadata` this request needs (FEATURES); fixed for its life.
+        self.features = frozenset(name for name, used in (
+            ("seeded", self.generator is not None), ("allowed", self.allowed_ids is not None),
+            ("bad_words", bool(self.bad_words)), ("min_tokens", self.min_tokens > 0),
+            ("bias", bool(bias)), ("penalties", self.has_penalties),
+            ("logprobs", params.logprobs is not None),
+        ) if used)
 
         # Output ids mirrored into a growing int64 buffer, synced incrementally (penalties only).
         self._out_buf = torch.empty(0, dtype=torch.int64)
@@ -260,12 +271,12 @@ class SamplingMetadata:
         )
 
 
-_PLAIN_GREEDY = SamplingMetadata(all_greedy=True)
+PLAIN_GREEDY = SamplingMetadata(all_greedy=True)
 
 
 def build_sampling_metadata(
     states: list[RequestSamplingState], device: torch.device, *, columns: SamplingColumns | None = None,
-    rows: np.ndarray | None = None, stage: Stage | None = None,
+    rows: np.ndarray | None = None, stage: Stage | None = None, present: Container[str] | None = None,
 ) -> SamplingMetadata:
     """Gather the batch's sampling knobs into tensors on `device` (row i = states[i]).
 
@@ -274,11 +285,14 @@ def build_sampling_metadata(
     rows[i]), temperature and filters come from the columns, copied only when the rows changed; per-step
     arrays (min_tokens masks, penalty tokens) go up through `stage` (default: one pinned copy each).
     The returned object is read-only: the all-plain-greedy case returns one shared instance.
+    `present`, when given, must hold every name in FEATURES that any of `states` has in its `features`
+    (the worker passes those of all its live requests): a pass over the rows for a feature not in it is
+    skipped, since it would find nothing.
 
     Cost when every row is plain greedy: one comparison per row, no tensors.
     """
     if all(len(s.output_token_ids) >= s.plain_after for s in states):
-        return _PLAIN_GREEDY
+        return PLAIN_GREEDY
 
     if columns is not None and rows is not None:
         params = columns.params_for(rows)
@@ -288,15 +302,22 @@ def build_sampling_metadata(
         all_greedy=params.all_greedy, temperature=params.temperature, greedy_rows=params.greedy_rows,
         top_k=params.top_k, top_k_max=params.top_k_max, top_p=params.top_p, min_p=params.min_p,
     )
-    if not params.all_greedy:
+    if present is None:
+        present = FEATURES
+    if not params.all_greedy and "seeded" in present:
         meta.seeded = [(i, s) for i, s in enumerate(states) if s.generator is not None] or None
     stage = stage or pinned_copies(device)
-    meta.allowed_token_ids = _allowed_token_ids(states, stage)
-    meta.bad_words_mask = _bad_words_mask(states, stage)
-    meta.min_tokens_mask = _min_tokens_mask(states, stage)
-    meta.logit_bias = _logit_bias(states, stage)
-    meta.penalties = _penalty_metadata(states, stage)
-    if any(s.params.logprobs is not None for s in states):
+    if "allowed" in present:
+        meta.allowed_token_ids = _allowed_token_ids(states, stage)
+    if "bad_words" in present:
+        meta.bad_words_mask = _bad_words_mask(states, stage)
+    if "min_tokens" in present:
+        meta.min_tokens_mask = _min_tokens_mask(states, stage)
+    if "bias" in present:
+        meta.logit_bias = _logit_bias(states, stage)
+    if "penalties" in present:
+        meta.penalties = _penalty_metadata(states, stage)
+    if "logprobs" in present and any(s.params.logprobs is not None for s in states):
         meta.num_logprobs = [s.params.logprobs for s in states]
     return meta
 

@@ -6,6 +6,11 @@ resumes after a preemption (the worker dropped it). Every later step carries onl
 Workers keep a persistent batch and rebuild their inputs from these diffs alone; ids listed in
 `finished_req_ids` / `preempted_req_ids` must be dropped from that batch before the step runs.
 
+The commonest diff, a steady decode (exactly one appended token, no new block), travels columnar instead
+(`decode_req_ids` / `decode_token_ids` / `decode_num_computed_tokens`, one entry per such request): no
+struct and no lists per request per step. A scheduled request that is neither new nor such a decode has
+a `CachedRequestData`; `SchedulerOutput.cached_diffs()` gives every diff in the per-request form.
+
 These are msgspec structs so the multiproc executor can broadcast them without pickle.
 """
 
@@ -55,6 +60,21 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     # For the scheduler's own step stats (workers ignore it): prompt tokens among the scheduled tokens of
     # each request that has any (prefill chunks); decodes are absent.
     num_prompt_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    # Steady decodes, columnar: request decode_req_ids[i] appends the one token decode_token_ids[i], gets
+    # no block, and had decode_num_computed_tokens[i] tokens in the cache before this step.
+    decode_req_ids: list[str] = msgspec.field(default_factory=list)
+    decode_token_ids: list[int] = msgspec.field(default_factory=list)
+    decode_num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+
+    def cached_diffs(self) -> list[CachedRequestData]:
+        """Every cached request's diff as a `CachedRequestData` (the columnar decodes expanded), in
+        schedule order. For tests and tools: the worker reads the columns directly."""
+        decodes = [
+            CachedRequestData(req_id=r, new_token_ids=[t], new_block_ids=[], num_computed_tokens=c)
+            for r, t, c in zip(self.decode_req_ids, self.decode_token_ids, self.decode_num_computed_tokens)
+        ]
+        order = {r: i for i, r in enumerate(self.num_scheduled_tokens)}
+        return sorted([*self.scheduled_cached_reqs, *decodes], key=lambda d: order.get(d.req_id, len(order)))
 
     @property
     def is_empty(self) -> bool:

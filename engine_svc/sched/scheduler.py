@@ -12,7 +12,8 @@ Each step (`schedule`):
    the decodes - and the gap between their tokens - stays short. A prefill with nobody decoding beside
    it has no stream to stall and takes what the budget allows.
 3. The output sends a request in full on its first schedule and on resume after a preemption, otherwise
-   only what the workers have not seen (appended tokens and blocks).
+   only what the workers have not seen (appended tokens and blocks); a steady decode (one token, no
+   block) goes in the output's decode columns, not as a per-request struct.
 4. `num_computed_tokens` advances by the scheduled count right away: the K/V of the scheduled tokens is
    considered written once the step runs.
 
@@ -36,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 
 from engine_svc.kv.events import KVEventLog
 from engine_svc.kv.kv_cache_manager import KVCacheManager
@@ -163,14 +165,15 @@ class Scheduler:
         if self._compiling:
             self._admit_compiled()
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in schedule order
+        grown: set[str] = set()  # running requests whose block table grew this step
         cap = self._prefill_cap()
-        budget, preempted = self._schedule_running(scheduled, self.max_num_batched_tokens, cap)
+        budget, preempted = self._schedule_running(scheduled, grown, self.max_num_batched_tokens, cap)
         if not preempted:
             self._schedule_waiting(scheduled, budget, cap)
         grammar = None
         if self._bitmask is not None and self._num_constrained:
             grammar = self._grammar_bitmask(scheduled, self._bitmask)  # reads the pre-step counts
-        output = self._make_output(scheduled)  # advances num_computed_tokens
+        output = self._make_output(scheduled, grown)  # advances num_computed_tokens
         output.grammar = grammar
         return output
 
@@ -218,20 +221,26 @@ class Scheduler:
                 grammars.append(request.grammar)
         return filler.fill(ids, grammars) if ids else None
 
-    def _schedule_running(self, scheduled: dict[str, int], budget: int, cap: int) -> tuple[int, bool]:
-        """Returns (budget left, whether anything was preempted)."""
+    def _schedule_running(self, scheduled: dict[str, int], grown: set[str], budget: int,
+                          cap: int) -> tuple[int, bool]:
+        """Returns (budget left, whether anything was preempted). Adds to `grown` the scheduled requests
+        that got blocks (the others' tables are as the workers last saw them)."""
         preempted = False
         i = 0
         running, max_model_len, allocate = self.running, self.max_model_len, self.kv.allocate_slots
         while i < len(running) and budget > 0:
             request = running[i]
-            n = min(len(request.all_token_ids), max_model_len) - request.num_computed_tokens
+            n = len(request.all_token_ids)
+            if n > max_model_len:  # (a compare, not a min() call: this runs per request per step)
+                n = max_model_len
+            n -= request.num_computed_tokens
             if n > budget or n > cap:  # (a decode never is: two compares instead of a min() call)
                 n = min(n, budget, cap)
             if n <= 0:  # nothing left below max_model_len: never send 0 tokens
                 i += 1
                 continue
-            while allocate(request, n) is None:
+            new_blocks = allocate(request, n)
+            while new_blocks is None:
                 victim = self._pick_victim()
                 preempted = True
                 if self.running.index(victim) < i:  # already scheduled this step: undo that
@@ -240,6 +249,9 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is request:
                     return budget, True
+                new_blocks = allocate(request, n)
+            if new_blocks:
+                grown.add(request.request_id)
             scheduled[request.request_id] = n
             budget -= n
             i += 1
@@ -286,7 +298,7 @@ class Scheduler:
         self._preempted_ids.append(request.request_id)
         self.waiting.prepend(request)
 
-    def _make_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+    def _make_output(self, scheduled: dict[str, int], grown: set[str]) -> SchedulerOutput:
         """The step's SchedulerOutput (new requests in full, the others as diffs against what the workers
         hold), then each scheduled request's `num_computed_tokens` advanced by its tokens.
 
@@ -294,32 +306,50 @@ class Scheduler:
         it allocates them and, when a request is freed, uncaches its blocks past `num_computed_tokens` -
         for a request undone in this step those are blocks whose K/V will never be written. The diffs
         carry the pre-step count.
+
+        `grown`: the running requests that got blocks this step. The workers hold every block of every
+        other request already (blocks are only added by this step's allocations, and each is sent in the
+        step that adds it), so those skip the look at their block table.
         """
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        decode_ids: list[str] = []  # steady decodes (one token appended, no block): columnar
+        decode_tokens: list[int] = []
+        decode_computed: list[int] = []
         prompt_tokens: dict[str, int] = {}
         requests, tokens_sent_of, blocks_sent_of = self.requests, self._num_tokens_sent, self._num_blocks_sent
         kv = self.kv
         for request_id, n in scheduled.items():
             request = requests[request_id]
+            tokens = request.all_token_ids
+            num_tokens = len(tokens)
             tokens_sent = tokens_sent_of.get(request_id)
             if tokens_sent is None:
                 new_reqs.append(self._new_request_data(request))
                 blocks_sent_of[request_id] = len(new_reqs[-1].block_ids)
+            elif request_id not in grown and tokens_sent == num_tokens - 1:
+                decode_ids.append(request_id)
+                decode_tokens.append(tokens[-1])
+                decode_computed.append(request.num_computed_tokens)
             else:
                 blocks_sent = blocks_sent_of[request_id]
                 new_blocks = kv.get_block_ids(request_id, blocks_sent)
-                cached_reqs.append(
-                    CachedRequestData(
-                        req_id=request_id,
-                        new_token_ids=request.all_token_ids[tokens_sent:],
-                        new_block_ids=new_blocks,
-                        num_computed_tokens=request.num_computed_tokens,
+                if not new_blocks and tokens_sent == num_tokens - 1:
+                    decode_ids.append(request_id)
+                    decode_tokens.append(tokens[-1])
+                    decode_computed.append(request.num_computed_tokens)
+                else:
+                    cached_reqs.append(
+                        CachedRequestData(
+                            req_id=request_id,
+                            new_token_ids=tokens[tokens_sent:],
+                            new_block_ids=new_blocks,
+                            num_computed_tokens=request.num_computed_tokens,
+                        )
                     )
-                )
-                if new_blocks:
-                    blocks_sent_of[request_id] = blocks_sent + len(new_blocks)
-            tokens_sent_of[request_id] = len(request.all_token_ids)
+                    if new_blocks:
+                        blocks_sent_of[request_id] = blocks_sent + len(new_blocks)
+            tokens_sent_of[request_id] = num_tokens
             start = request.num_computed_tokens
             if start < len(request.prompt_token_ids):
                 prompt_tokens[request_id] = min(len(request.prompt_token_ids) - start, n)
@@ -332,6 +362,9 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
             num_prompt_tokens=prompt_tokens,
+            decode_req_ids=decode_ids,
+            decode_token_ids=decode_tokens,
+            decode_num_computed_tokens=decode_computed,
         )
         self._finished_ids, self._preempted_ids = [], []
         return output
@@ -360,20 +393,17 @@ class Scheduler:
             if request is not None and not request.first_token_sent:
                 request.prompt_logprobs.extend(_token_logprobs(row[0], row[1:]) for row in rows)
 
-        num_sampled = 0
-        any_finished = False
+        num_terminal, num_finished = len(outputs), len(self._finished_ids)
         logprobs = model_runner_output.logprobs
-        requests, running = self.requests, RequestStatus.RUNNING
-        for i, (request_id, token) in enumerate(
-            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids)
-        ):
+        requests, running, on_sampled = self.requests, RequestStatus.RUNNING, self._on_sampled
+        for request_id, token, row in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids,
+                                          repeat(None) if logprobs is None else logprobs):
             request = requests.get(request_id)
             if token < 0 or request is None or request.status is not running:
                 continue  # a partial prefill chunk, or aborted since it was scheduled
-            num_sampled += 1
-            outputs.append(self._on_sampled(request, token, logprobs[i] if logprobs else None))
-            any_finished = any_finished or request.status is not running
-        if any_finished:
+            outputs.append(on_sampled(request, token, row))
+        num_sampled = len(outputs) - num_terminal  # one output per sampled request
+        if len(self._finished_ids) > num_finished:  # `_release` lists every request it ends
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
         self._last_step = (scheduler_output.total_num_scheduled_tokens, num_prompt_tokens, num_sampled)
@@ -387,13 +417,14 @@ class Scheduler:
         request.output_token_ids.append(token)
         tokens = request.all_token_ids
         tokens.append(token)
-        kv = self.kv
-        if kv.enable_prefix_caching and len(tokens) // self.block_size > len(request.block_hashes):
-            kv.hash_blocks(request)  # a block just filled
+        num_tokens = len(tokens)
+        if num_tokens // self.block_size > len(request.block_hashes) and self.kv.enable_prefix_caching:
+            self.kv.hash_blocks(request)  # a block just filled
+        num_cached = request.num_cached_tokens  # -1 until first scheduled; a compare costs less than max()
         output = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=[token],
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=num_cached if num_cached > 0 else 0,
         )
         if logprobs is not None:
             output.new_logprobs = [_token_logprobs(token, logprobs)]
@@ -401,7 +432,7 @@ class Scheduler:
             request.first_token_sent = True
             request.record_event(EventType.FIRST_TOKEN)
             output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
-        if (token in request.stop_token_set or len(tokens) >= request.max_total_tokens) and self._check_stop(
+        if (token in request.stop_token_set or num_tokens >= request.max_total_tokens) and self._check_stop(
             request, token
         ):
             self._release(request)

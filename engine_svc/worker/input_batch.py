@@ -45,6 +45,9 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # The last `apply_decode_diffs`' ids and their rows, for `prepare` to reuse when the step lays out
+        # exactly those requests in that order (a steady decode step); cleared by `add` and `remove`.
+        self._decode_rows: tuple[list[str], np.ndarray] | None = None
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.row_of
@@ -52,6 +55,7 @@ class InputBatch:
     def add(self, req_id: str, token_ids: list[int], block_ids: list[int], num_computed: int) -> int:
         row = self._free_rows.pop()
         self.row_of[req_id] = row
+        self._decode_rows = None
         n, nb = len(token_ids), len(block_ids)
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
@@ -66,12 +70,21 @@ class InputBatch:
         common decode step): three vectorised numpy writes instead of a loop over requests."""
         if not req_ids:
             return
-        row_of = self.row_of
-        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        rows = self._rows(req_ids)
+        self._decode_rows = (list(req_ids), rows)
         ends = self.num_tokens[rows]
         self.token_ids[rows, ends] = new_tokens
         self.num_tokens[rows] = ends + 1
         self.num_computed[rows] = num_computed
+
+    def _rows(self, req_ids: list[str] | Sequence[str]) -> np.ndarray:
+        """The rows of `req_ids`, in order: those of the last `apply_decode_diffs` when `req_ids` are its
+        ids in its order (no row can have moved since: `add` and `remove` drop that memo)."""
+        memo = self._decode_rows
+        if memo is not None and memo[0] == req_ids:
+            return memo[1]
+        row_of = self.row_of
+        return np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
 
     def apply_diff(self, req_id: str, new_token_ids: list[int], new_block_ids: list[int],
                    num_computed: int) -> None:
@@ -90,6 +103,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self._free_rows.append(row)
+            self._decode_rows = None
 
     def prepare(self, num_scheduled: dict[str, int]) -> StepInputs:
         """Lay out one step. Decodes first so attention can batch them; the rest keep schedule order."""
@@ -104,8 +118,7 @@ class InputBatch:
             req_ids = decode_ids + [r for r, n in num_scheduled.items() if n != 1]
             num_decodes = len(decode_ids)
             query_lens = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=num_reqs)
-        row_of = self.row_of
-        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        rows = self._rows(req_ids)
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         total = int(query_start_loc[-1])

@@ -16,13 +16,20 @@ and the persistent batch cannot hold a token past max_model_len.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from engine_svc.attention.backend import AttentionMetadata
 from engine_svc.sample.columns import SamplingColumns
 from engine_svc.sample.logprobs import compute_prompt_logprobs
-from engine_svc.sample.metadata import RequestSamplingState, SamplingMetadata, build_sampling_metadata
+from engine_svc.sample.metadata import (
+    PLAIN_GREEDY,
+    RequestSamplingState,
+    SamplingMetadata,
+    build_sampling_metadata,
+)
 from engine_svc.sample.sampler import Sampler
 from engine_svc.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine_svc.structured.bitmask import apply_bitmask
@@ -61,6 +68,7 @@ class ModelRunner:
         self._size_for(max_model_len)
         self.sampler = Sampler()
         self.sampling_states: dict[str, RequestSamplingState] = {}
+        self._plain = PlainRows()
         self.num_prompt_tokens: dict[str, int] = {}
         self.prompt_logprobs_wanted: dict[str, int] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -95,22 +103,23 @@ class ModelRunner:
             self._drop(req_id)
         for new in so.scheduled_new_reqs:
             self._add(new)
-        decode_ids: list[str] = []  # one new token, no new block: applied in one vectorised call
-        decode_tokens: list[int] = []
-        decode_computed: list[int] = []
         states = self.sampling_states
         for diff in so.scheduled_cached_reqs:
             tokens = diff.new_token_ids
-            if len(tokens) == 1 and not diff.new_block_ids:
-                decode_ids.append(diff.req_id)
-                decode_tokens.append(tokens[0])
-                decode_computed.append(diff.num_computed_tokens)
-                states[diff.req_id].output_token_ids.append(tokens[0])
-                continue
             self.batch.apply_diff(diff.req_id, tokens, diff.new_block_ids, diff.num_computed_tokens)
             if tokens:
                 states[diff.req_id].output_token_ids.extend(tokens)
-        self.batch.apply_decode_diffs(decode_ids, decode_tokens, decode_computed)
+        self._apply_decodes(so.decode_req_ids, so.decode_token_ids, so.decode_num_computed_tokens)
+
+    def _apply_decodes(self, req_ids: list[str], tokens: list[int], num_computed: list[int]) -> None:
+        """The step's steady decodes (the scheduler's columns: one token each, no block): one vectorised
+        write into the persistent batch, and each token appended to its request's sampling state."""
+        if not req_ids:
+            return
+        self.batch.apply_decode_diffs(req_ids, tokens, num_computed)
+        states = self.sampling_states
+        for req_id, token in zip(req_ids, tokens):
+            states[req_id].output_token_ids.append(token)
 
     def _add(self, new: NewRequestData) -> None:
         if new.req_id in self.batch:  # resumed after preemption without an explicit drop
@@ -122,13 +131,16 @@ class ModelRunner:
             output_token_ids=list(new.token_ids[new.num_prompt_tokens :]), device=self.device,
         )
         self.sampling_columns.set_row(row, state)
+        self._plain.add(new.req_id, state)
         self.num_prompt_tokens[new.req_id] = new.num_prompt_tokens
         if new.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs_wanted[new.req_id] = new.sampling_params.prompt_logprobs
 
     def _drop(self, req_id: str) -> None:
         self.batch.remove(req_id)
-        self.sampling_states.pop(req_id, None)
+        state = self.sampling_states.pop(req_id, None)
+        if state is not None:
+            self._plain.drop(req_id, state)
         self.num_prompt_tokens.pop(req_id, None)
         self.prompt_logprobs_wanted.pop(req_id, None)
 
@@ -153,12 +165,7 @@ class ModelRunner:
             # samples (a decode step), the sampling rows are the batch order itself.
             every_row = len(sample_idx) == len(req_ids)
             sample_ids = req_ids if every_row else [req_ids[i] for i in sample_idx.tolist()]
-            states_of = self.sampling_states
-            states = [states_of[r] for r in sample_ids]
-            batch_rows = inputs.rows if every_row else inputs.rows[sample_idx]
-            meta: SamplingMetadata = build_sampling_metadata(
-                states, self.device, columns=self.sampling_columns, rows=batch_rows, stage=self.staging.stage_arrays,
-            )
+            meta = self._sampling_metadata(sample_ids, inputs.rows if every_row else inputs.rows[sample_idx])
             self.staging.end_step()
             rows = hidden[: len(sample_idx)] if sample_rows is None else hidden.index_select(0, sample_rows)
             logits = self.model.compute_logits(rows)
@@ -179,12 +186,25 @@ class ModelRunner:
             prompt_logprobs=self._prompt_logprobs(inputs, hidden) if self.prompt_logprobs_wanted else {},
         )
 
+    def _sampling_metadata(self, sample_ids: list[str], batch_rows: np.ndarray) -> SamplingMetadata:
+        """`build_sampling_metadata` of the sampling rows; when every live request is plain greedy by now
+        (`PlainRows`), the shared plain-greedy metadata without a look at any row."""
+        if self._plain.all_plain():
+            return PLAIN_GREEDY
+        states_of = self.sampling_states
+        return build_sampling_metadata(
+            [states_of[r] for r in sample_ids], self.device, columns=self.sampling_columns, rows=batch_rows,
+            stage=self.staging.stage_arrays, present=self._plain.features,
+        )
+
     # -- CUDA graphs hook (engine_svc/worker/cuda_graphs.py) --
     def _forward(self, inputs: StepInputs, last_token: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states [T, hidden], device indices of the rows to sample, or None when they are the
         first len(last_token) rows): a CUDA graph replay for a decode-only step that fits a captured
         size, else the eager model call."""
-        first_rows = bool(np.array_equal(last_token, np.arange(len(last_token))))
+        # Every request decodes one token and samples (the steady step): the rows are 0..n-1 by construction.
+        first_rows = (inputs.num_decodes == len(last_token) == len(inputs.req_ids)
+                      or bool(np.array_equal(last_token, np.arange(len(last_token)))))
         rows = None if first_rows else self.staging.stage_sample_rows(last_token)
         if self.cuda_graphs is not None:
             size = self.cuda_graphs.size_for(inputs)
@@ -272,6 +292,51 @@ class ModelRunner:
         cache_bytes = sum(c.numel() * c.element_size() for c in caches)
         del caches, hidden, logits
         return cache_bytes
+
+
+class PlainRows:
+    """Which live requests of the worker may still need more than a plain argmax, and which of the
+    optional sampling features (metadata.FEATURES) any live request uses.
+
+    A request's state is plain once `len(output_token_ids) >= plain_after`; outputs only grow, so once
+    plain it stays plain. `all_plain` is therefore exact: True iff every live request is plain now.
+    Requests that can never be plain (`plain_after` infinite) are only counted, never re-checked, so a
+    step of random sampling pays nothing here per request.
+    """
+
+    def __init__(self) -> None:
+        self._never = 0  # live requests that are never plain
+        self._later: dict[str, RequestSamplingState] = {}  # live, plain only after more outputs
+        self._counts: dict[str, int] = {}  # feature -> live requests using it
+        self.features: set[str] = set()  # the features with a positive count
+
+    def add(self, req_id: str, state: RequestSamplingState) -> None:
+        if state.plain_after == math.inf:
+            self._never += 1
+        elif len(state.output_token_ids) < state.plain_after:
+            self._later[req_id] = state
+        for name in state.features:
+            self._counts[name] = self._counts.get(name, 0) + 1
+            self.features.add(name)
+
+    def drop(self, req_id: str, state: RequestSamplingState) -> None:
+        if state.plain_after == math.inf:
+            self._never -= 1
+        self._later.pop(req_id, None)
+        for name in state.features:
+            self._counts[name] -= 1
+            if not self._counts[name]:
+                self.features.discard(name)
+
+    def all_plain(self) -> bool:
+        """True when every live request is plain greedy now (forgetting those that became plain)."""
+        if self._never:
+            return False
+        later = self._later
+        if later:
+            for req_id in [r for r, s in later.items() if len(s.output_token_ids) >= s.plain_after]:
+                del later[req_id]
+        return not later
 
 
 def _profile_sampling_metadata(num_rows: int, device: torch.device) -> SamplingMetadata:

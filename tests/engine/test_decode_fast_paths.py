@@ -8,6 +8,12 @@ EngineCoreOutputs (event times aside), every block table and block hash list, an
 the same after each step. The workload has what the fast paths must not get wrong: steady all-decode steps,
 steps where a request finishes (EOS, stop id, length, min_tokens holding a stop back, ignore_eos) or a new
 one arrives or is aborted, preemptions, chunked prefill, prefix hits, and blocks filling on a decode.
+
+The worker side too: the reference scheduler sends every cached request as a `CachedRequestData` (the
+form before the columnar decodes), and two ModelRunners apply the two outputs step by step (the real one
+through its columnar decode path and the row memo in `InputBatch.prepare`, the reference through
+`apply_diff` only): their persistent batches, step inputs, sampling states and sampling metadata
+(`PlainRows` and the `present` passes against the full `build_sampling_metadata`) must agree.
 """
 
 from __future__ import annotations
@@ -16,12 +22,16 @@ import random
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
+import torch
 
 from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.request import Request, RequestStatus
-from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.sample.metadata import SamplingMetadata, build_sampling_metadata
+from engine_svc.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine_svc.sched.scheduler import SampledLogprobs, Scheduler, _token_logprobs
+from engine_svc.worker.model_runner import ModelRunner
 from shared_runtime.contract import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -76,6 +86,38 @@ class ReferenceScheduler(Scheduler):
             return True
         return False
 
+    def _make_output(self, scheduled: dict[str, int], grown: set[str]) -> SchedulerOutput:
+        """Every cached request as a CachedRequestData, new blocks read from the block table (`grown`
+        unused), no decode columns: the form before the columnar decodes."""
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        prompt_tokens: dict[str, int] = {}
+        for request_id, n in scheduled.items():
+            request = self.requests[request_id]
+            tokens_sent = self._num_tokens_sent.get(request_id)
+            if tokens_sent is None:
+                new_reqs.append(self._new_request_data(request))
+                self._num_blocks_sent[request_id] = len(new_reqs[-1].block_ids)
+            else:
+                blocks_sent = self._num_blocks_sent[request_id]
+                new_blocks = self.kv.get_block_ids(request_id)[blocks_sent:]
+                cached_reqs.append(CachedRequestData(
+                    req_id=request_id, new_token_ids=request.all_token_ids[tokens_sent:], new_block_ids=new_blocks,
+                    num_computed_tokens=request.num_computed_tokens))
+                self._num_blocks_sent[request_id] = blocks_sent + len(new_blocks)
+            self._num_tokens_sent[request_id] = len(request.all_token_ids)
+            start = request.num_computed_tokens
+            if start < request.num_prompt_tokens:
+                prompt_tokens[request_id] = min(request.num_prompt_tokens - start, n)
+            request.num_computed_tokens = start + n
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()), finished_req_ids=self._finished_ids,
+            preempted_req_ids=self._preempted_ids, num_prompt_tokens=prompt_tokens,
+        )
+        self._finished_ids, self._preempted_ids = [], []
+        return output
+
     def _count_prompt_tokens(self, scheduler_output: SchedulerOutput) -> int:
         total = 0
         for request_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -112,6 +154,52 @@ def _run(sched: Scheduler, so: SchedulerOutput, tokens: dict[str, int]) -> Model
                              logprobs=rows if any(x is not None for x in rows) else None)
 
 
+def _per_request_form(so: SchedulerOutput) -> Any:
+    """A SchedulerOutput with its decode columns expanded into per-request diffs, as builtins."""
+    row = msgspec.to_builtins(msgspec.structs.replace(
+        so, scheduled_cached_reqs=so.cached_diffs(), decode_req_ids=[], decode_token_ids=[],
+        decode_num_computed_tokens=[]))
+    return row
+
+
+def _runner() -> ModelRunner:
+    """A ModelRunner for state updates, step layout and sampling metadata only (no forward is run)."""
+    return ModelRunner(torch.nn.Identity(), device=torch.device("cpu"), max_num_seqs=8, max_model_len=48,
+                       block_size=4, vocab_size=64, max_num_batched_tokens=24)
+
+
+def _worker_view(runner: ModelRunner, so: SchedulerOutput) -> list[Any]:
+    """Apply one step to `runner` and return what it holds and lays out: per live request its known tokens,
+    block table, computed count and sampling outputs; the step's inputs; the sampling rows' metadata."""
+    runner._update_states(so)
+    batch = runner.batch
+    held = {}
+    for rid, row in sorted(batch.row_of.items()):
+        held[rid] = (batch.token_ids[row, : batch.num_tokens[row]].tolist(),
+                     batch.block_table[row, : batch.num_blocks[row]].tolist(), int(batch.num_computed[row]),
+                     list(runner.sampling_states[rid].output_token_ids))
+    if not so.total_num_scheduled_tokens:
+        return [held]
+    inputs = batch.prepare(so.num_scheduled_tokens)
+    laid_out = [inputs.req_ids, *(a.tolist() for a in (inputs.query_lens, inputs.seq_lens, inputs.input_ids,
+                                                       inputs.positions, inputs.slot_mapping, inputs.block_table,
+                                                       inputs.sample_mask, inputs.rows)), inputs.num_decodes]
+    idx = np.flatnonzero(inputs.sample_mask)
+    sample_ids = [inputs.req_ids[i] for i in idx.tolist()]
+    meta = runner._sampling_metadata(sample_ids, inputs.rows[idx]) if sample_ids else None
+    full = build_sampling_metadata([runner.sampling_states[r] for r in sample_ids], torch.device("cpu"))
+    assert _meta(meta) == _meta(full) if sample_ids else True  # the shortcuts change no field
+    return [held, laid_out, _meta(meta)]
+
+
+def _meta(meta: SamplingMetadata | None) -> Any:
+    if meta is None:
+        return None
+    mask = meta.min_tokens_mask
+    return (meta.is_plain_greedy, meta.all_greedy, meta.num_logprobs,
+            None if mask is None else (mask[0].tolist(), mask[1].tolist()))
+
+
 def _comparable(out: EngineCoreOutputs) -> list[Any]:
     """The outputs with each event's time dropped (the two schedulers run at different instants)."""
     rows = []
@@ -133,15 +221,18 @@ def _state(sched: Scheduler) -> list[Any]:
 def test_fast_paths_match_the_general_path_step_by_step(caching: bool) -> None:
     rng = random.Random(20261127)
     fast, ref = _pair(caching)
+    runner_fast, runner_ref = _runner(), _runner()
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 14))] for _ in range(3)]
-    seen = {"all_decode": 0, "finish_in_decode": 0, "arrive_beside_decodes": 0, "preempted": 0, "stop_held": 0}
+    seen = {"all_decode": 0, "finish_in_decode": 0, "arrive_beside_decodes": 0, "preempted": 0, "stop_held": 0,
+            "decode_columns": 0, "plain_step": 0, "mixed_step": 0}
     added = 0
     for _ in range(600):
         arriving = added < 60 and rng.random() < 0.4
         if arriving:
             params = dict(max_tokens=rng.randrange(1, 30), min_tokens=rng.choice([0, 0, 3]),
                           ignore_eos=rng.random() < 0.2, stop_token_ids=rng.choice([[], [], [5], [5, 6]]),
-                          logprobs=rng.choice([None, None, 1]))
+                          logprobs=rng.choice([None, None, 1]),
+                          temperature=1.0 if added % 7 == 6 else 0.0)  # (no rng draw: the workload stays)
             params["min_tokens"] = min(params["min_tokens"], params["max_tokens"])
             prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 9))]
             for s in (fast, ref):
@@ -153,7 +244,14 @@ def test_fast_paths_match_the_general_path_step_by_step(caching: bool) -> None:
                 s.finish_requests([victim])
         preemptions = fast.num_preemptions
         so_fast, so_ref = fast.schedule(), ref.schedule()
-        assert msgspec.to_builtins(so_fast) == msgspec.to_builtins(so_ref)
+        assert _per_request_form(so_fast) == _per_request_form(so_ref)
+        assert not so_ref.decode_req_ids
+        view = _worker_view(runner_fast, so_fast)
+        assert view == _worker_view(runner_ref, so_ref)
+        seen["decode_columns"] += bool(so_fast.decode_req_ids)
+        if len(view) == 3 and view[2] is not None:
+            seen["plain_step"] += view[2][0]
+            seen["mixed_step"] += not view[2][0] and len(so_fast.decode_req_ids) > 1
         decodes = [r for r, n in so_fast.num_scheduled_tokens.items() if n == 1 and not so_fast.num_prompt_tokens.get(r)]
         all_decode = bool(decodes) and len(decodes) == len(so_fast.num_scheduled_tokens)
         tokens = {r: rng.randrange(3, 24) for r in so_fast.num_scheduled_tokens}  # 3 = EOS; 5, 6 stop ids
@@ -174,3 +272,21 @@ def test_fast_paths_match_the_general_path_step_by_step(caching: bool) -> None:
     assert not fast.has_unfinished_requests() and not ref.has_unfinished_requests()
     assert fast.kv.num_free_blocks == fast.kv.num_blocks
     assert all(seen.values()), seen  # the workload reached every case it is here for
+
+
+def test_prepare_never_reuses_decode_rows_after_rows_moved() -> None:
+    """`InputBatch.prepare` reuses the rows of the last `apply_decode_diffs` only while no request joined:
+    here both requests leave and rejoin in swapped rows, and a step with no decode columns lays them out."""
+    from engine_svc.worker.input_batch import InputBatch
+
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, block_size=4)
+    batch.add("a", [1, 2, 3], [5], 3)
+    batch.add("b", [7, 8, 9], [6], 3)
+    batch.apply_decode_diffs(["a", "b"], [4, 10], [3, 3])
+    batch.remove("a")
+    batch.remove("b")
+    batch.add("a", [1, 2, 3, 4], [5], 3)  # rows swapped: a takes b's old row
+    batch.add("b", [7, 8, 9, 10], [6], 3)
+    inputs = batch.prepare({"a": 1, "b": 1})
+    assert inputs.rows.tolist() == [batch.row_of["a"], batch.row_of["b"]] == [1, 0]
+    assert inputs.input_ids.tolist() == [4, 10] and inputs.slot_mapping.tolist() == [23, 27]

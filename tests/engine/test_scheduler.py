@@ -129,7 +129,7 @@ def test_new_request_sent_once_then_diffs(make_sched: MakeSched) -> None:
     for tok in (8, 9, 10):
         so, out = step(sched, {"a": tok})
         assert so.scheduled_new_reqs == [] and so.num_scheduled_tokens == {"a": 1}
-        (d,) = so.scheduled_cached_reqs
+        (d,) = so.cached_diffs()
         diffs.append((d.new_token_ids, d.new_block_ids, d.num_computed_tokens))
         assert by_id(out)["a"].events == []
     # Token 8 lands at position 7 (block 1); token 9 at position 8 needs block 2.
@@ -168,7 +168,7 @@ def test_chunked_prefill_under_small_budget(make_sched: MakeSched) -> None:
     assert (out.scheduler_stats.num_prompt_tokens, out.scheduler_stats.num_generation_tokens) == (5, 0)
     so, out = step(sched)
     assert so.num_scheduled_tokens == {"a": 5} and out.outputs == []
-    (d,) = so.scheduled_cached_reqs
+    (d,) = so.cached_diffs()
     assert (d.new_token_ids, d.new_block_ids, d.num_computed_tokens) == ([], [2], 5)
     so, out = step(sched)  # a's last 2 prompt tokens; b is admitted with the 3 left
     assert so.num_scheduled_tokens == {"a": 2, "b": 3}
@@ -212,7 +212,7 @@ def test_preempts_tail_of_running_to_head_of_waiting(make_sched: MakeSched) -> N
     # Each needs a new block now; only block 7 is free. a takes it, b preempts c (the tail) and takes 6.
     so, out = step(sched)
     assert so.num_scheduled_tokens == {"a": 1, "b": 1} and so.preempted_req_ids == ["c"]
-    assert [(d.req_id, d.new_block_ids) for d in so.scheduled_cached_reqs] == [("a", [7]), ("b", [6])]
+    assert [(d.req_id, d.new_block_ids) for d in so.cached_diffs()] == [("a", [7]), ("b", [6])]
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.num_preemptions == 1
     assert [r.request_id for r in sched.waiting] == ["c", "d"]
     assert out.scheduler_stats is not None and out.scheduler_stats.num_preemptions == 1
@@ -265,7 +265,7 @@ def test_priority_policy_preempts_worst_priority_and_blocks_admission_that_step(
     # x (scheduled first, worst priority) is undone and preempted so that y can grow into block 2.
     so, _ = step(sched)
     assert so.num_scheduled_tokens == {"y": 1} and so.preempted_req_ids == ["x"]
-    assert [(d.req_id, d.new_block_ids) for d in so.scheduled_cached_reqs] == [("y", [2])]
+    assert [(d.req_id, d.new_block_ids) for d in so.cached_diffs()] == [("y", [2])]
     assert x.status == RequestStatus.PREEMPTED
     assert [r.request_id for r in sched.waiting] == ["z", "x"]
     # z would fit (1 seq slot, 2 free blocks) but nothing is admitted in a step that preempted.
@@ -566,7 +566,7 @@ class FakeWorker:
             self.tokens[new.req_id] = list(new.token_ids)
             self.blocks[new.req_id] = list(new.block_ids)
             self.expected_computed[new.req_id] = new.num_computed_tokens
-        for d in so.scheduled_cached_reqs:
+        for d in so.cached_diffs():
             self.tokens[d.req_id] += d.new_token_ids
             self.blocks[d.req_id] += d.new_block_ids
             assert d.num_computed_tokens == self.expected_computed[d.req_id]
