@@ -9,8 +9,9 @@
 #                    run(command="bash bench/gpu_all.sh owed profile host", carry=[".gpu"])  # what is owed, ~7 min
 #
 # Measured on an H200 (2026-11-27): the kernel tests take ~20 s over 8 xdist workers; the tests that build
-# an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially); kernels 18 s, profile 60 + 49 s,
-# e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host greedy 61 s.
+# an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially);
+# kernels 18 s, profile 60 + 49 s, e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host
+# greedy 61 s.
 # Stages (default: tests kernels profile e2e; also owed sweep hf host): pass stage names to run a subset. Each
 # stage has its own timeout, so one hang still leaves every other log. The device tool caps a call at 10
 # minutes and lends a session 15 minutes of device time in all: pick the stages that the session needs.

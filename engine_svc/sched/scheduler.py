@@ -327,14 +327,11 @@ class Scheduler:
             if tokens_sent is None:
                 new_reqs.append(self._new_request_data(request))
                 blocks_sent_of[request_id] = len(new_reqs[-1].block_ids)
-            elif request_id not in grown and tokens_sent == num_tokens - 1:
-                decode_ids.append(request_id)
-                decode_tokens.append(tokens[-1])
-                decode_computed.append(request.num_computed_tokens)
             else:
-                blocks_sent = blocks_sent_of[request_id]
-                new_blocks = kv.get_block_ids(request_id, blocks_sent)
-                if not new_blocks and tokens_sent == num_tokens - 1:
+                one_token = tokens_sent == num_tokens - 1
+                new_blocks = ([] if one_token and request_id not in grown
+                              else kv.get_block_ids(request_id, blocks_sent_of[request_id]))
+                if one_token and not new_blocks:
                     decode_ids.append(request_id)
                     decode_tokens.append(tokens[-1])
                     decode_computed.append(request.num_computed_tokens)
@@ -348,7 +345,7 @@ class Scheduler:
                         )
                     )
                     if new_blocks:
-                        blocks_sent_of[request_id] = blocks_sent + len(new_blocks)
+                        blocks_sent_of[request_id] += len(new_blocks)
             tokens_sent_of[request_id] = num_tokens
             start = request.num_computed_tokens
             if start < len(request.prompt_token_ids):
