@@ -19,6 +19,9 @@ and each step decodes the window and returns what lies past `len(prefix)`. Invar
 - One tokenizer call per emitting step: the new prefix is the text of the ids just emitted, which for
   the usual single id is that token decoded alone, read from the shared `TokenTexts` cache
   (token_texts.py: exactly `decode([id])`), so the text is the same as decoding the prefix again.
+- Ids fed several at a time give the text they give one at a time (the concatenation; where it is cut
+  may differ): a batch whose text ends inside a character is fed again id by id (as vLLM's detokenizer
+  always feeds), so only that character is withheld, not the complete text before it in the batch.
 - `flush()` returns the text still withheld (a character never finished decodes to U+FFFD, as
   `tokenizer.decode` does), for a caller that wants the definition above exactly; the output processor
   does not call it: like vLLM's, a completion's text leaves out a character it never finished.
@@ -63,13 +66,17 @@ class IncrementalDetokenizer:
         return twin
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Feed the newly generated ids; return the text they complete ("" if none yet)."""
+        """Feed the newly generated ids; return the text they complete ("" if none yet). One decode for
+        any number of ids, unless their text ends inside a character."""
         if not token_ids:
             return ""
         ids = self._ids
         ids.extend(token_ids)
         text = self._decode(ids, skip_special_tokens=self._skip_special)
         if len(text) <= self._prefix_len or text.endswith(REPLACEMENT):
+            if len(token_ids) > 1:  # the text before an unfinished character at the end is not withheld
+                del ids[len(ids) - len(token_ids):]
+                return "".join([self.add((token_id,)) for token_id in token_ids])
             return ""
         delta = text[self._prefix_len :]
         # The ids just read become the new prefix; older ones are no longer needed as context.

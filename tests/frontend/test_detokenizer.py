@@ -56,6 +56,19 @@ def test_several_ids_per_step_give_the_same_text(encode, encode_prompt, backend,
     assert "".join(deltas) == split_char_text + " and the boats"
 
 
+def test_a_batch_ending_inside_a_character_withholds_only_that_character(encode, encode_prompt, backend,
+                                                                         split_char_text):
+    """Ids fed together give what they give one at a time: a batch whose last id leaves a character
+    unfinished still returns the complete text before it (a completion cut there keeps that text)."""
+    ids = encode(" and the boats " + split_char_text)
+    cut = next(k for k in range(1, len(ids)) if backend.decode(ids[:k]).endswith(REPLACEMENT))
+    prompt = encode_prompt("hello")
+    one_by_one = "".join(stream(backend, prompt, ids[:cut]))
+    batched = IncrementalDetokenizer(backend, prompt, True).add(ids[:cut])
+    assert batched == one_by_one and batched.startswith(" and the boats")
+    assert REPLACEMENT not in batched
+
+
 def test_skip_special_tokens_both_ways(encode, encode_prompt, backend):
     prompt = encode_prompt("hi")
     words = encode(" the boats")
