@@ -7,7 +7,8 @@ SmolLM2-135M-Instruct's tokenizer (the demo GGUF); 128 requests added with colle
 passage of bench/frontend_capacity.py, top-N rows of consecutive ids), parsed from its wire bytes as the
 frontend gets it; after each step every collector is read (a reader that keeps up). Cases: plain, 4 stop
 strings (never matching), top-5 logprobs, both; `--stream-interval N` holds each completion's deltas to
-N tokens as the server's flag does. Prints µs per token (median and best of `--rounds`).
+N tokens as the server's flag does; `--read-every N` has the readers take their output every N steps
+(readers that are behind, as at capacity: their deltas merge). Prints µs per token (median and best of `--rounds`).
 
 Compare two trees in one run on a quiet machine (`/work/bin/quiet` on the shared box):
 
@@ -31,7 +32,7 @@ HERE = Path(__file__).resolve()
 CASES = ("plain", "stop", "logprobs", "stop+logprobs")
 
 
-def measure(case: str, streams: int, tokens: int, rounds: int, interval: int = 1) -> list[float]:
+def measure(case: str, streams: int, tokens: int, rounds: int, interval: int = 1, read_every: int = 1) -> list[float]:
     """µs per token of each round (run inside the tree under test: its modules are imported)."""
     sys.path[:0] = [str(Path.cwd()), str(Path.cwd() / "bench")]  # the tree under test (cwd), not this file's
     from frontend_capacity import PASSAGE, QUESTION, STOP_STRINGS, TOP_LOGPROBS  # type: ignore[import-not-found]
@@ -98,8 +99,10 @@ def measure(case: str, streams: int, tokens: int, rounds: int, interval: int = 1
         steps = messages(engine_ids)
         on_outputs = client.on_outputs
         start = time.perf_counter()
-        for message in steps:
+        for step, message in enumerate(steps, 1):
             await on_outputs(connection, message)  # type: ignore[arg-type]
+            if step % read_every and step < len(steps):
+                continue  # readers behind: they take several steps' output at once
             for collector in collectors:
                 if collector.num_pending:  # (a stream interval holds some back)
                     await collector.get()
@@ -118,13 +121,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--stream-interval", type=int, default=1, help="the server's (vLLM's --stream-interval)")
+    parser.add_argument("--read-every", type=int, default=1,
+                        help="the readers take their output after every N steps (N > 1: readers behind)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a case, measured in this process
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.streams, args.tokens, args.rounds, args.stream_interval)))
+        print(json.dumps(measure(args.child, args.streams, args.tokens, args.rounds, args.stream_interval,
+                                 args.read_every)))
         return
     roots = [Path(r).resolve() for r in (args.root or [HERE.parents[1]])]
     print(f"{args.streams} requests x {args.tokens} tokens, stream interval {args.stream_interval}, "
+          f"readers take output every {args.read_every} steps, "
           f"µs per token: median (best) of {args.rounds} rounds")
     for case in args.cases:
         medians = []
@@ -132,7 +139,7 @@ def main() -> None:
             env = {**os.environ, "PYTHONPATH": str(root)}
             child = [sys.executable, str(HERE), "--child", case, "--streams", str(args.streams),
                      "--tokens", str(args.tokens), "--rounds", str(args.rounds),
-                     "--stream-interval", str(args.stream_interval)]
+                     "--stream-interval", str(args.stream_interval), "--read-every", str(args.read_every)]
             rounds = json.loads(subprocess.run(child, cwd=root, env=env, check=True, capture_output=True,
                                                text=True).stdout.strip().splitlines()[-1])
             medians.append(statistics.median(rounds))

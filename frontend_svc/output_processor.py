@@ -70,8 +70,9 @@ class ProcessedOutputs:
 class Completion:
     """Per engine request state: detokenizer, stop checker, counters."""
 
-    __slots__ = ("detokenizer", "engine_id", "held", "index", "interval", "logprob_context", "num_cached",
-                 "num_sent", "num_tokens", "plain", "request", "request_id", "sent_first", "stop_checker")
+    __slots__ = ("collector", "detokenizer", "engine_id", "held", "index", "interval", "logprob_context",
+                 "num_cached", "num_sent", "num_tokens", "pending", "plain", "request", "request_id",
+                 "sent_first", "stop_checker", "undecoded")
 
     def __init__(self, request: RequestState, index: int, detokenizer: IncrementalDetokenizer,
                  interval: int = 1) -> None:
@@ -93,6 +94,21 @@ class Completion:
         self.interval = interval  # stream interval: > 1 holds deltas back (`due`)
         self.held: CompletionDelta | None = None  # output not yet due (stream interval)
         self.num_sent = 0  # num_tokens when the last delta went out
+        # Decoding when the reader takes the output (a served request at interval 1): `pending` is the
+        # delta of this completion unread in `collector`, whose text lacks that of the ids in `undecoded`.
+        self.collector = request.collector if interval == 1 else None
+        self.pending: CompletionDelta | None = None
+        self.undecoded: list[int] = []
+
+    def settle(self) -> None:
+        """Give the unread delta the text of its undecoded ids (before anything else is decoded or the
+        reader takes it)."""
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            if self.undecoded:
+                pending.text += self.detokenizer.add(self.undecoded)
+                self.undecoded = []
 
     def due(self, delta: CompletionDelta) -> CompletionDelta | None:
         """With a stream interval: what to send now, `delta` after whatever was held (merged), when it
@@ -205,6 +221,19 @@ class OutputProcessor:
             # The common output, what the general path below makes of it: its tokens' text, nothing else.
             if not new_ids:
                 return None
+            collector = c.collector
+            if collector is not None:
+                # Decoded when the reader takes it (`settle`): a reader that is behind gets the ids of
+                # several steps decoded in one tokenizer call instead of one call per step.
+                pending = c.pending
+                if pending is not None:
+                    pending.token_ids.extend(new_ids)
+                    c.undecoded.extend(new_ids)
+                    return None
+                c.undecoded = new_ids[:]
+                c.pending = collector.put_unsettled(CompletionDelta(c.request_id, c.index, "", new_ids, c.engine_id),
+                                                    c)
+                return None
             text = c.detokenizer.add(new_ids)
             held = c.held
             if held is None:
@@ -214,6 +243,8 @@ class OutputProcessor:
             held.text += text
             held.token_ids.extend(new_ids)
             return held
+        if c.pending is not None:  # the ids before these are decoded first
+            c.settle()
         params = c.request.prepared.params
         finish = _finish_name(output.finish_reason)
         error = None

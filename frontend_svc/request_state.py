@@ -9,6 +9,9 @@ deltas ends when it has handed out one final delta per completion).
 holds at most one pending delta per completion: a delta arriving while the previous one is unread is
 merged into it (`CompletionDelta.merge`), so a slow reader costs memory bounded by the request's n, not
 by how far it lags. A failure (`ServiceError`) is delivered after whatever deltas are already pending.
+A delta put with `put_unsettled` carries its token ids but not yet all their text: the reader's `get`
+has its completion decode them (`Completion.settle`) before handing it out, so a reader that is behind
+costs one tokenizer call per delta it takes, not one per engine step.
 
 `DrainGate` paces an engine stream by its readers, as Nagle's algorithm paces a socket by its
 acknowledgements: after processing a batch of engine messages the connection waits until the readers
@@ -89,7 +92,7 @@ class DeltaCollector:
     collector counts as handed to the reader until it comes back for more (`get`) or stops reading
     (`release`)."""
 
-    __slots__ = ("_failure", "_handed", "_pending", "_ready", "gate")
+    __slots__ = ("_failure", "_handed", "_pending", "_ready", "_unsettled", "gate")
 
     def __init__(self) -> None:
         self._pending: dict[int, CompletionDelta] = {}  # completion index -> unread (merged) delta
@@ -97,16 +100,24 @@ class DeltaCollector:
         self._ready = asyncio.Event()
         self.gate: DrainGate | None = None
         self._handed = -1  # the gate's epoch when output was handed and not yet taken (-1: none)
+        self._unsettled: list[Completion] = []  # owners of unread deltas whose text is still to be decoded
 
-    def put(self, delta: CompletionDelta) -> None:
+    def put(self, delta: CompletionDelta) -> CompletionDelta:
+        """Add `delta` for the reader; return the unread delta of its index it is now part of."""
         unread = self._pending.get(delta.index)
         if unread is None:
-            self._pending[delta.index] = delta
+            self._pending[delta.index] = unread = delta
         else:
             unread.merge(delta)
         if self._handed < 0 and self.gate is not None:
             self._handed = self.gate.handed()
         self._ready.set()
+        return unread
+
+    def put_unsettled(self, delta: CompletionDelta, owner: Completion) -> CompletionDelta:
+        """`put`, for a delta whose text `owner.settle()` completes before the reader takes it."""
+        self._unsettled.append(owner)
+        return self.put(delta)
 
     def release(self) -> None:
         """The reader is done with what it took (it sent it, or it stops reading)."""
@@ -130,6 +141,10 @@ class DeltaCollector:
         previous output was sent (`release`)."""
         self.release()
         await self._ready.wait()
+        if self._unsettled:
+            for owner in self._unsettled:
+                owner.settle()
+            self._unsettled.clear()
         if self._pending:
             deltas = list(self._pending.values())
             self._pending.clear()

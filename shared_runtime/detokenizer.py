@@ -16,8 +16,9 @@ and each step decodes the window and returns what lies past `len(prefix)`. Invar
   each emission to the ids of that emission, so the per-step cost is independent of the sequence length
   and the first generated token is decoded in the context of the prompt (leading-space rules of
   byte-level BPE and SentencePiece decoders see the same text as a decode of prompt + output does).
-- One tokenizer call per emitting step: the new prefix is the text of the ids just emitted, which for
-  the usual single id is that token decoded alone, read from the shared `TokenTexts` cache
+- One tokenizer call per emitting step, whatever its number of ids: the new prefix is the text of the
+  ids just emitted, or of the last of them alone when that token's own text is whole (no U+FFFD, not
+  empty) — the window feeding one id at a time would leave — read from the shared `TokenTexts` cache
   (token_texts.py: exactly `decode([id])`), so the text is the same as decoding the prefix again.
 - Ids fed several at a time give the text they give one at a time (the concatenation; where it is cut
   may differ): a batch whose text ends inside a character is fed again id by id (as vLLM's detokenizer
@@ -79,8 +80,16 @@ class IncrementalDetokenizer:
                 return "".join([self.add((token_id,)) for token_id in token_ids])
             return ""
         delta = text[self._prefix_len :]
-        # The ids just read become the new prefix; older ones are no longer needed as context.
+        # The ids just read become the new prefix; older ones are no longer needed as context. Of
+        # several, the last alone will do when its own text is whole (the window one id at a time
+        # feeding leaves), which the shared cache knows without a decode.
         del ids[: self._read_offset]
+        if len(ids) > 1:
+            last = self._texts.text(ids[-1], self._skip_special)
+            if last and REPLACEMENT not in last:
+                del ids[:-1]
+                self._read_offset, self._prefix_len = 1, len(last)
+                return delta
         self._read_offset = len(ids)
         self._prefix_len = self._text_len(ids)
         return delta

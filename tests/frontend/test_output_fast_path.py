@@ -6,16 +6,20 @@
   cached tokens reported late, an empty step, a character split over tokens).
 - The per-tokenizer set of character pieces (`TokenTexts.pieces`) against decoding each id, and the
   logprob rows built from it (a piece among the top-N alternatives gets its context text).
+- The deferred decode of a served plain completion (its text decoded when the reader takes it): what
+  the general path gives, and one tokenizer call per read, not per step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 from frontend_svc.output_processor import OutputProcessor, partial_token_text
 from frontend_svc.processor import Processor
+from frontend_svc.request_state import DeltaCollector
 from shared_runtime import contract as p
 from shared_runtime.contract import SamplingParams
 from shared_runtime.to_pb import outputs_to_pb
@@ -78,6 +82,81 @@ def test_the_fast_path_gives_what_the_general_path_gives(tokenizer, processor, e
     assert (error is not None) == ending.startswith("error")
     assert usage.cached_prompt_tokens == (3 if any("num_cached_tokens" in s for s in steps) else 0)
     assert sum(len(d[1]) for d in fast) == usage.completion_tokens == sum(len(s["new_token_ids"]) for s in steps)
+
+
+class CountingBackend:
+    """A tokenizers backend that counts its `decode` calls."""
+
+    def __init__(self, backend):
+        self._backend, self.decodes = backend, 0
+
+    def decode(self, *args, **kwargs):
+        self.decodes += 1
+        return self._backend.decode(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+async def _read_behind(tokenizer, processor, steps, seed, backend=None):
+    """The request fed `steps` with a `DeltaCollector` read after a random number of steps (a reader
+    that falls behind; every 4th step with `seed` None); returns what the reader got, as tuples, and the
+    decodes of the steady steps."""
+    if backend is not None:  # its single-token texts cached beforehand, as a serving frontend's are
+        texts = TokenTexts(backend)
+        for kwargs in steps:
+            for token_id in kwargs["new_token_ids"]:
+                texts.text(token_id, True)
+        tokenizer = type("T", (), {"backend": backend, "token_texts": texts})()
+    op = OutputProcessor(tokenizer)
+    collector = DeltaCollector()
+    state = op.add_request(processor.process("Mara walked", SamplingParams(max_tokens=400)), collector)
+    rid = state.prepared.engine_request_ids[0]
+    rng, got, decodes = random.Random(seed), [], 0
+    for i, kwargs in enumerate(steps):
+        before = backend.decodes if backend is not None else 0
+        message = outputs_to_pb(p.EngineCoreOutputs(outputs=[p.EngineCoreOutput(request_id=rid, **kwargs)]))
+        assert not op.process_outputs(message).deltas  # all of it went to the collector
+        due = i % 4 == 3 if seed is None else rng.random() < 0.25
+        if collector.num_pending and (i == len(steps) - 1 or due):
+            got += await collector.get()
+        if backend is not None and 0 < i < len(steps) - 1:
+            decodes += backend.decodes - before
+    assert state.done
+    return [(d.text, d.token_ids, d.finish_reason, d.stop_reason, d.usage, d.error) for d in got], decodes
+
+
+def _merged(deltas):
+    text, ids = "".join(d[0] for d in deltas), [t for d in deltas for t in d[1]]
+    return text, ids, deltas[-1][2:]
+
+
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+@pytest.mark.parametrize("seed", range(3))
+def test_a_reader_that_is_behind_gets_what_the_general_path_gives(tokenizer, processor, encode, ending, seed):
+    """Served at interval 1, a plain completion's text is decoded when its reader takes it: the same
+    concatenation and finish as the general path, wherever the reads fall (a character split over
+    tokens and its ids taken in between included)."""
+    ids = encode(" the boats rocked € against their ropes, naïve 🌊 café")
+    steps = [{"new_token_ids": ids[i:i + 1]} for i in range(len(ids) - 1)]
+    last = dict(ENDINGS[ending])
+    last["new_token_ids"] = ids[-1:] + ([EOS] if ending == "eos" else [])
+    steps.append(last)
+    got, _ = asyncio.run(_read_behind(tokenizer, processor, steps, seed))
+    assert _merged(got) == _merged(_deltas(tokenizer, processor, [NEVER], steps))
+
+
+def test_a_reader_that_is_behind_costs_one_decode_per_read(tokenizer, processor, encode):
+    """The steady steps between two reads cost no tokenizer call; the read decodes their ids at once."""
+    ids = encode(" the boats rocked against their ropes while the harbour slept and the gulls")
+    steps = [{"new_token_ids": ids[i:i + 1]} for i in range(len(ids) - 1)]
+    steps.append({"new_token_ids": ids[-1:], "finish_reason": p.FinishReason.LENGTH})
+    backend = CountingBackend(tokenizer.backend)
+    got, decodes = asyncio.run(_read_behind(tokenizer, processor, steps, None, backend))
+    reads = len(got)
+    assert len(steps) // 4 <= reads < len(steps) // 2  # the reader was behind
+    assert decodes <= reads  # at most one decode per read, none per step
+    assert "".join(d[0] for d in got) == tokenizer.backend.decode(ids)
 
 
 def test_pieces_are_the_ids_whose_own_decode_is_a_piece(tokenizer):
