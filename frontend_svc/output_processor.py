@@ -228,7 +228,10 @@ class OutputProcessor:
                 pending = c.pending
                 if pending is not None:
                     pending.token_ids.extend(new_ids)
-                    c.undecoded.extend(new_ids)
+                    undecoded = c.undecoded
+                    undecoded.extend(new_ids)
+                    if len(undecoded) >= SETTLE_AT:  # a reader that stays away: decode in bounded pieces
+                        c.settle()
                     return None
                 c.undecoded = new_ids[:]
                 c.pending = collector.put_unsettled(CompletionDelta(c.request_id, c.index, "", new_ids, c.engine_id),
@@ -316,6 +319,7 @@ class OutputProcessor:
 
 
 _CONTEXT = 4  # ids: enough for any UTF-8 character
+SETTLE_AT = 64  # undecoded ids of one completion decoded at once at most (a stalled reader's deltas)
 
 
 def partial_token_text(decode: Callable[[list[int]], str], token_id: int, context: Sequence[int]) -> str:

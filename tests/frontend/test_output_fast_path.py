@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from frontend_svc.output_processor import OutputProcessor, partial_token_text
+from frontend_svc.output_processor import SETTLE_AT, OutputProcessor, partial_token_text
 from frontend_svc.processor import Processor
 from frontend_svc.request_state import DeltaCollector
 from shared_runtime import contract as p
@@ -157,6 +157,26 @@ def test_a_reader_that_is_behind_costs_one_decode_per_read(tokenizer, processor,
     assert len(steps) // 4 <= reads < len(steps) // 2  # the reader was behind
     assert decodes <= reads  # at most one decode per read, none per step
     assert "".join(d[0] for d in got) == tokenizer.backend.decode(ids)
+
+
+def test_a_reader_that_stays_away_has_its_output_decoded_in_bounded_pieces(tokenizer, processor, encode):
+    """However long a reader stays away, no more than SETTLE_AT ids wait to be decoded at once (one
+    decode on the event loop stays small), and what it finally reads is the whole text."""
+    ids = encode(" the boats rocked against their ropes while the harbour slept and the gulls") * 4
+    op = OutputProcessor(tokenizer)
+    collector = DeltaCollector()
+    state = op.add_request(processor.process("Mara walked", SamplingParams(max_tokens=400)), collector)
+    (completion,) = state.unfinished.values()
+    rid = state.prepared.engine_request_ids[0]
+    waiting = []
+    for i, token in enumerate(ids):
+        finish = p.FinishReason.LENGTH if i == len(ids) - 1 else 0
+        op.process_outputs(outputs_to_pb(p.EngineCoreOutputs(outputs=[
+            p.EngineCoreOutput(request_id=rid, new_token_ids=[token], finish_reason=finish)])))
+        waiting.append(len(completion.undecoded))
+    assert len(ids) > 2 * SETTLE_AT and max(waiting) == SETTLE_AT - 1
+    (delta,) = asyncio.run(collector.get())
+    assert delta.text == tokenizer.backend.decode(ids) and delta.token_ids == ids and delta.finish_reason == "length"
 
 
 def test_pieces_are_the_ids_whose_own_decode_is_a_piece(tokenizer):
