@@ -95,7 +95,8 @@ class Completion:
         self.held: CompletionDelta | None = None  # output not yet due (stream interval)
         self.num_sent = 0  # num_tokens when the last delta went out
         # Decoding when the reader takes the output (a served request at interval 1): `pending` is the
-        # delta of this completion unread in `collector`, whose text lacks that of the ids in `undecoded`.
+        # delta of this completion last put in `collector` (unread while the collector still holds it),
+        # whose text lacks that of the ids in `undecoded` (the steps that came while it was unread).
         self.collector = request.collector if interval == 1 else None
         self.pending: CompletionDelta | None = None
         self.undecoded: list[int] = []
@@ -103,12 +104,10 @@ class Completion:
     def settle(self) -> None:
         """Give the unread delta the text of its undecoded ids (before anything else is decoded or the
         reader takes it)."""
-        pending = self.pending
-        if pending is not None:
-            self.pending = None
-            if self.undecoded:
-                pending.text += self.detokenizer.add(self.undecoded)
-                self.undecoded = []
+        if self.undecoded:
+            assert self.pending is not None
+            self.pending.text += self.detokenizer.add(self.undecoded)
+            self.undecoded = []
 
     def due(self, delta: CompletionDelta) -> CompletionDelta | None:
         """With a stream interval: what to send now, `delta` after whatever was held (merged), when it
@@ -223,19 +222,21 @@ class OutputProcessor:
                 return None
             collector = c.collector
             if collector is not None:
-                # Decoded when the reader takes it (`settle`): a reader that is behind gets the ids of
-                # several steps decoded in one tokenizer call instead of one call per step.
                 pending = c.pending
-                if pending is not None:
+                if pending is not None and collector.unread(c.index) is pending:
+                    # The reader has not taken this completion's previous output: these ids join it, to be
+                    # decoded in one tokenizer call when it does (`settle`), not one call per step.
                     pending.token_ids.extend(new_ids)
                     undecoded = c.undecoded
+                    if not undecoded:
+                        collector.defer(c)
                     undecoded.extend(new_ids)
                     if len(undecoded) >= SETTLE_AT:  # a reader that stays away: decode in bounded pieces
                         c.settle()
                     return None
-                c.undecoded = new_ids[:]
-                c.pending = collector.put_unsettled(CompletionDelta(c.request_id, c.index, "", new_ids, c.engine_id),
-                                                    c)
+                # Decoded now, with the other outputs of this message (a reader that keeps up takes it as is).
+                delta = CompletionDelta(c.request_id, c.index, c.detokenizer.add(new_ids), new_ids, c.engine_id)
+                c.pending = collector.put(delta)
                 return None
             text = c.detokenizer.add(new_ids)
             held = c.held
@@ -246,7 +247,7 @@ class OutputProcessor:
             held.text += text
             held.token_ids.extend(new_ids)
             return held
-        if c.pending is not None:  # the ids before these are decoded first
+        if c.undecoded:  # the ids before these are decoded first
             c.settle()
         params = c.request.prepared.params
         finish = _finish_name(output.finish_reason)

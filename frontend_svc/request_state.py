@@ -9,9 +9,9 @@ deltas ends when it has handed out one final delta per completion).
 holds at most one pending delta per completion: a delta arriving while the previous one is unread is
 merged into it (`CompletionDelta.merge`), so a slow reader costs memory bounded by the request's n, not
 by how far it lags. A failure (`ServiceError`) is delivered after whatever deltas are already pending.
-A delta put with `put_unsettled` carries its token ids but not yet all their text: the reader's `get`
-has its completion decode them (`Completion.settle`) before handing it out, so a reader that is behind
-costs one tokenizer call per delta it takes, not one per engine step.
+An unread delta may carry token ids whose text is not decoded yet (`defer`): the reader's `get` has
+their completion decode them (`Completion.settle`) before handing it out, so the steps that come while a
+reader is behind cost one tokenizer call per delta it takes, not one per step.
 
 `DrainGate` paces an engine stream by its readers, as Nagle's algorithm paces a socket by its
 acknowledgements: after processing a batch of engine messages the connection waits until the readers
@@ -114,10 +114,13 @@ class DeltaCollector:
         self._ready.set()
         return unread
 
-    def put_unsettled(self, delta: CompletionDelta, owner: Completion) -> CompletionDelta:
-        """`put`, for a delta whose text `owner.settle()` completes before the reader takes it."""
+    def unread(self, index: int) -> CompletionDelta | None:
+        """The delta of completion `index` waiting for the reader, if any."""
+        return self._pending.get(index)
+
+    def defer(self, owner: Completion) -> None:
+        """`owner`'s unread delta has ids whose text `owner.settle()` adds before the reader takes it."""
         self._unsettled.append(owner)
-        return self.put(delta)
 
     def release(self) -> None:
         """The reader is done with what it took (it sent it, or it stops reading)."""

@@ -34,24 +34,17 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then it rests in the 
 
 class Outbox:
     """A request's collector as the output processor sees it, read after every step: every delta it is
-    handed, in order (`read` settles the text of those put unsettled, as `DeltaCollector.get` does)."""
+    handed, in order."""
 
     def __init__(self) -> None:
         self.deltas: list[CompletionDelta] = []
-        self._unsettled: list[Any] = []
 
     def put(self, delta: CompletionDelta) -> CompletionDelta:
         self.deltas.append(delta)
         return delta
 
-    def put_unsettled(self, delta: CompletionDelta, owner: Any) -> CompletionDelta:
-        self._unsettled.append(owner)
-        return self.put(delta)
-
-    def read(self) -> None:
-        for owner in self._unsettled:
-            owner.settle()
-        self._unsettled.clear()
+    def unread(self, index: int) -> CompletionDelta | None:
+        return None  # read after every step
 
     def of(self, index: int) -> list[CompletionDelta]:
         return [d for d in self.deltas if d.index == index]
@@ -98,7 +91,6 @@ def run(tokenizer: Any, processor: Processor, params: SamplingParams, streams: l
                                               finish_reason=finish if last else p.FinishReason.UNSPECIFIED,
                                               new_logprobs=entries))
         result = op.process_outputs(outputs_to_pb(p.EngineCoreOutputs(outputs=outputs)))
-        box.read()
         returned += result.deltas
     return box, returned
 
