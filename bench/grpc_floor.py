@@ -41,7 +41,7 @@ def handler_for(mode: str, messages: int, tick_s: float) -> Any:
                 yield MESSAGE
         return grpc.unary_stream_rpc_method_handler(sync_stream)
 
-    tick: dict[str, asyncio.Event] = {}
+    tick: dict[str, Any] = {}  # "event": the current tick's, set when it ends; "task": the ticker
 
     async def ticker() -> None:
         while True:
@@ -57,7 +57,7 @@ def handler_for(mode: str, messages: int, tick_s: float) -> Any:
             return
         if not tick:
             tick["event"] = asyncio.Event()
-            tick["task"] = asyncio.get_running_loop().create_task(ticker())  # type: ignore[assignment]
+            tick["task"] = asyncio.get_running_loop().create_task(ticker())
         for _ in range(messages):
             await tick["event"].wait()
             await write(MESSAGE)

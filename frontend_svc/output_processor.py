@@ -29,7 +29,10 @@ incrementally, checks stop strings and reports finishes. Invariants:
   handed out in `ProcessedOutputs.queue_times` for telemetry to record; nothing here records metrics.
 - The common output (a completion past its first delta, without stop strings or logprobs, no finish, no
   error) takes a shortcut in `_process_one` that gives exactly the delta the general path gives; which
-  logprob tokens are pieces of a character is read from the tokenizer's `TokenTexts.pieces()`.
+  logprob tokens are pieces of a character is read from the tokenizer's `TokenTexts.pieces()`. Served at
+  interval 1, such an output whose completion still has a delta unread in its collector joins that delta
+  and its ids are decoded when the reader takes it (`Completion.settle`, at most `SETTLE_AT` ids at once);
+  the concatenation is the same.
 Nothing here formats strings or logs per token.
 """
 
