@@ -84,7 +84,7 @@ def decode_hf(model: str, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 
 def decode_tandem(model: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> list[list[dict[str, Any]]]:
-    from engine_svc import LLM, SamplingParams
+    from entrypoints import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype)
     try:

@@ -89,7 +89,7 @@ def report(title: str, wall_ms: float, profiled_ms: float, ops: list[tuple[str, 
 def run_workload(args: argparse.Namespace, dtype: str) -> None:
     """The whole offline workload through LLM.generate, under the profiler."""
     from bench.offline import make_workload
-    from engine_svc import LLM, SamplingParams
+    from entrypoints import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=dtype, kv_cache_memory_bytes=1 << 30)
     work = make_workload(args.workload, llm.engine.vocab_size, seed=0, lo=16, hi=256)

@@ -72,7 +72,7 @@ class Pair:
                 return subprocess.Popen([sys.executable, "-m", *argv], cwd=ROOT, env=env, stdout=out,
                                         stderr=subprocess.STDOUT)
 
-        self.engine = start(["engine_svc.server_cli", "--model", model, "--port", str(self.engine_port),
+        self.engine = start(["engine_svc.cli", "--model", model, "--port", str(self.engine_port),
                              "--metrics-port", "0", "--dtype", "float32", "--log-level", "WARNING",
                              *engine_args], "engine.log")
         self.frontend = start(["frontend_svc.cli", "--model", model, "--engine", f"127.0.0.1:{self.engine_port}",

@@ -4,7 +4,7 @@ Three kinds of processes, each on its own:
 - engine: tests/fake_engine.py's `FakeEngine` on a real gRPC `EngineCoreService` endpoint, emitting a
   fixed English passage (SmolLM2 tokens, a few multi-byte characters) one token per request per step, a
   step every `--step-ms` on the engine's own clock (the steps that queue while a message is written go
-  out together, as the real engine's server does, engine_svc/server.py), in one of two regimes
+  out together, as the real engine's server does, engine_svc/api/server.py), in one of two regimes
   (`--regime`):
   capacity (default, 2 ms): 128 streams are offered 64k tok/s, more than one frontend core takes, so the
     frontend is saturated and falls behind: what it then costs per token is what one frontend core
@@ -372,7 +372,7 @@ class Bench:
         self.log_dir = Path(tempfile.mkdtemp(prefix="frontend-capacity-"))
 
     def start(self) -> None:
-        from engine_svc.demo_model import demo_gguf_path
+        from entrypoints.demo_model import demo_gguf_path
         from frontend_svc.gguf_tokenizer import model_limits, read_metadata
         from frontend_svc.tokenizer import Tokenizer
 

@@ -3,7 +3,7 @@
 Model: random weights with Qwen3-0.6B's shapes (28 layers, hidden 1024, 16 query / 8 KV heads, head_dim
 128, intermediate 3072, vocab 151936, tied embeddings), built with transformers' Qwen3Config and saved
 with save_pretrained in bfloat16. Nothing can be downloaded, so the directory borrows a small tokenizer
-from `engine_svc.tiny_model`; the engine needs token ids only, and every prompt id is < 10001, far
+from `entrypoints.tiny_model`; the engine needs token ids only, and every prompt id is < 10001, far
 below the model's vocabulary (ids the tokenizer lacks would simply decode to nothing).
 
 Workload: nano-vllm's bench.py. 256 sequences, prompt and output lengths uniform in [100, 1024], prompt
@@ -64,7 +64,7 @@ def build_model_dir(out: Path, seed: int, **shape_overrides: Any) -> Path:
     """A bf16 random-weight Qwen3 model directory (Qwen3-0.6B shapes unless overridden) + tokenizer."""
     import transformers
 
-    from engine_svc.tiny_model import make_tiny_model
+    from entrypoints.tiny_model import make_tiny_model
 
     shapes = {**QWEN3_0_6B_SHAPES, **shape_overrides}
     config = transformers.Qwen3Config(

@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     from engine_svc.config import EngineConfig
     from engine_svc.core import EngineCore
-    from engine_svc.tiny_model import make_tiny_model
+    from entrypoints.tiny_model import make_tiny_model
     from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams
     from shared_runtime.heap import settle_heap
 

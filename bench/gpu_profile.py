@@ -98,7 +98,7 @@ def build_model(tmp: Path, args: argparse.Namespace) -> Path:
         from bench.gpu_e2e import build_model_dir
 
         return build_model_dir(tmp / "qwen3-0.6b-random", seed=0)
-    from engine_svc.tiny_model import make_tiny_model
+    from entrypoints.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp / "tiny", arch="qwen3", seed=0, num_layers=4, hidden_size=256, num_heads=4,
                            num_kv_heads=2, head_dim=64, vocab_size=2048)

@@ -1,4 +1,4 @@
-"""CPU per gRPC `GenerateResponse` built from a `CompletionDelta` (frontend_svc/convert.py
+"""CPU per gRPC `GenerateResponse` built from a `CompletionDelta` (frontend_svc/grpc_api/wire.py
 `response_from_delta`) and serialised as grpc then does (`SerializeToString`), without logprobs and with
 top-N, for deltas of several tokens (a frontend behind its engine merges steps). The gRPC twin of
 bench/sse_chunks.py: what the servicer's per-message Python costs, apart from grpc's own write.
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.v1 import generation_pb2 as pb
 
-from frontend_svc.convert import response_from_delta
+from frontend_svc.grpc_api.wire import response_from_delta
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 
 

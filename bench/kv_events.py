@@ -44,7 +44,7 @@ class ServerLoop:
     KvEventPublisher whose subscribers serialize every batch as their gRPC streams would."""
 
     def __init__(self, block_size: int, subscribers: int) -> None:
-        from engine_svc.kv_publisher import KvEventPublisher
+        from engine_svc.api.kv_events import KvEventPublisher
 
         self.loop = asyncio.new_event_loop()
         self.publisher = KvEventPublisher("bench", block_size, buffer=1 << 20)
@@ -118,7 +118,7 @@ def main() -> int:
     from engine_svc.config import EngineConfig
     from engine_svc.core import EngineCore
     from engine_svc.kv.events import KVEventHandOff
-    from engine_svc.tiny_model import make_tiny_model
+    from entrypoints.tiny_model import make_tiny_model
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -38,7 +38,7 @@ def make_workload(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[tuple
 
 def run_tandem(model_dir: Path, work: list[tuple[list[int], int]], tp: int,
                dtype: str = "float32") -> dict[str, float]:
-    from engine_svc import LLM, SamplingParams
+    from entrypoints import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype=dtype, tensor_parallel_size=tp)
     forward_time = _instrument_forward(llm)
@@ -191,7 +191,7 @@ def build_model_and_workload(tmp: str, args: argparse.Namespace) -> tuple[Path, 
     over its vocabulary."""
     from transformers import AutoConfig
 
-    from engine_svc.tiny_model import make_tiny_model
+    from entrypoints.tiny_model import make_tiny_model
 
     if args.model:
         model_dir = Path(args.model)

@@ -1,6 +1,7 @@
 """CPU per token of the frontend's per-token path alone: engine messages -> `CompletionDelta`s in the
-requests' `DeltaCollector`s, through `EngineClient.on_outputs` (slicing, `OutputProcessor.process`,
-delivery), with no gRPC and no API layer.
+requests' `DeltaCollector`s, through `Dispatcher.on_outputs` (slicing, `OutputProcessor.process`,
+delivery), with no gRPC and no API layer. (A tree from before the dispatcher, `--root` of an older
+checkout, is measured through its `EngineClient.on_outputs`, the same path.)
 
 SmolLM2-135M-Instruct's tokenizer (the demo GGUF); 128 requests added with collectors; every step is one
 `EngineCoreOutputs` with one token per request (the fake engine's shape, tests/fake_engine.py: the
@@ -39,12 +40,17 @@ def measure(case: str, streams: int, tokens: int, rounds: int, interval: int = 1
     from tandem.engine.v1 import engine_core_pb2 as epb
 
     import frontend_svc
-    from engine_svc.demo_model import demo_gguf_path
+    from entrypoints.demo_model import demo_gguf_path
     from frontend_svc.engine_client import EngineClient
     from frontend_svc.output_processor import OutputProcessor
     from frontend_svc.processor import Processor
-    from frontend_svc.request_state import DeltaCollector
     from frontend_svc.tokenizer import Tokenizer
+    try:
+        from frontend_svc.delta_collector import DeltaCollector
+        from frontend_svc.dispatcher import Dispatcher
+    except ImportError:  # a tree from before the dispatcher
+        from frontend_svc.request_state import DeltaCollector  # type: ignore[import-not-found,no-redef]
+        Dispatcher = None
     from shared_runtime.contract import SamplingParams
 
     assert Path(frontend_svc.__file__).resolve().is_relative_to(Path.cwd().resolve()), "not the tree of --root"
@@ -64,6 +70,11 @@ def measure(case: str, streams: int, tokens: int, rounds: int, interval: int = 1
 
         def note_stats(self, stats: Any) -> None:
             pass
+
+        def note_sent(self, count: int) -> None:
+            pass
+
+        gate = None
 
         def send(self, message: Any) -> None:
             raise AssertionError("no stop string matches the passage")
@@ -86,18 +97,29 @@ def measure(case: str, streams: int, tokens: int, rounds: int, interval: int = 1
 
     async def one_round() -> float:
         op = OutputProcessor(tokenizer, stream_interval=interval)
-        client = EngineClient([], op, vocab)
         connection = Connection()
+        if Dispatcher is not None:
+            client = EngineClient([], vocab)
+            client.choose = lambda ids: connection  # type: ignore[method-assign,assignment,return-value]
+            dispatcher = Dispatcher(client, op)
+            on_outputs = dispatcher.on_outputs
+        else:
+            client = EngineClient([], op, vocab)  # type: ignore[arg-type,call-arg]
+            on_outputs = client.on_outputs
         collectors, engine_ids = [], []
         for i in range(streams):
             collector = DeltaCollector()
-            state = op.add_request(processor.process(QUESTION, params, request_id=f"r{i}"), collector)
-            state.connection = connection
-            connection.requests.add(state)
+            prepared = processor.process(QUESTION, params, request_id=f"r{i}")
+            if Dispatcher is not None:
+                state = dispatcher.submit(prepared, [], collector)
+                collector.gate = None
+            else:
+                state = op.add_request(prepared, collector)
+                state.connection = connection
+                connection.requests.add(state)
             collectors.append(collector)
             engine_ids.extend(state.prepared.engine_request_ids)
         steps = messages(engine_ids)
-        on_outputs = client.on_outputs
         start = time.perf_counter()
         for step, message in enumerate(steps, 1):
             await on_outputs(connection, message)  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ async def main() -> None:
     args = parser.parse_args()
     from tandem.v1 import generation_pb2 as pb
 
-    from engine_svc.demo_model import demo_gguf_path
+    from entrypoints.demo_model import demo_gguf_path
     from frontend_svc.config import FrontendConfig
     from frontend_svc.server import FrontendServer
     from frontend_svc.telemetry.service import FrontendTelemetry
@@ -88,7 +88,7 @@ async def main() -> None:
     rows.append(("admission: begin_call + open_generation + close (no request)", best_us(admission, n)))
     rows.append(("prepare (chat template, tokenize, params) inline", best_us(lambda: server.prepare(request), n // 4)))
     rows.append(("  sampling_params_from_pb", best_us(
-        lambda: __import__("frontend_svc.convert", fromlist=["x"]).sampling_params_from_pb(request.sampling_params), n)))
+        lambda: __import__("frontend_svc.grpc_api.wire", fromlist=["x"]).sampling_params_from_pb(request.sampling_params), n)))
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
 

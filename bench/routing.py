@@ -112,7 +112,7 @@ class Cluster:
         self.engine_ports = [free_port() for _ in range(num_engines)]
         self.metrics_ports = [free_port() for _ in range(num_engines)]
         for i, (port, metrics) in enumerate(zip(self.engine_ports, self.metrics_ports)):
-            self._start(["engine_svc.server_cli", "--model", str(model_dir), "--host", "127.0.0.1",
+            self._start(["engine_svc.cli", "--model", str(model_dir), "--host", "127.0.0.1",
                          "--port", str(port), "--metrics-port", str(metrics), "--dtype", "float32",
                          "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(blocks),
                          "--max-num-seqs", str(max_num_seqs), "--max-waiting", "-1", "--log-level", "WARNING"],
@@ -268,7 +268,7 @@ def main() -> int:
     ap.add_argument("--log-dir", default=None, help="keep the services' logs here (default: a temporary directory)")
     args = ap.parse_args()
 
-    from engine_svc.tiny_model import make_tiny_model
+    from entrypoints.tiny_model import make_tiny_model
 
     need = blocks_needed(args, args.conversations)
     blocks = max(1, round(need * args.kv_fraction))

@@ -126,7 +126,7 @@ class Split:
         common = {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
         full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, **common, **env}
         self.procs = [
-            self._start(["engine_svc.server_cli", "--model", str(model_dir), "--host", "127.0.0.1",
+            self._start(["engine_svc.cli", "--model", str(model_dir), "--host", "127.0.0.1",
                          "--port", str(engine_port), "--dtype", dtype, "--metrics-port", "0",
                          "--log-level", "WARNING"], full_env, log_dir / "engine.log"),
             self._start(["frontend_svc.cli", "--model", str(model_dir), "--engine", f"127.0.0.1:{engine_port}",

@@ -1,4 +1,4 @@
-"""CPU per OpenAI stream chunk: the builders' chunks (frontend_svc/openai/convert.py: plain dicts, a chat
+"""CPU per OpenAI stream chunk: the builders' chunks (frontend_svc/openai/bodies.py: plain dicts, a chat
 chunk's logprobs joined from cached JSON; the "dicts" column) against the pydantic models they replaced
 (the reference in tests/openai_api/test_chunk_bytes.py, same bytes).
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from frontend_svc.openai import convert
+from frontend_svc.openai import bodies
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from tests.openai_api.test_chunk_bytes import PydanticChat, PydanticCompletion, Texts
 
@@ -37,13 +37,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1, help="tokens per delta (per chunk)")
     parser.add_argument("--number", type=int, default=20000, help="chunks per measurement")
     args = parser.parse_args()
-    for name, new, old in [("chat", convert.ChatBuilder, PydanticChat),
-                           ("completions", convert.CompletionBuilder, PydanticCompletion)]:
+    for name, new, old in [("chat", bodies.ChatBuilder, PydanticChat),
+                           ("completions", bodies.CompletionBuilder, PydanticCompletion)]:
         for top in (None, args.top):
             times = []
             for cls in (old, new):
                 builder = cls("id", "model", 1, 1, Texts(), top)
-                builder.prompts = [convert.PromptInfo("prompt", [1])]
+                builder.prompts = [bodies.PromptInfo("prompt", [1])]
                 delta = _delta(top, args.tokens)
                 seconds = timeit.timeit(lambda b=builder, d=delta: b.chunk(0, d, False), number=args.number)
                 times.append(seconds / args.number * 1e6)

@@ -77,7 +77,7 @@ def timed(llm: Any, ids: list[list[int]], params: list[Any]) -> tuple[float, lis
 
 
 def unconstrained_params(lengths: list[int]) -> list[Any]:
-    from engine_svc import SamplingParams
+    from entrypoints import SamplingParams
 
     return [SamplingParams(temperature=0.7, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
 
@@ -87,7 +87,7 @@ def unconstrained_worker(tree: str, model: str, work_file: str, rounds: int) -> 
     round); print elapsed seconds."""
     sys.path.insert(0, tree)
     import engine_svc
-    from engine_svc import LLM
+    from entrypoints import LLM
 
     assert Path(engine_svc.__file__).resolve().is_relative_to(Path(tree).resolve()), engine_svc.__file__
 
@@ -120,7 +120,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import jsonschema
 
-    from engine_svc import LLM, SamplingParams
+    from entrypoints import LLM, SamplingParams
     from shared_runtime.contract import StructuredOutputs
 
     work = prompts(args.model, args.num_requests)

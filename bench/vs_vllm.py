@@ -70,7 +70,7 @@ def _vllm_llm(model: str, dtype: str) -> tuple[Any, Any, Any]:
 
 def _tandem_llm(model: str, dtype: str) -> tuple[Any, Any, Any]:
     sys.path.insert(0, os.environ.get("TANDEM_TREE", str(ROOT)))
-    from engine_svc import LLM, SamplingParams
+    from entrypoints import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES)
 
@@ -152,7 +152,7 @@ def _server_command(system: str, args: argparse.Namespace, dtype: str, port: int
         return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
                 "--served-model-name", name, "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
                 "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--seed", "0", "--disable-log-stats"]
-    return [sys.executable, "-m", "engine_svc.cli", "serve", "--model", args.model, "--dtype", dtype,
+    return [sys.executable, "-m", "entrypoints.cli", "serve", "--model", args.model, "--dtype", dtype,
             "--http-port", str(port), "--port", str(_free_port()), "--engine-port", str(_free_port()),
             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *shlex.split(args.tandem_args)]
 

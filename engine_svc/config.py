@@ -26,14 +26,11 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
-# CPU step sizes (measured on SmolLM2-135M, float32, 2 cores): a step costs ~1.5 ms per token, so a step
-# of 256 tokens takes ~0.4 s and is as efficient per token as any larger one (2048 tokens: 3.4 ms per
-# token); a 64-token prefill chunk beside decodes keeps their step, and a streaming victim's gap,
-# near 0.2 s even 2,000 tokens into a prompt (8,192-token steps stalled every stream for ~4 s).
-# Served (issue 23: 16 streams, 256-token prompts, bfloat16, BENCHMARKS.md) the chunks do not set the
-# median inter-token latency, the 16-stream decode step does: median ITL 71 ms with 64-token chunks,
-# 71 ms with 128, 77 ms with vLLM's CPU steps (2,048 tokens, no cap; p99 193 vs 268-288 ms, TTFT 1.9
-# vs 1.3 s); larger chunks only trade the victim's gap for the prompt's TTFT, so these stay.
+# CPU step sizes: a CPU step's cost grows with its tokens, so a 256-token step is already as efficient per
+# token as any larger one, and a 64-token prefill chunk beside decodes keeps their step, and a streaming
+# victim's gap, short however long the prompt (larger steps stalled every stream for seconds). Served,
+# the chunks do not set the median inter-token latency, the decode step does; larger chunks only trade
+# the victim's gap for the prompt's TTFT, so these stay (BENCHMARKS.md, "Served: step sizes and threads").
 CPU_MAX_NUM_BATCHED_TOKENS = 256
 CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
 _RESOLVED_FIELDS = frozenset({"architecture", "model_dtype"})  # set by create(), not user arguments
@@ -275,7 +272,7 @@ class EngineConfig:
 
 def _fill_step_defaults(kwargs: dict[str, Any], max_model_len: int) -> None:
     """The step-size defaults, by device. On CUDA vLLM's: a large token budget, no per-request prefill
-    cap. On CPU, where a step is ~100x slower, small ones (see CPU_MAX_NUM_BATCHED_TOKENS): a long
+    cap. On CPU, where a step is far slower, small ones (see CPU_MAX_NUM_BATCHED_TOKENS): a long
     prompt is prefilled 64 tokens per step while other requests decode, so their streams keep flowing.
     The budget is never below max_num_seqs (a decode needs one token: fewer would starve some)."""
     cpu = kwargs.get("device") == "cpu"

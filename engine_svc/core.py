@@ -23,7 +23,8 @@ import threading
 import time
 
 from engine_svc.config import EngineConfig
-from engine_svc.executor.base import Executor, make_executor
+from engine_svc.executor import make_executor
+from engine_svc.executor.base import Executor
 from engine_svc.kv.events import KVEventLog
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput

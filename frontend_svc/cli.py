@@ -61,7 +61,7 @@ from shared_runtime.security.flags import (
 from shared_runtime.security.http_limits import add_http_limit_args, http_limits_from_args, raise_fd_limit
 from shared_runtime.security.listen import BindError
 from shared_runtime.security.tls import TlsConfigError
-from shared_runtime.signals import ServiceSignals
+from shared_runtime.signals import ServiceSignals, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +162,10 @@ def _env_keys() -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_main("tandem-frontend", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_key:
@@ -176,6 +180,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(config: FrontendConfig) -> int:
+    signals = ServiceSignals()  # first: a signal during start-up is counted, then acted on (signals.py)
+    signals.install()
+    try:
+        return await _fetch_and_serve(config, signals)
+    finally:
+        signals.remove()
+
+
+async def _fetch_and_serve(config: FrontendConfig, signals: ServiceSignals) -> int:
     fetched_dir = None
     if config.model is None:
         try:
@@ -184,7 +197,7 @@ async def _serve(config: FrontendConfig) -> int:
             print(f"tandem-frontend: {exc}", file=sys.stderr)
             return 2
     try:
-        return await _serve_with_model(config)
+        return await _serve_with_model(config, signals)
     finally:
         if fetched_dir is not None:
             shutil.rmtree(fetched_dir, ignore_errors=True)
@@ -214,7 +227,7 @@ async def _with_engine_tokenizer(config: FrontendConfig) -> tuple[FrontendConfig
         raise
 
 
-async def _serve_with_model(config: FrontendConfig) -> int:
+async def _serve_with_model(config: FrontendConfig, signals: ServiceSignals) -> int:
     from frontend_svc.server import FrontendServer
     from frontend_svc.telemetry.service import FrontendTelemetry
 
@@ -225,10 +238,11 @@ async def _serve_with_model(config: FrontendConfig) -> int:
         print(f"tandem-frontend: {exc}", file=sys.stderr)
         telemetry.shutdown()
         return 2
-    signals = ServiceSignals(drain=server.drain, stop=server.stop, reload=server.reload_credentials)
-    signals.install()
     try:
+        if signals.stopping:  # stopped while starting: nothing to serve or drain
+            return signals.exit_code
         await server.start()
+        signals.bind(drain=server.drain, stop=server.stop, reload=server.reload_credentials)
         settle_heap()  # after start-up: the tokenizer, templates and libraries are what the heap holds
         await server.wait_stopped()
     except BindError as exc:
@@ -236,7 +250,6 @@ async def _serve_with_model(config: FrontendConfig) -> int:
         await server.stop()
         return 1
     finally:
-        signals.remove()
         telemetry.shutdown()  # flush the last spans
     return signals.exit_code
 

@@ -1,31 +1,27 @@
-"""The frontend's side of `tandem.engine.v1.EngineCoreService`: one `Connect` stream per engine.
+"""The frontend's side of `tandem.engine.v1.EngineCoreService`: one `Connect` stream per engine, and routing.
 
-`EngineClient` keeps an `EngineConnection` per engine address (static `host:port` targets, and every A
-record of `dns:///name:port` targets, re-resolved every few seconds), routes each new request to a ready
-engine, and feeds every `EngineCoreOutputs` an engine sends through the shared `OutputProcessor`, which
-puts each request's deltas in its `DeltaCollector`.
+This module is transport and routing only: it never looks inside a request's output. `EngineClient`
+keeps an `EngineConnection` per engine address (static `host:port` targets, and every A record of
+`dns:///name:port` targets, re-resolved every few seconds), picks a ready engine for a new request
+(`choose`, through the `Router`), and hands every message an engine sends, and every stream that breaks,
+to its `StreamListener`: the dispatcher (dispatcher.py), which owns the requests in flight.
 
 Invariants:
 - An engine is *ready* (routable) only while its `Connect` stream is open, its `GetEngineInfo`
   vocab_size equals the frontend's model vocabulary, and its health (watched, when it serves
   grpc.health.v1) is not NOT_SERVING: a draining engine gets no new requests but finishes its own.
-- All n completions of one client request go to the same engine (they share the prompt's KV blocks).
-- Every request handed out by `submit` ends exactly once: each completion's finished delta, or one
-  `ServiceError` in its collector (UNAVAILABLE when its engine's stream broke, or what `fail_all` says).
-- A connection's `requests` are the `RequestState`s sent on it that are not done; how many engine
+- A connection's `requests` are the requests the dispatcher sent on it that are not done; how many engine
   requests it has in flight is derived from them, never counted separately.
-- When a stream breaks, the engine aborts that stream's requests itself; the frontend reconnects with
-  exponential backoff (reset after a session that reached ready).
-- Everything runs on one asyncio loop; the per-step path does no logging or string formatting, and a
-  large engine step is processed in slices (`OUTPUT_SLICE`) with the loop free between them.
+- When a stream breaks, the engine aborts that stream's requests itself; the listener hears of it once
+  (`on_stream_down`), then the frontend reconnects with exponential backoff (reset after a session that
+  reached ready).
+- Everything runs on one asyncio loop; the per-step path does no logging or string formatting.
 - Coalescing when behind, never holding: a reader task reads each engine stream ahead (at most
   `READ_AHEAD` messages; the stream's receive window stays 64 KiB, no BDP probing, so gRPC flow control
-  pushes back on the engine, which then packs the steps that queue into one message), and the messages that
-  arrived while the previous ones were processed are processed together, each request's outputs next
-  to each other (in engine order within a request). A request whose outputs of several steps are
-  processed together gets one merged delta (request_state.DeltaCollector), so its reader sends them in
-  one wire message. A frontend that keeps up finds one message at a time and every token goes out alone,
-  at once; nothing waits for a timer or for more output.
+  pushes back on the engine, which then packs the steps that queue into one message), and the messages
+  that arrived while the previous ones were processed go to the listener together. The next batch is
+  taken once the readers handed output from this one have sent it (`DrainGate`, drain_gate.py). A
+  frontend that keeps up finds one message at a time; nothing waits for a timer or for more output.
 - With a router that routes by cache (`cache-aware`), each ready connection follows its engine's KV-cache
   events into `kv_index` (kv_index.py); the index is emptied the moment the session ends, so a dead or
   restarted engine's old cache never attracts requests.
@@ -43,25 +39,20 @@ import enum
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
-from frontend_svc.errors import UNAVAILABLE, ServiceError
+from frontend_svc.drain_gate import DrainGate
 from frontend_svc.kv_index import KvBlockIndex, follow_kv_events
-from frontend_svc.output_processor import OutputProcessor, ProcessedOutputs
-from frontend_svc.processor import PreparedRequest
-from frontend_svc.request_state import DeltaCollector, DrainGate, RequestState
 from frontend_svc.router import Router
-from shared_runtime.contract import EngineCoreRequest
 from shared_runtime.link import KEEPALIVE_OPTIONS, message_size_options
 from shared_runtime.security.auth import BearerToken, bearer_token_interceptors
 from shared_runtime.security.tls import ClientTls
-from shared_runtime.to_pb import abort_to_pb, add_to_pb
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +61,11 @@ BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 2.0
 INFO_TIMEOUT_S = 5.0
 LOAD_POLL_S = 1.0
-OUTPUT_SLICE = 32  # engine outputs processed between two turns of the event loop (EngineClient.on_outputs)
 READ_AHEAD = 8  # engine messages read but not yet processed, per stream (EngineConnection._read_ahead)
 # No BDP probing: the engine stream's receive window stays HTTP/2's 64 KiB instead of growing to megabytes,
 # so an engine ahead of this frontend is held back after a few messages and packs the steps that queue
-# meanwhile into its next message (engine_svc/server.py) instead of sending each step alone into a deep
-# buffer that grpc.aio reads back one message per event-loop turn (bench/frontend_capacity.py, issue 19;
+# meanwhile into its next message (engine_svc/api/server.py) instead of sending each step alone into a deep
+# buffer that grpc.aio reads back one message per event-loop turn (bench/frontend_capacity.py;
 # tests/frontend/test_engine_backpressure.py).
 CHANNEL_OPTIONS = [*KEEPALIVE_OPTIONS, *message_size_options(), ("grpc.enable_retries", 0),
                    ("grpc.http2.bdp_probe", 0)]
@@ -106,6 +96,24 @@ class EngineUnavailable(Exception):
     """No engine is ready to take a request."""
 
 
+class Carried(Protocol):
+    """A request sent on a connection, as the connection sees it (`output_processor.RequestState`)."""
+
+    @property
+    def num_unfinished(self) -> int:
+        """Its engine requests still running."""
+
+
+class StreamListener(Protocol):
+    """Who hears what the engines' streams carry (the dispatcher)."""
+
+    def on_outputs(self, connection: EngineConnection, *messages: epb.EngineCoreOutputs) -> Awaitable[None]:
+        """Consecutive engine messages of one stream, in order."""
+
+    def on_stream_down(self, connection: EngineConnection, message: str) -> None:
+        """The stream broke: every request on it is gone from the engine (`message` says why)."""
+
+
 class State(enum.Enum):
     CONNECTING = "connecting"
     READY = "ready"
@@ -126,7 +134,7 @@ class EngineConnection:
         self.server_name = server_name  # the name its TLS certificate must carry (None: the address's host)
         self.state = State.CONNECTING
         self.info: epb.EngineInfo | None = None
-        self.requests: set[RequestState] = set()  # sent here and not done
+        self.requests: set[Carried] = set()  # sent here and not done (kept by the dispatcher)
         self.gate = DrainGate()  # the next batch of engine messages waits for the readers of the last
         self.kv_index = KvBlockIndex()  # the engine's cached blocks (followed only for cache-aware routing)
         self._reported_load = 0
@@ -325,32 +333,29 @@ async def _drain(outbox: asyncio.Queue[epb.EngineCoreInput]) -> AsyncIterator[ep
 
 
 class EngineClient:
-    """Routes requests over the engines' streams and turns their outputs into per-request deltas."""
+    """The engines a frontend talks to: their connections, readiness and the choice of one per request."""
 
     def __init__(
         self,
         targets: Sequence[str],
-        output_processor: OutputProcessor,
         vocab_size: int,
         *,
         router: Router | None = None,
         on_change: Callable[[], None] = lambda: None,
-        on_processed: Callable[[ProcessedOutputs], None] | None = None,
         dns_refresh_s: float = 5.0,
         channels: ChannelFactory | None = None,
         tokenizer_sha256: str | None = None,
     ) -> None:
-        """`on_processed` sees what the output processor handed out for each engine message (telemetry).
-        `tokenizer_sha256`: the checksum of the tokenizer archive this frontend fetched from the engines
-        (None: it read --model); an engine serving another tokenizer is never routed to."""
+        """`tokenizer_sha256`: the checksum of the tokenizer archive this frontend fetched from the engines
+        (None: it read --model); an engine serving another tokenizer is never routed to. The `listener`
+        (the dispatcher) is attached before `start`."""
         self.targets = tuple(targets)
         self.tokenizer_sha256 = tokenizer_sha256
         self.channels = channels or ChannelFactory()
         self.vocab_size = vocab_size
         self.router = router or Router()
-        self._output_processor = output_processor
+        self.listener: StreamListener | None = None
         self._on_change = on_change
-        self._on_processed = on_processed
         self._dns_refresh_s = dns_refresh_s
         self._connections: dict[str, EngineConnection] = {}
         self._retired: set[EngineConnection] = set()  # left the target set; closed once idle
@@ -400,45 +405,33 @@ class EngineClient:
             connection = self._connections.pop(address)
             connection.retire()
             self._retired.add(connection)
-            self._close_if_idle(connection)
+            self.release(connection)
         self.connection_changed()
 
-    # ---- what the server uses ----------------------------------------------------------------------
+    # ---- what the dispatcher and the server use ----------------------------------------------------
     def ready_engines(self) -> list[EngineConnection]:
         return [c for c in self._connections.values() if c.ready]
 
     def connections(self) -> list[EngineConnection]:
         return list(self._connections.values())
 
-    def submit(self, prepared: PreparedRequest, engine_requests: Sequence[EngineCoreRequest],
-               collector: DeltaCollector) -> RequestState:
-        """Send the request's n engine requests to one ready engine; raise EngineUnavailable if none.
-        Its deltas (or one ServiceError) arrive in `collector`."""
-        connection = self.router.choose(self.ready_engines(), prepared.prompt_token_ids)
+    def choose(self, prompt_token_ids: Sequence[int]) -> EngineConnection:
+        """The ready engine a new request goes to (all n completions of a request go to one engine: they
+        share the prompt's KV blocks); EngineUnavailable when none is ready."""
+        connection = self.router.choose(self.ready_engines(), prompt_token_ids)
         if connection is None:
             raise EngineUnavailable("no engine is ready to serve requests; retry shortly")
-        messages = [add_to_pb(request) for request in engine_requests]  # may raise: before any state
-        request = self._output_processor.add_request(prepared, collector)
-        request.connection = connection
-        collector.gate = connection.gate
-        connection.requests.add(request)
-        connection.note_sent(len(messages))
-        for message in messages:
-            connection.send(message)
-        return request
+        return connection
 
-    def abort(self, request: RequestState) -> None:
-        """Stop a request's unfinished completions, here and in the engine (no-op once done)."""
-        engine_ids = self._forget(request)
-        if engine_ids:
-            _connection_of(request).send(abort_to_pb(engine_ids))
-
-    def fail_all(self, code: int, message: str, reason: str) -> None:
-        """End every open request with a ServiceError and abort it in its engine (e.g. a drain's end)."""
-        for connection in [*self._connections.values(), *self._retired]:  # retired ones may still hold requests
-            for request in list(connection.requests):
-                self.abort(request)
-                request.fail(ServiceError(code, message, reason))
+    def release(self, connection: EngineConnection, request: Carried | None = None) -> None:
+        """`request` is done with `connection`; a retired connection closes once it carries nothing."""
+        if request is not None:
+            connection.requests.discard(request)
+        if connection.retiring and not connection.requests and connection in self._retired:
+            self._retired.discard(connection)
+            task = asyncio.get_running_loop().create_task(connection.close())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # ---- called by connections -----------------------------------------------------------------------
     def accepts(self, connection: EngineConnection, info: epb.EngineInfo) -> bool:
@@ -460,89 +453,20 @@ class EngineClient:
         self._on_change()
 
     def connection_down(self, connection: EngineConnection, message: str, was_ready: bool) -> None:
-        """The stream broke: every request on it ends with UNAVAILABLE (the engine aborted them)."""
-        for request in list(connection.requests):
-            self._forget(request)
-            request.fail(ServiceError(UNAVAILABLE, message, "ENGINE_UNAVAILABLE"))
-        self._close_if_idle(connection)
+        """The stream broke: its requests are gone from the engine, and the listener ends them."""
+        if self.listener is not None and connection.requests:
+            self.listener.on_stream_down(connection, message)
+        self.release(connection)
         if was_ready:
             self.connection_changed()
 
     async def on_outputs(self, connection: EngineConnection, *messages: epb.EngineCoreOutputs) -> None:
-        """One or more consecutive engine messages of this stream: deltas to their collectors, stop-string
-        aborts out.
-
-        The outputs are processed grouped by request (a request's outputs in engine order, requests in
-        the order they first appear), so a request with outputs of several steps here gets one merged
-        delta. They are processed in slices of about `OUTPUT_SLICE` outputs (a request's never split)
-        with the event loop free between them, so a step of hundreds of requests never holds it for all
-        of them at once (the streams whose deltas are ready get written meanwhile)."""
+        """Consecutive engine messages of one stream: the load they report noted, then to the listener."""
         for message in messages:
             if message.HasField("scheduler_stats"):
                 connection.note_stats(message.scheduler_stats)
-        process, first = self._output_processor.process_keyed, True
-        for outputs in _slices(messages):
-            if not first:
-                await asyncio.sleep(0)
-            first = False
-            self._deliver(connection, process(outputs))
-
-    def _deliver(self, connection: EngineConnection, processed: ProcessedOutputs) -> None:
-        """Hand a processed slice on: telemetry, stop-string aborts to the engine, finished requests out."""
-        if self._on_processed is not None:
-            self._on_processed(processed)
-        if processed.reqs_to_abort:
-            connection.send(abort_to_pb(processed.reqs_to_abort))
-        for request in processed.finished:
-            self._release(request)
-
-    # ---- bookkeeping ---------------------------------------------------------------------------------
-    def _forget(self, request: RequestState) -> list[str]:
-        """Finish a request's open completions in the output processor and release it; return the
-        engine ids that were still running."""
-        engine_ids = self._output_processor.abort_request(request)
-        self._release(request)
-        return engine_ids
-
-    def _release(self, request: RequestState) -> None:
-        """A done request leaves its connection (which closes if it was retired and is now idle)."""
-        connection = _connection_of(request)
-        connection.requests.discard(request)
-        self._close_if_idle(connection)
-
-    def _close_if_idle(self, connection: EngineConnection) -> None:
-        if connection.retiring and not connection.requests and connection in self._retired:
-            self._retired.discard(connection)
-            task = asyncio.get_running_loop().create_task(connection.close())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-
-def _slices(messages: Sequence[epb.EngineCoreOutputs]) -> Iterator[list[tuple[str, epb.EngineCoreOutput]]]:
-    """The messages' outputs with their request ids (each read once), each request's next to each other
-    in engine order (requests in the order they first appear; one engine message may hold several steps
-    too, engine_svc/packing.py), in slices of about `OUTPUT_SLICE` outputs that never split a request's
-    outputs. Outputs of distinct requests (the usual message) are already in that order: sliced as they
-    come."""
-    keyed = [(output.request_id, output) for message in messages for output in message.outputs]
-    if len(dict(keyed)) == len(keyed):
-        for start in range(0, max(len(keyed), 1), OUTPUT_SLICE):
-            yield keyed[start:start + OUTPUT_SLICE]
-        return
-    groups: dict[str, list[tuple[str, epb.EngineCoreOutput]]] = {}
-    for pair in keyed:
-        group = groups.get(pair[0])
-        if group is None:
-            groups[pair[0]] = [pair]
-        else:
-            group.append(pair)
-    chunk: list[tuple[str, epb.EngineCoreOutput]] = []
-    for group in groups.values():
-        if len(chunk) + len(group) > OUTPUT_SLICE and chunk:
-            yield chunk
-            chunk = []
-        chunk.extend(group)
-    yield chunk
+        if self.listener is not None:
+            await self.listener.on_outputs(connection, *messages)
 
 
 _STREAM_END = object()
@@ -559,13 +483,6 @@ async def _read_ahead(call: Any, queue: asyncio.Queue[Any]) -> None:
         await queue.put(exc)
         return
     await queue.put(_STREAM_END)
-
-
-def _connection_of(request: RequestState) -> EngineConnection:
-    """The connection a submitted request was sent on (`submit` sets it before anything can read it)."""
-    connection = request.connection
-    assert connection is not None, "the request was never submitted"
-    return connection
 
 
 def is_dns_target(target: str) -> bool:

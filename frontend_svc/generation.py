@@ -1,6 +1,6 @@
 """One generation request from admission to its end, the same for every API in front of it.
 
-The gRPC servicer (server.py) and the OpenAI-compatible HTTP API both do exactly this:
+The gRPC servicer (grpc_api/servicer.py) and the OpenAI-compatible HTTP API both do exactly this:
 
     generation = frontend.open_generation(n, call)   # admission: ValidationError / ServiceError
     try:
@@ -31,11 +31,13 @@ import concurrent.futures
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from frontend_svc.engine_client import EngineClient, EngineUnavailable
-from frontend_svc.errors import RESOURCE_EXHAUSTED, UNAVAILABLE, ServiceError
+from frontend_svc.delta_collector import DeltaCollector
+from frontend_svc.dispatcher import Dispatcher
+from frontend_svc.engine_client import EngineUnavailable
+from frontend_svc.output_processor import RequestState
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
-from frontend_svc.request_state import DeltaCollector, RequestState
+from frontend_svc.service_error import RESOURCE_EXHAUSTED, UNAVAILABLE, ServiceError
 from frontend_svc.telemetry.call import GenerateCall
 from frontend_svc.tokenizer import Tokenizer
 from shared_runtime.contract import SamplingParams
@@ -76,9 +78,17 @@ class GenerationBackend(Protocol):
     def metrics_registry(self) -> Any:
         """The Prometheus `CollectorRegistry` of the frontend's metrics (None: metrics are off)."""
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's logits width: token ids must be below it."""
+
+    @property
+    def num_ready_engines(self) -> int: ...
+
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
-                   attributes: dict[str, str]) -> GenerateCall:
-        """One generation call's telemetry (trace context from `headers`)."""
+                   attributes: dict[str, str] | None) -> GenerateCall:
+        """One generation call's telemetry (trace context from `headers`; `attributes`: the transport's,
+        None for a gRPC method's)."""
 
     def open_generation(self, num_completions: int, call: GenerateCall) -> Generation:
         """Admit a request of `num_completions` (ValidationError / ServiceError when it cannot be)."""
@@ -141,12 +151,12 @@ class Admission:
 class Generation:
     """An admitted request: `start()`, then `batches()`, and always `close()`."""
 
-    def __init__(self, *, slots: int, call: GenerateCall, admission: Admission, engines: EngineClient,
+    def __init__(self, *, slots: int, call: GenerateCall, admission: Admission, dispatcher: Dispatcher,
                  processor: Processor, pool: concurrent.futures.Executor) -> None:
         self.slots = slots
         self.call = call
         self._admission = admission
-        self._engines = engines
+        self._dispatcher = dispatcher
         self._processor = processor
         self._pool = pool
         self._collector = DeltaCollector()
@@ -163,10 +173,10 @@ class Generation:
             raise asyncio.CancelledError
         engine_requests = self._processor.engine_requests(prepared, self.call.trace_headers())
         try:
-            self._request = self._engines.submit(prepared, engine_requests, self._collector)
+            self._request = self._dispatcher.submit(prepared, engine_requests, self._collector)
         except EngineUnavailable as exc:
             raise ServiceError(UNAVAILABLE, str(exc), "NO_READY_ENGINE") from None
-        connection = self._request.connection
+        connection = self._dispatcher.engine_of(self._request)
         self.call.routed(connection.address if connection is not None else "", len(engine_requests))
         return prepared
 
@@ -195,5 +205,5 @@ class Generation:
         self._closed = True
         self._collector.release()
         if self._request is not None:
-            self._engines.abort(self._request)  # a no-op once the request is done
+            self._dispatcher.abort(self._request)  # a no-op once the request is done
         self._admission.give_back(self.slots, self._preparing)

@@ -15,8 +15,8 @@ incrementally, checks stop strings and reports finishes. Invariants:
   (vLLM's detokenizer never emits it either: no trailing U+FFFD on a length cut).
 - A logprob token whose own decode ends in U+FFFD (a piece of a character) gets vLLM's text: "" until
   the token that completes the character, which gets the whole character (`partial_token_text`).
-- A request is forgotten once all n completions finished. Its `RequestState` (request_state.py) is the
-  one record of which completions are still running; this processor only indexes them by engine id.
+- A request is forgotten once all n completions finished. Its `RequestState` (below) is the one record of
+  which completions are still running; this processor only indexes them by engine id.
 - A request added with a `DeltaCollector` gets its deltas there (merged for a slow reader); the others'
   deltas are returned in `ProcessedOutputs.deltas` (the offline API folds them itself).
 - Stream interval (vLLM's): a request with a collector streams each completion in deltas of at least
@@ -29,11 +29,18 @@ incrementally, checks stop strings and reports finishes. Invariants:
   handed out in `ProcessedOutputs.queue_times` for telemetry to record; nothing here records metrics.
 - The common output (a completion past its first delta, without stop strings or logprobs, no finish, no
   error) takes a shortcut in `_process_one` that gives exactly the delta the general path gives; which
-  logprob tokens are pieces of a character is read from the tokenizer's `TokenTexts.pieces()`. Served at
-  interval 1, such an output whose completion still has a delta unread in its collector joins that delta
-  and its ids are decoded when the reader takes it (`Completion.settle`, at most `SETTLE_AT` ids at once);
-  the concatenation is the same.
+  logprob tokens are pieces of a character is read from the tokenizer's `TokenTexts.pieces()`.
 Nothing here formats strings or logs per token.
+
+Where text is decoded: only here, by each completion's incremental detokenizer (`Completion.detokenizer`),
+in one of two moments. Normally when the engine output is processed. But a served completion at interval
+1 on the common path whose previous delta is still unread in its `DeltaCollector` (its reader is behind)
+does not decode each step: the step's ids join the unread delta (`Completion.undecoded`), and the text of
+all of them is decoded in one tokenizer call (`Completion.settle`) just before the reader takes the delta
+(the collector's `get` calls `settle`), when a later output needs the text in order (a finish, a stop
+string, an error), or every `SETTLE_AT` ids for a reader that stays away. A step whose completion has
+nothing unread is decoded at once, as before. Either way the concatenated text is the same; only the
+number of tokenizer calls differs (BENCHMARKS.md, "the deferred decode").
 """
 
 from __future__ import annotations
@@ -46,10 +53,10 @@ from typing import Any
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from tandem.engine.v1 import engine_core_pb2 as epb
 
-from frontend_svc.errors import INTERNAL
+from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.outputs import CompletionDelta, CompletionError, TokenLogprob, Usage
 from frontend_svc.processor import PreparedRequest
-from frontend_svc.request_state import DeltaCollector, RequestState
+from frontend_svc.service_error import INTERNAL, ServiceError
 from shared_runtime.detokenizer import IncrementalDetokenizer
 from shared_runtime.stop import StopChecker
 from shared_runtime.token_texts import REPLACEMENT, TokenTexts
@@ -60,6 +67,34 @@ _QUEUED, _SCHEDULED = epb.REQUEST_EVENT_TYPE_QUEUED, epb.REQUEST_EVENT_TYPE_SCHE
 
 
 logger = logging.getLogger(__name__)
+
+
+class RequestState:
+    """One client request in flight: its prepared input, its unfinished completions and its outbox.
+
+    A completion leaves `unfinished` exactly once, when it finishes or is aborted, so `num_unfinished`
+    and `done` are derived from it (an engine connection's load reads it; a `Generation` reading the
+    deltas ends when it has handed out one final delta per completion)."""
+
+    __slots__ = ("collector", "prepared", "unfinished")
+
+    def __init__(self, prepared: PreparedRequest, collector: DeltaCollector | None = None) -> None:
+        self.prepared = prepared
+        self.collector = collector  # None: deltas are returned by process_outputs (the offline API)
+        self.unfinished: dict[str, Completion] = {}  # engine request id -> its running completion
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.unfinished)
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished
+
+    def fail(self, error: ServiceError) -> None:
+        """End the request with `error` for its reader (a request without a collector has none)."""
+        if self.collector is not None:
+            self.collector.fail(error)
 
 
 @dataclass

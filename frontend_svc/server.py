@@ -1,18 +1,12 @@
-"""`tandem.v1.GenerationService` on grpc.aio: the public API in front of the engines.
+"""The frontend process: every part wired together, behind the public gRPC API (and, with --http-port, the
+OpenAI-compatible HTTP API) on one event loop.
 
 `FrontendServer` owns the tokenizer, the processor, the output processor, the engine client, the
-admission limit, the health service and the gRPC server. A Generate call is the transport-neutral
-`Generation` (generation.py: admit -> tokenize off the loop -> submit -> merged deltas -> close) with
-gRPC statuses around it; an HTTP API in the same process uses the same `open_generation`.
+dispatcher (the owner of each request in flight, dispatcher.py), the admission limit, the health
+service and the servers. The APIs see it only as a `GenerationBackend` (generation.py): the gRPC
+servicer is grpc_api/servicer.py, the HTTP API frontend_svc/openai/.
 
 Invariants:
-- Every error before the first response is raised before anything is sent, so gRPC answers
-  Trailers-Only (client retry policies can retry it). Bad input is INVALID_ARGUMENT with BadRequest
-  field violations; too many calls in flight RESOURCE_EXHAUSTED; no ready engine, a broken engine
-  stream or a draining server UNAVAILABLE; engine-reported errors keep the engine's code.
-- A call that ends for any reason other than finishing (client cancel, deadline, error) aborts its
-  unfinished completions in the engine (`Generation.close`, from the `finally` around the stream and
-  from the RPC's done callback).
 - Health ("" and `tandem.v1.GenerationService`) is SERVING only while at least one engine is ready and
   the server is not draining; "liveness" stays SERVING until the process exits.
 - Admission counts completions, not calls: a Generate call holds n slots of
@@ -23,7 +17,7 @@ Invariants:
   on the event loop, so one large prompt does not stall other calls' streams (the tokenizer releases
   the GIL while encoding; size limits reject what could never fit before any of that work).
 - With API keys configured every call but health needs `authorization: Bearer <key>`
-  (shared_runtime/security/auth.py); malformed request bytes are INVALID_ARGUMENT (frontend_svc/decode_guard.py).
+  (shared_runtime/security/auth.py); malformed request bytes are INVALID_ARGUMENT (frontend_svc/grpc_api/decode_guard.py).
 """
 
 from __future__ import annotations
@@ -41,23 +35,17 @@ from grpc_reflection.v1alpha import reflection
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from frontend_svc import status
 from frontend_svc.config import FrontendConfig
-from frontend_svc.convert import (
-    chat_from_pb,
-    merge_violations,
-    prompt_from_pb,
-    response_from_delta,
-    sampling_params_from_pb,
-)
-from frontend_svc.decode_guard import DecodeGuardInterceptor
+from frontend_svc.dispatcher import Dispatcher
 from frontend_svc.engine_client import ChannelFactory, EngineClient
-from frontend_svc.errors import UNAVAILABLE, ServiceError
 from frontend_svc.generation import Admission, Generation
+from frontend_svc.grpc_api.decode_guard import DecodeGuardInterceptor
+from frontend_svc.grpc_api.servicer import GenerationServicer
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
 from frontend_svc.router import Router
-from frontend_svc.telemetry.call import GenerateCall, grpc_failure
+from frontend_svc.service_error import UNAVAILABLE, ServiceError
+from frontend_svc.telemetry.call import GenerateCall
 from frontend_svc.telemetry.service import FrontendTelemetry
 from frontend_svc.tokenizer import Tokenizer
 from shared_runtime import limits
@@ -104,73 +92,6 @@ def default_tokenizer_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, frontend: FrontendServer) -> None:
-        self._f = frontend
-
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        """A coroutine that writes its responses (`context.write`), not an async generator: a response
-        then costs one await, not a hop through each generator between it and grpc's send loop."""
-        call = self._f.telemetry.begin_call(context.invocation_metadata())
-        try:
-            await self._generate(request, context, call)
-        except BaseException as exc:
-            call.fail(*grpc_failure(exc, context))
-            raise
-        call.succeed()
-
-    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                        call: GenerateCall) -> None:
-        f = self._f
-        try:
-            generation = f.open_generation(max(1, request.sampling_params.n), call)
-        except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(exc))
-        # The RPC's end releases the request even if this generator stays suspended in a write until
-        # garbage collection (a cancel or deadline during a write): the engine must not wait for that.
-        context.add_done_callback(lambda _: generation.close())
-        try:
-            await generation.start(lambda: f.prepare(request))
-            write = context.write
-            async for deltas in generation.batches():
-                for delta in deltas:
-                    await write(response_from_delta(delta))
-        except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(exc))
-        finally:
-            generation.close()
-
-    async def Tokenize(self, request: pb.TokenizeRequest,
-                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        f = self._f
-        try:
-            ids = await f.run_blocking(f.tokenize, request)
-        except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(exc))
-        return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=f.processor.max_model_len)
-
-    async def Detokenize(self, request: pb.DetokenizeRequest,
-                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        f = self._f
-        try:
-            text = await f.run_blocking(f.detokenize, request)
-        except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(exc))
-        return pb.DetokenizeResponse(text=text)
-
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
-                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
-        f = self._f
-        info = pb.GetModelInfoResponse(
-            model_name=f.config.model_name, max_model_len=f.processor.max_model_len,
-            vocab_size=f.processor.vocab_size, eos_token_ids=f.tokenizer.eos_token_ids,
-            has_chat_template=f.tokenizer.has_chat_template,
-            num_ready_engines=len(f.engines.ready_engines()))
-        if f.tokenizer.bos_token_id is not None:
-            info.bos_token_id = f.tokenizer.bos_token_id
-        return info
-
-
 class FrontendServer:
     """The frontend process's parts, wired together; `start()` then `wait_stopped()`."""
 
@@ -192,13 +113,14 @@ class FrontendServer:
         self.api_keys = KeySet.from_sources(config.api_keys, config.api_key_file, env={})
         self.tls: ServerTls | None = server_tls(config.tls)
         token = BearerToken(config.engine_token_file) if config.engine_token_file else None
-        self.engines = EngineClient(config.engines, self.output_processor, vocab_size,
+        self.engines = EngineClient(config.engines, vocab_size,
                                     router=Router(config.routing, cache_aware=config.cache_aware),
                                     on_change=self._engines_changed, tokenizer_sha256=config.engine_tokenizer_sha256,
-                                    on_processed=self.telemetry.observe_step if self.telemetry.logs_stats else None,
                                     dns_refresh_s=config.dns_refresh_s,
                                     channels=ChannelFactory(client_tls(config.engine_tls), token,
                                                             config.engine_ssl_server_name))
+        self.dispatcher = Dispatcher(self.engines, self.output_processor,
+                                     on_processed=self.telemetry.observe_step if self.telemetry.logs_stats else None)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.tokenizer_threads or default_tokenizer_threads(),
             thread_name_prefix="tandem-tokenize")
@@ -260,7 +182,7 @@ class FrontendServer:
         try:
             await asyncio.wait_for(self.admission.idle.wait(), timeout=self.config.drain_grace_s)
         except asyncio.TimeoutError:
-            self.engines.fail_all(UNAVAILABLE, "the server drained before this request finished; retry it",
+            self.dispatcher.fail_all(UNAVAILABLE, "the server drained before this request finished; retry it",
                                   "DRAINING")
             await asyncio.sleep(0.2)  # let the failed calls send their status
         await self.stop()
@@ -312,46 +234,23 @@ class FrontendServer:
     def metrics_registry(self) -> Any:
         return self.telemetry.metrics.registry if self.telemetry.metrics is not None else None
 
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
+
+    @property
+    def num_ready_engines(self) -> int:
+        return len(self.engines.ready_engines())
+
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
-                   attributes: dict[str, str]) -> GenerateCall:
+                   attributes: dict[str, str] | None) -> GenerateCall:
         return self.telemetry.begin_call(headers, method, attributes)
 
     def process(self, prompt: Prompt, params: SamplingParams, *, request_id: str | None,
                 priority: int, options: PromptOptions | None = None) -> PreparedRequest:
         return self.processor.process(prompt, params, request_id=request_id, priority=priority, options=options)
 
-    # ---- used by the servicer ----------------------------------------------------------------------
-    def prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
-        """Validate and tokenize; raises ValidationError listing prompt and sampling problems together."""
-        params = prompt = None
-        params_error = prompt_error = None
-        try:
-            params = sampling_params_from_pb(request.sampling_params)
-        except ValidationError as exc:
-            params_error = exc
-        try:
-            prompt = prompt_from_pb(request)
-        except ValidationError as exc:
-            prompt_error = exc
-        if params is None or prompt is None:
-            if prompt is not None:
-                prompt_error = _prompt_violations(self.processor, prompt)
-            bad_id = limits.request_id_violation(request.request_id)
-            id_error = ValidationError([bad_id]) if bad_id is not None else None
-            raise merge_violations(id_error, prompt_error, params_error)  # type: ignore[misc]
-        return self.processor.process(prompt, params, request_id=request.request_id or None,
-                                      priority=request.priority)
-
-    def tokenize(self, request: pb.TokenizeRequest) -> list[int]:
-        """The Tokenize RPC's work (run on the pool); raises ValidationError."""
-        kind = request.WhichOneof("input")
-        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
-        if kind == "text":
-            return self.tokenize_text(request.text, add_special is not False)
-        if kind == "chat":
-            return self.tokenize_chat(chat_from_pb(request.chat), bool(add_special))
-        raise ValidationError.single("input", "set exactly one of text or chat")
-
+    # ---- tokenizing and detokenizing outside a generation ----------------------------------------
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s ids (blocking: run it through `run_blocking`); ValidationError on `text` when it is
         longer than any prompt could be (checked before encoding)."""
@@ -363,11 +262,6 @@ class FrontendServer:
     def tokenize_chat(self, chat: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
         """A chat rendered by the template and tokenized (blocking); ValidationError on `chat.messages`."""
         return self.processor.tokenize_chat(chat, add_special_tokens)
-
-    def detokenize(self, request: pb.DetokenizeRequest) -> str:
-        """The Detokenize RPC's work (run on the pool); raises ValidationError."""
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return self.detokenize_ids(request.token_ids, skip)
 
     def detokenize_ids(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids` (blocking); ValidationError on `token_ids` unless there are at most
@@ -387,7 +281,7 @@ class FrontendServer:
         `sampling_params.n`) when it alone exceeds the limit."""
         self._refuse_if_draining()
         self.admission.take(num_completions, "sampling_params.n")
-        return Generation(slots=num_completions, call=call, admission=self.admission, engines=self.engines,
+        return Generation(slots=num_completions, call=call, admission=self.admission, dispatcher=self.dispatcher,
                           processor=self.processor, pool=self._pool)
 
     async def run_blocking(self, fn: Callable[[Any], T], request: Any) -> T:
@@ -423,13 +317,3 @@ class FrontendServer:
         serving = self.serving
         for name in ("", SERVICE_NAME):
             await self.health.set(name, SERVING if serving else NOT_SERVING)
-
-
-def _prompt_violations(processor: Processor, prompt: object) -> ValidationError | None:
-    """The prompt's own problems (checked with default sampling params)."""
-    try:
-        processor.process(prompt, SamplingParams(max_tokens=None))  # type: ignore[arg-type]
-    except ValidationError as exc:
-        own = [v for v in exc.violations if not v.field.startswith("sampling_params")]
-        return ValidationError(own) if own else None
-    return None

@@ -40,8 +40,8 @@ _LOG2E = 1.4426950408889634
 _SM_COUNT: dict[int, int] = {}
 
 # Split-KV policy (see choose_num_splits). Values chosen from FlashInfer's and vLLM's heuristics and this
-# kernel's measured H100 figures (>= 83% of HBM bandwidth once ~4 programs per SM are resident); to be
-# re-tuned with bench/kernel_attention.py --splits / --tile-size on a GPU.
+# kernel's GPU figures (BENCHMARKS.md, "The GPU engine"); re-tuned with bench/kernel_attention.py --splits /
+# --tile-size on a GPU.
 PREFERRED_KEYS_PER_SPLIT = 128  # FlashInfer's smallest KV chunk: shorter splits cost more in partials ...
 MIN_KEYS_PER_SPLIT = 64  # ... but down to this many keys when that is what it takes to fill every SM once
 MIN_CONTEXT_TO_SPLIT = 512  # below this one program is quick; a split adds a reduce launch for nothing
@@ -51,9 +51,9 @@ MAX_SPLITS = 64
 
 # Decode launch shape (q_len 1 everywhere): keys per inner step and the launch's warps / software-pipeline
 # stages (absent = triton's default, 3 on Hopper). Chosen by `bench/kernel_attention.py --sweep` on an H200
-# (2026-11-27): 32 keys and 2 warps scored 1.34x the block-size tile with 4 warps (geometric mean over
-# 8 decode shapes; 82-103% of HBM bandwidth at batch >= 16), stages 2-4 equal. A 16-row dot with 32 keys
-# is too little work for 4 warps to share. Measured at head_dim 128 only, so larger heads (whose tiles
+# (BENCHMARKS.md, "The GPU figures, measured: NVIDIA H200"): 32 keys and 2 warps won over the block-size
+# tile with 4 warps, stages 2-4 equal. A 16-row dot with 32 keys is too little work for 4 warps to share.
+# Swept at head_dim 128 only, so larger heads (whose tiles
 # hold twice the registers) keep triton's defaults. TANDEM_DECODE_ATTENTION="tile=64,warps=4,stages=3"
 # overrides any of them for a process (read once, at import), so a sweep's pick can be run end to end.
 DECODE_DEFAULTS: dict[str, int] = {"tile": 32, "warps": 2}

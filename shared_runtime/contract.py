@@ -3,7 +3,7 @@
 Both services and the offline API use these msgspec structs (no torch, no protobuf):
 
 - `SamplingParams` is how to sample one client request, with vLLM's names and defaults. The frontend's
-  API mappers build it (frontend_svc/convert.py for gRPC, frontend_svc/openai/convert.py for OpenAI),
+  API mappers build it (frontend_svc/grpc_api/wire.py for gRPC, frontend_svc/openai/bodies.py for OpenAI),
   the offline `LLM` takes it from its caller. Constructing one normalizes it (a single stop string
   becomes a list) and validates it.
 - `EngineSamplingParams` is its token-level part, the part that crosses the link: `SamplingParams` is
@@ -22,12 +22,12 @@ Both services and the offline API use these msgspec structs (no torch, no protob
   mirror `tandem.engine.v1` field for field (the same names and enum numbers).
 
 Why the frontend reads engine outputs as protobuf, not as these structs: outputs are the per-token
-path. The engine converts one step's structs to protobuf once (about 0.6 us per output, on its asyncio
-thread), and the frontend's output processor reads the received `tandem.engine.v1.EngineCoreOutputs`
-directly - also typed, by its generated stubs. Converting it back to structs in the frontend would cost
-about 2.2 us more per output (1.3 -> 3.5 us to read one; `python bench/output_shapes.py`) out of a
-budget of 15 us of frontend CPU per streamed token. The offline API converts its in-process step to protobuf the
-same way (shared_runtime/to_pb.py), so the output processor has exactly one input shape.
+path. The engine converts one step's structs to protobuf once, on its asyncio thread, and the frontend's
+output processor reads the received `tandem.engine.v1.EngineCoreOutputs` directly - also typed, by its
+generated stubs. Converting it back to structs in the frontend would more than double the cost of reading
+an output (`python bench/output_shapes.py`; BENCHMARKS.md, "Which shape the frontend reads engine outputs
+in"). The offline API converts its in-process step to protobuf the same way (shared_runtime/to_pb.py), so
+the output processor has exactly one input shape.
 
 Invariants:
 - `EngineCoreOutputs` is one message per engine step; it carries every request that produced something
@@ -342,8 +342,8 @@ def _clamped(bias: float) -> float:
 
 
 def _is_int(value: object) -> bool:
-    """An integral number that is not a bool (plain ints answered without the ABC check, ~0.5 µs each:
-    the sampling rules ask about a dozen values per request, twice)."""
+    """An integral number that is not a bool (plain ints answered without the ABC check, which the
+    sampling rules would pay for a dozen values per request, twice)."""
     if type(value) is int:
         return True
     return isinstance(value, Integral) and not isinstance(value, bool)

@@ -3,9 +3,8 @@
 A serving process allocates short-lived containers on every token (deltas, logprob rows, protobuf
 wrappers); reference counting frees nearly all of them, but CPython's collector still runs a young
 collection every 700 net container allocations and, every so often, a full one over every tracked
-object — the tokenizer's tables, the chat templates, the imported libraries: ~110k objects in the
-frontend, 60 ms per full collection (a pause for every stream) measured at capacity
-(BENCHMARKS.md, issue 19). `settle_heap()` moves what start-up built out of the collector's reach
+object — the tokenizer's tables, the chat templates, the imported libraries: a pause for every stream
+(BENCHMARKS.md, "An engine stream paced by its readers, and a settled heap"). `settle_heap()` moves what start-up built out of the collector's reach
 (`gc.freeze`: a full collection then scans only what was allocated since) and collects the young
 generation every `GEN0_THRESHOLD` allocations, so a serving process spends its collector time in
 proportion to the garbage cycles it makes, which are few, not to its request rate. Cycles are still

@@ -39,7 +39,7 @@ def tiny_model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def make_model(tiny_model_root: Path):
     """Build (once per session) a tiny model of an architecture; returns its directory."""
-    from engine_svc.tiny_model import make_tiny_model
+    from entrypoints.tiny_model import make_tiny_model
 
     cache: dict[tuple, Path] = {}
 

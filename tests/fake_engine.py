@@ -13,7 +13,7 @@ their checksum in GetEngineInfo; without, GetTokenizer is NOT_FOUND. It serves n
 
 With `clocked=True` it behaves like the real engine's server at a fixed step time instead: a step is made
 every `step_s` whether or not the stream took the previous one, and the steps that queued up while a
-message was being written go out together in the next message, in order (engine_svc/server.py does the
+message was being written go out together in the next message, in order (engine_svc/api/server.py does the
 same), so a frontend that cannot keep up receives several tokens per request per message. With
 `catch_up=True` too, a clock tick that comes late (the fake engine's process starved of CPU, which a real
 engine's device never is) makes every step it owes at once, so the engine offers one step per `step_s`

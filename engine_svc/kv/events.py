@@ -5,7 +5,7 @@ appends one tuple per block it caches and one hash per block it uncaches. `KVEve
 list off whole from the busy loop (a list swap and one call): after every step when steps are slower than
 `HAND_OFF_INTERVAL_S`, else every `HAND_OFF_INTERVAL_S`, and at once when the engine goes idle, so short
 steps do not each wake the server's event loop. Everything else - numbering, grouping into chains,
-protobuf, per-subscriber buffers, snapshots - happens off the busy loop (engine_svc/kv_publisher.py).
+protobuf, per-subscriber buffers, snapshots - happens off the busy loop (engine_svc/api/kv_events.py).
 
 Records, in the order they happened:
 - `StoredBlock(block_hash, parent_hash, token_ids)`: a full block entered the cache (`parent_hash` is

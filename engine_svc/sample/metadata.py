@@ -19,16 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from shared_runtime import limits
 from shared_runtime.contract import EngineSamplingParams
-
-if TYPE_CHECKING:
-    from engine_svc.sample.columns import SamplingColumns
 
 # Puts host arrays on the device: the worker's staging (engine_svc/worker/staging.py) or `pinned_copies`.
 Stage = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
@@ -37,6 +34,13 @@ Stage = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
 GREEDY_TEMPERATURE_EPS = limits.GREEDY_TEMPERATURE
 
 _NEVER = math.inf
+
+
+class ParamColumns(Protocol):
+    """Per-row sampling parameters kept by the worker's persistent batch (columns.py `SamplingColumns`)."""
+
+    def params_for(self, rows: np.ndarray) -> StepSamplingParams:
+        """The parameters of batch rows `rows` (in step order) on the device."""
 
 # The optional per-row passes of `build_sampling_metadata`, by the name `RequestSamplingState.features` uses.
 FEATURES = ("seeded", "allowed", "bad_words", "min_tokens", "bias", "penalties", "logprobs")
@@ -275,7 +279,7 @@ PLAIN_GREEDY = SamplingMetadata(all_greedy=True)
 
 
 def build_sampling_metadata(
-    states: list[RequestSamplingState], device: torch.device, *, columns: SamplingColumns | None = None,
+    states: list[RequestSamplingState], device: torch.device, *, columns: ParamColumns | None = None,
     rows: np.ndarray | None = None, stage: Stage | None = None, present: Container[str] | None = None,
 ) -> SamplingMetadata:
     """Gather the batch's sampling knobs into tensors on `device` (row i = states[i]).

@@ -104,9 +104,8 @@ def _sample_cpu(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
     Inverse transform: one float64 uniform u per row, and the token t with cdf[t-1] <= u * total <
     cdf[t] over the row's float64 running sum — token t with probability probs[t], as the race, but
-    from one random number instead of V exponentials: torch's CPU `exponential_` costs ~15 ms for 16
-    rows of a 49,152-token vocabulary on 2 cores (a third of a decode step), this ~0.5 ms
-    (BENCHMARKS.md, issue 23, "Where the served decode step goes"). A zero-probability token has no
+    from one random number instead of V exponentials, which torch's CPU `exponential_` makes a large
+    share of a decode step (BENCHMARKS.md, "Where the served decode step goes"). A zero-probability token has no
     width in the running sum, so it is never picked; u * total is kept below the total, so the pick
     is always inside the row."""
     cdf = probs.to(torch.float64).cumsum_(dim=-1)

@@ -5,7 +5,7 @@ Two sources, so nothing is counted twice:
   the gauges `tandem_num_requests_running`, `tandem_num_requests_waiting`, `tandem_kv_cache_usage_perc`
   and the counters the scheduler already keeps cumulatively — `tandem_num_preemptions_total`,
   `tandem_prefix_cache_queries_total`, `tandem_prefix_cache_hits_total` (in tokens) — exported as is.
-- Read at scrape time from the KV event publisher (engine_svc/kv_publisher.py), when events are on:
+- Read at scrape time from the KV event publisher (engine_svc/api/kv_events.py), when events are on:
   `tandem_kv_cache_events_sent_total` (blocks stored or removed, and clears, written to subscribers,
   snapshots included), `tandem_kv_cache_events_dropped_total` (events dropped subscribers never got),
   `tandem_kv_cache_event_subscribers_dropped_total` (subscribers dropped for falling too far behind) and
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine_svc.kv_publisher import KvEventPublisher
+from engine_svc.api.kv_events import KvEventPublisher
 from shared_runtime.contract import SchedulerStats
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -7,19 +7,11 @@ An explicit OMP_NUM_THREADS wins. Ranks of one engine divide the cores, so TP ra
 oversubscribe them.
 
 `tandem serve` runs the frontend beside the engine on the same cores and still gives the engine all of
-them: on the 2-core development machine the engine with one thread (a core left to the frontend, as
-vLLM's CPU backend reserves one) served a third fewer tokens per second at 31% higher median inter-token
-latency than with two (BENCHMARKS.md, issue 23): the frontend needs ~5% of a core per 16 streams, the
-engine's GEMMs need every core. The OpenMP threads also keep libgomp's default wait policy (spin a
-while between parallel regions): `OMP_WAIT_POLICY=PASSIVE`, which would hand the spinning core to the
-frontend, served 15% fewer tokens per second at 14% higher median inter-token latency, and pinning
-them (`OMP_PROC_BIND=close OMP_PLACES=cores`) a third fewer at 42% higher (a pinned thread cannot move
-off a core the frontend or a client holds, and every parallel region waits for it): BENCHMARKS.md,
-issue 23, "Served: step sizes and threads". Neither is set. Nor is a lower CPU priority for
-`tandem serve`'s frontend (nice 10: +2.5% tokens per second, -0.7 ms median inter-token latency, inside one
-round's spread; it would starve the frontend behind two spinning engine threads at higher concurrency):
-sharing the cores costs the served 16-stream decode step ~2 ms of ~45 (BENCHMARKS.md, issue 23, "Where the
-served decode step goes").
+them: leaving a core to the frontend (as vLLM's CPU backend reserves one) served markedly fewer tokens
+per second, since the frontend needs a small share of a core and the engine's GEMMs need every core.
+Neither `OMP_WAIT_POLICY=PASSIVE` nor thread pinning (`OMP_PROC_BIND`/`OMP_PLACES`) is set, nor a lower
+priority for `tandem serve`'s frontend: each measured worse or within noise (BENCHMARKS.md, "Served: step
+sizes and threads" and "Where the served decode step goes").
 """
 
 from __future__ import annotations

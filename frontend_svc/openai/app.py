@@ -26,25 +26,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.metadata
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import prometheus_client
 import pydantic
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from frontend_svc.errors import ServiceError
 from frontend_svc.generation import GenerationBackend
-from frontend_svc.openai import convert, sse, tools
+from frontend_svc.openai import bodies, sse, tools
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import (
     ApiError,
@@ -52,12 +49,23 @@ from frontend_svc.openai.errors import (
     bad_request,
     from_pydantic,
     not_found,
-    too_large,
     unauthorized,
 )
-from frontend_svc.openai.runner import Run, code_name, from_service
+from frontend_svc.openai.generations import Run, code_name, from_service
+from frontend_svc.openai.http_io import (
+    JSON,
+    error_response,
+    guarded,
+    header_pairs,
+    json_object,
+    off_loop_if_large,
+    parse_body,
+    pick_request_id,
+    read_body,
+    unless_disconnected,
+)
 from frontend_svc.processor import PreparedRequest
-from shared_runtime import limits
+from frontend_svc.service_error import ServiceError
 from shared_runtime.contract import SamplingParams
 from shared_runtime.security.auth import KeySet
 from shared_runtime.violations import ValidationError
@@ -66,14 +74,8 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=pydantic.BaseModel)
 T = TypeVar("T")
 VERSION = importlib.metadata.version("tandem")
-INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed on a thread
-JSON = "application/json"
 HEALTH_PATHS = ("/health", "/ping")  # open without an API key
-Builder = convert.CompletionBuilder | convert.ChatBuilder
-
-
-def error_response(error: ApiError) -> Response:
-    return Response(error.json(), status_code=error.status, media_type=JSON, headers=error.headers)
+Builder = bodies.CompletionBuilder | bodies.ChatBuilder
 
 
 class ApiKeyAuth:
@@ -102,7 +104,7 @@ class OpenAIApi:
         self.max_body_bytes = max_body_bytes
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" (frontend_svc/openai/tools.py)
         self.trust_request_chat_template = trust_request_chat_template  # else a request's template is a 400
-        self.texts = convert.TokenTexts(frontend.tokenizer)
+        self.texts = bodies.TokenTexts(frontend.tokenizer)
         self.created = int(time.time())
         self.fingerprint = system_fingerprint(frontend.model_name)
 
@@ -136,7 +138,7 @@ class OpenAIApi:
     async def model(self, request: Request) -> Response:
         """OpenAI's GET /v1/models/{model}: the served model's card, 404 model_not_found for any other id."""
         try:
-            convert.served_model(request.path_params["model_id"], self.frontend.model_name)
+            bodies.served_model(request.path_params["model_id"], self.frontend.model_name)
         except ApiError as exc:
             return error_response(exc)
         return Response(self._card().model_dump_json(exclude_none=True), media_type=JSON)
@@ -158,17 +160,17 @@ class OpenAIApi:
         return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
-        return await self._guarded(request, self._tokenize)
+        return await guarded(request, self._tokenize)
 
     async def detokenize(self, request: Request) -> Response:
-        return await self._guarded(request, self._detokenize)
+        return await guarded(request, self._detokenize)
 
     # ---- tokenization (vLLM's /tokenize and /detokenize, on the tokenizer pool like prompts) -------------
     async def _tokenize(self, request: Request) -> Response:
         """The chat form when the body has `messages`, else the prompt form (vLLM's union)."""
         f = self.frontend
         raw = await read_body(request, self.max_body_bytes)
-        data = await _off_loop_if_large(raw, _json_object, raw)
+        data = await off_loop_if_large(raw, json_object, raw)
         body: p.TokenizeCompletionRequest | p.TokenizeChatRequest
         try:
             if "messages" in data:
@@ -177,10 +179,10 @@ class OpenAIApi:
                 body = p.TokenizeCompletionRequest.model_validate(data)
         except pydantic.ValidationError as exc:
             raise from_pydantic(exc) from None
-        convert.served_model(body.model, f.model_name)
+        bodies.served_model(body.model, f.model_name)
         if isinstance(body, p.TokenizeChatRequest):
             self._check_chat_template(body.chat_template)
-            chat = convert.tokenize_chat_prompt(body)
+            chat = bodies.tokenize_chat_prompt(body)
             ids = await self._blocking(lambda c: f.tokenize_chat(c, body.add_special_tokens), chat,
                                        {"chat.messages": "messages"})
         else:
@@ -191,8 +193,8 @@ class OpenAIApi:
         return Response(out.model_dump_json(), media_type=JSON)
 
     async def _detokenize(self, request: Request) -> Response:
-        body = await self._parse(request, p.DetokenizeRequest)
-        convert.served_model(body.model, self.frontend.model_name)
+        body = await parse_body(request, self.max_body_bytes, p.DetokenizeRequest)
+        bodies.served_model(body.model, self.frontend.model_name)
         text = await self._blocking(lambda ids: self.frontend.detokenize_ids(ids, skip_special_tokens=False),
                                     body.tokens, {"token_ids": "tokens"})
         return Response(p.DetokenizeResponse(prompt=text).model_dump_json(), media_type=JSON)
@@ -207,50 +209,44 @@ class OpenAIApi:
             raise from_service(exc) from None
 
     async def completions(self, request: Request) -> Response:
-        return await self._guarded(request, self._completions)
+        return await guarded(request, self._completions)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._guarded(request, self._chat)
+        return await guarded(request, self._chat)
 
     # ---- generation ----------------------------------------------------------------------------------
-    async def _guarded(self, request: Request, handler: Callable[[Request], Awaitable[Response]]) -> Response:
-        try:
-            return await handler(request)
-        except ApiError as exc:
-            return error_response(exc)
-
     async def _completions(self, request: Request) -> Response:
-        body = await self._parse(request, p.CompletionRequest)
+        body = await parse_body(request, self.max_body_bytes, p.CompletionRequest)
         self._check(body)
-        prompts = convert.completion_prompts(body.prompt)
-        names = convert.field_names(body)
+        prompts = bodies.completion_prompts(body.prompt)
+        names = bodies.field_names(body)
         params = self._params(body, names, len(prompts))
-        request_id = _request_id(request, body.request_id)
-        builder = convert.CompletionBuilder(f"cmpl-{request_id}", self.frontend.model_name, body.n,
+        request_id = pick_request_id(request, body.request_id)
+        builder = bodies.CompletionBuilder(f"cmpl-{request_id}", self.frontend.model_name, body.n,
                                             len(prompts), self.texts, params.logprobs,
-                                            convert.extras(body, self.fingerprint))
-        run = Run(self.frontend, _headers(request), "/v1/completions", prompts, params, request_id,
-                  body.priority, names, convert.prompt_options(body))
+                                            bodies.extras(body, self.fingerprint))
+        run = Run(self.frontend, header_pairs(request), "/v1/completions", prompts, params, request_id,
+                  body.priority, names, bodies.prompt_options(body))
         return await self._respond(request, run, builder, body, request_id)
 
     async def _chat(self, request: Request) -> Response:
-        body = await self._parse(request, p.ChatCompletionRequest)
+        body = await parse_body(request, self.max_body_bytes, p.ChatCompletionRequest)
         self._check(body)
-        names = convert.field_names(body)
+        names = bodies.field_names(body)
         try:
             tools.check(body, self.tool_call_parser)
         except ValidationError as exc:
             raise names.error(exc) from None
         self._check_chat_template(body.chat_template)
-        prompt = convert.chat_prompt(body)
+        prompt = bodies.chat_prompt(body)
         params = self._params(body, names, 1)
-        request_id = _request_id(request, body.request_id)
-        builder = convert.ChatBuilder(f"chatcmpl-{request_id}", self.frontend.model_name, body.n, 1,
-                                      self.texts, params.logprobs, echo=convert.chat_echo(body, prompt.messages),
-                                      extras=convert.extras(body, self.fingerprint))
+        request_id = pick_request_id(request, body.request_id)
+        builder = bodies.ChatBuilder(f"chatcmpl-{request_id}", self.frontend.model_name, body.n, 1,
+                                      self.texts, params.logprobs, echo=bodies.chat_echo(body, prompt.messages),
+                                      extras=bodies.extras(body, self.fingerprint))
         builder.with_tool_calls(tools.tool_calls_factory(body, self.tool_call_parser))
-        run = Run(self.frontend, _headers(request), "/v1/chat/completions", [prompt], params, request_id,
-                  body.priority, names, convert.prompt_options(body))
+        run = Run(self.frontend, header_pairs(request), "/v1/chat/completions", [prompt], params, request_id,
+                  body.priority, names, bodies.prompt_options(body))
         return await self._respond(request, run, builder, body, request_id)
 
     def _check_chat_template(self, template: str | None) -> None:
@@ -260,8 +256,8 @@ class OpenAIApi:
                               "set. Refused request with untrusted chat template.", "chat_template")
 
     def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
-        convert.served_model(body.model, self.frontend.model_name)
-        error = convert.unsupported(body)
+        bodies.served_model(body.model, self.frontend.model_name)
+        error = bodies.unsupported(body)
         if error is not None:
             raise error
         if body.stream_options is not None and not body.stream:
@@ -270,7 +266,7 @@ class OpenAIApi:
     def _params(self, body: p.CompletionRequest | p.ChatCompletionRequest, names: FieldNames,
                 num_prompts: int) -> SamplingParams:
         try:
-            params = convert.sampling_params(body)
+            params = bodies.sampling_params(body)
             # all prompts x n completions at once, or never: each prompt's own take() could not tell
             self.frontend.check_fits(num_prompts * params.n, "n" if num_prompts == 1 else "prompt")
         except ValidationError as exc:
@@ -281,7 +277,7 @@ class OpenAIApi:
                        body: p.CompletionRequest | p.ChatCompletionRequest, request_id: str) -> Response:
         headers = {"X-Request-Id": request_id}
         start = asyncio.ensure_future(run.start())
-        if not await _unless_disconnected(request, start):
+        if not await unless_disconnected(request, start):
             return Response(status_code=499)
         builder.prompts = [self._prompt_info(prepared, builder.extras.echo) for prepared in run.prepared]
         if body.stream:
@@ -289,88 +285,18 @@ class OpenAIApi:
             return sse.EventStream(_stream(run, builder, include_usage), on_close=run.close, headers=headers)
         collect = asyncio.ensure_future(_collect(run, builder))
         try:
-            if not await _unless_disconnected(request, collect):
+            if not await unless_disconnected(request, collect):
                 return Response(status_code=499)
             return Response(collect.result(), media_type=JSON, headers=headers)
         finally:
             run.close()
 
-    def _prompt_info(self, prepared: PreparedRequest, echo: bool) -> convert.PromptInfo:
+    def _prompt_info(self, prepared: PreparedRequest, echo: bool) -> bodies.PromptInfo:
         """A prompt's ids, and its text when echoed (a token prompt's decoded with its special tokens, as
         vLLM's renderer decodes it; at most max_model_len ids)."""
         text = prepared.prompt if prepared.prompt is not None or not echo else \
             self.frontend.tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False)
-        return convert.PromptInfo(text or "", prepared.prompt_token_ids)
-
-    async def _parse(self, request: Request, model: type[M]) -> M:
-        raw = await read_body(request, self.max_body_bytes)
-        try:
-            return await _off_loop_if_large(raw, model.model_validate_json, raw)
-        except pydantic.ValidationError as exc:
-            raise from_pydantic(exc) from None
-
-
-async def _off_loop_if_large(raw: bytes, fn: Callable[[Any], T], arg: Any) -> T:
-    """`fn(arg)`, on a thread when `raw` (the body it works on) is large, so it never stalls other streams."""
-    if len(raw) > INLINE_PARSE_BYTES:
-        return await asyncio.to_thread(fn, arg)
-    return fn(arg)
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; 400 otherwise."""
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        raise bad_request("the body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object")
-    return data
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; 413 when Content-Length or the bytes received exceed `limit` (nothing more is read)."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not length.isdigit():
-            raise bad_request("invalid Content-Length")
-        if int(length) > limit:
-            raise too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone, or cut off by the body timeout (edge.py): nobody reads the answer
-        raise ApiError(408, "the request body did not arrive") from None
-    return b"".join(chunks)
-
-
-async def _unless_disconnected(request: Request, task: asyncio.Future[Any]) -> bool:
-    """Wait for `task`; False (task cancelled) if the client disconnects first. Raises what `task` raises."""
-    watch = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.wait({task})  # its end, without its exception (and without hiding our own cancel)
-        return False
-    task.result()
-    return True
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
+        return bodies.PromptInfo(text or "", prepared.prompt_token_ids)
 
 async def _collect(run: Run, builder: Builder) -> str:
     try:
@@ -387,7 +313,7 @@ async def _collect(run: Run, builder: Builder) -> str:
 async def _stream(run: Run, builder: Builder, include_usage: bool) -> AsyncIterator[str]:
     """The SSE body: chunks per batch, the usage chunk if asked, `[DONE]`; an engine error as an event."""
     try:
-        if isinstance(builder, convert.ChatBuilder):
+        if isinstance(builder, bodies.ChatBuilder):
             yield sse.events(builder.role_chunks(include_usage))
         async for prompt_index, batch in run.batches():
             chunks = [c for c in (builder.chunk(prompt_index, d, include_usage) for d in batch) if c is not None]
@@ -406,24 +332,6 @@ def system_fingerprint(model_name: str) -> str:
     """vLLM's `system_fingerprint` shape (`vllm-<version>-<hash8>`): tandem's version and 8 hex digits of
     a hash of the served model's name, the same for every response of this server."""
     return f"tandem-{VERSION}-{hashlib.sha256(model_name.encode()).hexdigest()[:8]}"
-
-
-def _request_id(request: Request, in_body: str | None = None) -> str:
-    """The client's X-Request-Id, else the body's `request_id` (vLLM's order; either validated like the
-    gRPC request_id), else a new one."""
-    given, name = request.headers.get("x-request-id"), "X-Request-Id"
-    if given is None:
-        given, name = in_body, "request_id"
-    if given is None:
-        return uuid.uuid4().hex
-    bad = limits.request_id_violation(given)
-    if bad is not None or not given:
-        raise bad_request(f"{name} {bad.description if bad else 'must not be empty'}", name)
-    return given
-
-
-def _headers(request: Request) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -4,7 +4,7 @@ uvicorn gives the header-size limit (`h11_max_incomplete_event_size`: h11 stops 
 past it) and the idle keep-alive timeout after a response. `GuardedH11Protocol` adds, per connection:
 
 - TCP_NODELAY on the accepted socket (asyncio sets it only for sockets created with IPPROTO_TCP; without
-  it every keep-alive response waited ~40 ms for Nagle's algorithm).
+  it every keep-alive response waits for Nagle's algorithm and the peer's delayed ACK).
 - the connection cap (`ConnectionGuard`), applied at accept, *before* a TLS handshake: TLS is started
   here (`loop.start_tls`, bounded by the header timeout) rather than by asyncio's server, so a flood of
   handshakes cannot hold descriptors past the cap or past the timeout.

@@ -176,8 +176,8 @@ REFUSED_CHAT: dict[str, object] = {**REFUSED_COMMON, "return_prompt_text": False
                                    "mm_processor_kwargs": None, "include_reasoning": True}
 
 
-# Token ids first, members tried in order: a 4 MiB list of ids validates in one pass (~50 ms here) where
-# pydantic's "smart" union mode tried every member (~250 ms, with the GIL held all along).
+# Token ids first, members tried in order: a large list of ids validates in one pass, where pydantic's
+# "smart" union mode tries every member, each with the GIL held (BENCHMARKS.md, "The HTTP edge ...").
 # Strict members: lax mode would read ["1", "2"] as token ids, where vLLM's smart union keeps two text prompts.
 CompletionPrompt = list[StrictInt] | list[list[StrictInt]] | StrictStr | list[StrictStr]
 

@@ -28,26 +28,40 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pydantic
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from frontend_svc.errors import ServiceError
-from frontend_svc.openai import app as openai_app
-from frontend_svc.openai import convert, sse
+from frontend_svc.generation import GenerationBackend
+from frontend_svc.openai import bodies, sse
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai import responses_protocol as rp
 from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, from_pydantic
-from frontend_svc.openai.runner import Run, code_name, from_service
+from frontend_svc.openai.generations import Run, code_name, from_service
+from frontend_svc.openai.http_io import (
+    JSON,
+    error_response,
+    guarded,
+    header_pairs,
+    parse_body,
+    pick_request_id,
+    unless_disconnected,
+)
 from frontend_svc.outputs import CompletionDelta
+from frontend_svc.service_error import ServiceError
 from shared_runtime.contract import SamplingParams
 from shared_runtime.violations import ValidationError
 
-if TYPE_CHECKING:
-    from frontend_svc.openai.app import OpenAIApi
+
+class OpenAIRoutes(Protocol):
+    """What these routes use of the OpenAI app they join (`app.OpenAIRoutes`)."""
+
+    frontend: GenerationBackend
+    max_body_bytes: int
+
 
 ROUTE = "/v1/responses"
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: below it sampling is greedy and top_p is reported as 1.0
@@ -56,7 +70,7 @@ RENAMES = {"chat.messages": "input", "messages": "input", "max_tokens": "max_out
            "response_format": "text.format", "response_format.json_schema.schema": "text.format.schema"}
 
 
-def routes(api: OpenAIApi) -> list[Route]:
+def routes(api: OpenAIRoutes) -> list[Route]:
     handler = ResponsesHandler(api)
     return [Route(ROUTE, handler.create, methods=["POST"]),
             Route(ROUTE + "/{response_id}", handler.retrieve, methods=["GET"]),
@@ -74,7 +88,7 @@ def not_stored(response_id: str) -> ApiError:
 def unsupported(body: rp.ResponsesRequest) -> ApiError | None:
     """400 naming a field tandem does not implement (set to other than null or vLLM's default), or one
     vLLM refuses too without a store or tools."""
-    error = convert.refused_field(body, rp.REFUSED_RESPONSES)
+    error = bodies.refused_field(body, rp.REFUSED_RESPONSES)
     if error is not None:
         return error
     if body.background:
@@ -295,24 +309,24 @@ def _text_echo(text: rp.TextConfig | None) -> dict[str, Any] | None:
 
 
 class ResponsesHandler:
-    """The Responses routes on one `OpenAIApi` (its frontend, body limit and helpers)."""
+    """The Responses routes on one `OpenAIRoutes` (its frontend, body limit and helpers)."""
 
-    def __init__(self, api: OpenAIApi) -> None:
+    def __init__(self, api: OpenAIRoutes) -> None:
         self.api = api
 
     async def create(self, request: Request) -> Response:
-        return await self.api._guarded(request, self._create)
+        return await guarded(request, self._create)
 
     async def retrieve(self, request: Request) -> Response:
-        return openai_app.error_response(not_stored(request.path_params["response_id"]))
+        return error_response(not_stored(request.path_params["response_id"]))
 
     async def cancel(self, request: Request) -> Response:
-        return openai_app.error_response(not_stored(request.path_params["response_id"]))
+        return error_response(not_stored(request.path_params["response_id"]))
 
     async def _create(self, request: Request) -> Response:
         api, frontend = self.api, self.api.frontend
-        body = await api._parse(request, rp.ResponsesRequest)
-        convert.served_model(body.model, frontend.model_name)
+        body = await parse_body(request, api.max_body_bytes, rp.ResponsesRequest)
+        bodies.served_model(body.model, frontend.model_name)
         error = unsupported(body)
         if error is not None:
             raise error
@@ -320,18 +334,18 @@ class ResponsesHandler:
             raise not_stored(body.previous_response_id)
         chat = to_chat(body)
         names = FieldNames(RENAMES)
-        prompt = convert.chat_prompt(chat)
+        prompt = bodies.chat_prompt(chat)
         try:
-            params = convert.sampling_params(chat)
+            params = bodies.sampling_params(chat)
             frontend.check_fits(1, "input")
         except ValidationError as exc:
             raise names.error(exc) from None
-        response_id = body.request_id or f"resp_{openai_app._request_id(request)}"
+        response_id = body.request_id or f"resp_{pick_request_id(request)}"
         builder = ResponseBuilder(response_id, frontend.model_name, body, params)
-        run = Run(frontend, openai_app._headers(request), ROUTE, [prompt], params, response_id,
-                  body.priority, names, convert.prompt_options(chat))
+        run = Run(frontend, header_pairs(request), ROUTE, [prompt], params, response_id,
+                  body.priority, names, bodies.prompt_options(chat))
         start = asyncio.ensure_future(run.start())
-        if not await openai_app._unless_disconnected(request, start):
+        if not await unless_disconnected(request, start):
             return Response(status_code=499)
         builder.fitted(len(run.prepared[0].prompt_token_ids), frontend.max_model_len)
         headers = {"X-Request-Id": response_id}
@@ -339,9 +353,9 @@ class ResponsesHandler:
             return sse.EventStream(_stream(run, builder), on_close=run.close, headers=headers)
         collect = asyncio.ensure_future(_collect(run, builder))
         try:
-            if not await openai_app._unless_disconnected(request, collect):
+            if not await unless_disconnected(request, collect):
                 return Response(status_code=499)
-            return Response(collect.result(), media_type=openai_app.JSON, headers=headers)
+            return Response(collect.result(), media_type=JSON, headers=headers)
         finally:
             run.close()
 

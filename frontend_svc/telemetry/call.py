@@ -15,9 +15,9 @@ from typing import Any
 
 import grpc
 
+from frontend_svc.grpc_api.status import code_from_number
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import PreparedRequest
-from frontend_svc.status import code_from_number
 from frontend_svc.telemetry.metrics import FrontendMetrics
 from frontend_svc.telemetry.tracing import CallSpan, fail_span, request_attributes
 from shared_runtime.violations import ValidationError

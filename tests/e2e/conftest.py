@@ -1,6 +1,6 @@
 """End-to-end fixtures: real engine and frontend processes on loopback ports.
 
-`Service` (tests/support.py) wraps one child process (`python -m engine_svc.server_cli` /
+`Service` (tests/support.py) wraps one child process (`python -m engine_svc.cli` /
 `python -m frontend_svc.cli`) with its port, a health wait and a kill-on-exit guarantee. One engine +
 frontend pair is started per module (`split`) and reused; a test that kills the engine restarts it on the
 same port, and a test that kills a frontend starts its own. `cluster` (one per
@@ -30,7 +30,7 @@ FRONTEND_MAX_CONCURRENT = 8
 
 
 def engine_service(model: Path, port: int, log_dir: Path, *flags: str) -> Service:
-    argv = [sys.executable, "-m", "engine_svc.server_cli", "--model", str(model), "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "engine_svc.cli", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), *ENGINE_FLAGS, *flags]
     return Service("engine", argv, port, log_dir)
 

@@ -57,7 +57,7 @@ WITNESS_PROMPT = [5, 6, 7, 8]
 
 @pytest.fixture(scope="module")
 def llm(split: Any) -> Any:
-    from engine_svc.llm import LLM
+    from entrypoints.llm import LLM
 
     return LLM(str(split.model), dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=split.kv_cache_bytes)
 
@@ -332,7 +332,7 @@ def test_a_second_sigterm_stops_at_once_and_exits_non_zero(split: Any) -> None:
 
 def test_a_second_engine_on_a_taken_port_fails_to_start(split: Any) -> None:
     """grpc turns SO_REUSEPORT on by default, which let a second engine share the port silently."""
-    argv = [sys.executable, "-m", "engine_svc.server_cli", "--model", str(split.model), "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "engine_svc.cli", "--model", str(split.model), "--host", "127.0.0.1",
             "--port", str(split.engine.port), *ENGINE_FLAGS]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -66,7 +66,7 @@ def test_cuda_without_a_gpu_is_a_clear_startup_error(llama_dir) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from engine_svc import LLM
+    from entrypoints import LLM
 
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         LLM(str(llama_dir), device="cuda")

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine_svc import LLM, SamplingParams
 from engine_svc.attention.torch_backend import TorchAttentionBackend
 from engine_svc.config import EngineConfig
 from engine_svc.model.layers.cpu_gemm import PREPACK_ENV, PackedWeight, prepack_linears, prepack_supported
 from engine_svc.model.loader import load_model
 from engine_svc.worker.worker import Worker
+from entrypoints import LLM, SamplingParams
 from tests.engine.test_hf_exact import make_prompts, run_and_compare
 
 CPU = torch.device("cpu")

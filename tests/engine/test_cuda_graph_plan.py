@@ -168,7 +168,7 @@ def _count_decode_only_steps(runner) -> list[int]:
 
 @pytest.fixture(scope="module")
 def triton_llm(make_model):
-    from engine_svc import LLM
+    from entrypoints import LLM
 
     # On a GPU machine the same test runs on CUDA (the interpreter is off there); enforce_eager keeps the
     # engine's own capture out of the way so the stub below is the only graph path.
@@ -178,7 +178,7 @@ def triton_llm(make_model):
 
 
 def test_padded_replay_path_matches_eager(triton_llm) -> None:
-    from engine_svc import SamplingParams
+    from entrypoints import SamplingParams
 
     rng = random.Random(3)
     # Lengths over 16 give full blocks, so the second run hits the prefix cache (q_len == 1 steps).

@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 
-import engine_svc.server
+import engine_svc.api.server
 import engine_svc.telemetry
-from engine_svc import server_cli
+from engine_svc import cli as server_cli
 from engine_svc.config import EngineConfig
 
 
 @pytest.mark.parametrize("when_ready", [True, False])
 def test_on_ready_settles_the_heap_only_when_asked(monkeypatch, llama_dir, when_ready: bool) -> None:
     calls: list[object] = []
-    monkeypatch.setattr(engine_svc.server, "settle_heap", lambda: calls.append("settle"))
+    monkeypatch.setattr(engine_svc.api.server, "settle_heap", lambda: calls.append("settle"))
     config = EngineConfig.create(model=str(llama_dir), device="cpu", dtype="float32")
-    server = engine_svc.server.EngineServer(config, host="127.0.0.1", port=0, settle_heap_when_ready=when_ready)
+    server = engine_svc.api.server.EngineServer(config, host="127.0.0.1", port=0, settle_heap_when_ready=when_ready)
     server.servicer = SimpleNamespace(core=None)  # type: ignore[assignment]
     monkeypatch.setattr(server, "_set_serving", lambda on: calls.append(("serving", on)))
     server._on_ready(SimpleNamespace(num_blocks=4))  # type: ignore[arg-type]
@@ -48,7 +48,7 @@ def test_the_engine_cli_asks_for_it(monkeypatch, llama_dir) -> None:
 
         def shutdown(self) -> None: ...
 
-    monkeypatch.setattr(engine_svc.server, "EngineServer", Server)
+    monkeypatch.setattr(engine_svc.api.server, "EngineServer", Server)
     monkeypatch.setattr(engine_svc.telemetry, "EngineTelemetry", Telemetry)
     args = argparse.Namespace(metrics_port=0, host="127.0.0.1", port=0, max_waiting=None, drain_grace_period=1.0,
                               health_port=0, max_message_bytes=1 << 20, enable_kv_cache_events=False,

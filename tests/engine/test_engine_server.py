@@ -1,4 +1,4 @@
-"""`EngineServer` (engine_svc/server.py) in process: a tiny model, port 0, its asyncio loop on a thread.
+"""`EngineServer` (engine_svc/api/server.py) in process: a tiny model, port 0, its asyncio loop on a thread.
 
 The tests are ordinary blocking gRPC clients. `EngineStream` (tests/engine_stream.py) drives one
 `Connect` call: inputs go in through a queue, a reader thread records every `EngineCoreOutputs` message.
@@ -27,9 +27,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
+from engine_svc.api.server import EngineServer
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
-from engine_svc.server import EngineServer
 from shared_runtime.contract import SamplingParams
 from shared_runtime.violations import ValidationError, describe
 from tests.engine_stream import EngineStream, StepWitness, engine_idle, engine_load
@@ -429,8 +429,8 @@ def test_prompts_longer_than_max_model_len_are_rejected(engine: ServerThread, st
 
 
 def test_max_waiting_has_a_default() -> None:
-    from engine_svc.server import default_max_waiting
-    from engine_svc.server_cli import build_parser
+    from engine_svc.api.server import default_max_waiting
+    from engine_svc.cli import build_parser
 
     args = build_parser().parse_args(["--model", "m"])
     assert args.max_waiting is None and args.host == "127.0.0.1"  # loopback unless told otherwise

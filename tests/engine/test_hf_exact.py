@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import LLM, SamplingParams
+from entrypoints import LLM, SamplingParams
 from tests.conftest import ARCHS
 
 MAX_TOKENS = 12

@@ -1,5 +1,5 @@
 """KV-cache events: what the block pool records (engine_svc/kv/events.py) and how the publisher numbers,
-mirrors, snapshots and fans them out (engine_svc/kv_publisher.py). No model and no gRPC here: the pool is
+mirrors, snapshots and fans them out (engine_svc/api/kv_events.py). No model and no gRPC here: the pool is
 driven by the real scheduler with a fake model, the publisher on a plain asyncio loop.
 
 Checked: replaying the records gives exactly the pool's cache map (through evictions, aborts and
@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from tandem.engine.v1 import engine_core_pb2 as epb
 
-from engine_svc import kv_publisher
+from engine_svc.api import kv_events as kv_publisher
+from engine_svc.api.kv_events import KvEventPublisher, SubscriberDropped, apply_to_mirror, events_to_pb
 from engine_svc.kv.events import KVEventLog, StoredBlock
-from engine_svc.kv_publisher import KvEventPublisher, SubscriberDropped, apply_to_mirror, events_to_pb
 from engine_svc.request import Request
 from engine_svc.sched.output import ModelRunnerOutput
 from engine_svc.sched.scheduler import Scheduler

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_svc import LLM, SamplingParams
+from entrypoints import LLM, SamplingParams
 from shared_runtime.violations import ValidationError
 
 

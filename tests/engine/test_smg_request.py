@@ -1,6 +1,6 @@
-"""SMG's GenerateRequest -> engine requests (engine_svc/smg_request.py): every field honoured or refused.
+"""SMG's GenerateRequest -> engine requests (engine_svc/api/smg/request.py): every field honoured or refused.
 
-The descriptor walk fails when SMG's proto gains a field that smg_request.py neither maps nor refuses
+The descriptor walk fails when SMG's proto gains a field that engine_svc/api/smg/request.py neither maps nor refuses
 (update the vendored protos and this test finds it); each refused field, set alone, is refused naming
 it; each honoured sampling field, set alone, changes the engine request.
 """
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
 
-from engine_svc import smg_request
-from engine_svc.smg_request import HONOURED, REFUSED, Refused, plan_request
+from engine_svc.api.smg import request as smg_request
+from engine_svc.api.smg.request import HONOURED, REFUSED, Refused, plan_request
 from shared_runtime import contract as c
 
 EOS = [7, 9]
@@ -39,7 +39,7 @@ def test_every_field_of_the_request_is_honoured_or_refused(message: Any) -> None
     name = message.DESCRIPTOR.name
     fields = {f.name for f in message.DESCRIPTOR.fields}
     unhandled = fields - HONOURED[name] - REFUSED[name]
-    assert not unhandled, f"{name} fields neither honoured nor refused by smg_request.py: {sorted(unhandled)}"
+    assert not unhandled, f"{name} fields neither honoured nor refused by engine_svc/api/smg/request.py: {sorted(unhandled)}"
     assert not HONOURED[name] & REFUSED[name]
     assert HONOURED[name] | REFUSED[name] == fields, "the tables name fields the proto does not have"
 
@@ -114,7 +114,7 @@ HONOURED_VALUES: dict[str, tuple[dict[str, Any], Any]] = {
     "choice": ({"choice": vpb.ChoiceConstraint(choices=["a", "b"])},
                lambda p: so(p).choice == ["a", "b"]),
 }
-# Honoured without changing the engine request: text-only or no-op for this engine (smg_request.py says why).
+# Honoured without changing the engine request: text-only or no-op for this engine (engine_svc/api/smg/request.py says why).
 TEXT_ONLY = {"spaces_between_special_tokens", "grammar_from_first_token"}
 
 

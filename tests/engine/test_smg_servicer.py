@@ -1,4 +1,4 @@
-"""SMG's `vllm.grpc.engine.VllmEngine` on a real (tiny) engine in process, over gRPC (engine_svc/smg_servicer.py).
+"""SMG's `vllm.grpc.engine.VllmEngine` on a real (tiny) engine in process, over gRPC (engine_svc/api/smg/servicer.py).
 
 The reference for every generated token is the same engine's own EngineCoreService (a Connect stream
 with the same prompt and params): the two protocols must run the same requests. Checked: streaming
@@ -22,11 +22,11 @@ from tandem.vendor.smg import common_pb2 as cpb
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
 from tandem.vendor.smg import vllm_engine_pb2_grpc as vpb_grpc
 
+from engine_svc.api.server import EngineServer
+from engine_svc.api.tokenizer_archive import read_tokenizer_archive
 from engine_svc.config import EngineConfig
-from engine_svc.server import EngineServer
 from engine_svc.telemetry import EngineTelemetry
 from engine_svc.telemetry.metrics import EngineMetrics
-from engine_svc.tokenizer_files import read_tokenizer_archive
 from tests.engine.test_engine_server import ServerThread
 from tests.engine_stream import EngineStream, engine_idle, engine_load
 from tests.support import wait_until

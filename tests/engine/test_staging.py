@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine_svc import LLM, SamplingParams
 from engine_svc.sample.columns import SamplingColumns
 from engine_svc.sample.metadata import RequestSamplingState, build_sampling_metadata, step_sampling_params
 from engine_svc.worker.input_batch import InputBatch, StepInputs
 from engine_svc.worker.staging import PAD_SLOT, StepStaging
+from entrypoints import LLM, SamplingParams
 from shared_runtime.contract import EngineSamplingParams
 
 CPU = torch.device("cpu")

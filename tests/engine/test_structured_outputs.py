@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from engine_svc import LLM, SamplingParams
 from engine_svc.sched.output import GrammarBitmask
 from engine_svc.structured.compiler import GrammarCompilers, constraint_key
+from entrypoints import LLM, SamplingParams
 from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams, StructuredOutputs
 
 NUMBER = r"[1-9][0-9]{0,3}"

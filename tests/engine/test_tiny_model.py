@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine_svc.tiny_model import ARCHS, SPECIAL_TOKENS, main, make_tiny_model
+from entrypoints.tiny_model import ARCHS, SPECIAL_TOKENS, main, make_tiny_model
 
 EXPECTED_FILES = {
     "config.json",

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_svc import LLM, SamplingParams
 from engine_svc.config import EngineConfig
 from engine_svc.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from engine_svc.executor.worker_proc import FAULT_ENV
 from engine_svc.worker.worker import Worker
+from entrypoints import LLM, SamplingParams
 from shared_runtime.contract import StructuredOutputs
 from tests.engine.test_hf_exact import MAX_TOKENS, assert_no_block_leaks, hf_greedy, make_prompts
 from tests.engine.test_multiproc import assert_cleaned_up

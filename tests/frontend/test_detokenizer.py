@@ -181,7 +181,7 @@ def test_a_copy_is_primed_like_the_original_and_independent_of_it(encode, encode
 def smollm2_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (byte-level BPE, 49152 ids), from the GGUF `make install` puts in
     the environment."""
-    from engine_svc.demo_model import demo_gguf_path
+    from entrypoints.demo_model import demo_gguf_path
     from frontend_svc.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(demo_gguf_path())

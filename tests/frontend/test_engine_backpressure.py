@@ -2,7 +2,7 @@
 
 The frontend's engine channel keeps HTTP/2's 64 KiB stream window (no BDP probing), so while the
 frontend's event loop is busy the engine's writes block after a few messages and the steps it makes
-meanwhile go out together in its next message (engine_svc/server.py and the clocked fake engine both
+meanwhile go out together in its next message (engine_svc/api/server.py and the clocked fake engine both
 pack what queued). With BDP probing the window grows to megabytes and every step arrives alone, to be
 read back one message per event-loop turn: the frontend never catches up in large bites.
 """
@@ -19,10 +19,11 @@ from typing import Any
 
 from tandem.engine.v1 import engine_core_pb2 as epb
 
+from frontend_svc.delta_collector import DeltaCollector
+from frontend_svc.dispatcher import Dispatcher
 from frontend_svc.engine_client import EngineClient, EngineConnection
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import Processor
-from frontend_svc.request_state import DeltaCollector
 from shared_runtime.contract import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,8 @@ async def _stall_and_count(tokenizer: Any, port: int) -> list[int]:
     """Steps per engine message the frontend processed (each message's most outputs of one request),
     for requests that run through a stall of the frontend's loop."""
     processor = Processor(tokenizer, max_model_len=4096, vocab_size=tokenizer.vocab_size, model_name="tiny")
-    client = EngineClient([f"127.0.0.1:{port}"], OutputProcessor(tokenizer), tokenizer.vocab_size)
+    client = EngineClient([f"127.0.0.1:{port}"], tokenizer.vocab_size)
+    dispatcher = Dispatcher(client, OutputProcessor(tokenizer))
     counted: list[int] = []
     on_outputs = client.on_outputs
 
@@ -81,7 +83,7 @@ async def _stall_and_count(tokenizer: Any, port: int) -> list[int]:
             prepared = processor.process("Mara walked", SamplingParams(max_tokens=2000, logprobs=5),
                                          request_id=f"r{i}")
             collectors.append(DeltaCollector())
-            client.submit(prepared, processor.engine_requests(prepared), collectors[-1])
+            dispatcher.submit(prepared, processor.engine_requests(prepared), collectors[-1])
         await collectors[-1].get()
         await asyncio.sleep(0.2)  # streaming, the frontend keeping up
         counted.clear()

@@ -14,13 +14,15 @@ from typing import Any
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.v1 import generation_pb2 as pb
 
-from frontend_svc.convert import response_from_delta
-from frontend_svc.engine_client import OUTPUT_SLICE, READ_AHEAD, EngineClient, EngineConnection
-from frontend_svc.openai.convert import ChatBuilder, TokenTexts
+from frontend_svc.delta_collector import DeltaCollector
+from frontend_svc.dispatcher import OUTPUT_SLICE, Dispatcher
+from frontend_svc.engine_client import READ_AHEAD, EngineClient, EngineConnection
+from frontend_svc.grpc_api.servicer import prepare
+from frontend_svc.grpc_api.wire import response_from_delta
+from frontend_svc.openai.bodies import ChatBuilder, TokenTexts
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import Processor
-from frontend_svc.request_state import DeltaCollector
 from shared_runtime.contract import SamplingParams
 
 TEXT = " the keeper climbed the stairs and the lamp turned over the grey water until dawn came"
@@ -49,8 +51,10 @@ def _setup(tokenizer: Any, encode: Callable[[str], list[int]], num_requests: int
     logprobs) and the engine's `STEPS` messages for them, one step each; the last finishes them."""
     op = OutputProcessor(tokenizer)
     processor = Processor(tokenizer, max_model_len=256, vocab_size=tokenizer.vocab_size, model_name="tiny")
-    client = EngineClient([], op, tokenizer.vocab_size)
+    client = EngineClient([], tokenizer.vocab_size)
+    dispatcher = Dispatcher(client, op)
     connection = EngineConnection("fake", client)
+    client.choose = lambda ids: connection  # type: ignore[method-assign]
     words = encode(TEXT)
     per_step = len(words) // STEPS
     collectors, engine_ids = [], []
@@ -58,7 +62,8 @@ def _setup(tokenizer: Any, encode: Callable[[str], list[int]], num_requests: int
         params = SamplingParams(max_tokens=64, logprobs=2, n=2 if i == 0 else 1, stop=[STOP] if i % 2 else None)
         collector = DeltaCollector()
         prepared = processor.process("Mara walked", params, request_id=f"r{i}")
-        op.add_request(prepared, collector).connection = connection
+        dispatcher.submit(prepared, processor.engine_requests(prepared), collector)
+        collector.gate = None  # ungated unless a test sets it
         collectors.append(collector)
         engine_ids.extend(prepared.engine_request_ids)
     messages = []
@@ -120,7 +125,7 @@ def _batches_with_busy_readers(tokenizer: Any, encode: Callable[[str], list[int]
         list[int], list[list[list[CompletionDelta]]]]:
     """How many engine messages each `on_outputs` call got, and what the readers got, when sending a
     response takes a reader `WRITE_TURNS` turns of the loop (a gRPC write completes through grpc's
-    poller), with the connection's `DrainGate` on the collectors (as `EngineClient.submit` sets it) or not."""
+    poller), with the connection's `DrainGate` on the collectors (as `Dispatcher.submit` sets it) or not."""
     async def main() -> tuple[list[int], list[list[list[CompletionDelta]]]]:
         connection, collectors, messages, _ = _setup(tokenizer, encode, 3)
         if gated:
@@ -282,8 +287,8 @@ async def _consume(frontend: Any, request: Any, slow: bool) -> list[list[Any]]:
     generation = frontend.open_generation(2, frontend.begin_call([], "Generate", {}))
     responses: list[list[Any]] = [[], []]
     try:
-        await generation.start(lambda: frontend.prepare(request))
-        gate = generation._request.connection.gate
+        await generation.start(lambda: prepare(frontend, request))
+        gate = frontend.dispatcher.engine_of(generation._request).gate
         assert generation._collector.gate is gate  # the connection paces by this stream's reader too
         async for deltas in generation.batches():
             for delta in deltas:
@@ -316,7 +321,7 @@ def test_a_reader_that_never_comes_back_does_not_hold_back_the_others(loop, toke
         try:
             while not frontend.serving:
                 await asyncio.sleep(0.01)
-            await stalled.start(lambda: frontend.prepare(request))
+            await stalled.start(lambda: prepare(frontend, request))
             batches = stalled.batches()
             first = await anext(batches)  # ... and never again until the victim is done
             start = asyncio.get_running_loop().time()
@@ -339,7 +344,7 @@ def test_a_reader_that_never_comes_back_does_not_hold_back_the_others(loop, toke
 async def _consume_one(frontend: Any, request: Any) -> list[Any]:
     generation = frontend.open_generation(1, frontend.begin_call([], "Generate", {}))
     try:
-        await generation.start(lambda: frontend.prepare(request))
+        await generation.start(lambda: prepare(frontend, request))
         return [response_from_delta(d) async for deltas in generation.batches() for d in deltas]
     finally:
         generation.close()

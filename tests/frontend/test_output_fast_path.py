@@ -18,9 +18,9 @@ import random
 
 import pytest
 
+from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.output_processor import SETTLE_AT, OutputProcessor, partial_token_text
 from frontend_svc.processor import Processor
-from frontend_svc.request_state import DeltaCollector
 from shared_runtime import contract as p
 from shared_runtime.contract import SamplingParams
 from shared_runtime.to_pb import outputs_to_pb

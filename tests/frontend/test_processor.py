@@ -144,7 +144,7 @@ def test_processing_modules_import_neither_torch_nor_the_engine():
     import subprocess
     import sys
 
-    modules = ["frontend_svc." + m for m in ("errors", "processor", "outputs", "output_processor")]
+    modules = ["frontend_svc." + m for m in ("service_error", "processor", "outputs", "output_processor")]
     modules += ["shared_runtime." + m for m in ("contract", "limits", "to_pb", "from_pb", "detokenizer", "stop",
                                                 "token_texts")]
     code = (

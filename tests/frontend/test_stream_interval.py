@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from engine_svc import serve_cli
+from entrypoints import serve as serve_cli
 from frontend_svc import cli as frontend_cli
 from frontend_svc.client import TandemClient
 from frontend_svc.config import ConfigError, FrontendConfig

@@ -47,7 +47,7 @@ def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float], list[s
 
 
 def _tandem_greedy(model_dir, prompts: list[list[int]]) -> list[tuple[list[int], list[float], list[set[int]]]]:
-    from engine_svc import LLM, SamplingParams
+    from entrypoints import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", attention_backend="triton",
               max_model_len=256, max_num_seqs=8)

@@ -27,7 +27,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _generate(model_dir, prompts: list[list[int]], enforce_eager: bool):
-    from engine_svc import LLM, SamplingParams
+    from entrypoints import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", device="cuda", attention_backend="triton",
               max_model_len=128, max_num_seqs=8, enforce_eager=enforce_eager)
@@ -55,7 +55,7 @@ def test_graph_replay_matches_eager(make_model, arch: str) -> None:
 def test_short_rotary_cache_with_a_large_token_budget(make_model) -> None:
     """The issue-11 crash: max_position_embeddings 256 < max_num_batched_tokens 8192 made the profile
     run gather past the rotary cache (a device-side assert); the engine must start and generate."""
-    from engine_svc import LLM, SamplingParams
+    from entrypoints import LLM, SamplingParams
 
     llm = LLM(str(make_model("qwen3", max_position_embeddings=256)), dtype="bfloat16", device="cuda",
               attention_backend="triton", max_num_batched_tokens=8192, max_num_seqs=8)
@@ -65,7 +65,7 @@ def test_short_rotary_cache_with_a_large_token_budget(make_model) -> None:
 
 
 def test_torch_backend_on_cuda_runs_without_graphs(make_model) -> None:
-    from engine_svc import LLM, SamplingParams
+    from entrypoints import LLM, SamplingParams
 
     llm = LLM(str(make_model("llama")), dtype="float32", device="cuda", attention_backend="torch",
               max_model_len=128, max_num_seqs=8)

@@ -57,7 +57,7 @@ def secret_of_file(deploy: dict[str, Any], path: str) -> str:
 
 def test_the_flag_lists_are_the_services_own_flags() -> None:
     """test_manifests' accepted-flag lists must not drift from the real command lines."""
-    from engine_svc.server_cli import build_parser as engine_parser
+    from engine_svc.cli import build_parser as engine_parser
     from frontend_svc.cli import build_parser as frontend_parser
 
     def options(parser: Any) -> set[str]:

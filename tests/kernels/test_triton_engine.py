@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from engine_svc import LLM, SamplingParams
+from entrypoints import LLM, SamplingParams
 from kernels import activation, kv_write, paged_attention, rms_norm, rope
 from tests.engine.test_hf_exact import MAX_TOKENS, PREEMPT_ARGS, hf_greedy, make_prompts, preempt_prompts
 

@@ -18,9 +18,9 @@ from tests.support import LoopThread, free_port, is_serving, wait_until
 
 @pytest.fixture(scope="package")
 def stack(make_model: Any) -> Iterator[Stack]:
+    from engine_svc.api.server import EngineServer
+    from engine_svc.cli import build_parser
     from engine_svc.config import config_from_args
-    from engine_svc.server import EngineServer
-    from engine_svc.server_cli import build_parser
     from engine_svc.telemetry import EngineMetrics, EngineTelemetry, RequestSpans
     from frontend_svc.config import FrontendConfig
     from frontend_svc.server import FrontendServer

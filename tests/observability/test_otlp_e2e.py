@@ -50,7 +50,7 @@ def test_services_export_one_trace_to_an_otlp_receiver(make_model, tmp_path: Pat
                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "parentbased_always_on",
                "OTEL_BSP_SCHEDULE_DELAY": "100"}
-        engine = start(["engine_svc.server_cli", "--model", str(model), "--host", "127.0.0.1",
+        engine = start(["engine_svc.cli", "--model", str(model), "--host", "127.0.0.1",
                         "--port", str(engine_port), "--metrics-port", str(engine_metrics), "--dtype", "float32",
                         "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
                        env, tmp_path / "engine.log")

@@ -1,4 +1,4 @@
-"""Stream chunks are built as plain dicts (convert.dump) for speed; their bytes must be exactly what the
+"""Stream chunks are built as plain dicts (bodies.dump) for speed; their bytes must be exactly what the
 pydantic response models give (`model_dump_json(exclude_unset=True)`, the chunks' reference: the code
 the builders used before). Randomized deltas through both, compared chunk by chunk and for the whole
 (non-streaming) response: n > 1, batched prompts, logprobs with top-k (non-finite values, token texts
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from frontend_svc.openai import convert, tools
+from frontend_svc.openai import bodies, tools
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.tool_parsers import HermesParser, RequiredParser
 from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
@@ -44,7 +44,7 @@ class Texts:
         return PIECES[token_id % len(PIECES)] + str(token_id % 3)
 
 
-class PydanticCompletion(convert.CompletionBuilder):
+class PydanticCompletion(bodies.CompletionBuilder):
     """The reference: completions chunks as the response models built them."""
 
     def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
@@ -65,7 +65,7 @@ class PydanticCompletion(convert.CompletionBuilder):
         return self._dump(body, with_usage)
 
 
-class PydanticChat(convert.ChatBuilder):
+class PydanticChat(bodies.ChatBuilder):
     """The reference: chat chunks (and their logprobs) as the response models built them."""
 
     def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
@@ -101,10 +101,10 @@ class PydanticChat(convert.ChatBuilder):
             top = []
             for tid, (lp, text) in islice(vllm_ranked(entry).items(), self.top_n or 0):
                 token = self._token(tid, text)
-                top.append(p.TopLogprob(token=token, logprob=convert.finite(lp), bytes=convert.utf8(token)))
+                top.append(p.TopLogprob(token=token, logprob=bodies.finite(lp), bytes=bodies.utf8(token)))
             content.append(p.ChatTokenLogprob(token=self._token(entry.token_id, entry.text),
-                                              logprob=convert.finite(entry.logprob),
-                                              bytes=convert.utf8(self._text(entry.token_id, entry.text)),
+                                              logprob=bodies.finite(entry.logprob),
+                                              bytes=bodies.utf8(self._text(entry.token_id, entry.text)),
                                               top_logprobs=top))
         return p.ChatLogprobs(content=content)
 
@@ -153,13 +153,13 @@ def _case(seed: int) -> dict[str, Any]:
     tool = rng.choice([None, None, HermesParser, RequiredParser]) if chat else None
     n, prompts = 1 if tool else rng.randint(1, 3), 1 if chat else rng.randint(1, 2)
     top_n = rng.choice([None, 0, 1, 2, 5])
-    extras = convert.Extras(echo=not chat and rng.random() < 0.3, token_ids=rng.random() < 0.3,
+    extras = bodies.Extras(echo=not chat and rng.random() < 0.3, token_ids=rng.random() < 0.3,
                             as_token_ids=rng.random() < 0.3, prompt_logprobs=rng.random() < 0.3,
                             fingerprint=rng.choice([None, "fp_1"]))
     if extras.echo and rng.random() < 0.3:
-        extras = convert.Extras(echo=True, echo_only=True, token_ids=extras.token_ids,
+        extras = bodies.Extras(echo=True, echo_only=True, token_ids=extras.token_ids,
                                 as_token_ids=extras.as_token_ids, prompt_logprobs=True, fingerprint=extras.fingerprint)
-    infos = [convert.PromptInfo(text="".join(rng.choice(PIECES) for _ in range(3)),
+    infos = [bodies.PromptInfo(text="".join(rng.choice(PIECES) for _ in range(3)),
                                 token_ids=[rng.randrange(200) for _ in range(rng.randint(1, 4))]) for _ in range(prompts)]
     batches = [(i, d) for i, info in enumerate(infos) for d in _deltas(rng, n, top_n, len(info.token_ids))]
     rng.shuffle(batches)  # prompts interleave; a choice's own deltas stay in order below
@@ -200,8 +200,8 @@ def _run(case: dict[str, Any], cls: type, monkeypatch: pytest.MonkeyPatch) -> tu
 @pytest.mark.parametrize("seed", range(400))
 def test_chunks_and_responses_are_the_models_bytes(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     case = _case(seed)
-    new, reference = (convert.ChatBuilder, PydanticChat) if case["chat"] else \
-        (convert.CompletionBuilder, PydanticCompletion)
+    new, reference = (bodies.ChatBuilder, PydanticChat) if case["chat"] else \
+        (bodies.CompletionBuilder, PydanticCompletion)
     chunks, response = _run(case, new, monkeypatch)
     want_chunks, want_response = _run(case, reference, monkeypatch)
     assert [c for c in chunks if c is not None], "every case streams something"

@@ -1,4 +1,4 @@
-"""The logprob rows' cached token forms (convert.TokenPieces) are what the uncached form gives: vLLM's
+"""The logprob rows' cached token forms (bodies.TokenPieces) are what the uncached form gives: vLLM's
 ranked dict of a position (test_chunk_bytes' `vllm_ranked`), each token as the response shows it (`_token`: its own
 text, the text the entry carries, or "token_id:N") with the UTF-8 of that. One cache serves every
 request of an app, so it is checked across requests with and without return_tokens_as_token_ids and
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from frontend_svc.openai import convert
+from frontend_svc.openai import bodies
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from tests.openai_api.test_chunk_bytes import FLOATS, PIECES, Texts, vllm_ranked
 
@@ -25,7 +25,7 @@ class _App:
 
     def __init__(self) -> None:
         self.texts = Texts()
-        self.pieces = convert.TokenPieces(self.texts)
+        self.pieces = bodies.TokenPieces(self.texts)
 
     def text(self, token_id: int) -> str:
         return self.texts.text(token_id)
@@ -38,11 +38,11 @@ def _entry(rng: random.Random) -> TokenLogprob:
                         text=rng.choice([None, *PIECES]), top_texts=texts)
 
 
-def _expected(builder: convert._Builder, entry: TokenLogprob, count: int) -> list[tuple[tuple[str, list[int]], float]]:
+def _expected(builder: bodies._Builder, entry: TokenLogprob, count: int) -> list[tuple[tuple[str, list[int]], float]]:
     rows = []
     for tid, (lp, text) in islice(vllm_ranked(entry).items(), count):
         token = builder._token(tid, text)
-        rows.append(((token, convert.utf8(token)), convert.finite(lp)))
+        rows.append(((token, bodies.utf8(token)), bodies.finite(lp)))
     return rows
 
 
@@ -51,7 +51,7 @@ def test_cached_rows_are_the_uncached_rows_across_requests_and_options() -> None
     app = _App()
     for _ in range(300):
         as_ids = rng.random() < 0.5
-        builder = convert.ChatBuilder("id", "m", 1, 1, app, 5, extras=convert.Extras(as_token_ids=as_ids))  # type: ignore[arg-type]
+        builder = bodies.ChatBuilder("id", "m", 1, 1, app, 5, extras=bodies.Extras(as_token_ids=as_ids))  # type: ignore[arg-type]
         assert builder.pieces is app.pieces
         for _ in range(5):
             entry, count = _entry(rng), rng.randint(0, 7)
@@ -59,15 +59,15 @@ def test_cached_rows_are_the_uncached_rows_across_requests_and_options() -> None
             assert repr(got) == repr(_expected(builder, entry, count))  # repr: NaN == NaN, -0.0 != 0.0
             chat = builder._chat_token(entry)
             assert chat["token"] == builder._token(entry.token_id, entry.text)
-            assert chat["bytes"] == convert.utf8(builder._text(entry.token_id, entry.text))
+            assert chat["bytes"] == bodies.utf8(builder._text(entry.token_id, entry.text))
         # the stream chunks' logprobs JSON, from the rows' JSON cached across requests, is the dicts' dump
         delta = CompletionDelta(request_id="r", index=0, text="", token_ids=[], logprobs=[_entry(rng) for _ in range(3)])
-        assert builder._logprobs_json(delta) == convert.dump(builder._logprobs(delta))
+        assert builder._logprobs_json(delta) == bodies.dump(builder._logprobs(delta))
 
 
 def test_the_tables_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(convert, "_TOKEN_CACHE_LIMIT", 8)
-    pieces = convert.TokenPieces(Texts())
+    monkeypatch.setattr(bodies, "_TOKEN_CACHE_LIMIT", 8)
+    pieces = bodies.TokenPieces(Texts())
     tables: Any = (*pieces._by_id, pieces._by_text, pieces._json, *pieces._json_by_id)
     for token_id in range(100):
         assert pieces.of(token_id, None, token_id % 2 == 0) == pieces.of(token_id, None, token_id % 2 == 0)

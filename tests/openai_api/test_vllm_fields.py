@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from frontend_svc.openai import convert
+from frontend_svc.openai import bodies
 from frontend_svc.openai import protocol as p
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "vllm_fields.json").read_text())
 TESTS = Path(__file__).parent
 
-_SAMPLING = "test_openai_convert.py::test_sampling_params_carry_every_field"
+_SAMPLING = "test_openai_bodies.py::test_sampling_params_carry_every_field"
 _COMMON = {
-    "model": "test_openai_convert.py::test_model_name_must_be_the_served_one",
+    "model": "test_openai_bodies.py::test_model_name_must_be_the_served_one",
     "frequency_penalty": _SAMPLING, "presence_penalty": _SAMPLING, "temperature": _SAMPLING, "top_p": _SAMPLING,
     "seed": _SAMPLING, "stop": _SAMPLING, "top_k": _SAMPLING, "min_p": _SAMPLING, "repetition_penalty": _SAMPLING,
     "stop_token_ids": _SAMPLING, "include_stop_str_in_output": _SAMPLING, "ignore_eos": _SAMPLING,
@@ -43,21 +43,21 @@ _COMMON = {
     "stream_interval": "test_openai_stream_interval.py::test_chunks_hold_the_interval_and_add_up_to_interval_1",
 }
 HONOURED = {
-    "completions": {**_COMMON, "prompt": "test_openai_convert.py::test_prompt_forms_and_strict_types",
+    "completions": {**_COMMON, "prompt": "test_openai_bodies.py::test_prompt_forms_and_strict_types",
                     "logprobs": "test_openai_e2e.py::test_completion_logprobs_shape",
                     "echo": "test_openai_e2e.py::test_echo_with_logprobs_through_the_openai_client",
-                    "response_format": "test_openai_convert.py::test_completions_take_response_format"},
-    "chat": {**_COMMON, "messages": "test_openai_convert.py::test_prompts_and_chat_messages",
-             "logprobs": "test_openai_convert.py::test_chat_logprobs_need_logprobs_true",
-             "top_logprobs": "test_openai_convert.py::test_chat_logprobs_need_logprobs_true",
-             "max_completion_tokens": "test_openai_convert.py::test_defaults_follow_openai",
-             "add_generation_prompt": "test_openai_convert.py::test_prompts_and_chat_messages",
+                    "response_format": "test_openai_bodies.py::test_completions_take_response_format"},
+    "chat": {**_COMMON, "messages": "test_openai_bodies.py::test_prompts_and_chat_messages",
+             "logprobs": "test_openai_bodies.py::test_chat_logprobs_need_logprobs_true",
+             "top_logprobs": "test_openai_bodies.py::test_chat_logprobs_need_logprobs_true",
+             "max_completion_tokens": "test_openai_bodies.py::test_defaults_follow_openai",
+             "add_generation_prompt": "test_openai_bodies.py::test_prompts_and_chat_messages",
              "echo": "test_openai_e2e.py::test_chat_echo_continue_final_message_and_request_id",
              "continue_final_message": "test_openai_e2e.py::test_chat_echo_continue_final_message_and_request_id",
-             "documents": "test_openai_convert.py::test_chat_options_follow_vllm",
+             "documents": "test_openai_bodies.py::test_chat_options_follow_vllm",
              "chat_template": "test_chat_template.py::test_a_request_template_is_sandboxed_and_bounded",
-             "chat_template_kwargs": "test_openai_convert.py::test_chat_options_follow_vllm",
-             "reasoning_effort": "test_openai_convert.py::test_chat_options_follow_vllm",
+             "chat_template_kwargs": "test_openai_bodies.py::test_chat_options_follow_vllm",
+             "reasoning_effort": "test_openai_bodies.py::test_chat_options_follow_vllm",
              "response_format": "test_structured_outputs_served.py::test_every_completion_validates_against_its_schema",
              "tools": "test_structured_outputs_served.py::test_named_and_required_tool_choices_yield_valid_calls",
              "tool_choice": "test_structured_outputs_served.py::test_named_and_required_tool_choices_yield_valid_calls",
@@ -110,9 +110,9 @@ def test_refused_fields_are_400_naming_them_unless_default_or_null(endpoint: str
         recorded = FIXTURE[endpoint].get(field, default)
         assert recorded in (default, None), f"{field}: vLLM's default is {recorded!r}, refused unless {default!r}"
         for accepted in (default, None):
-            assert convert.unsupported(model.model_validate({**BASE[endpoint], field: accepted})) is None, field
+            assert bodies.unsupported(model.model_validate({**BASE[endpoint], field: accepted})) is None, field
         body = model.model_validate({**BASE[endpoint], field: _not_default(default)})
-        error = convert.unsupported(body)
+        error = bodies.unsupported(body)
         assert error is not None and (error.status, error.param) == (400, field), field
         assert field in error.message
 
@@ -127,14 +127,14 @@ def test_null_is_accepted_wherever_vllm_accepts_it(endpoint: str) -> None:
     plain = model.model_validate(base)
     for field in accepted:
         body = model.model_validate({**base, field: None})
-        assert convert.unsupported(body) is None, field
+        assert bodies.unsupported(body) is None, field
         if field in model.NULL_IS_DEFAULT:
             assert body == plain, f"{field}: null should mean the default"
 
 
 def test_user_is_accepted_and_changes_nothing() -> None:
     """OpenAI's end-user id: vLLM accepts it and it changes nothing there either."""
-    plain, tagged = (convert.sampling_params(p.CompletionRequest.model_validate({**BASE["completions"], **extra}))
+    plain, tagged = (bodies.sampling_params(p.CompletionRequest.model_validate({**BASE["completions"], **extra}))
                      for extra in ({}, {"user": "u-1"}))
-    assert plain == tagged and convert.unsupported(p.CompletionRequest.model_validate(
+    assert plain == tagged and bodies.unsupported(p.CompletionRequest.model_validate(
         {**BASE["completions"], "user": "u-1"})) is None

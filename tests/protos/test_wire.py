@@ -1,4 +1,4 @@
-"""shared_runtime.to_pb / from_pb: contract structs <-> protobuf, and engine_svc.packing.
+"""shared_runtime.to_pb / from_pb: contract structs <-> protobuf, and engine_svc.api.output_packing.
 
 Float values are chosen to be exact in float32 where the wire carries float32 (logprobs, kv_cache_usage).
 """
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.v1 import generation_pb2 as public_pb
 
-from engine_svc.packing import pack_outputs
+from engine_svc.api.output_packing import pack_outputs
 from shared_runtime import contract as p
 from shared_runtime import from_pb, to_pb
 

@@ -20,7 +20,7 @@ from tests.realmodel.support import MAX_TOKENS, chat, greedy
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from engine_svc.demo_model import demo_gguf_path
+    from entrypoints.demo_model import demo_gguf_path
 
     try:
         return demo_gguf_path()
@@ -30,7 +30,7 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_svc.demo_model import convert_gguf
+    from entrypoints.demo_model import convert_gguf
 
     return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
 

@@ -59,10 +59,10 @@ class Fleet:
         return service.start()
 
     def engine(self, model: Path, *flags: str) -> Service:
-        """`engine_svc.server_cli --model MODEL` in float32 on a free loopback port with metrics off;
+        """`engine_svc.cli --model MODEL` in float32 on a free loopback port with metrics off;
         `flags` come last, so they override those defaults."""
         port = free_port()
-        return self.start(Service("engine", [sys.executable, "-m", "engine_svc.server_cli", "--model", str(model),
+        return self.start(Service("engine", [sys.executable, "-m", "engine_svc.cli", "--model", str(model),
                                              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                                              "--metrics-port", "0", *flags], port, self.logs))
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine_svc.config import ConfigError, EngineConfig
-from engine_svc.demo_model import main_convert
+from entrypoints.demo_model import main_convert
 from tests.realmodel.support import CHAT_QUESTIONS, chat
 from tests.support import ROOT
 

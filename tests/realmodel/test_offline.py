@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_svc import LLM, SamplingParams
+from entrypoints import LLM, SamplingParams
 from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, chat, greedy
 
 pytestmark = pytest.mark.slow  # a 135M model and its transformers oracle: `make test`, not `make test-fast`

@@ -2,7 +2,7 @@
 
 `smg launch --worker-urls grpc://A grpc://B --model-path DIR --policy cache_aware`: SMG tokenizes, renders
 the chat template and detokenizes in Rust, and drives the engines over `vllm.grpc.engine.VllmEngine`
-(engine_svc/smg_servicer.py). The official `openai` client talks to SMG, and to a tandem frontend
+(engine_svc/api/smg/servicer.py). The official `openai` client talks to SMG, and to a tandem frontend
 (its own OpenAI API) on engine A, with the same requests:
 - chat and completions, streaming and not: greedy text equal to tandem's own frontend;
 - n=2 (two sampled choices), logprobs with top alternatives (equal to tandem's), stop strings (the same

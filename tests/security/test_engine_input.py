@@ -48,7 +48,7 @@ def raw_add(request_id: str, num_ids: int) -> bytes:
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     port = free_port()
-    service = Service("engine", [sys.executable, "-m", "engine_svc.server_cli", "--model", str(tiny_model_dir),
+    service = Service("engine", [sys.executable, "-m", "engine_svc.cli", "--model", str(tiny_model_dir),
                                  "--port", str(port), "--dtype", "float32", "--metrics-port", "0",
                                  "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(8 << 20)],
                       port, tmp_path_factory.mktemp("engine-input")).start()

@@ -63,7 +63,7 @@ class Secure:
         self.frontend: Service | None = None
 
     def engine_argv(self, model: Path, port: int, health_port: int) -> list[str]:
-        return [sys.executable, "-m", "engine_svc.server_cli", "--model", str(model), "--host", "127.0.0.1",
+        return [sys.executable, "-m", "engine_svc.cli", "--model", str(model), "--host", "127.0.0.1",
                 "--port", str(port), *ENGINE_FLAGS, "--health-port", str(health_port),
                 "--ssl-certfile", str(self.live / "tls.crt"), "--ssl-keyfile", str(self.live / "tls.key"),
                 "--ssl-ca-certs", str(self.ca.certfile), "--engine-token-file", str(self.token)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_svc import serve_cli
+from entrypoints import serve as serve_cli
 
 
 def commands(*argv: str, private: Path | None = None) -> tuple[list[str], list[str], object]:

@@ -38,7 +38,7 @@ def cmdline(pid: int) -> list[str]:
 
 def test_the_engine_under_serve_refuses_a_client_without_the_token(tiny_model_dir: Path, tmp_path: Path) -> None:
     port, engine_port = free_port(), free_port()
-    serve = Service("serve", [sys.executable, "-m", "engine_svc.serve_cli", "--model", str(tiny_model_dir),
+    serve = Service("serve", [sys.executable, "-m", "entrypoints.serve", "--model", str(tiny_model_dir),
                               "--port", str(port), "--engine-port", str(engine_port), "--http-port", "0",
                               "--api-key", KEY, "--dtype", "float32"], port, tmp_path).start()
     token_dir = None
@@ -48,7 +48,7 @@ def test_the_engine_under_serve_refuses_a_client_without_the_token(tiny_model_di
         kids = children(serve.proc.pid)
         lines = [cmdline(pid) for pid in kids]
         assert len(lines) == 2 and all(KEY not in " ".join(line) for line in lines)  # nothing in `ps`
-        engine_line = next(line for line in lines if "engine_svc.server_cli" in line)
+        engine_line = next(line for line in lines if "engine_svc.cli" in line)
         token_file = Path(engine_line[engine_line.index("--engine-token-file") + 1])
         token_dir = token_file.parent
         assert stat.S_IMODE(token_dir.stat().st_mode) == 0o700

@@ -165,7 +165,7 @@ def test_tls_flags_are_validated(tiny_model_dir: Path, pki: dict[str, Any], tmp_
 
 def test_tandem_generate_talks_to_a_mutual_tls_frontend(mtls: Stack, pki: dict[str, Any],
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from frontend_svc import generate_cli
+    from entrypoints import generate as generate_cli
 
     security = client_security(pki)
     argv = ["hello there", "--server", mtls.address, "--max-tokens", "3", "--timeout", "10",

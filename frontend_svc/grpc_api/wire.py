@@ -1,7 +1,7 @@
 """The public gRPC API (`tandem.v1`) <-> the frontend library's objects.
 
 GenerateRequest -> prompt + `SamplingParams` (the one place the gRPC API's sampling fields are mapped;
-the OpenAI API's is frontend_svc/openai/convert.py), `CompletionDelta` -> GenerateResponse. What goes to
+the OpenAI API's is frontend_svc/openai/bodies.py), `CompletionDelta` -> GenerateResponse. What goes to
 the engine is converted by shared_runtime/to_pb.py.
 
 Invariants:

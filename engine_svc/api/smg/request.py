@@ -12,7 +12,7 @@ fails on a field in neither). Semantics are those of SMG's own vLLM servicer:
   is 1, an unset max_tokens fills the context window;
 - `constraint` maps onto the contract's `StructuredOutputs` (json_schema -> json, the others by name);
 - `truncate_prompt_tokens` keeps the prompt's last k ids (-1: the last max_model_len);
-- `stop` strings are matched on the detokenized output (smg_stops.py), `include_stop_str_in_output`,
+- `stop` strings are matched on the detokenized output (stops.py), `include_stop_str_in_output`,
   `skip_special_tokens` and `spaces_between_special_tokens` shape only that text: the token ids sent
   are the same either way (as vLLM's servicer sends them; the gateway renders the text);
 - `grammar_from_first_token`: tandem runs no reasoning parser, so a constraint always starts at the

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import tokenizers
 
-from engine_svc.tokenizer_files import TokenizerArchive
+from engine_svc.api.tokenizer_archive import TokenizerArchive
 from shared_runtime import tokenizer_bundle
 from shared_runtime.detokenizer import IncrementalDetokenizer
 from shared_runtime.stop import StopChecker

@@ -7,7 +7,7 @@ The shape is that of SMG's own vLLM servicer, which the gateway is written again
 - stream=false: when every sample has ended, one `complete` per sample in index order, with all of
   its tokens and logprobs;
 - `finish_reason` is "stop", "length" or "abort"; `matched_token_id` is set when a stop token id
-  (not EOS) ended the sample, `matched_stop_str` when a stop string did (smg_stops.py);
+  (not EOS) ended the sample, `matched_stop_str` when a stop string did (stops.py);
 - `index` is the sample's position among the n.
 An error output (a refused request, a full admission queue, a draining engine) raises `EngineFailure`;
 the servicer ends the call with its status.
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
 
-from engine_svc.smg_request import SmgPlan
-from engine_svc.smg_stops import SampleStops
+from engine_svc.api.smg.request import SmgPlan
+from engine_svc.api.smg.stops import SampleStops
 from shared_runtime.contract import EngineCoreOutput, ErrorCode, FinishReason, TokenLogprobs
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}

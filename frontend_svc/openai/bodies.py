@@ -4,8 +4,8 @@ Requests: `served_model`, `unsupported`, `completion_prompts` / `chat_prompt` an
 a validated body into prompts and one `SamplingParams` (which validates itself with the contract's
 rules, shared_runtime/contract.py, so both APIs share one set), and `field_names` says how to name a rejected field in the OpenAI request.
 
-Responses: `ChoiceIndex` numbers choices (prompt index * n + completion index, as vLLM does for
-batched prompts); `CompletionBuilder` and `ChatBuilder` turn deltas into stream chunks (one per delta
+Responses: choices are numbered prompt index * n + completion index (as vLLM does for batched prompts);
+`CompletionBuilder` and `ChatBuilder` turn deltas into stream chunks (one per delta
 that carries something) or fold them into the final response, and sum usage over prompts (each prompt
 counted once, every completion's tokens counted). `TokenTexts` decodes logprob tokens, cached per id.
 A delta's chunk is built as plain dicts and serialised by `dump` (the hot path: no pydantic model per

@@ -6,9 +6,10 @@ import asyncio
 
 import pytest
 
-from frontend_svc.errors import UNAVAILABLE, ServiceError
+from frontend_svc.delta_collector import DeltaCollector
+from frontend_svc.drain_gate import DrainGate
 from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
-from frontend_svc.request_state import DeltaCollector, DrainGate
+from frontend_svc.service_error import UNAVAILABLE, ServiceError
 
 
 def delta(index: int, step: int, *, finish: str | None = None) -> CompletionDelta:

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from engine_svc.config import config_from_args
-    from engine_svc.llm import LLM
+    from entrypoints.llm import LLM
     from shared_runtime.contract import SamplingParams
 
     cfg = config_from_args(args)

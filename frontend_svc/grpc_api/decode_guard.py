@@ -68,8 +68,8 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     Invariant: a method's guarded handler is built once, the first time it is called, and reused for
     as long as gRPC hands out the same handler object for it (what a server's registered handlers do);
-    so a call pays one dictionary lookup here, not a new handler, closures and an `inspect` check (~2% of
-    the frontend's CPU at 2 tokens a Generate call, bench/frontend_capacity.py --calls). The cache holds
+    so a call pays one dictionary lookup here, not a new handler, closures and an `inspect` check
+    (bench/frontend_capacity.py --calls; BENCHMARKS.md). The cache holds
     one entry per method gRPC found a handler for: unknown method names are never stored."""
 
     def __init__(self) -> None:

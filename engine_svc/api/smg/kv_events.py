@@ -1,4 +1,4 @@
-"""The engine's KV-cache events (kv_publisher.py) in SMG's shape (`smg.grpc.common.KvEventBatch`).
+"""The engine's KV-cache events (engine_svc/api/kv_events.py) in SMG's shape (`smg.grpc.common.KvEventBatch`).
 
 One subscription of the same `KvEventPublisher` tandem frontends follow; each batch is converted as it is
 sent, on the event loop:
@@ -23,8 +23,7 @@ import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.vendor.smg import common_pb2 as cpb
 
-from engine_svc.kv_publisher import KvEventPublisher
-from engine_svc.scale_out_rpcs import stream_kv_events
+from engine_svc.api.kv_events import KvEventPublisher, stream_kv_events
 
 
 def smg_hash(block_hash: bytes) -> int:

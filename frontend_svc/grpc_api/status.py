@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from frontend_svc.errors import ServiceError
+from frontend_svc.service_error import ServiceError
 from shared_runtime.violations import ValidationError
 
 DOMAIN = "tandem"

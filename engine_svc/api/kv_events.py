@@ -2,7 +2,8 @@
 
 The busy loop hands each iteration's records (engine_svc/kv/events.py) to `KvEventPublisher.publish`
 through `call_soon_threadsafe`; everything in this module runs on the server's event loop. Each
-`SubscribeKvEvents` stream holds one `Subscription`.
+`SubscribeKvEvents` stream holds one `Subscription` (`stream_kv_events` serves it: a snapshot, then live
+batches; RESOURCE_EXHAUSTED when the subscriber fell too far behind, FAILED_PRECONDITION when events are off).
 
 Invariants:
 - Published batches are numbered 1, 2, 3, ... in publication order, per engine process.
@@ -22,17 +23,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
 
 from engine_svc.kv.events import KVEvent, StoredBlock
 from shared_runtime.contract import SchedulerStats
 from shared_runtime.kv_hash import BlockHash
 from shared_runtime.to_pb import stats_to_pb
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUFFER = 1024  # batches (about one per engine step) a subscriber may fall behind before it is dropped
 SNAPSHOT_CHUNK_BLOCKS = 4096  # blocks per snapshot message (~0.4 MB at block size 16: far below 4 MiB)
@@ -230,3 +235,20 @@ def count_events(batch: pb.KvEventBatch) -> int:
         else:
             total += 1
     return total
+
+
+async def stream_kv_events(publisher: KvEventPublisher | None,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvEventBatch]:
+    if publisher is None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "KV cache events are off on this engine (--no-enable-kv-cache-events)")
+        return
+    subscription = publisher.subscribe()
+    try:
+        async for batch in subscription.batches():
+            yield batch
+    except SubscriberDropped:
+        logger.warning("a KV event subscriber fell more than %d batches behind; dropped it", publisher.buffer)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"this subscriber fell more than {publisher.buffer} batches behind the engine's KV "
+                            "cache events and was dropped; subscribe again for a fresh snapshot")

@@ -8,14 +8,14 @@ drains) and everything of it still running is aborted when the call ends for any
 cancelled it, the client went away, an error). The engine token (docs/security.md) is checked by the
 server's interceptor for this service as for EngineCoreService.
 
-- Generate: smg_request.py (request -> engine requests; refusals), smg_answer.py (outputs -> messages),
-  smg_stops.py (stop strings, matched on the text in the engine: a matched sample is aborted at once).
+- Generate: request.py (request -> engine requests; refusals), answer.py (outputs -> messages),
+  stops.py (stop strings, matched on the text in the engine: a matched sample is aborted at once).
 - Abort: the named calls' samples are aborted; each call then completes with finish_reason "abort".
 - HealthCheck: healthy while the model is loaded and the engine neither draining nor failed.
 - GetModelInfo / GetServerInfo / GetLoads: the engine's config and the busy loop's latest stats.
 - GetTokenizer: the archive the engine already serves to tandem frontends (a zip of tokenizer.json,
   tokenizer_config.json, ...), in chunks; the SHA-256 on the last.
-- SubscribeKvEvents: the engine's KV-cache event stream (kv_publisher.py) in SMG's shape (smg_kv_events.py).
+- SubscribeKvEvents: the engine's KV-cache event stream (engine_svc/api/kv_events.py) in SMG's shape (kv_events.py).
 - Embed, FlushCache, StartProfile, StopProfile: UNIMPLEMENTED (tandem serves generation only, keeps no
   profiler, and drops its prefix cache only by eviction).
 """
@@ -34,14 +34,14 @@ from tandem.vendor.smg import common_pb2 as cpb
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
 from tandem.vendor.smg import vllm_engine_pb2_grpc as vpb_grpc
 
-from engine_svc.smg_answer import EngineFailure, SmgAnswer
-from engine_svc.smg_kv_events import smg_batches
-from engine_svc.smg_model import ModelFacts, read_model_facts
-from engine_svc.smg_request import Refused, SmgPlan, plan_request
-from engine_svc.smg_stops import LazyStopTokenizer, NoTokenizer, SampleStops
+from engine_svc.api.smg.answer import EngineFailure, SmgAnswer
+from engine_svc.api.smg.kv_events import smg_batches
+from engine_svc.api.smg.model_info import ModelFacts, read_model_facts
+from engine_svc.api.smg.request import Refused, SmgPlan, plan_request
+from engine_svc.api.smg.stops import LazyStopTokenizer, NoTokenizer, SampleStops
 
 if TYPE_CHECKING:
-    from engine_svc.server import EngineCoreServicer
+    from engine_svc.api.engine_core import EngineCoreServicer
 
 logger = logging.getLogger(__name__)
 

@@ -123,7 +123,7 @@ def child_commands(args: argparse.Namespace, engine_args: list[str]) -> tuple[li
     """(engine argv, frontend argv), both run with this interpreter (after `prepare_secrets`)."""
     if args.api_key:
         raise ValueError("prepare_secrets() first: API keys never go on a child's command line")
-    engine = [sys.executable, "-m", "engine_svc.server_cli", "--model", args.model,
+    engine = [sys.executable, "-m", "engine_svc.cli", "--model", args.model,
               "--host", "127.0.0.1", "--port", str(args.engine_port),
               "--metrics-port", str(args.engine_metrics_port), *engine_args]
     if args.engine_token_file:

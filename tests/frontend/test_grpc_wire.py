@@ -1,4 +1,4 @@
-"""The gRPC API's sampling fields -> the contract's SamplingParams (frontend_svc/convert.py), field by field."""
+"""The gRPC API's sampling fields -> the contract's SamplingParams (frontend_svc/grpc_api/wire.py), field by field."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from tandem.v1 import generation_pb2 as pb
 
-from frontend_svc.convert import sampling_params_from_pb
+from frontend_svc.grpc_api.wire import sampling_params_from_pb
 from shared_runtime.contract import SamplingParams, StructuredOutputs
 from shared_runtime.violations import ValidationError
 

@@ -7,14 +7,21 @@ its own. The engine still needs no tokenizer to serve requests.
 - A Hugging Face directory: the tokenizer, chat-template and config files that exist
   (`tokenizer_bundle.FILE_NAMES`); there is nothing to serve without tokenizer.json.
 - A .gguf file: its metadata without tensors (tokenizer, chat template and limits live there).
+
+`stream_tokenizer` serves it (`GetTokenizer`) in chunks of at most `tokenizer_bundle.CHUNK_BYTES`, the total
+size on the first and the SHA-256 on the last.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
+from tandem.engine.v1 import engine_core_pb2 as pb
 
 from shared_runtime import tokenizer_bundle
 
@@ -57,3 +64,16 @@ def _tokenizer_files(path: Path) -> dict[str, bytes] | None:
     files = {name: (path / name).read_bytes() for name in sorted(tokenizer_bundle.FILE_NAMES)
              if name != tokenizer_bundle.GGUF_NAME and (path / name).is_file()}
     return files if "tokenizer.json" in files else None
+
+
+async def stream_tokenizer(archive: asyncio.Future[TokenizerArchive | None] | None, model_name: str,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenizerChunk]:
+    found = await archive if archive is not None else None
+    if found is None:
+        await context.abort(grpc.StatusCode.NOT_FOUND, "this engine's model has no tokenizer files to serve "
+                            "(no tokenizer.json, or a .gguf file without a tokenizer); start the frontend "
+                            "with --model")
+        return
+    for piece, first, last in found.chunks():
+        yield pb.TokenizerChunk(data=piece, total_size=len(found.data) if first else 0,
+                                model_name=model_name if first else "", sha256=found.sha256 if last else "")

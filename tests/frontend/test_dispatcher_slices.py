@@ -1,4 +1,4 @@
-"""EngineClient.on_outputs: a large engine step is processed in slices with the event loop free between them,
+"""Dispatcher.on_outputs: a large engine step is processed in slices with the event loop free between them,
 in engine order, and every output still reaches its request."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import itertools
 
 from tandem.engine.v1 import engine_core_pb2 as epb
 
-from frontend_svc.engine_client import OUTPUT_SLICE, EngineClient, _slices
+from frontend_svc.delta_collector import DeltaCollector
+from frontend_svc.dispatcher import OUTPUT_SLICE, Dispatcher, _slices
+from frontend_svc.engine_client import EngineClient
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import Processor
-from frontend_svc.request_state import DeltaCollector
 from shared_runtime import contract as p
 from shared_runtime.contract import SamplingParams
 from shared_runtime.to_pb import outputs_to_pb
@@ -22,7 +23,7 @@ NUM_REQUESTS = 256
 def test_a_256_request_step_leaves_the_loop_free_between_slices(tokenizer, encode) -> None:
     op = OutputProcessor(tokenizer)
     processor = Processor(tokenizer, max_model_len=256, vocab_size=tokenizer.vocab_size, model_name="tiny")
-    client = EngineClient([], op, tokenizer.vocab_size)
+    dispatcher = Dispatcher(EngineClient([], tokenizer.vocab_size), op)
     collectors = [DeltaCollector() for _ in range(NUM_REQUESTS)]
     engine_ids = []
     for i, collector in enumerate(collectors):
@@ -43,7 +44,7 @@ def test_a_256_request_step_leaves_the_loop_free_between_slices(tokenizer, encod
 
         watcher = asyncio.get_running_loop().create_task(watch())
         await asyncio.sleep(0)
-        await client.on_outputs(None, message)  # type: ignore[arg-type]  # no stats, aborts or finishes
+        await dispatcher.on_outputs(None, message)  # type: ignore[arg-type]  # no stats, aborts or finishes
         watcher.cancel()
         return seen
 
@@ -68,7 +69,7 @@ def _shape(slices: list[list[tuple[str, epb.EngineCoreOutput]]]) -> list[list[tu
 
 
 def test_one_message_with_several_steps_of_a_request_is_grouped_by_request() -> None:
-    """engine_svc/packing.py puts several queued steps in one message: a request's outputs still go
+    """engine_svc/api/output_packing.py puts several queued steps in one message: a request's outputs still go
     through the output processor next to each other (one merged delta), requests in first-seen order."""
     slices = list(_slices([_message("a", "b", "a", "c", "b")]))
     assert _shape(slices) == [[("a", 0), ("a", 2), ("b", 1), ("b", 4), ("c", 3)]]

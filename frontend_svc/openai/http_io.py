@@ -1,0 +1,130 @@
+"""An HTTP request's plumbing shared by every OpenAI-style route: its body read and parsed under limits, its
+id, its headers, its client's disconnect, and errors as OpenAI's JSON error response.
+
+Invariants:
+- A body is read only up to its limit: Content-Length over it is refused before reading, and reading
+  stops as soon as the bytes received exceed it (413).
+- A body larger than `INLINE_PARSE_BYTES` is parsed on a thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pydantic
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.types import Receive
+
+from frontend_svc.openai.errors import ApiError, bad_request, from_pydantic, too_large
+from shared_runtime import limits
+
+M = TypeVar("M", bound=pydantic.BaseModel)
+T = TypeVar("T")
+INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed on a thread
+JSON = "application/json"
+
+
+def error_response(error: ApiError) -> Response:
+    return Response(error.json(), status_code=error.status, media_type=JSON, headers=error.headers)
+
+
+async def guarded(request: Request, handler: Callable[[Request], Awaitable[Response]]) -> Response:
+    """`handler(request)`, its `ApiError` as OpenAI's error response."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc)
+
+
+async def parse_body(request: Request, max_body_bytes: int, model: type[M]) -> M:
+    """The body validated as `model` (pydantic; on a thread when it is large); 400/413 as `ApiError`."""
+    raw = await read_body(request, max_body_bytes)
+    try:
+        return await off_loop_if_large(raw, model.model_validate_json, raw)
+    except pydantic.ValidationError as exc:
+        raise from_pydantic(exc) from None
+
+
+async def off_loop_if_large(raw: bytes, fn: Callable[[Any], T], arg: Any) -> T:
+    """`fn(arg)`, on a thread when `raw` (the body it works on) is large, so it never stalls other streams."""
+    if len(raw) > INLINE_PARSE_BYTES:
+        return await asyncio.to_thread(fn, arg)
+    return fn(arg)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; 400 otherwise."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise bad_request("the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    return data
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; 413 when Content-Length or the bytes received exceed `limit` (nothing more is read)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise bad_request("invalid Content-Length")
+        if int(length) > limit:
+            raise too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by the body timeout (edge.py): nobody reads the answer
+        raise ApiError(408, "the request body did not arrive") from None
+    return b"".join(chunks)
+
+
+async def unless_disconnected(request: Request, task: asyncio.Future[Any]) -> bool:
+    """Wait for `task`; False (task cancelled) if the client disconnects first. Raises what `task` raises."""
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})  # its end, without its exception (and without hiding our own cancel)
+        return False
+    task.result()
+    return True
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def pick_request_id(request: Request, in_body: str | None = None) -> str:
+    """The client's X-Request-Id, else the body's `request_id` (vLLM's order; either validated like the
+    gRPC request_id), else a new one."""
+    given, name = request.headers.get("x-request-id"), "X-Request-Id"
+    if given is None:
+        given, name = in_body, "request_id"
+    if given is None:
+        return uuid.uuid4().hex
+    bad = limits.request_id_violation(given)
+    if bad is not None or not given:
+        raise bad_request(f"{name} {bad.description if bad else 'must not be empty'}", name)
+    return given
+
+
+def header_pairs(request: Request) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
