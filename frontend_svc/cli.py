@@ -45,8 +45,8 @@ from frontend_svc.config import (
     default_routing,
     parse_engine_list,
 )
+from frontend_svc.engines.router import CacheAwareSettings
 from frontend_svc.openai.tool_parsers import TOOL_CALL_PARSER_NAMES
-from frontend_svc.router import CacheAwareSettings
 from shared_runtime.heap import settle_heap
 from shared_runtime.security.auth import API_KEY_ENV
 from shared_runtime.security.flags import (
@@ -206,7 +206,7 @@ async def _fetch_and_serve(config: FrontendConfig, signals: ServiceSignals) -> i
 async def _with_engine_tokenizer(config: FrontendConfig) -> tuple[FrontendConfig, Path]:
     """The config with the engines' tokenizer files as its model (written to a temporary directory, which
     is returned too); raises TokenizerFetchError (a ValueError) or ConfigError."""
-    from frontend_svc.engine_client import ChannelFactory
+    from frontend_svc.engines.client import ChannelFactory
     from frontend_svc.tokenizer_fetch import TokenizerFetchError, fetch_engine_tokenizer, write_tokenizer_dir
     from shared_runtime.security.auth import BearerToken
     from shared_runtime.security.tls import client_tls

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frontend_svc.engines.router import POLICIES, CacheAwareSettings
 from frontend_svc.gguf_tokenizer import is_gguf, model_limits, read_metadata
 from frontend_svc.openai.tool_parsers import TOOL_CALL_PARSER_NAMES
-from frontend_svc.router import POLICIES, CacheAwareSettings
 from shared_runtime.security.http_limits import HttpLimits
 from shared_runtime.security.tls import TlsConfigError, TlsFiles
 

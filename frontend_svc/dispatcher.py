@@ -3,7 +3,7 @@
 vLLM's `AsyncLLM` owns the output processor and the engine-core client and runs the loop between them;
 the `Dispatcher` is that loop here. A request from `submit` to its end has exactly one owner, this
 dispatcher, which knows its state in the output processor (`RequestState`: which completions still run,
-where their deltas wait) and the engine it was sent to. The engine client (engine_client.py) is transport
+where their deltas wait) and the engine it was sent to. The engine client (engines/client.py) is transport
 and routing only: it hands the dispatcher each engine stream's messages (`on_outputs`) and each stream
 that breaks (`on_stream_down`).
 
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from tandem.engine.v1 import engine_core_pb2 as epb
 
 from frontend_svc.delta_collector import DeltaCollector
-from frontend_svc.engine_client import EngineClient, EngineConnection
+from frontend_svc.engines.client import EngineClient, EngineConnection
 from frontend_svc.output_processor import OutputProcessor, ProcessedOutputs, RequestState
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.service_error import UNAVAILABLE, ServiceError

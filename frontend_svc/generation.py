@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.dispatcher import Dispatcher
-from frontend_svc.engine_client import EngineUnavailable
+from frontend_svc.engines.client import EngineUnavailable
 from frontend_svc.output_processor import RequestState
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions

@@ -37,13 +37,13 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 from frontend_svc.config import FrontendConfig
 from frontend_svc.dispatcher import Dispatcher
-from frontend_svc.engine_client import ChannelFactory, EngineClient
+from frontend_svc.engines.client import ChannelFactory, EngineClient
+from frontend_svc.engines.router import Router
 from frontend_svc.generation import Admission, Generation
 from frontend_svc.grpc_api.decode_guard import DecodeGuardInterceptor
 from frontend_svc.grpc_api.servicer import GenerationServicer
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
-from frontend_svc.router import Router
 from frontend_svc.service_error import UNAVAILABLE, ServiceError
 from frontend_svc.telemetry.call import GenerateCall
 from frontend_svc.telemetry.service import FrontendTelemetry

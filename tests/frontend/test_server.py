@@ -22,9 +22,9 @@ from tandem.v1 import generation_pb2 as pb
 
 from frontend_svc.client import TandemClient, collect, generate_request
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_client import resolve_target
+from frontend_svc.engines.client import resolve_target
+from frontend_svc.engines.router import Router
 from frontend_svc.grpc_api.servicer import GenerationServicer
-from frontend_svc.router import Router
 from frontend_svc.server import FrontendServer
 from tests.fake_engine import SEED_ENDLESS, SEED_FAIL_LATE, SEED_REJECT, FakeEngine, start_fake_engine
 from tests.support import RPC_TIMEOUT_S, DeadlineClient, LoopThread, bad_fields, rpc_error, wait_until

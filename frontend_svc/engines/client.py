@@ -47,9 +47,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
-from frontend_svc.drain_gate import DrainGate
-from frontend_svc.kv_index import KvBlockIndex, follow_kv_events
-from frontend_svc.router import Router
+from frontend_svc.engines.drain_gate import DrainGate
+from frontend_svc.engines.kv_index import KvBlockIndex, follow_kv_events
+from frontend_svc.engines.router import Router
 from shared_runtime.link import KEEPALIVE_OPTIONS, message_size_options
 from shared_runtime.security.auth import BearerToken, bearer_token_interceptors
 from shared_runtime.security.tls import ClientTls
