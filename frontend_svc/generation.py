@@ -173,7 +173,8 @@ class Generation:
             raise asyncio.CancelledError
         engine_requests = self._processor.engine_requests(prepared, self.call.trace_headers())
         try:
-            self._request = self._dispatcher.submit(prepared, engine_requests, self._collector)
+            self._request = self._dispatcher.submit(prepared, engine_requests, self._collector,
+                                                    on_migration=self.call.migrated)
         except EngineUnavailable as exc:
             raise ServiceError(UNAVAILABLE, str(exc), "NO_READY_ENGINE") from None
         connection = self._dispatcher.engine_of(self._request)

@@ -362,6 +362,7 @@ class EngineClient:
         self._resolved: dict[str, list[str]] = {}  # target -> its last good addresses
         self._background: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
+        self._changed: asyncio.Event | None = None  # set (and replaced) at every readiness change
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -423,6 +424,19 @@ class EngineClient:
             raise EngineUnavailable("no engine is ready to serve requests; retry shortly")
         return connection
 
+    async def wait_for_ready_engine(self, timeout: float) -> bool:
+        """Wait until some engine is ready (True), or `timeout` seconds pass without one (False)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.ready_engines():
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return True
+
     def release(self, connection: EngineConnection, request: Carried | None = None) -> None:
         """`request` is done with `connection`; a retired connection closes once it carries nothing."""
         if request is not None:
@@ -450,6 +464,9 @@ class EngineClient:
         return False
 
     def connection_changed(self) -> None:
+        if self._changed is not None:  # wake whoever waits for a ready engine
+            self._changed.set()
+            self._changed = None
         self._on_change()
 
     def connection_down(self, connection: EngineConnection, message: str, was_ready: bool) -> None:
