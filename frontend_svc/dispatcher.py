@@ -10,7 +10,7 @@ what each generated, where their deltas wait) and the engine it runs on. The eng
 
 Migration. When a request's engine stream breaks (the engine died or was lost) or the engine hands the
 request back (an UNAVAILABLE error output: it drained, or failed, before the request finished), the
-request continues on another ready engine: each unfinished completion is re-sent as a continuation -
+request continues on another ready engine (after a hand-back, never the engine that gave it back): each unfinished completion is re-sent as a continuation -
 the prompt plus `output_token_ids`, the tokens it generated so far, which the engine counts as output
 (max_tokens, min_tokens, penalties, the seeded random stream, a grammar all continue after them) - under
 a new engine id. The client's stream goes on from where it was: the output processor's state (the
@@ -204,12 +204,15 @@ class Dispatcher:
         """Wait (at most the policy's timeout) for a ready engine and re-send the request's unfinished
         completions there as continuations."""
         timeout = self.migration.timeout_s
+        # An engine that gave the request back will not take it again (it drains, or fails requests while it
+        # stays up); a lost engine may come back, restarted at the same address, and take it.
+        avoid = left if reason == HANDED_BACK else None
         connection = None
         while connection is None:
             try:
-                connection = self.engines.choose(request.prepared.prompt_token_ids)
+                connection = self.engines.choose(request.prepared.prompt_token_ids, avoid)
             except EngineUnavailable:
-                if not await self.engines.wait_for_ready_engine(timeout):
+                if not await self.engines.wait_for_ready_engine(timeout, avoid):
                     break
         del self._moving[request]
         number = self._moves[request]

@@ -416,18 +416,19 @@ class EngineClient:
     def connections(self) -> list[EngineConnection]:
         return list(self._connections.values())
 
-    def choose(self, prompt_token_ids: Sequence[int]) -> EngineConnection:
+    def choose(self, prompt_token_ids: Sequence[int], avoid: EngineConnection | None = None) -> EngineConnection:
         """The ready engine a new request goes to (all n completions of a request go to one engine: they
-        share the prompt's KV blocks); EngineUnavailable when none is ready."""
-        connection = self.router.choose(self.ready_engines(), prompt_token_ids)
+        share the prompt's KV blocks), never `avoid`; EngineUnavailable when there is none."""
+        connection = self.router.choose([c for c in self.ready_engines() if c is not avoid], prompt_token_ids)
         if connection is None:
             raise EngineUnavailable("no engine is ready to serve requests; retry shortly")
         return connection
 
-    async def wait_for_ready_engine(self, timeout: float) -> bool:
-        """Wait until some engine is ready (True), or `timeout` seconds pass without one (False)."""
+    async def wait_for_ready_engine(self, timeout: float, avoid: EngineConnection | None = None) -> bool:
+        """Wait until an engine other than `avoid` is ready (True), or `timeout` seconds pass without one
+        (False)."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while not self.ready_engines():
+        while not [c for c in self.ready_engines() if c is not avoid]:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return False
