@@ -131,9 +131,12 @@ def test_a_killed_engine_leaves_every_index_its_conversations_move_and_a_restart
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
     for f in frontends:
         wait_until(lambda f=f: f.cached_blocks().get(dead) == 0, 10, "the dead engine's cache forgotten")
-    for i, c in enumerate(conversations):  # every conversation goes on, on the survivor: its history is gone
-        lost = c.expected_hit
-        assert c.turn(frontends[i % 2]) <= len(SYSTEM) < lost
+    for i, c in enumerate(conversations):  # every conversation goes on, on the survivor: its history is gone,
+        lost = c.expected_hit  # but for conversation 0's, which the moved request computed there again
+        if i == 0:
+            assert c.turn(frontends[i % 2]) > len(SYSTEM)
+        else:
+            assert c.turn(frontends[i % 2]) <= len(SYSTEM) < lost
     for i, c in enumerate(conversations):  # and stays there
         expected = c.expected_hit
         assert c.turn(frontends[(i + 1) % 2]) == expected
