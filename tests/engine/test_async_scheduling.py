@@ -230,12 +230,17 @@ def step_all(core: EngineCore, abort_after: dict[str, int] | None = None) -> dic
     """Step until done; abort request r right after the step that brought its abort_after[r]-th token."""
     seen: dict[str, list] = {}
     counts: dict[str, int] = {}
+    generated = 0  # the per-step stats' count (what metrics add up): each step counted once
     while core.has_unfinished_requests():
-        for out in core.step().outputs:
+        outputs = core.step()
+        assert outputs.scheduler_stats is not None
+        generated += outputs.scheduler_stats.num_generation_tokens
+        for out in outputs.outputs:
             seen.setdefault(out.request_id, []).append(out)
             counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
             if abort_after and counts[out.request_id] == abort_after.get(out.request_id) and not out.finish_reason:
                 core.abort_requests([out.request_id])
+    assert generated == sum(counts.values())
     return seen
 
 
