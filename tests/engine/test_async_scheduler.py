@@ -30,6 +30,7 @@ class ScriptedWorker:
         self.num_sampled: dict[str, int] = defaultdict(int)
         self.prev: set[str] = set()  # the requests that sampled in the previous step
         self.num_placeholders = 0
+        self.prompts: dict[str, list[int]] = {}  # requests that asked for prompt logprobs: their prompt
 
     def run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for r in so.finished_req_ids + so.preempted_req_ids:
@@ -40,6 +41,8 @@ class ScriptedWorker:
             assert PLACEHOLDER_TOKEN not in new.token_ids
             self.length[new.req_id] = len(new.token_ids)
             computed[new.req_id] = new.num_computed_tokens
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompts[new.req_id] = new.token_ids[: new.num_prompt_tokens]
         for diff in so.cached_diffs():
             tokens = diff.new_token_ids
             assert PLACEHOLDER_TOKEN not in tokens[:-1], "a placeholder is only ever a diff's last token"
@@ -62,7 +65,13 @@ class ScriptedWorker:
                 sampled.append(-1)
         if so.total_num_scheduled_tokens:
             self.prev = {r for r, t in zip(req_ids, sampled) if t >= 0}
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        prompt_logprobs = {}  # row p predicts prompt token p + 1: (token, logprob -p, rank 1, no top)
+        for r in req_ids:
+            prompt = self.prompts.get(r)
+            start, end = computed[r], min(computed[r] + so.num_scheduled_tokens[r], len(prompt or []) - 1)
+            if prompt is not None and end > start:
+                prompt_logprobs[r] = [(prompt[p + 1], -float(p), 1, [], []) for p in range(start, end)]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, prompt_logprobs=prompt_logprobs)
 
 
 def make_scheduler(num_blocks: int = 32, caching: bool = False, **kw: Any) -> Scheduler:
@@ -171,6 +180,29 @@ def test_a_request_preempted_while_its_sample_is_in_flight_keeps_that_token_and_
     out = s.update_from_output(so5, w.run(so5))
     assert tokens_of(out) == {"b": [32]} and finish_of(out) == {"b": FinishReason.LENGTH}
     assert s.kv.num_free_blocks == 2 and not s.requests
+
+
+def test_a_request_preempted_with_its_first_token_in_flight_keeps_every_prompt_logprob() -> None:
+    # 3 blocks of 4, 8 tokens a step: b's prompt goes in two chunks; a's decode at position 4 needs a third
+    # block while b's last chunk (which samples its first token) is in flight, so b is preempted then.
+    s = make_scheduler(num_blocks=3, max_num_batched_tokens=8)
+    w = ScriptedWorker({"a": [20, 21, 22, 23, 24], "b": [30, 31]})
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    add(s, "a", [1, 2, 3], max_tokens=5, arrival=0.0)
+    add(s, "b", prompt, max_tokens=2, arrival=1.0, prompt_logprobs=1)
+    so1, so2 = s.schedule(), s.schedule()
+    assert so1.num_scheduled_tokens == {"a": 3, "b": 5} and so2.num_scheduled_tokens == {"a": 1, "b": 3}
+    s.update_from_output(so1, w.run(so1))  # b's first chunk's rows
+    so3 = s.schedule()
+    assert so3.preempted_req_ids == ["b"] and s.requests["b"].num_output_placeholders == 1
+    out = s.update_from_output(so2, w.run(so2))  # b's last chunk's rows and its first token
+    first = next(o for o in out.outputs if o.request_id == "b")
+    assert first.new_token_ids == [30]
+    assert [(lp.token_id, lp.logprob) for lp in first.prompt_logprobs] == [(prompt[p + 1], -p) for p in range(7)]
+    outs = drain(s, w, [so3])
+    assert [t for o in outs for r in o.outputs if r.request_id == "b" for t in r.new_token_ids] == [31]
+    assert all(not r.prompt_logprobs for o in outs for r in o.outputs)  # the recomputed prompt sends none
+    assert s.kv.num_free_blocks == 3
 
 
 def test_a_preempted_request_whose_token_in_flight_ends_it_leaves_the_waiting_queue() -> None:

@@ -241,6 +241,7 @@ def step_all(core: EngineCore, abort_after: dict[str, int] | None = None) -> dic
             if abort_after and counts[out.request_id] == abort_after.get(out.request_id) and not out.finish_reason:
                 core.abort_requests([out.request_id])
     assert generated == sum(counts.values())
+    assert core.num_batches_in_flight == 0  # stepping until nothing is unfinished drains the queue
     return seen
 
 
@@ -286,6 +287,17 @@ def test_eos_and_aborts_in_flight_emit_nothing_past_the_end_and_free_every_block
     assert results[True]["r2"] == (greedy["r2"][0][:1], FinishReason.ABORT)
     waste = {r: scheduled[True][r] - scheduled[False][r] for r in scheduled[True]}
     assert waste == {"r0": 1, "r1": 1, "r2": 1, "r3": 0}  # one step past an end nobody could foresee
+
+
+def test_each_step_is_counted_once_in_the_stats_across_idle_gaps(make_model) -> None:
+    """A step that only fills the queue updates nothing: its stats carry no token counts (metrics add
+    them up per step), also when it follows an earlier run's last update."""
+    core = make_core(make_model("llama"), True)
+    for prompts in (make_prompts(37, 2, 500, lo=4, hi=6), make_prompts(41, 1, 500, lo=4, hi=6)):
+        for req in core_requests(prompts, temperature=0.0, max_tokens=5, ignore_eos=True):
+            core.add_request(req)
+        step_all(core)  # checks the sum of the stats' counts against the tokens
+    core.shutdown()
 
 
 def test_a_request_id_reused_right_after_it_ended_gets_only_its_own_tokens(make_model) -> None:
