@@ -123,6 +123,18 @@ class EngineCore:
         return outputs
 
     @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the queue keeps in flight (the executor's; pipeline stages would raise it)."""
+        return self._max_concurrent_batches
+
+    @max_concurrent_batches.setter
+    def max_concurrent_batches(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"max_concurrent_batches must be >= 1, got {depth}")
+        self._max_concurrent_batches = depth
+        self.scheduler.steps_in_flight = depth > 1  # the scheduler's bookkeeping of samples in flight
+
+    @property
     def num_batches_in_flight(self) -> int:
         return len(self._batch_queue)
 

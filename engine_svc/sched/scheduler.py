@@ -133,7 +133,10 @@ class Scheduler:
         self._num_constrained = 0  # live requests holding a matcher: 0 = no step pays for the bitmask
         self._bitmask = BitmaskFiller(grammars.vocab_size) if grammars is not None else None
         # Steps in flight: schedule() numbers its outputs; update_from_output records the last it applied.
+        # Without them (`steps_in_flight` False: the core's queue holds one batch) no request ever has a
+        # sample in flight when scheduled, and the per-request bookkeeping below is skipped.
         self.async_scheduling = async_scheduling
+        self.steps_in_flight = async_scheduling
         self._step_id = 0
         self._last_updated_step = 0
         self._stale: dict[str, int] = {}  # ended request id -> last step that scheduled it, while in flight
@@ -250,12 +253,12 @@ class Scheduler:
         preempted = False
         i = 0
         running, max_model_len, allocate = self.running, self.max_model_len, self.kv.allocate_slots
-        async_ = self.async_scheduling
+        async_, in_flight = self.async_scheduling, self.steps_in_flight
         while i < len(running) and budget > 0:
             request = running[i]
             n = len(request.all_token_ids)
-            placeholders = request.num_output_placeholders
-            if placeholders:  # a sample in flight (see the module docstring)
+            if in_flight and request.num_output_placeholders:  # a sample in flight (see the module docstring)
+                placeholders = request.num_output_placeholders
                 if not async_ or n + placeholders >= request.max_total_tokens or request.grammar is not None:
                     i += 1
                     continue
@@ -349,12 +352,13 @@ class Scheduler:
         decode_computed: list[int] = []
         prompt_tokens: dict[str, int] = {}
         requests, tokens_sent_of, blocks_sent_of = self.requests, self._num_tokens_sent, self._num_blocks_sent
-        kv, step_id = self.kv, self._step_id
+        kv, step_id, in_flight = self.kv, self._step_id, self.steps_in_flight
         for request_id, n in scheduled.items():
             request = requests[request_id]
             tokens = request.all_token_ids
             num_tokens = len(tokens)
-            horizon = num_tokens + request.num_output_placeholders  # > num_tokens only under async scheduling
+            # Past num_tokens only under async scheduling: the tokens in flight, sent as placeholders.
+            horizon = num_tokens + request.num_output_placeholders if in_flight else num_tokens
             tokens_sent = tokens_sent_of.get(request_id)
             if tokens_sent is None:
                 new_reqs.append(self._new_request_data(request))
@@ -365,7 +369,7 @@ class Scheduler:
                               else kv.get_block_ids(request_id, blocks_sent_of[request_id]))
                 if one_token and not new_blocks:
                     decode_ids.append(request_id)
-                    decode_tokens.append(tokens[tokens_sent] if tokens_sent < num_tokens else PLACEHOLDER_TOKEN)
+                    decode_tokens.append(tokens[-1] if horizon == num_tokens else PLACEHOLDER_TOKEN)
                     decode_computed.append(request.num_computed_tokens)
                 else:
                     new_tokens = tokens[tokens_sent:]
@@ -386,9 +390,10 @@ class Scheduler:
             if start < len(request.prompt_token_ids):
                 prompt_tokens[request_id] = min(len(request.prompt_token_ids) - start, n)
             request.num_computed_tokens = start + n
-            request.last_scheduled_step = step_id
-            if start + n == horizon:  # it samples this step
-                request.num_output_placeholders += 1
+            if in_flight:
+                request.last_scheduled_step = step_id
+                if start + n == horizon:  # it samples this step
+                    request.num_output_placeholders += 1
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -440,6 +445,7 @@ class Scheduler:
         num_terminal, num_finished = len(outputs), len(self._finished_ids)
         logprobs = model_runner_output.logprobs
         requests, running, on_sampled = self.requests, RequestStatus.RUNNING, self._on_sampled
+        in_flight = self.steps_in_flight
         for request_id, token, row in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids,
                                           repeat(None) if logprobs is None else logprobs):
             if token < 0:
@@ -447,6 +453,9 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None or (stale and stale.get(request_id, -1) >= step):
                 continue  # ended (aborted, or finished by a token of an earlier step) since it was scheduled
+            if not in_flight:
+                outputs.append(on_sampled(request, token, row))
+                continue
             request.num_output_placeholders -= 1
             preempted = request.status is not running  # since this step was scheduled: the token stands
             outputs.append(on_sampled(request, token, row))

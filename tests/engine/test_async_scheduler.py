@@ -256,6 +256,7 @@ def test_a_block_filled_by_a_placeholder_is_cached_once_its_token_is_known() -> 
 
 def test_without_async_scheduling_a_deeper_queue_only_takes_other_requests() -> None:
     s = make_scheduler(async_scheduling=False, max_num_batched_tokens=8)
+    s.steps_in_flight = True  # (a queue deeper than one batch, as the engine core sets it)
     w = ScriptedWorker({"a": [10, 11], "b": [20, 21]})
     add(s, "a", [1, 2, 3], max_tokens=2, arrival=0.0)
     add(s, "b", [4, 5, 6, 7, 8, 9, 10, 11], max_tokens=2, arrival=1.0)

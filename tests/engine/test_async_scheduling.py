@@ -344,6 +344,7 @@ def test_a_deeper_queue_with_synchronous_scheduling_equals_depth_one(make_model)
     core = make_core(model_dir, True, max_num_batched_tokens=16)  # (a worker thread to run steps on)
     core.scheduler.async_scheduling = False
     core.max_concurrent_batches = 3
+    assert core.scheduler.steps_in_flight  # the scheduler tracks samples in flight at depth > 1
     depths: list[int] = []
     submit = core.executor.submit
 

@@ -110,8 +110,6 @@ class ReferenceScheduler(Scheduler):
             if start < request.num_prompt_tokens:
                 prompt_tokens[request_id] = min(request.num_prompt_tokens - start, n)
             request.num_computed_tokens = start + n
-            request.last_scheduled_step = self._step_id  # the batch queue's bookkeeping, as the real one
-            request.num_output_placeholders += request.num_computed_tokens == request.num_tokens
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()), finished_req_ids=self._finished_ids,
