@@ -226,6 +226,7 @@ def main() -> int:
 
     results: dict[str, dict[str, float]] = {}
     spreads: dict[str, str] = {}  # name -> min-max tok/s over the rounds
+    pairs: dict[str, list[float]] = {}  # name -> async on / off throughput of each round
     floors: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, work = build_model_and_workload(tmp, args)
@@ -244,6 +245,8 @@ def main() -> int:
                     results[name] = median_run(runs)
                     if len(runs) > 1:
                         spreads[name] = f"{min(r['tok_s'] for r in runs):.0f}-{max(r['tok_s'] for r in runs):.0f}"
+                if {"off", "on"} <= set(rounds):
+                    pairs[f"tandem tp={tp} {dtype}"] = [b["tok_s"] / a["tok_s"] for a, b in zip(rounds["off"], rounds["on"])]
             if not args.skip_hf:
                 results[f"hf generate {dtype}"] = run_hf(model_dir, work, args.hf_batch_size, dtype)
             for name, floor in matmul_floors(model_dir, work, args.hf_batch_size, dtype).items():
@@ -262,7 +265,9 @@ def main() -> int:
         for dtype in args.dtype:
             for tp in args.tensor_parallel_size:
                 a, b = (results[f"tandem tp={tp} {dtype} async {m}"] for m in modes)
-                print(f"tandem tp={tp} {dtype}: async {modes[1]} / async {modes[0]} = {b['tok_s'] / a['tok_s']:.3f}x")
+                per_round = ", ".join(f"{r:.2f}" for r in pairs.get(f"tandem tp={tp} {dtype}", []))
+                print(f"tandem tp={tp} {dtype}: async {modes[1]} / async {modes[0]} = {b['tok_s'] / a['tok_s']:.3f}x "
+                      f"(medians; per round on/off: {per_round})")
     print("\nGEMM floor: the time the linear layers alone need at this machine's measured GEMM rate in that dtype.")
     for dtype in args.dtype:
         hf = results.get(f"hf generate {dtype}")
