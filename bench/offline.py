@@ -236,8 +236,8 @@ def main() -> int:
         for dtype in args.dtype:
             for tp in args.tensor_parallel_size:
                 rounds: dict[str, list[dict[str, float]]] = {}
-                for _ in range(args.rounds):
-                    for mode in args.async_scheduling:
+                for i in range(args.rounds):
+                    for mode in args.async_scheduling[:: -1 if i % 2 else 1]:  # neither always goes first
                         flag = {"default": None, "off": False, "on": True}[mode]
                         rounds.setdefault(mode, []).append(run_tandem(model_dir, work, tp, dtype, flag))
                 for mode, runs in rounds.items():
