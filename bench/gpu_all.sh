@@ -7,12 +7,13 @@
 #                    run(command="bash bench/gpu_all.sh sweep host", carry=[".gpu"])   # ~4 min
 #                    run(command="bash bench/gpu_all.sh hf", carry=[".gpu"])        # HF baseline, ~6 min
 #                    run(command="bash bench/gpu_all.sh owed profile host", carry=[".gpu"])  # what is owed, ~7 min
+#                    run(command="bash bench/gpu_all.sh async_tests async", carry=[".gpu"])  # issue 46, ~5 min
 #
 # Measured on an H200 (2026-11-27): the kernel tests take ~20 s over 8 xdist workers; the tests that build
 # an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially);
 # kernels 18 s, profile 60 + 49 s, e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host
 # greedy 61 s.
-# Stages (default: tests kernels profile e2e; also owed sweep hf host): pass stage names to run a subset. Each
+# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests): pass stage names to run a subset. Each
 # stage has its own timeout, so one hang still leaves every other log. The device tool caps a call at 10
 # minutes and lends a session 15 minutes of device time in all: pick the stages that the session needs.
 set -uo pipefail
@@ -69,10 +70,17 @@ for s in "${stages[@]}"; do
              stage gpu_profile_unfused 90 env TANDEM_FUSED_KERNELS=0 python bench/gpu_profile.py --batch 1 64 ;;
     e2e)     stage gpu_e2e 170 python bench/gpu_e2e.py --skip-hf ;;
     hf)      stage gpu_e2e_hf 560 python bench/gpu_e2e.py --hf-batch-size 128 ;;
+    # Async scheduling: token-exact against synchronous scheduling on CUDA, then e2e and the decode profile
+    # with it off and on, each pair in one process (one model build, one bandwidth measurement).
+    async_tests) stage tests_async 240 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE \
+               -m "slow or not slow" tests/gpu/test_async_scheduling.py ;;
+    async)   stage gpu_e2e_async 170 python bench/gpu_e2e.py --skip-hf --async-scheduling off on
+             stage gpu_profile_async 150 python bench/gpu_profile.py --batch 1 64 256 --async-scheduling off on \
+               --trace "$OUT/trace" ;;
     host)    stage gpu_host_step 90 python bench/gpu_host_step.py --device cuda --attention-backend triton
              stage gpu_host_step_t06 90 python bench/gpu_host_step.py --device cuda --attention-backend triton \
                --temperature 0.6 ;;
-    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host)"; exit 2 ;;
+    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests)"; exit 2 ;;
   esac
 done
 echo; cat "$OUT/summary.txt"

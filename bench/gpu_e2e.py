@@ -22,7 +22,13 @@ Also measured:
 Prints a markdown block ready to paste into BENCHMARKS.md. Needs a CUDA GPU; on a machine without one
 it says so and exits with status 2 (use bench/offline.py there).
 
+`--async-scheduling off on` runs tandem once per mode in the same process (one model, one bandwidth
+measurement) and prints each mode's table and their ratio. A step's time is the wall time of the
+`EngineCore.step()` call that returned its output: with async scheduling that call also scheduled the
+next step, and in steady state it lasts one device step.
+
     python bench/gpu_e2e.py [--num-seqs 256] [--enforce-eager] [--skip-hf] [--hf-batch-size 64]
+    python bench/gpu_e2e.py --skip-hf --async-scheduling off on
 """
 
 from __future__ import annotations
@@ -136,15 +142,17 @@ class Engine:
     """tandem's in-process EngineCore plus per-step instrumentation (TP = 1)."""
 
     def __init__(self, model_dir: Path, *, device: str, enforce_eager: bool, max_num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, async_scheduling: bool | None = None) -> None:
         from engine_svc.config import EngineConfig
         from engine_svc.core import EngineCore
 
         config = EngineConfig.create(
             model=str(model_dir), dtype="bfloat16", device=device, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=16384, enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self.core = EngineCore(config)
+        self.async_scheduling = config.resolved_async_scheduling
         worker = self.core.executor.worker  # type: ignore[attr-defined]
         self.graphs_on = worker.runner.cuda_graphs is not None
         self.attention_backend = config.resolved_attention_backend
@@ -152,7 +160,19 @@ class Engine:
         self.kv_bytes_per_token = worker.kv_block_bytes // config.block_size
         self._stats: list[StepStat] = []
         self._wrap_prepare(worker.runner.batch)
+        self._num_updated = 0  # non-empty steps whose output the scheduler has taken, in order
+        self._wrap_update()
         self._next_id = 0
+
+    def _wrap_update(self) -> None:
+        inner = self.core.scheduler.update_from_output
+
+        def update(so: Any, out: Any) -> Any:
+            if so.total_num_scheduled_tokens:
+                self._num_updated += 1
+            return inner(so, out)
+
+        self.core.scheduler.update_from_output = update
 
     def _wrap_prepare(self, batch: Any) -> None:
         inner = batch.prepare
@@ -177,13 +197,14 @@ class Engine:
         self._stats = []
         tokens = 0
         start = time.perf_counter()
+        self._num_updated = 0
         while self.core.has_unfinished_requests():
-            num_before = len(self._stats)
+            num_before = self._num_updated
             t = time.perf_counter()
             outputs = self.core.step()
             seconds = time.perf_counter() - t
-            if len(self._stats) > num_before:
-                self._stats[-1].seconds = seconds
+            if self._num_updated > num_before:  # the call that returned that step's output (stats: run order)
+                self._stats[self._num_updated - 1].seconds = seconds
             for out in outputs.outputs:
                 if out.error is not None:
                     raise RuntimeError(f"request {out.request_id} failed: {out.error.message}")
@@ -203,9 +224,9 @@ class Engine:
 
 
 def run_tandem(model_dir: Path, work: list[tuple[list[int], int]], args: argparse.Namespace,
-               bandwidth: float | None, device: str = "cuda") -> dict[str, Any]:
+               bandwidth: float | None, device: str = "cuda", async_scheduling: bool | None = None) -> dict[str, Any]:
     engine = Engine(model_dir, device=device, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, async_scheduling=async_scheduling)
     try:
         warmup = nano_vllm_workload(16, seed=args.seed + 1, lo=16, hi=128)
         engine.run(warmup, TEMPERATURE)  # compiles the Triton kernel variants of mixed and decode steps
@@ -222,7 +243,7 @@ def run_tandem(model_dir: Path, work: list[tuple[list[int], int]], args: argpars
         "decode_seconds": sum(s.seconds for s in decode),
         "tpot": sum(s.seconds for s in single_decode) / max(1, len(single_decode)),
         "graphs_on": engine.graphs_on, "attention_backend": engine.attention_backend,
-        "weight_bytes": engine.weight_bytes,
+        "weight_bytes": engine.weight_bytes, "async_scheduling": engine.async_scheduling,
     }
     if bandwidth is not None:
         result["decode_floor"] = engine.floor_seconds(decode, bandwidth)
@@ -263,6 +284,7 @@ def _pct(floor: float, measured: float) -> str:
 def markdown_report(device_name: str, args: argparse.Namespace, t: dict[str, Any], hf: dict[str, Any] | None,
                     bandwidth: float | None) -> str:
     mode = "CUDA graphs for decode" if t["graphs_on"] else "eager (no CUDA graphs)"
+    mode += ", async scheduling " + ("on" if t["async_scheduling"] else "off")
     lines = [
         f"### gpu_e2e: {device_name}, {datetime.date.today().isoformat()}",
         "",
@@ -302,6 +324,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--async-scheduling", nargs="+", choices=("default", "off", "on"), default=["default"],
+                    help="tandem's --async-scheduling; several modes run one after the other")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/gpu_e2e.py needs a CUDA GPU and torch.cuda.is_available() is False here: nothing was "
@@ -315,10 +339,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         print("building the random-weight Qwen3-0.6B-shaped model ...", flush=True)
         model_dir = build_model_dir(Path(tmp) / "qwen3-0.6b-random", args.seed)
-        print("running tandem ...", flush=True)
-        tandem = run_tandem(model_dir, work, args, bandwidth)
-        gc.collect()
-        torch.cuda.empty_cache()
+        runs = {}
+        for mode in args.async_scheduling:
+            print(f"running tandem (async scheduling {mode}) ...", flush=True)
+            flag = {"default": None, "off": False, "on": True}[mode]
+            runs[mode] = run_tandem(model_dir, work, args, bandwidth, async_scheduling=flag)
+            gc.collect()
+            torch.cuda.empty_cache()
         hf = None
         if not args.skip_hf:
             print("running HF generate() ...", flush=True)
@@ -326,8 +353,15 @@ def main() -> int:
                 hf = run_hf(model_dir, work, args.hf_batch_size)
             except torch.cuda.OutOfMemoryError as exc:
                 print(f"HF generate() ran out of memory ({exc}); try a smaller --hf-batch-size", file=sys.stderr)
-    print()
-    print(markdown_report(device_name, args, tandem, hf, bandwidth))
+    for tandem in runs.values():
+        print()
+        print(markdown_report(device_name, args, tandem, hf, bandwidth))
+    if {"off", "on"} <= set(runs):
+        off, on = runs["off"], runs["on"]
+        print(f"\nasync scheduling on / off: throughput {on['tok_s'] / off['tok_s']:.3f}x, decode-step time "
+              f"{on['decode_seconds'] / max(on['decode_steps'], 1) * 1e3:.3f} vs "
+              f"{off['decode_seconds'] / max(off['decode_steps'], 1) * 1e3:.3f} ms, batch-1 TPOT "
+              f"{on['tpot'] * 1e3:.3f} vs {off['tpot'] * 1e3:.3f} ms")
     return 0
 
 

@@ -18,6 +18,12 @@ range). Printed per batch size:
 - the decode step's bandwidth floor on CUDA (weights + KV read once at the measured HBM bandwidth).
 
 `--trace PATH` also writes a Chrome trace (per batch size, suffixed) to open in Perfetto.
+
+`--async-scheduling off on` profiles each mode on its own engine, one after the other. With async
+scheduling the steps are not synchronised one by one (that would undo the overlap being measured): a
+step's wall time is its `EngineCore.step()` call (which schedules step N+1 and returns step N's output),
+the device is synchronised once after the last, and there is no "host time before the sync" (the host
+waits for the device on the worker's event, not in a `tolist`).
 """
 
 from __future__ import annotations
@@ -111,7 +117,7 @@ def make_engine(model_dir: Path, args: argparse.Namespace, max_num_seqs: int) ->
     config = EngineConfig.create(
         model=str(model_dir), dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         max_model_len=args.prompt_len + args.warmup + args.steps + 16, max_num_seqs=max_num_seqs,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_mode,
     )
     return EngineCore(config)
 
@@ -176,16 +182,19 @@ def profile_batch(core: Any, batch: int, args: argparse.Namespace, first_id: int
     _sync(args.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     times = StepTimes([], [])
+    overlapped = core.config.resolved_async_scheduling
     with profile(activities=activities) as prof:
         t_start = time.perf_counter()
         for _ in range(args.steps):
             with HostTimer() as timer, record_function(STEP_RANGE):
                 t0 = time.perf_counter()
                 core.step()
-                _sync(args.device)
+                if not overlapped:
+                    _sync(args.device)
                 t1 = time.perf_counter()
             times.wall.append(t1 - t0)
             times.host.append((timer.first_sync or t1) - t0)
+        _sync(args.device)
         t_end = time.perf_counter()
     while core.has_unfinished_requests():
         core.step()
@@ -215,11 +224,13 @@ def report(prof: Any, times: StepTimes, batch: int, args: argparse.Namespace, fl
     steps = len(times.wall)
     wall_ms = 1e3 * sum(times.wall) / steps
     host_ms = 1e3 * sum(times.host) / steps
-    lines = [f"#### batch {batch}, prompt {args.prompt_len}: {steps} decode steps profiled", "",
-             "| metric | per step |", "|---|---|",
-             f"| wall time | {wall_ms:.3f} ms |",
-             f"| host time before the step's sync (schedule, inputs, launches) | {host_ms:.3f} ms "
-             f"({100 * host_ms / wall_ms:.0f}% of the step) |"]
+    overlapped = getattr(args, "overlapped", False)
+    title = (f"#### batch {batch}, prompt {args.prompt_len}: {steps} decode steps profiled, async scheduling "
+             f"{'on' if overlapped else 'off'}")
+    lines = [title, "", "| metric | per step |", "|---|---|", f"| wall time | {wall_ms:.3f} ms |"]
+    if not overlapped:
+        lines.append(f"| host time before the step's sync (schedule, inputs, launches) | {host_ms:.3f} ms "
+                     f"({100 * host_ms / wall_ms:.0f}% of the step) |")
     events = _events(prof)
     window = _step_window(events)
     kernels = [e for e in events if _is_device_kernel(e)]
@@ -262,6 +273,32 @@ def decode_floor_ms(core: Any, batch: int, context: int, bandwidth: float) -> fl
     return 1e3 * (weight_bytes + kv_bytes) / bandwidth
 
 
+def profile_engine(model_dir: Path, args: argparse.Namespace, bandwidth: float | None, fused: bool) -> None:
+    """Build an engine (with `args.async_mode`) and print the profile of each batch size."""
+    core = make_engine(model_dir, args, max_num_seqs=max(args.batch))
+    args.overlapped = core.config.resolved_async_scheduling
+    worker = core.executor.worker
+    print(f"model {args.model} ({args.dtype}), {core.config.resolved_attention_backend} attention, "
+          f"fused kernels {'on' if getattr(worker.model, 'fused_kernels', False) and fused else 'off'}, "
+          f"CUDA graphs {'on' if worker.runner.cuda_graphs is not None else 'off'}, async scheduling "
+          f"{'on' if core.config.resolved_async_scheduling else 'off'}"
+          + (f", HBM {bandwidth / 1e9:,.0f} GB/s" if bandwidth else "") + "\n")
+    next_id = 0
+    try:
+        for batch in args.batch:
+            trace = None
+            if args.trace is not None:
+                suffix = "" if args.async_mode is None else f".async-{'on' if args.overlapped else 'off'}"
+                trace = args.trace.with_suffix(f"{suffix}.b{batch}.json")
+            prof, times, _ = profile_batch(core, batch, args, next_id, trace)
+            next_id += batch
+            context = args.prompt_len + args.warmup + args.steps // 2
+            floor = decode_floor_ms(core, batch, context, bandwidth) if bandwidth else None
+            print(report(prof, times, batch, args, floor) + "\n", flush=True)
+    finally:
+        core.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the profile; returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--trace", type=Path, default=None, help="write Chrome traces PATH.b<batch>.json")
+    ap.add_argument("--async-scheduling", nargs="+", choices=("default", "off", "on"), default=["default"],
+                    help="tandem's --async-scheduling; several modes are profiled one after the other")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -299,23 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"### gpu_profile: {device_name}, {datetime.date.today().isoformat()}, torch {torch.__version__}\n")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp), args)
-        core = make_engine(model_dir, args, max_num_seqs=max(args.batch))
-        worker = core.executor.worker
-        print(f"model {args.model} ({args.dtype}), {core.config.resolved_attention_backend} attention, "
-              f"fused kernels {'on' if getattr(worker.model, 'fused_kernels', False) and fused else 'off'}, "
-              f"CUDA graphs {'on' if worker.runner.cuda_graphs is not None else 'off'}"
-              + (f", HBM {bandwidth / 1e9:,.0f} GB/s" if bandwidth else "") + "\n")
-        next_id = 0
-        try:
-            for batch in args.batch:
-                trace = None if args.trace is None else args.trace.with_suffix(f".b{batch}.json")
-                prof, times, _ = profile_batch(core, batch, args, next_id, trace)
-                next_id += batch
-                context = args.prompt_len + args.warmup + args.steps // 2
-                floor = decode_floor_ms(core, batch, context, bandwidth) if bandwidth else None
-                print(report(prof, times, batch, args, floor) + "\n", flush=True)
-        finally:
-            core.shutdown()
+        for mode in args.async_scheduling:
+            args.async_mode = {"default": None, "off": False, "on": True}[mode]
+            profile_engine(model_dir, args, bandwidth, fused)
     return 0
 
 

@@ -10,8 +10,11 @@ left padding, max_new_tokens = the longest requested output in the batch, and ou
 requested (not as generated).
 
 Also reports tandem's steady-state step time and the share of it spent outside the model forward.
+`--async-scheduling off on --rounds 3` runs tandem with async scheduling off and on, alternating, and
+reports each mode's median over the rounds with the spread (min-max).
 
     python bench/offline.py [--num-requests 64] [--tensor-parallel-size 1] [--skip-hf]
+    python bench/offline.py --async-scheduling off on --rounds 5 --skip-hf
     python bench/offline.py --model .tiny-models/SmolLM2-135M-Instruct --dtype float32 bfloat16 \
         --num-requests 16 --max-len 128
 """
@@ -37,10 +40,10 @@ def make_workload(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[tuple
 
 
 def run_tandem(model_dir: Path, work: list[tuple[list[int], int]], tp: int,
-               dtype: str = "float32") -> dict[str, float]:
+               dtype: str = "float32", async_scheduling: bool | None = None) -> dict[str, float]:
     from entrypoints import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype=dtype, tensor_parallel_size=tp)
+    llm = LLM(str(model_dir), dtype=dtype, tensor_parallel_size=tp, async_scheduling=async_scheduling)
     forward_time = _instrument_forward(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True) for _, out in work]
     llm.generate([work[0][0]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -58,6 +61,11 @@ def run_tandem(model_dir: Path, work: list[tuple[list[int], int]], tp: int,
         result["outside_forward"] = 1 - forward_time[0] / elapsed
     llm.engine.shutdown()
     return result
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run with the median throughput (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["tok_s"])[(len(runs) - 1) // 2]
 
 
 def _instrument_forward(llm) -> list[float]:
@@ -211,9 +219,14 @@ def main() -> int:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--async-scheduling", nargs="+", choices=("default", "off", "on"), default=["default"],
+                    help="tandem's --async-scheduling: run each mode (alternating with --rounds)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat tandem's runs, alternating the modes")
     args = ap.parse_args()
 
     results: dict[str, dict[str, float]] = {}
+    spreads: dict[str, str] = {}  # name -> min-max tok/s over the rounds
+    pairs: dict[str, list[float]] = {}  # name -> async on / off throughput of each round
     floors: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, work = build_model_and_workload(tmp, args)
@@ -222,30 +235,51 @@ def main() -> int:
               f"{torch.get_num_threads()}")
         for dtype in args.dtype:
             for tp in args.tensor_parallel_size:
-                results[f"tandem tp={tp} {dtype}"] = run_tandem(model_dir, work, tp, dtype)
+                rounds: dict[str, list[dict[str, float]]] = {}
+                for i in range(args.rounds):
+                    for mode in args.async_scheduling[:: -1 if i % 2 else 1]:  # neither always goes first
+                        flag = {"default": None, "off": False, "on": True}[mode]
+                        rounds.setdefault(mode, []).append(run_tandem(model_dir, work, tp, dtype, flag))
+                for mode, runs in rounds.items():
+                    name = f"tandem tp={tp} {dtype}" + ("" if mode == "default" else f" async {mode}")
+                    results[name] = median_run(runs)
+                    if len(runs) > 1:
+                        spreads[name] = f"{min(r['tok_s'] for r in runs):.0f}-{max(r['tok_s'] for r in runs):.0f}"
+                if {"off", "on"} <= set(rounds):
+                    pairs[f"tandem tp={tp} {dtype}"] = [b["tok_s"] / a["tok_s"] for a, b in zip(rounds["off"], rounds["on"])]
             if not args.skip_hf:
                 results[f"hf generate {dtype}"] = run_hf(model_dir, work, args.hf_batch_size, dtype)
             for name, floor in matmul_floors(model_dir, work, args.hf_batch_size, dtype).items():
                 floors[f"{name} {dtype}"] = floor
 
-    print("\n| system | output tok/s | elapsed s | steps | step ms | outside forward | GEMM floor s |")
+    print(f"\n| system | output tok/s{' (median, min-max)' if spreads else ''} | elapsed s | steps | step ms | "
+          "outside forward | GEMM floor s |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         floor = f"{floors[name]:.2f}" if name in floors else "-"
         step = (f"{r['step_ms']:.2f} | {100 * r['outside_forward']:.0f}%" if "step_ms" in r else "- | -")
-        print(f"| {name} | {r['tok_s']:.0f} | {r['elapsed']:.2f} | {r.get('steps', '-')} | {step} | {floor} |")
+        spread = f" ({spreads[name]})" if name in spreads else ""
+        print(f"| {name} | {r['tok_s']:.0f}{spread} | {r['elapsed']:.2f} | {r.get('steps', '-')} | {step} | {floor} |")
+    modes = [m for m in args.async_scheduling if m != "default"]
+    if len(modes) == 2:
+        for dtype in args.dtype:
+            for tp in args.tensor_parallel_size:
+                a, b = (results[f"tandem tp={tp} {dtype} async {m}"] for m in modes)
+                per_round = ", ".join(f"{r:.2f}" for r in pairs.get(f"tandem tp={tp} {dtype}", []))
+                print(f"tandem tp={tp} {dtype}: async {modes[1]} / async {modes[0]} = {b['tok_s'] / a['tok_s']:.3f}x "
+                      f"(medians; per round on/off: {per_round})")
     print("\nGEMM floor: the time the linear layers alone need at this machine's measured GEMM rate in that dtype.")
     for dtype in args.dtype:
         hf = results.get(f"hf generate {dtype}")
         for name, r in results.items():
-            if hf is not None and name.startswith("tandem") and name.endswith(dtype):
+            if hf is not None and name.startswith("tandem") and f" {dtype}" in name:
                 print(f"{name} / hf generate {dtype} = {r['tok_s'] / hf['tok_s']:.2f}x")
     first = args.dtype[0]
-    for dtype in args.dtype[1:]:
+    for dtype in args.dtype[1:] if args.async_scheduling == ["default"] else []:
         for tp in args.tensor_parallel_size:
             a, b = results[f"tandem tp={tp} {first}"], results[f"tandem tp={tp} {dtype}"]
             print(f"tandem tp={tp}: {dtype} / {first} = {b['tok_s'] / a['tok_s']:.2f}x")
-    if len(args.tensor_parallel_size) > 1:
+    if len(args.tensor_parallel_size) > 1 and args.async_scheduling == ["default"]:
         tps = args.tensor_parallel_size
         for dtype in args.dtype:
             a, b = results[f"tandem tp={tps[0]} {dtype}"], results[f"tandem tp={tps[1]} {dtype}"]

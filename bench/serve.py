@@ -10,7 +10,10 @@ Reports output tok/s, TTFT, TPOT and ITL (p50/p99), the served/offline throughpu
 split's added per-token latency (served ITL p50 minus the in-process step time). `--tracing` runs the
 served part with tracing off and on (OTEL_TRACES_SAMPLER=always_on, OTLP/gRPC to a receiver this
 script starts), alternating off/on for `--rounds` rounds so that run order does not bias the result,
-and prints the throughput cost from the per-mode medians. `--api grpc openai` sends the same workload
+and prints the throughput cost from the per-mode medians. `--async-scheduling off on` runs the served
+part with the engine's `--no-async-scheduling` and `--async-scheduling`, alternating for `--rounds`
+rounds (which mode goes first swaps every round), and prints the on/off ratio of the per-mode medians.
+`--api grpc openai` sends the same workload
 through the gRPC API and through the OpenAI-compatible HTTP API (`/v1/completions`, token-id prompts,
 `stream: true` over SSE, usage in the last chunk) of one frontend, alternating the two for `--rounds`
 rounds, and prints the HTTP/gRPC throughput ratio. `--smg` adds an SMG gateway (`smg launch`, the Rust
@@ -23,6 +26,7 @@ final usage chunk. On a small CPU box the engine, the frontend and this client s
 numbers as a ratio measured in one run.
 
     python bench/serve.py [--num-requests 64] [--concurrency 64] [--tracing [--rounds 3]]
+    python bench/serve.py --async-scheduling off on --rounds 5 --skip-offline
     python bench/serve.py --api grpc openai --rounds 3 --skip-offline
     python bench/serve.py --api openai --smg --rounds 3 --skip-offline
     python bench/serve.py --model .tiny-models/SmolLM2-135M-Instruct --dtype float32 bfloat16 \
@@ -118,7 +122,8 @@ class Split:
     """An engine and a frontend process on free loopback ports (stopped with SIGTERM on exit)."""
 
     def __init__(self, model_dir: Path, concurrency: int, env: dict[str, str], log_dir: Path,
-                 dtype: str = "float32", http: bool = False, smg: bool = False) -> None:
+                 dtype: str = "float32", http: bool = False, smg: bool = False,
+                 engine_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.smg_port = free_port() if smg else 0
         self.http_port = free_port() if http else 0
@@ -128,7 +133,7 @@ class Split:
         self.procs = [
             self._start(["engine_svc.cli", "--model", str(model_dir), "--host", "127.0.0.1",
                          "--port", str(engine_port), "--dtype", dtype, "--metrics-port", "0",
-                         "--log-level", "WARNING"], full_env, log_dir / "engine.log"),
+                         "--log-level", "WARNING", *engine_args], full_env, log_dir / "engine.log"),
             self._start(["frontend_svc.cli", "--model", str(model_dir), "--engine", f"127.0.0.1:{engine_port}",
                          "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "0",
                          "--max-concurrent-requests", str(max(concurrency, 1) * 2), "--log-level", "WARNING",
@@ -261,9 +266,9 @@ async def _run_workers(one: Any, work: list[tuple[Any, int]], concurrency: int) 
 
 
 def run_served(model_dir: Path, work: list[tuple[list[int], int]], concurrency: int,
-               env: dict[str, str], dtype: str = "float32") -> dict[str, Any]:
+               env: dict[str, str], dtype: str = "float32", engine_args: tuple[str, ...] = ()) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as logs:
-        split = Split(model_dir, concurrency, env, Path(logs), dtype)
+        split = Split(model_dir, concurrency, env, Path(logs), dtype, engine_args=engine_args)
         try:
             return asyncio.run(_drive(split.port, work, concurrency))
         finally:
@@ -321,6 +326,8 @@ def main() -> int:
     ap.add_argument("--api", nargs="+", choices=APIS, default=["grpc"],
                     help="the public API(s) to drive; 'grpc openai' compares them on one frontend")
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--async-scheduling", nargs="+", choices=("off", "on"), default=None,
+                    help="run the served part with the engine's async scheduling in each mode (alternating)")
     ap.add_argument("--smg", action="store_true",
                     help="with --api openai: also drive an SMG gateway in front of the same engine")
     add_workload_args(ap)
@@ -347,6 +354,13 @@ def measure(model_dir: Path, work: list[tuple[list[int], int]], args: argparse.N
         runs = run_apis(model_dir, work, args.concurrency, args.rounds, dtype, smg=args.smg)
         if "grpc" not in args.api:
             del runs["split, gRPC"]
+        return offline, runs, 0
+    if args.async_scheduling:
+        modes = {m: (f"--{'' if m == 'on' else 'no-'}async-scheduling",) for m in args.async_scheduling}
+        runs = {f"split, async {m}": [] for m in modes}
+        for i in range(args.rounds):
+            for mode, flag in list(modes.items())[:: -1 if i % 2 else 1]:  # neither always goes first
+                runs[f"split, async {mode}"].append(run_served(model_dir, work, args.concurrency, {}, dtype, flag))
         return offline, runs, 0
     runs = {"split, tracing off": [], "split, tracing on": []}
     spans = 0
@@ -380,7 +394,15 @@ def report(dtype: str, offline: dict[str, Any] | None, runs: dict[str, list[dict
     if "split, OpenAI HTTP/SSE" in served:
         report_apis(offline, runs, served)
         return
-    base = served["split, tracing off"]
+    base = served.get("split, tracing off") or next(iter(served.values()))
+    if "split, async on" in served and "split, async off" in served:
+        on, off = served["split, async on"], served["split, async off"]
+        pairs = ", ".join(f"{b['tok_s'] / a['tok_s']:.3f}" for a, b in zip(runs["split, async off"], runs["split, async on"]))
+        spread = {m: f"{min(r['tok_s'] for r in runs[m]):.0f}-{max(r['tok_s'] for r in runs[m]):.0f}" for m in served}
+        print(f"\nasync scheduling on / off (medians of {args.rounds} alternating rounds): throughput "
+              f"{on['tok_s'] / off['tok_s']:.3f}x (per round: {pairs}; tok/s min-max: {spread}), ITL p50 "
+              f"{1e3 * pct(on['itl'], 50):.2f} vs {1e3 * pct(off['itl'], 50):.2f} ms, TPOT p50 "
+              f"{1e3 * statistics.median(on['tpot']):.2f} vs {1e3 * statistics.median(off['tpot']):.2f} ms")
     if offline is not None:
         print(f"\nserved / offline throughput = {base['tok_s'] / offline['tok_s']:.2f}")
         if "step_ms" in offline:

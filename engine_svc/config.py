@@ -33,6 +33,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told oth
 # the victim's gap for the prompt's TTFT, so these stay (BENCHMARKS.md, "Served: step sizes and threads").
 CPU_MAX_NUM_BATCHED_TOKENS = 256
 CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
+# `--async-scheduling` when not given, by device (EngineConfig.resolved_async_scheduling; figures in
+# BENCHMARKS.md, "Async scheduling").
+ASYNC_SCHEDULING_DEFAULT = {"cpu": False, "cuda": False}
 _RESOLVED_FIELDS = frozenset({"architecture", "model_dtype"})  # set by create(), not user arguments
 
 logger = logging.getLogger(__name__)
@@ -165,6 +168,8 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     served_model_name: str | None = None
+    # Plan step N+1 while step N runs (engine_svc/core.py); None: the device's default (ASYNC_SCHEDULING_DEFAULT).
+    async_scheduling: bool | None = None
     # Resolved by create(); not user arguments.
     architecture: str = field(default="", compare=False)
     model_dtype: str | None = field(default=None, compare=False)  # the checkpoint's own dtype
@@ -264,6 +269,13 @@ class EngineConfig:
         return default_dtype(self.model_dtype, self.device)
 
     @property
+    def resolved_async_scheduling(self) -> bool:
+        """`--async-scheduling`, or when not given the default of the device (ASYNC_SCHEDULING_DEFAULT)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return ASYNC_SCHEDULING_DEFAULT.get(self.device, False)
+
+    @property
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
@@ -331,6 +343,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     a("--enforce-eager", action="store_true")
     a("--seed", type=int, default=0)
+    a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+      help="schedule step N+1 while step N runs on the device: the host's scheduling and output work "
+           "overlaps the forward pass (vLLM's option; default: off on CPU and on CUDA)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

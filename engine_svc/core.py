@@ -1,9 +1,20 @@
 """EngineCore: token ids in, token ids out, one scheduler step at a time.
 
-`step()` is schedule -> execute -> update. It returns one `EngineCoreOutputs` per call carrying every
-request that produced something (tokens, a finish, an error), and the scheduler's stats. The core is
-single-threaded: the gRPC server drives it from its own busy-loop thread; the offline `LLM` calls it
-directly.
+`step()` is schedule -> execute -> update, on a queue of batches in flight (vLLM's
+`step_with_batch_queue`): it schedules a batch and submits it to the executor without waiting
+(`execute_model(..., non_block=True)`), and while fewer than `max_concurrent_batches` are in flight and
+the oldest has not finished, returns at once; otherwise it waits for the oldest, updates the scheduler
+with its output and returns that. At depth 1 (the default) every call schedules, runs and updates one
+step, as a plain synchronous step does. At depth 2 (async scheduling, `--async-scheduling`) step N+1 is
+scheduled, with output placeholders for the tokens step N is still sampling (engine_svc/sched/
+scheduler.py), while step N runs, and step N's output is handled while step N+1 runs. A batch with
+nothing to run is not queued, unless it carries requests the workers must drop.
+
+It returns one `EngineCoreOutputs` per call carrying every request that produced something (tokens, a
+finish, an error) in the batch it updated (none when it updated none), and the scheduler's stats. The
+core is single-threaded: the gRPC server drives it from its own busy-loop thread; the offline `LLM` calls
+it directly. `has_unfinished_requests()` stays true while a batch is in flight, so a caller that steps
+until it turns false also drains the queue.
 
 Invariants: every request passed to `add_request` ends exactly once in some step's outputs (finished,
 aborted, or rejected with an error), and its KV blocks are back in the pool when it does.
@@ -21,10 +32,11 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import deque
 
 from engine_svc.config import EngineConfig
 from engine_svc.executor import make_executor
-from engine_svc.executor.base import Executor
+from engine_svc.executor.base import Executor, StepFuture
 from engine_svc.kv.events import KVEventLog
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -65,7 +77,11 @@ class EngineCore:
             vocab_size=self.vocab_size,
             kv_events=self.kv_events,
             grammars=self.grammars,
+            async_scheduling=config.resolved_async_scheduling,
         )
+        # Batches in flight, newest first: (future of its output, what was scheduled).
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self._batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
         self._log_capacity()
 
     def _log_capacity(self) -> None:
@@ -88,25 +104,48 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self._execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        """One turn of the batch queue (see the module docstring)."""
+        queue = self._batch_queue
+        so = self.scheduler.schedule()
+        if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
+            self.executor.lend_core(self.grammars.num_waiting() > 0)
+            queue.appendleft((self.executor.execute_model(so, non_block=True), so))
+            if not so.is_empty and len(queue) < self.max_concurrent_batches and not queue[-1][0].done():
+                return EngineCoreOutputs(scheduler_stats=self.scheduler.get_stats(with_step=False),
+                                         timestamp=time.time())
+        elif not queue:
+            return self._update(so, _NOTHING_RAN)  # nothing ran: abort and rejection outputs only
+        future, oldest = queue.pop()
+        return self._update(oldest, future.result())
+
+    def _update(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs = self.scheduler.update_from_output(so, runner_output)
         outputs.timestamp = time.time()
         return outputs
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        if so.is_empty and not so.finished_req_ids and not so.preempted_req_ids:
-            return _NOTHING_RAN
-        self.executor.lend_core(self.grammars.num_waiting() > 0)
-        return self.executor.execute_model(so)
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the queue keeps in flight (the executor's; pipeline stages would raise it)."""
+        return self._max_concurrent_batches
+
+    @max_concurrent_batches.setter
+    def max_concurrent_batches(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"max_concurrent_batches must be >= 1, got {depth}")
+        self._max_concurrent_batches = depth
+        self.scheduler.steps_in_flight = depth > 1  # the scheduler's bookkeeping of samples in flight
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        return len(self._batch_queue)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     def has_work(self) -> bool:
         """Whether a step would do anything now (requests waiting only for a grammar compile give it
-        nothing to do; `grammars.on_done` tells when that changes)."""
-        return self.scheduler.has_work()
+        nothing to do; `grammars.on_done` tells when that changes; a batch in flight is work)."""
+        return self.scheduler.has_work() or bool(self._batch_queue)
 
     def wait_for_work(self, timeout: float) -> None:
         """Block until a grammar compile finishes (or `timeout`): for callers that step the core

@@ -5,6 +5,12 @@ of which `num_computed_tokens` have K/V in the cache. Each step the scheduler ha
 `num_tokens - num_computed_tokens` tokens; chunked prefill, prefix hits and decode all fall out of that.
 Preemption (recompute) resets `num_computed_tokens` to 0 and keeps the output tokens. A continuation
 (a request migrated from another engine) arrives in that same state: its outputs so far, nothing computed.
+
+With steps in flight (the engine core's batch queue), `num_output_placeholders` counts the tokens this
+request will sample in scheduled steps whose results the scheduler has not seen yet; under async scheduling
+the scheduler computes those positions before it knows their ids (vLLM's output placeholders), so the
+request's scheduling horizon is `num_tokens + num_output_placeholders`. `last_scheduled_step` is the id of
+the last step that scheduled it.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ class Request:
         self.num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until then
         self.status: RequestStatus = RequestStatus.WAITING
         self.num_preemptions: int = 0
+        self.num_output_placeholders: int = 0  # samples scheduled whose token the scheduler has not seen yet
+        self.last_scheduled_step: int = -1  # SchedulerOutput.step_id of its last schedule
         self.stop_token_id: int | None = None
         # Largest total length this request may reach: prompt + max_tokens, capped by the context.
         max_tokens = req.sampling_params.max_tokens

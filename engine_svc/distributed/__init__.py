@@ -7,6 +7,7 @@ from engine_svc.distributed.parallel_state import (
     init_tp_group,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    tensor_model_parallel_broadcast,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "init_tp_group",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_broadcast",
 ]

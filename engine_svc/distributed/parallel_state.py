@@ -57,3 +57,11 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def tensor_model_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Overwrite `x` on every rank with rank `src`'s (in place); identity without a group."""
+    if _TP_GROUP is None:
+        return x
+    dist.broadcast(x, src=src, group=_TP_GROUP)
+    return x

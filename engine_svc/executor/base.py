@@ -2,12 +2,18 @@
 
 `uniproc` runs one worker in the engine process (TP = 1); `multiproc` (tensor parallelism) spawns one
 worker process per rank. The engine core depends only on this interface.
+
+`execute_model(so, non_block=True)` returns a `StepFuture` at once: the engine core's batch queue
+(engine_svc/core.py) keeps up to `max_concurrent_batches` of them in flight, and takes their results in
+the order submitted. Every executor runs the steps in that order. Depth 1 (`max_concurrent_batches` 1,
+without async scheduling) is the plain synchronous step: the uniproc executor then runs it inline.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from typing import Literal, Protocol, overload
 
 from engine_svc.config import EngineConfig
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -34,6 +40,27 @@ def effective_max_model_len(config: EngineConfig, num_blocks: int) -> int:
     return capacity
 
 
+class StepFuture(Protocol):
+    """One submitted step: `result()` blocks until its output is on the host; `done()` never blocks."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+    def done(self) -> bool: ...
+
+
+class DoneFuture:
+    """A step that already ran (inline)."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self._output
+
+    def done(self) -> bool:
+        return True
+
+
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -57,8 +84,28 @@ class Executor(ABC):
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Every worker allocates `num_blocks` KV blocks and sizes its batch for `max_model_len`."""
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps the engine core may keep in flight: 2 under async scheduling (step N+1 is
+        scheduled while step N runs), else 1. Pipeline parallelism would raise it to its stage count."""
+        return 2 if self.config.resolved_async_scheduling else 1
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[True]) -> StepFuture: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | StepFuture:
+        """Run one step on the workers: its output, or with `non_block` a future of it (returned at once)."""
+        future = self.submit(scheduler_output)
+        return future if non_block else future.result()
+
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def submit(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Start a step after every step submitted before it; its future."""
 
     @abstractmethod
     def shutdown(self) -> None: ...

@@ -13,6 +13,11 @@ measures both: equal back to back, the pipe ahead once a forward pass separates 
 can create the executor before starting gRPC (gRPC core is not fork-safe; spawn is safe either way).
 `initialize()` then has them load the model and size the KV cache.
 
+Steps in flight (the engine core's batch queue): `submit` enqueues a step and returns an `AnswerFuture`
+at once; answers come back in command order, so a future's `result()` reads the answers still owed to
+the futures before it, then its own. Meanwhile the engine process schedules the next step while the
+workers compute this one.
+
 Failure model: a worker that dies (killed, or exited after an exception, see worker_proc) makes the
 next or current `execute_model` / `initialize` / `check_health` raise `WorkerDiedError` within about
 `liveness_interval` seconds; the executor shuts itself down first, so no worker processes or /dev/shm
@@ -31,13 +36,14 @@ import socket
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn, cast
 
 from engine_svc.config import ConfigError, EngineConfig
-from engine_svc.executor.base import Executor
+from engine_svc.executor.base import Executor, StepFuture
 from engine_svc.executor.codec import (
     CacheSpec,
     Op,
@@ -70,6 +76,25 @@ def free_tcp_port() -> int:
         return int(s.getsockname()[1])
 
 
+class AnswerFuture:
+    """Rank 0's answer to one EXECUTE command, read from the answer pipe when asked for."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self._executor = executor
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        while self._output is None:
+            self._executor._read_answer()
+        return self._output
+
+    def done(self) -> bool:
+        return self._output is not None or self._executor._answer_waiting(self)
+
+    def _set(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+
 class MultiprocExecutor(Executor):
     def __init__(
         self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, liveness_interval: float = 0.05
@@ -84,6 +109,7 @@ class MultiprocExecutor(Executor):
             self.world_size, COMMAND_CHUNKS, COMMAND_CHUNK_BYTES, liveness_interval=liveness_interval
         )
         self._procs: list[BaseProcess] = []
+        self._owed: deque[AnswerFuture] = deque()  # EXECUTE commands sent, answers not read yet, in order
         self._conns: list[Connection] = []  # answer pipe, then each rank's status pipe
         self._finalizer = weakref.finalize(self, _teardown, self._procs, self._conns, self._commands)
         self._spawn(worker_cls)
@@ -129,9 +155,20 @@ class MultiprocExecutor(Executor):
         self._call(encode_command(Op.INIT_CACHE, CacheSpec(num_blocks, max_model_len)))
         self._call_and_wait(None)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, scheduler_output: SchedulerOutput) -> StepFuture:
         self._call(encode_command(Op.EXECUTE, scheduler_output))
-        return self._call_and_wait(decode_runner_output)  # type: ignore[return-value]
+        future = AnswerFuture(self)
+        self._owed.append(future)
+        return future
+
+    def _read_answer(self) -> None:
+        """Read the oldest answer still owed into its future."""
+        self._owed[0]._set(self._call_and_wait(decode_runner_output))  # type: ignore[arg-type]
+        self._owed.popleft()
+
+    def _answer_waiting(self, future: AnswerFuture) -> bool:
+        """Whether `future` is next in line and its answer can be read without blocking."""
+        return bool(self._owed) and self._owed[0] is future and self._answers.poll()
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if a worker is dead (cheap: one waitpid per worker) or after shutdown."""

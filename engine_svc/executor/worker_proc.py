@@ -36,6 +36,7 @@ from engine_svc.executor.codec import (
     encode_worker_info,
 )
 from engine_svc.executor.shm_queue import PeerDiedError, ReaderHandle, ShmBroadcastQueue
+from engine_svc.sched.output import ModelRunnerOutput
 
 FAULT_ENV = "TANDEM_FAULT_INJECT"
 DEFAULT_WORKER_CLS = "engine_svc.worker.worker:Worker"
@@ -125,6 +126,8 @@ def _busy_loop(
             if step == fault_step:
                 raise InjectedFault(f"{FAULT_ENV}: rank {args.rank} fails at step {step}")
             out = worker.execute_model(body)
+            if responses is not None and not isinstance(out, ModelRunnerOutput):
+                out = out.get()  # async scheduling: a PendingOutput, the sampled ids still on their way
             answer: bytes = encode_runner_output(out) if responses is not None else b""
         elif op is Op.LOAD_MODEL:
             worker.load_model()

@@ -13,6 +13,10 @@ Prefix caching (when enabled):
   exactly the request's tokens (guards against hash collisions). The hit is capped at `num_tokens - 1`
   tokens, rounded down to whole blocks: a prompt whose every block is cached recomputes its whole last
   block, so the model always runs at least one token and produces the next token's logits.
+- Under async scheduling a block may be filled by a token the scheduler does not know yet (an output
+  placeholder, engine_svc/sched/output.py): it has no hash then, so it is not cached at allocation.
+  `cache_late_blocks` caches it once the token is known, if its K/V is computed or being computed
+  (a hash is only ever made of real tokens).
 - Requests that ask for prompt logprobs skip the lookup (those logprobs need every prompt position run);
   their full blocks are still cached for others.
 - With `events` (a `KVEventLog`), the pool records every block entering or leaving the cache, with its
@@ -41,6 +45,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, events)
         self._tables: dict[str, list[KVCacheBlock]] = {}
+        # request id -> index of its first full block left uncached at allocation for want of a hash
+        self._late: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -141,6 +147,7 @@ class KVCacheManager:
         in the very step that allocated them), so their K/V is never written.
         """
         table = self._tables.pop(request.request_id, None)
+        self._late.pop(request.request_id, None)
         if not table:
             return
         for block in table[request.num_computed_tokens // self.block_size :]:
@@ -160,7 +167,33 @@ class KVCacheManager:
         """Cache table[start:end]: blocks that this allocation fills. Earlier ones were cached by earlier
         allocations (or are hits); a block whose hash another block already holds stays uncached."""
         self.hash_blocks(request)
+        hashes = request.block_hashes
+        self._cache_range(request, table, start, min(end, len(hashes)))
+        if end > len(hashes) and request.request_id not in self._late:
+            self._late[request.request_id] = max(start, len(hashes))  # filled by tokens not known yet
+
+    def cache_late_blocks(self, request: Request) -> None:
+        """Cache the request's full blocks that were left uncached at allocation because a token in them
+        was not known yet, as far as its tokens are known now and its K/V is scheduled
+        (`num_computed_tokens`). Cheap when there are none."""
+        start = self._late.get(request.request_id)
+        if start is None:
+            return
+        table = self._tables.get(request.request_id)
+        if table is None:
+            del self._late[request.request_id]
+            return
+        self.hash_blocks(request)
+        end = min(request.num_computed_tokens // self.block_size, len(table))
+        stop = min(end, len(request.block_hashes))
+        self._cache_range(request, table, start, stop)
+        if stop >= end:
+            del self._late[request.request_id]
+        else:
+            self._late[request.request_id] = stop
+
+    def _cache_range(self, request: Request, table: list[KVCacheBlock], start: int, stop: int) -> None:
         bs = self.block_size
         hashes, tokens = request.block_hashes, request.all_token_ids
-        for i in range(start, min(end, len(hashes))):
+        for i in range(start, stop):
             self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs], hashes[i - 1] if i else None)

@@ -11,6 +11,11 @@ The commonest diff, a steady decode (exactly one appended token, no new block), 
 struct and no lists per request per step. A scheduled request that is neither new nor such a decode has
 a `CachedRequestData`; `SchedulerOutput.cached_diffs()` gives every diff in the per-request form.
 
+Async scheduling (`--async-scheduling`): the scheduler plans a step before it has seen the tokens that
+the step before it samples. A diff then appends `PLACEHOLDER_TOKEN` for each such token (only ever the
+last token of a decode): the worker feeds the id it sampled itself in its previous step, on the device
+(engine_svc/worker/sampled_feed.py), and learns its value on the host while the step runs.
+
 These are msgspec structs so the multiproc executor can broadcast them without pickle.
 """
 
@@ -19,6 +24,8 @@ from __future__ import annotations
 import msgspec
 
 from shared_runtime.contract import EngineSamplingParams
+
+PLACEHOLDER_TOKEN = -1  # a token the worker sampled in its previous step, not yet seen by the scheduler
 
 
 class NewRequestData(msgspec.Struct, kw_only=True, array_like=True, gc=False):
@@ -65,6 +72,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     decode_req_ids: list[str] = msgspec.field(default_factory=list)
     decode_token_ids: list[int] = msgspec.field(default_factory=list)
     decode_num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    # The scheduler's count of schedule() calls when it made this output (its own bookkeeping; workers ignore it).
+    step_id: int = 0
 
     def cached_diffs(self) -> list[CachedRequestData]:
         """Every cached request's diff as a `CachedRequestData` (the columnar decodes expanded), in

@@ -20,6 +20,20 @@ Each step (`schedule`):
 `update_from_output` appends sampled tokens, applies the stop conditions, frees finished requests and
 builds the step's `EngineCoreOutputs`.
 
+Steps in flight (the engine core's batch queue, engine_svc/core.py): `schedule` may run again before the
+previous output reached `update_from_output`. Each request counts the tokens it samples in such steps
+(`num_output_placeholders`). Without async scheduling a request with a sample in flight has nothing to
+compute (its known tokens are all scheduled), so another step only takes other requests. With
+`async_scheduling` it is scheduled up to `num_tokens + num_output_placeholders`: the diff appends
+`PLACEHOLDER_TOKEN` for the token it has not seen (engine_svc/sched/output.py), which the worker fills
+from its own previous step. Such a request is left out of a step when the token in flight must end it
+(it reaches `max_total_tokens`) and, with a grammar, until that token is known (its bitmask needs the
+grammar advanced by it: constrained requests do not overlap; see docs/architecture.md). A request that
+ends by a token in flight (EOS, a stop id, an abort, a stop string) has had at most one more step
+scheduled; that step's output for it is dropped. A request preempted while its sample is in flight still
+gets that token (as vLLM does), and is not admitted again while a step in flight holds it. Outputs of a
+step for an ended request whose id was reused since (`_stale`) are dropped.
+
 Structured outputs (engine_svc/structured/): a request with a constraint waits in WAITING_FOR_FSM (in
 `_compiling`, not in `waiting`) until its grammar compiles off this thread; each `schedule` first moves
 the compiled ones into `waiting` with their matcher (or ends them with INVALID_ARGUMENT), then fills the
@@ -43,6 +57,7 @@ from engine_svc.kv.events import KVEventLog
 from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import (
+    PLACEHOLDER_TOKEN,
     CachedRequestData,
     GrammarBitmask,
     ModelRunnerOutput,
@@ -82,6 +97,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         kv_events: KVEventLog | None = None,
         grammars: GrammarCompilers | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -116,6 +132,14 @@ class Scheduler:
         self._compiling: dict[str, Request] = {}
         self._num_constrained = 0  # live requests holding a matcher: 0 = no step pays for the bitmask
         self._bitmask = BitmaskFiller(grammars.vocab_size) if grammars is not None else None
+        # Steps in flight: schedule() numbers its outputs; update_from_output records the last it applied.
+        # Without them (`steps_in_flight` False: the core's queue holds one batch) no request ever has a
+        # sample in flight when scheduled, and the per-request bookkeeping below is skipped.
+        self.async_scheduling = async_scheduling
+        self.steps_in_flight = async_scheduling
+        self._step_id = 0
+        self._last_updated_step = 0
+        self._stale: dict[str, int] = {}  # ended request id -> last step that scheduled it, while in flight
 
     # ---- inputs ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -164,6 +188,7 @@ class Scheduler:
         """Pick this step's tokens (running first, then admissions); see the module docstring."""
         if self._compiling:
             self._admit_compiled()
+        self._step_id += 1
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in schedule order
         grown: set[str] = set()  # running requests whose block table grew this step
         cap = self._prefill_cap()
@@ -229,9 +254,16 @@ class Scheduler:
         preempted = False
         i = 0
         running, max_model_len, allocate = self.running, self.max_model_len, self.kv.allocate_slots
+        async_, in_flight = self.async_scheduling, self.steps_in_flight
         while i < len(running) and budget > 0:
             request = running[i]
             n = len(request.all_token_ids)
+            if in_flight and request.num_output_placeholders:  # a sample in flight (see the module docstring)
+                placeholders = request.num_output_placeholders
+                if not async_ or n + placeholders >= request.max_total_tokens or request.grammar is not None:
+                    i += 1
+                    continue
+                n += placeholders
             if n > max_model_len:  # (a compare, not a min() call: this runs per request per step)
                 n = max_model_len
             n -= request.num_computed_tokens
@@ -261,6 +293,8 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: dict[str, int], budget: int, cap: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.last_scheduled_step > self._last_updated_step:
+                break  # preempted while a step that holds it is in flight: its output comes first
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_hit_tokens, budget, cap)
             if self.kv.allocate_slots(request, n, hit_blocks) is None:
@@ -292,7 +326,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.record_event(EventType.PREEMPTED)
-        if not request.first_token_sent:
+        if not request.first_token_sent and not request.num_output_placeholders:
             request.prompt_logprobs.clear()  # the prompt will be run (and its logprobs sent) again
         self.num_preemptions += 1
         self._forget_sent(request.request_id)
@@ -319,39 +353,48 @@ class Scheduler:
         decode_computed: list[int] = []
         prompt_tokens: dict[str, int] = {}
         requests, tokens_sent_of, blocks_sent_of = self.requests, self._num_tokens_sent, self._num_blocks_sent
-        kv = self.kv
+        kv, step_id, in_flight = self.kv, self._step_id, self.steps_in_flight
         for request_id, n in scheduled.items():
             request = requests[request_id]
             tokens = request.all_token_ids
             num_tokens = len(tokens)
+            # Past num_tokens only under async scheduling: the tokens in flight, sent as placeholders.
+            horizon = num_tokens + request.num_output_placeholders if in_flight else num_tokens
             tokens_sent = tokens_sent_of.get(request_id)
             if tokens_sent is None:
                 new_reqs.append(self._new_request_data(request))
                 blocks_sent_of[request_id] = len(new_reqs[-1].block_ids)
             else:
-                one_token = tokens_sent == num_tokens - 1
+                one_token = tokens_sent == horizon - 1
                 new_blocks = ([] if one_token and request_id not in grown
                               else kv.get_block_ids(request_id, blocks_sent_of[request_id]))
                 if one_token and not new_blocks:
                     decode_ids.append(request_id)
-                    decode_tokens.append(tokens[-1])
+                    decode_tokens.append(tokens[-1] if horizon == num_tokens else PLACEHOLDER_TOKEN)
                     decode_computed.append(request.num_computed_tokens)
                 else:
+                    new_tokens = tokens[tokens_sent:]
+                    if horizon > num_tokens:
+                        new_tokens += [PLACEHOLDER_TOKEN] * (horizon - max(tokens_sent, num_tokens))
                     cached_reqs.append(
                         CachedRequestData(
                             req_id=request_id,
-                            new_token_ids=tokens[tokens_sent:],
+                            new_token_ids=new_tokens,
                             new_block_ids=new_blocks,
                             num_computed_tokens=request.num_computed_tokens,
                         )
                     )
                     if new_blocks:
                         blocks_sent_of[request_id] += len(new_blocks)
-            tokens_sent_of[request_id] = num_tokens
+            tokens_sent_of[request_id] = horizon
             start = request.num_computed_tokens
             if start < len(request.prompt_token_ids):
                 prompt_tokens[request_id] = min(len(request.prompt_token_ids) - start, n)
             request.num_computed_tokens = start + n
+            if in_flight:
+                request.last_scheduled_step = step_id
+                if start + n == horizon:  # it samples this step
+                    request.num_output_placeholders += 1
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -363,6 +406,7 @@ class Scheduler:
             decode_req_ids=decode_ids,
             decode_token_ids=decode_tokens,
             decode_num_computed_tokens=decode_computed,
+            step_id=step_id,
         )
         self._finished_ids, self._preempted_ids = [], []
         return output
@@ -385,24 +429,45 @@ class Scheduler:
         """Apply one step's results. Also works with an empty SchedulerOutput and ModelRunnerOutput, to
         emit pending abort / rejection outputs when nothing ran."""
         outputs, self._terminal_outputs = self._terminal_outputs, []
+        step = scheduler_output.step_id
+        if step > self._last_updated_step:
+            self._last_updated_step = step
+        stale = self._stale  # empty unless a request ended while a step held it (steps in flight)
         num_prompt_tokens = self._count_prompt_tokens(scheduler_output)
         for request_id, rows in model_runner_output.prompt_logprobs.items():
             request = self.requests.get(request_id)
-            if request is not None and not request.first_token_sent:
+            if request is None or request.first_token_sent or (stale and stale.get(request_id, -1) >= step):
+                continue
+            # A request preempted since holds rows only when this step also samples its first token (its
+            # rows were kept); otherwise its prompt is computed again, rows and all.
+            if request.status == RequestStatus.RUNNING or request.num_output_placeholders:
                 request.prompt_logprobs.extend(_token_logprobs(row[0], row[1:]) for row in rows)
 
         num_terminal, num_finished = len(outputs), len(self._finished_ids)
         logprobs = model_runner_output.logprobs
         requests, running, on_sampled = self.requests, RequestStatus.RUNNING, self._on_sampled
+        in_flight = self.steps_in_flight
         for request_id, token, row in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids,
                                           repeat(None) if logprobs is None else logprobs):
+            if token < 0:
+                continue  # a partial prefill chunk
             request = requests.get(request_id)
-            if token < 0 or request is None or request.status is not running:
-                continue  # a partial prefill chunk, or aborted since it was scheduled
+            if request is None or (stale and stale.get(request_id, -1) >= step):
+                continue  # ended (aborted, or finished by a token of an earlier step) since it was scheduled
+            if not in_flight:
+                outputs.append(on_sampled(request, token, row))
+                continue
+            request.num_output_placeholders -= 1
+            preempted = request.status is not running  # since this step was scheduled: the token stands
             outputs.append(on_sampled(request, token, row))
+            if preempted and request.is_finished:
+                self.waiting.remove(request)
         num_sampled = len(outputs) - num_terminal  # one output per sampled request
         if len(self._finished_ids) > num_finished:  # `_release` lists every request it ends
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        if stale:
+            for request_id in [r for r, last in stale.items() if last <= step]:
+                del stale[request_id]
 
         self._last_step = (scheduler_output.total_num_scheduled_tokens, num_prompt_tokens, num_sampled)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.get_stats())
@@ -418,6 +483,8 @@ class Scheduler:
         num_tokens = len(tokens)
         if num_tokens // self.block_size > len(request.block_hashes) and self.kv.enable_prefix_caching:
             self.kv.hash_blocks(request)  # a block just filled
+            if self.async_scheduling:
+                self.kv.cache_late_blocks(request)  # it may have been filled by this token's placeholder
         num_cached = request.num_cached_tokens  # -1 until first scheduled; a compare costs less than max()
         output = EngineCoreOutput(
             request_id=request.request_id,
@@ -489,6 +556,8 @@ class Scheduler:
         self.waiting.forget(request.request_id)
         self._forget_sent(request.request_id)
         self._finished_ids.append(request.request_id)
+        if request.last_scheduled_step > self._last_updated_step:  # a step in flight still holds it
+            self._stale[request.request_id] = request.last_scheduled_step
 
     def _forget_sent(self, request_id: str) -> None:
         self._num_tokens_sent.pop(request_id, None)
@@ -560,10 +629,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self._compiling)
 
-    def get_stats(self) -> SchedulerStats:
+    def get_stats(self, with_step: bool = True) -> SchedulerStats:
         """Current load and cumulative counters; the per-step token counts are those of the step last
-        passed to `update_from_output`."""
-        num_scheduled, num_prompt, num_generated = self._last_step
+        passed to `update_from_output` (zero without `with_step`: a report that applied no step)."""
+        num_scheduled, num_prompt, num_generated = self._last_step if with_step else (0, 0, 0)
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=self.num_waiting,

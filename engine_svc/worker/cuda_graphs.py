@@ -190,9 +190,11 @@ class DecodeCudaGraphs:
             self._graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
-    def replay(self, inputs: StepInputs, size: int) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode-only step of n <= size requests."""
-        self.staging.stage_inputs(inputs, pad_to=size)
+    def replay(self, inputs: StepInputs, size: int,
+               fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode-only step of n <= size requests (`fill`: see
+        `StepStaging.stage_inputs`)."""
+        self.staging.stage_inputs(inputs, pad_to=size, fill=fill)
         out = self._run(size)
         self.num_replays += 1
         return out[: len(inputs.req_ids)]

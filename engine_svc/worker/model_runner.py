@@ -10,6 +10,11 @@ pinned buffers, async copies, one event): the inputs of eager steps and CUDA-gra
 sampling parameters (per-row columns of the persistent batch, copied only when the batch changes:
 sample/columns.py) and the per-step sampling arrays; so the forward, the logits and the sampler are
 queued back to back while the host moves on.
+Async scheduling (`async_scheduling=True`): a diff may append placeholders for the tokens this runner
+sampled in its previous step; `PlaceholderFeed` (sampled_feed.py) writes those ids into the device
+inputs, and `execute_model` returns a `PendingOutput` without reading the sampled ids back: the step has
+no host sync at all, and the host reads them while the next step runs. With TP every rank then feeds
+rank 0's ids (broadcast after sampling), as the scheduler's diffs do without async scheduling.
 Positions never reach max_position (the rotary cache's rows): max_model_len is checked against it here,
 and the persistent batch cannot hold a token past max_model_len.
 """
@@ -22,6 +27,7 @@ import numpy as np
 import torch
 
 from engine_svc.attention.backend import AttentionMetadata
+from engine_svc.distributed.parallel_state import get_tp_size, tensor_model_parallel_broadcast
 from engine_svc.sample.columns import SamplingColumns
 from engine_svc.sample.logprobs import compute_prompt_logprobs
 from engine_svc.sample.metadata import (
@@ -31,10 +37,11 @@ from engine_svc.sample.metadata import (
     build_sampling_metadata,
 )
 from engine_svc.sample.sampler import Sampler
-from engine_svc.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine_svc.sched.output import PLACEHOLDER_TOKEN, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine_svc.structured.bitmask import apply_bitmask
 from engine_svc.worker.cuda_graphs import DecodeCudaGraphs
 from engine_svc.worker.input_batch import InputBatch, StepInputs
+from engine_svc.worker.sampled_feed import Fill, PendingOutput, PlaceholderFeed
 from engine_svc.worker.staging import StepStaging
 
 
@@ -53,7 +60,8 @@ def profile_seq_lens(num_tokens: int, max_model_len: int, max_num_seqs: int) -> 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_num_seqs: int,
-                 max_model_len: int, block_size: int, vocab_size: int, max_num_batched_tokens: int) -> None:
+                 max_model_len: int, block_size: int, vocab_size: int, max_num_batched_tokens: int,
+                 async_scheduling: bool = False) -> None:
         max_position = getattr(model, "max_position", None)
         if max_position is not None and max_model_len > max_position:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {max_position} rotary positions "
@@ -65,6 +73,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
+        self.async_scheduling = async_scheduling
         self._size_for(max_model_len)
         self.sampler = Sampler()
         self.sampling_states: dict[str, RequestSamplingState] = {}
@@ -91,9 +100,10 @@ class ModelRunner:
         self.batch = InputBatch(self.max_num_seqs, max_model_len, self.block_size)
         self.staging = StepStaging(
             self.device, max_tokens=max(self.max_num_batched_tokens, self.max_num_seqs), max_reqs=self.max_num_seqs,
-            max_blocks_per_req=self.batch.block_table.shape[1],
+            max_blocks_per_req=self.batch.block_table.shape[1], double_buffered=self.async_scheduling,
         )
         self.sampling_columns = SamplingColumns(self.max_num_seqs, self.staging)
+        self.feed = PlaceholderFeed(self.max_num_seqs) if self.async_scheduling else None
 
     # ---- state updates -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -107,9 +117,20 @@ class ModelRunner:
         for diff in so.scheduled_cached_reqs:
             tokens = diff.new_token_ids
             self.batch.apply_diff(diff.req_id, tokens, diff.new_block_ids, diff.num_computed_tokens)
+            if tokens and tokens[-1] == PLACEHOLDER_TOKEN:  # async scheduling: the tail is this runner's sample
+                tokens = self._note_placeholder(diff.req_id, tokens)
             if tokens:
                 states[diff.req_id].output_token_ids.extend(tokens)
         self._apply_decodes(so.decode_req_ids, so.decode_token_ids, so.decode_num_computed_tokens)
+
+    def _note_placeholder(self, req_id: str, tokens: list[int]) -> list[int]:
+        """Tell the feed where a diff's placeholder went (only ever its last token); the tokens before it."""
+        if self.feed is None or tokens.count(PLACEHOLDER_TOKEN) != 1:
+            raise RuntimeError(f"request {req_id!r}: unexpected placeholder tokens {tokens} "
+                               f"(async scheduling {'on' if self.feed else 'off'} in this worker)")
+        row = self.batch.row_of[req_id]
+        self.feed.note(req_id, row, int(self.batch.num_tokens[row]) - 1)
+        return tokens[:-1]
 
     def _apply_decodes(self, req_ids: list[str], tokens: list[int], num_computed: list[int]) -> None:
         """The step's steady decodes (the scheduler's columns: one token each, no block): one vectorised
@@ -118,6 +139,15 @@ class ModelRunner:
             return
         self.batch.apply_decode_diffs(req_ids, tokens, num_computed)
         states = self.sampling_states
+        if self.feed is not None and PLACEHOLDER_TOKEN in tokens:  # async scheduling
+            rows, feed, num_tokens = self.batch.row_of, self.feed, self.batch.num_tokens
+            for req_id, token in zip(req_ids, tokens):
+                if token == PLACEHOLDER_TOKEN:
+                    row = rows[req_id]
+                    feed.note(req_id, row, int(num_tokens[row]) - 1)
+                else:
+                    states[req_id].output_token_ids.append(token)
+            return
         for req_id, token in zip(req_ids, tokens):
             states[req_id].output_token_ids.append(token)
 
@@ -146,7 +176,8 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
+        """Run one step. Returns its output, or under async scheduling a `PendingOutput` (no host sync)."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -154,36 +185,49 @@ class ModelRunner:
         sample_idx = np.flatnonzero(inputs.sample_mask)
         last_token = inputs.query_start_loc[1:][sample_idx] - 1  # the hidden row each sampling request reads
         self.staging.begin_step()
-        hidden, sample_rows = self._forward(inputs, last_token)
+        feed = self.feed
+        fill = feed.fill_for(inputs, self.staging) if feed is not None else None
+        hidden, sample_rows = self._forward(inputs, last_token, fill)
+        if feed is not None:
+            feed.resolve(self.batch, self.sampling_states)  # the previous step's ids, before sampling reads them
         req_ids = inputs.req_ids
-        sampled = [-1] * len(req_ids)
-        logprobs = None
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden) if self.prompt_logprobs_wanted else {}
         if not len(sample_idx):
             self.staging.end_step()
+            if feed is not None:
+                feed.record(torch.empty(0, dtype=torch.int64, device=self.device), sample_idx, None)
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[-1] * len(req_ids),
+                                     prompt_logprobs=prompt_logprobs)
+        # Python ints, not numpy scalars, index the per-request lists and dicts below; when every row
+        # samples (a decode step), the sampling rows are the batch order itself.
+        every_row = len(sample_idx) == len(req_ids)
+        sample_ids = req_ids if every_row else [req_ids[i] for i in sample_idx.tolist()]
+        batch_rows = inputs.rows if every_row else inputs.rows[sample_idx]
+        meta = self._sampling_metadata(sample_ids, batch_rows)
+        self.staging.end_step()
+        rows = hidden[: len(sample_idx)] if sample_rows is None else hidden.index_select(0, sample_rows)
+        logits = self.model.compute_logits(rows)
+        if so.grammar is not None:  # structured outputs: mask the constrained rows before sampling
+            apply_bitmask(logits, so.grammar, {r: j for j, r in enumerate(sample_ids)})
+        out = self.sampler(logits, meta)
+        if feed is not None:
+            tokens = out.sampled_token_ids
+            if get_tp_size() > 1:
+                tensor_model_parallel_broadcast(tokens)  # every rank feeds rank 0's ids
+            step = feed.record(tokens, batch_rows, out.logprobs)
+            return PendingOutput(req_ids, None if every_row else sample_idx, step, prompt_logprobs)
+        tokens_list = out.sampled_token_ids.tolist()  # the step's one device -> host sync
+        if every_row:
+            sampled = tokens_list
         else:
-            # Python ints, not numpy scalars, index the per-request lists and dicts below; when every row
-            # samples (a decode step), the sampling rows are the batch order itself.
-            every_row = len(sample_idx) == len(req_ids)
-            sample_ids = req_ids if every_row else [req_ids[i] for i in sample_idx.tolist()]
-            meta = self._sampling_metadata(sample_ids, inputs.rows if every_row else inputs.rows[sample_idx])
-            self.staging.end_step()
-            rows = hidden[: len(sample_idx)] if sample_rows is None else hidden.index_select(0, sample_rows)
-            logits = self.model.compute_logits(rows)
-            if so.grammar is not None:  # structured outputs: mask the constrained rows before sampling
-                apply_bitmask(logits, so.grammar, {r: j for j, r in enumerate(sample_ids)})
-            out = self.sampler(logits, meta)
-            tokens = out.sampled_token_ids.tolist()  # the step's one device -> host sync
-            if every_row:
-                sampled = tokens
-            else:
-                for j, i in enumerate(sample_idx.tolist()):
-                    sampled[i] = tokens[j]
-            logprobs = self._scatter_logprobs(out, sample_idx, len(req_ids))
+            sampled = [-1] * len(req_ids)
+            for j, i in enumerate(sample_idx.tolist()):
+                sampled[i] = tokens_list[j]
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs=self._prompt_logprobs(inputs, hidden) if self.prompt_logprobs_wanted else {},
+            logprobs=self._scatter_logprobs(out, sample_idx, len(req_ids)),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _sampling_metadata(self, sample_ids: list[str], batch_rows: np.ndarray) -> SamplingMetadata:
@@ -198,10 +242,11 @@ class ModelRunner:
         )
 
     # -- CUDA graphs hook (engine_svc/worker/cuda_graphs.py) --
-    def _forward(self, inputs: StepInputs, last_token: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, inputs: StepInputs, last_token: np.ndarray,
+                 fill: Fill | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states [T, hidden], device indices of the rows to sample, or None when they are the
         first len(last_token) rows): a CUDA graph replay for a decode-only step that fits a captured
-        size, else the eager model call."""
+        size, else the eager model call. `fill` rewrites the staged input ids (async scheduling)."""
         # Every request decodes one token and samples (the steady step): the rows are 0..n-1 by construction.
         first_rows = (inputs.num_decodes == len(last_token) == len(inputs.req_ids)
                       or bool(np.array_equal(last_token, np.arange(len(last_token)))))
@@ -209,8 +254,8 @@ class ModelRunner:
         if self.cuda_graphs is not None:
             size = self.cuda_graphs.size_for(inputs)
             if size is not None:
-                return self.cuda_graphs.replay(inputs, size), rows
-        staged = self.staging.stage_inputs(inputs)
+                return self.cuda_graphs.replay(inputs, size, fill), rows
+        staged = self.staging.stage_inputs(inputs, fill=fill)
         meta = AttentionMetadata(
             slot_mapping=staged.slot_mapping,
             query_start_loc=staged.query_start_loc,

@@ -13,10 +13,18 @@ Safety without syncs (on CUDA):
 - host side: `begin_step` waits for an event recorded by `end_step` after the previous step's last copy,
   so no pinned array is rewritten while a copy from it may still be running (long finished in practice:
   each step ends by reading the sampled tokens back). One event covers every pair.
+- `double_buffered` (async scheduling, where a step does not end by reading its tokens back): each pair
+  has two host arrays, used by alternate steps, and one event per set; `begin_step` switches sets and
+  waits for the step before the previous one, so the host writes step N+1's inputs while step N's
+  copies and kernels (queued after them) still run. Every value a step uploads is written by that step
+  (or, for block-table columns past a row's blocks, never read), so alternating sets is invisible.
 
 On a CPU device the host array and the device tensor are one tensor (nothing is copied), unless
 `copy=True`, which runs the copying logic with two CPU tensors so that tests can check it without a GPU
 (`num_copies` counts the copies issued).
+
+`stage_inputs(..., fill=f)` calls `f(device input ids)` once they are staged, before the model reads them:
+async scheduling writes the previous step's sampled ids there (engine_svc/worker/sampled_feed.py).
 
 Inputs of a step (`stage_inputs`): token ids, positions and slots share one [3, max_tokens] int64 pair sent
 whole (one copy; a strided prefix would go through an unpinned temporary); query_start_loc, seq_lens, the
@@ -29,7 +37,7 @@ attention never reads them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,14 +50,28 @@ PAD_SLOT = -1  # the KV write kernel skips negative slots
 
 
 class Twin:
-    """A host array and its device twin of one shape and dtype (the same tensor on CPU without copying)."""
+    """A host array and its device twin of one shape and dtype (the same tensor on CPU without copying).
+    Double-buffered staging gives it two host arrays; `host` / `host_tensor` are the current step's."""
 
     def __init__(self, staging: StepStaging, shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> None:
         self._staging = staging
-        host = torch.full(shape, fill, dtype=dtype, pin_memory=staging.pinned)
+        self._hosts = [torch.full(shape, fill, dtype=dtype, pin_memory=staging.pinned)
+                       for _ in range(2 if staging.double_buffered else 1)]
+        self._arrays = [h.numpy() for h in self._hosts]
+        host = self._hosts[staging.buffer if staging.double_buffered else 0]
         self.host_tensor = host
         self.host: np.ndarray = host.numpy()
         self.device = host.to(staging.device, copy=True) if staging.copy else host
+
+    def use(self, buffer: int) -> None:
+        """Make host array `buffer` (0 or 1) the current one (double-buffered staging only)."""
+        self.host_tensor, self.host = self._hosts[buffer], self._arrays[buffer]
+
+    def mirror(self) -> None:
+        """Copy the current host array into the other one (after writing initial values)."""
+        for array in self._arrays:
+            if array is not self.host:
+                array[...] = self.host
 
     def upload(self, rows: int | None = None) -> torch.Tensor:
         """Copy the first `rows` rows (all when None) up; returns the device view of them."""
@@ -79,14 +101,18 @@ class StepStaging:
 
     def __init__(
         self, device: torch.device, *, max_tokens: int, max_reqs: int, max_blocks_per_req: int,
-        copy: bool | None = None,
+        copy: bool | None = None, double_buffered: bool = False,
     ) -> None:
         self.device = device
         self.copy = device.type == "cuda" if copy is None else copy
         self.pinned = device.type == "cuda"
+        self.double_buffered = double_buffered and self.copy  # without copies host and device are one
+        self.buffer = 0  # the current host set (double-buffered)
+        self._twins: list[Twin] = []
         self.num_copies = 0
         self.max_tokens, self.max_reqs = max_tokens, max_reqs
-        self._copied = torch.cuda.Event() if self.pinned else None  # recorded after each step's last copy
+        # Recorded after each step's last copy (one per host set when double-buffered).
+        self._events = [torch.cuda.Event() if self.pinned else None for _ in range(2 if self.double_buffered else 1)]
         # Every row starts as a dummy request (see the module docstring), on the device too.
         self.tokens = self.twin((3, max_tokens), torch.int64)  # input ids, positions, slots
         self.tokens.host[2].fill(PAD_SLOT)
@@ -99,27 +125,39 @@ class StepStaging:
         self.sample_rows = self.twin((max_reqs,), torch.int64)
         self._scratch: dict[np.dtype, Twin] = {}
         self._scratch_used: dict[np.dtype, int] = {}  # elements handed out this step, per dtype
+        for twin in self._twins:
+            twin.mirror()
         self.num_copies = 0
 
     def twin(self, shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> Twin:
-        return Twin(self, shape, dtype, fill)
+        twin = Twin(self, shape, dtype, fill)
+        self._twins.append(twin)
+        return twin
 
     # ---- step boundaries ---------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Before writing any host array: the previous step's copies have finished reading them."""
-        if self._copied is not None:
-            self._copied.synchronize()  # returns at once before the first record()
+        """Before writing any host array: the copies of the last step that used this host set have
+        finished reading them (the previous step, or with double buffering the one before it)."""
+        if self.double_buffered:
+            self.buffer ^= 1
+            for twin in self._twins:
+                twin.use(self.buffer)
+        event = self._events[self.buffer]
+        if event is not None:
+            event.synchronize()  # returns at once before the first record()
         self._scratch_used.clear()
 
     def end_step(self) -> None:
         """After the step's last copy."""
-        if self._copied is not None:
-            self._copied.record()
+        event = self._events[self.buffer]
+        if event is not None:
+            event.record()
 
     # ---- inputs ------------------------------------------------------------------------------------
-    def stage_inputs(self, inputs: StepInputs, pad_to: int | None = None) -> StagedInputs:
+    def stage_inputs(self, inputs: StepInputs, pad_to: int | None = None,
+                     fill: Callable[[torch.Tensor], None] | None = None) -> StagedInputs:
         """The step's inputs on the device; `pad_to` B pads a decode-only step of n <= B requests with
-        dummy requests to B rows (a CUDA-graph replay)."""
+        dummy requests to B rows (a CUDA-graph replay); `fill` rewrites the device input ids once staged."""
         n, num_tokens = len(inputs.req_ids), len(inputs.input_ids)
         tokens = self.tokens.host
         tokens[0, :num_tokens] = inputs.input_ids
@@ -140,6 +178,8 @@ class StepStaging:
             self.block_table.host[n:pad_to, 0] = 0
             rows = num_tokens = pad_to
         ids, positions, slots = self.tokens.upload()[:, :num_tokens]
+        if fill is not None:
+            fill(ids)
         return StagedInputs(ids, positions, slots, self.query_start_loc.upload(rows + 1),
                             self.seq_lens.upload(rows), self.block_table.upload(rows))
 
@@ -193,5 +233,7 @@ class StepStaging:
         if have is None or have.host.size < size:
             capacity = max(size, 2 * (have.host.size if have is not None else 0), 1024)
             tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+            if have is not None:
+                self._twins.remove(have)
             self._scratch[dtype] = self.twin((capacity,), tdtype)
         return self._scratch[dtype]

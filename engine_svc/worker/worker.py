@@ -18,6 +18,7 @@ from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.worker.cpu_threads import ThreadGovernor, governor_enabled, set_cpu_threads
 from engine_svc.worker.cuda_graphs import maybe_capture_decode_graphs
 from engine_svc.worker.model_runner import ModelRunner
+from engine_svc.worker.sampled_feed import PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Worker:
             block_size=self.config.block_size,
             vocab_size=self.model.vocab_size,
             max_num_batched_tokens=int(self.config.max_num_batched_tokens or self.config.max_model_len or 0),
+            async_scheduling=self.config.resolved_async_scheduling,
         )
 
     @property
@@ -159,7 +161,8 @@ class Worker:
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
+        """The step's output, or under async scheduling a `PendingOutput` whose `get()` waits for it."""
         assert self.runner is not None
         if self.governor is not None and self.governor.observe():
             self._apply_threads()

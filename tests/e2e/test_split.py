@@ -1,6 +1,6 @@
 """The split end to end: a real engine process and a real frontend process over loopback gRPC.
 
-The oracle is the offline, in-process API (`engine_svc.LLM`): greedy (and seeded) outputs through
+The oracle is the offline, in-process API (`entrypoints.LLM`): greedy (and seeded) outputs through
 the split must equal it token for token. Then streaming semantics, cancellation (the engine's
 `GetLoad` must return to idle with an empty KV cache), crashes of either process, bad input,
 admission limits, health and reflection. The engine runs with --max-num-seqs 4 --max-waiting 4 and

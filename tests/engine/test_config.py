@@ -61,6 +61,21 @@ def test_defaults_follow_the_model_and_device(llama_dir) -> None:
         cfg.block_size = 32  # type: ignore[misc]  # frozen
 
 
+def test_async_scheduling_flag_and_its_default_by_device(llama_dir) -> None:
+    import argparse
+
+    from engine_svc.config import ASYNC_SCHEDULING_DEFAULT, add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flags, expected in (([], ASYNC_SCHEDULING_DEFAULT["cpu"]), (["--async-scheduling"], True),
+                            (["--no-async-scheduling"], False)):
+        cfg = config_from_args(parser.parse_args(["--model", str(llama_dir), "--device", "cpu", *flags]))
+        assert cfg.resolved_async_scheduling is expected
+    gpu = EngineConfig.create(model=str(llama_dir), device="cuda")
+    assert gpu.async_scheduling is None and gpu.resolved_async_scheduling is ASYNC_SCHEDULING_DEFAULT["cuda"]
+
+
 def test_cuda_without_a_gpu_is_a_clear_startup_error(llama_dir) -> None:
     import torch
 

@@ -113,7 +113,7 @@ class ReferenceScheduler(Scheduler):
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()), finished_req_ids=self._finished_ids,
-            preempted_req_ids=self._preempted_ids, num_prompt_tokens=prompt_tokens,
+            preempted_req_ids=self._preempted_ids, num_prompt_tokens=prompt_tokens, step_id=self._step_id,
         )
         self._finished_ids, self._preempted_ids = [], []
         return output

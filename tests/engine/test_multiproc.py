@@ -253,3 +253,20 @@ def test_engine_process_death_leaves_no_workers_or_segments(sig: int) -> None:
     assert_cleaned_up(pids, segments)
     if sig == signal.SIGTERM:
         assert "leaked" not in stderr and "Traceback" not in stderr, stderr
+
+
+def test_steps_in_flight_are_answered_in_order() -> None:
+    """The batch queue's use: several steps submitted before any answer is read; each future gets its own
+    answer, whichever is asked for first."""
+    ex = MultiprocExecutor(config(), worker_cls=FAKE)
+    pids, segments = ex.worker_pids, segments_of(ex)
+    ex.initialize()
+    futures = [ex.execute_model(make_so(step), non_block=True) for step in (1, 2, 3)]
+    assert futures[2].result().sampled_token_ids == [61] * 3  # reads the answers to steps 1 and 2 first
+    assert futures[0].done() and futures[1].done()
+    assert [f.result().sampled_token_ids[0] for f in futures] == [21, 41, 61]
+    fourth = ex.execute_model(make_so(4), non_block=True)
+    assert ex.execute_model(make_so(5)).sampled_token_ids == [101] * 3  # step 4's answer is read on the way
+    assert fourth.done() and fourth.result().sampled_token_ids == [81] * 3
+    ex.shutdown()
+    assert_cleaned_up(pids, segments)

@@ -205,3 +205,34 @@ def test_the_runner_gathers_once_per_batch_change(make_model) -> None:
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 6, 10]
     assert runner.sampling_columns.num_gathers == 3
     llm.engine.shutdown()
+
+
+# ---- async scheduling: two host sets, and the placeholder fill ------------------------------------------
+def test_double_buffered_steps_alternate_host_arrays_and_stage_the_same_values() -> None:
+    staging = StepStaging(CPU, max_tokens=32, max_reqs=8, max_blocks_per_req=5, copy=True, double_buffered=True)
+    single = _staging()
+    hosts = []
+    for step in [_three_decodes(), _batch_with({"x": (4, 3)}).prepare({"x": 1}), _three_decodes()]:
+        for s in (staging, single):
+            s.begin_step()
+            staged = s.stage_inputs(step, pad_to=4)
+            s.end_step()
+            assert staged.input_ids.tolist()[: len(step.req_ids)] == step.input_ids.tolist()
+        hosts.append(staging.tokens.host_tensor.data_ptr())
+        assert staging.tokens.device.tolist() == single.tokens.device.tolist()  # padding included
+        assert staging.seq_lens.device[:4].tolist() == single.seq_lens.device[:4].tolist()
+    assert hosts[0] != hosts[1] == hosts[1] and hosts[0] == hosts[2]  # step N+1 writes the other set
+    # Both sets started as dummy requests (a graph replay pads from them).
+    assert (staging.tokens._arrays[0][2] == PAD_SLOT).sum() > 0 and (staging.tokens._arrays[1][2] == PAD_SLOT).sum() > 0
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_fill_rewrites_the_staged_input_ids_before_the_model_reads_them(copy: bool) -> None:
+    step = _three_decodes()
+    previous = torch.tensor([70, 71, 72])
+
+    def fill(ids: torch.Tensor) -> None:
+        ids[1] = previous[2]
+
+    staged = _staging(copy).stage_inputs(step, pad_to=4, fill=fill)
+    assert staged.input_ids.tolist() == [step.input_ids[0], 72, step.input_ids[2], 0]

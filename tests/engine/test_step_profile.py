@@ -46,6 +46,14 @@ def test_cpu_smoke_run(gpu_profile, capsys):
     assert gpu_profile.main(["--device", "cpu", "--batch", "2", "--prompt-len", "8", "--warmup", "1",
                              "--steps", "2", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "#### batch 2, prompt 8: 2 decode steps profiled" in out
+    assert "#### batch 2, prompt 8: 2 decode steps profiled, async scheduling off" in out
     assert "| wall time |" in out and "top CPU ops by self time" in out
     assert len(re.findall(r"^\| `\w+::", out, re.MULTILINE)) == 3  # aten:: and mkldnn:: (the packed linears)
+
+
+def test_cpu_smoke_run_with_async_scheduling_on_and_off(gpu_profile, capsys):
+    assert gpu_profile.main(["--device", "cpu", "--batch", "2", "--prompt-len", "8", "--warmup", "1",
+                             "--steps", "2", "--top", "3", "--async-scheduling", "off", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "profiled, async scheduling off" in out and "profiled, async scheduling on" in out
+    assert out.count("| host time before the step's sync") == 1  # not a figure when steps overlap
