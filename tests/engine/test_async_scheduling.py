@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from entrypoints import LLM, SamplingParams
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.executor.multiproc import MultiprocExecutor
 from engine_svc.sched.output import PLACEHOLDER_TOKEN, SchedulerOutput
 from engine_svc.worker.worker import Worker
+from entrypoints import LLM, SamplingParams
 from shared_runtime.contract import (
     EngineCoreOutputs,
     EngineCoreRequest,
