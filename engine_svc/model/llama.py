@@ -17,6 +17,7 @@ Two numerically equivalent paths (`fused_kernels_wanted`):
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -50,6 +51,9 @@ class DecoderVariant:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # Builds layer i's feed-forward block: (config, layer index, dtype, fused) -> module; None: LlamaMLP.
+    # Mixture-of-experts models set it (engine_svc/model/moe_models.py).
+    feed_forward: Callable[[Any, int, torch.dtype, bool], nn.Module] | None = None
 
 
 def head_dim_of(config: Any) -> int:
@@ -131,11 +135,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype,
-        fused: bool = False,
+        fused: bool = False, layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, variant, backend, dtype, fused)
-        self.mlp = LlamaMLP(config, variant, dtype, fused)
+        self.mlp = (LlamaMLP(config, variant, dtype, fused) if variant.feed_forward is None
+                    else variant.feed_forward(config, layer_idx, dtype, fused))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
 
@@ -168,7 +173,7 @@ class LlamaModel(nn.Module):
         self.fused = fused
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, backend, dtype, fused) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, variant, backend, dtype, fused, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
         theta, rope_params = read_rope_config(config)

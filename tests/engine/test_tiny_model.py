@@ -25,6 +25,8 @@ HF_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 MULTIBYTE_TEXT = "naïve café — Ελληνικά, русский, 中文字符, 日本語, 한국어 🚀👩‍💻 ∑ x² €5\n\ttab"
 
