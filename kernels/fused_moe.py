@@ -161,9 +161,10 @@ def fused_experts(
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be contiguous in their last dim"
     num_tokens, top_k = topk_ids.shape
     num_slots = num_tokens * top_k
-    out_sum = torch.zeros((num_slots, w2.shape[1]), dtype=torch.float32, device=hidden.device)
+    hidden_size = w2.shape[1]
+    out_sum = torch.zeros((num_slots, hidden_size), dtype=torch.float32, device=hidden.device)
     if num_slots == 0:
-        return out_sum.view(num_tokens, top_k, -1).sum(1).to(hidden.dtype)
+        return torch.zeros((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     block_m = choose_block_m(num_slots, w13.shape[0])
     align = moe_align_block_size(topk_ids, block_m, w13.shape[0])
     gate_up = torch.empty((num_slots, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
@@ -174,4 +175,4 @@ def fused_experts(
         act = gated_activation(gate_up, activation, swiglu_alpha, swiglu_limit)
     weights = topk_weights.reshape(-1).to(torch.float32)
     _gemm(act, w2, out_sum, w2_bias, weights, align, 1, block_m)
-    return out_sum.view(num_tokens, top_k, -1).sum(1).to(hidden.dtype)
+    return out_sum.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

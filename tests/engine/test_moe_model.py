@@ -35,7 +35,17 @@ from engine_svc.model.llama import LlamaMLP
 from engine_svc.model.loader import load_model
 from engine_svc.model.moe_config import MoeSpec
 from kernels.fused_moe_ref import fused_experts as reference_experts
-from tests.engine.test_model import ATOL, COMMON, Seq, _blocks, _hf_logits, _new_caches, _scramble, _step, _tokens
+from tests.engine.test_model import (
+    ATOL,
+    COMMON,
+    Seq,
+    _blocks,
+    _hf_logits,
+    _new_caches,
+    _scramble,
+    _step,
+    _tokens,
+)
 
 QWEN3_MOE = dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 CONFIGS = {
@@ -202,7 +212,7 @@ def test_cpu_experts_equal_the_reference(dtype: torch.dtype, packed: bool) -> No
 
 
 def test_cpu_experts_run_only_the_chosen_experts(monkeypatch) -> None:
-    w13, w2, gen = _random_experts(16, 32, 8, torch.float32, seed=2)
+    w13, w2, _ = _random_experts(16, 32, 8, torch.float32, seed=2)
     experts = CpuExperts.from_stacked(w13, w2)
     used: list[int] = []
     real = experts._linear

@@ -145,7 +145,10 @@ class FusedMoE(nn.Module):
 
     def prepack(self) -> None:
         """Pack every expert's weights for oneDNN and drop the stacked copies (CPU only; called by
-        cpu_gemm.prepack_linears after loading, before the first step)."""
+        cpu_gemm.prepack_linears after loading, before the first step). A layer that runs the Triton
+        kernel (`fused`, e.g. under TRITON_INTERPRET on CPU) keeps its stacked weights."""
+        if self.fused:
+            return
         self.cpu_weights = moe_cpu.CpuExperts.from_stacked(self.w13_weight, self.w2_weight, pack=True)
         for name in ("w13_weight", "w2_weight"):
             old = getattr(self, name)
