@@ -48,6 +48,11 @@ def _ensure_ninja_on_path() -> bool:
     return False
 
 
+def can_build() -> bool:
+    """Whether ninja and a C++ compiler are there to build native ops."""
+    return _ensure_ninja_on_path() and shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled module, or None when disabled or unbuildable (logged once). Its functions:
@@ -55,19 +60,26 @@ def load() -> ModuleType | None:
     (in place), `rotary_(x, positions, cos_sin_cache)` (in place), `silu_and_mul(x)`."""
     if not enabled():
         return None
-    if not (_ensure_ninja_on_path() and shutil.which(os.environ.get("CXX", "c++"))):
+    if not can_build():
         logger.warning("native CPU ops: no ninja or C++ compiler; attention and small ops stay in torch")
         return None
+    module = build(_NAME, _SOURCES, "attention and small ops")
+    if module is not None:
+        logger.info("native CPU ops loaded (paged decode attention, add + RMSNorm, RoPE, SiLU-and-mul)")
+    return module
+
+
+def build(name: str, sources: list[Path], fallback: str) -> ModuleType | None:
+    """Compile (or find in the cache) the extension `name` from `sources` with this module's flags; None,
+    logged with what stays in torch (`fallback`), when it cannot be built."""
     from torch.utils import cpp_extension
 
     try:
-        module = cpp_extension.load(_NAME, [str(p) for p in _SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                                    verbose=False)
+        return cpp_extension.load(name, [str(p) for p in sources], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                                  verbose=False)
     except Exception as exc:  # a failed build must not stop the engine: the torch path is correct
-        logger.warning("native CPU ops did not build (%s); attention and small ops stay in torch", exc)
+        logger.warning("native CPU op %s did not build (%s); %s stay in torch", name, exc, fallback)
         return None
-    logger.info("native CPU ops loaded (paged decode attention, add + RMSNorm, RoPE, SiLU-and-mul)")
-    return module
 
 
 def for_tensor(x: torch.Tensor) -> ModuleType | None:

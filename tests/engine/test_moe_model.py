@@ -6,9 +6,9 @@
   and `mlp_only_layers`; Mixtral) equal transformers' logits in float32 through prefill, chunked prefill
   with decodes and a mixed batch (the paged-attention harness of test_model.py), weights re-drawn so that
   routing is spread over the experts.
-- The experts' CPU path (plain and oneDNN-packed weights) equals the torch reference, including choices
-  routed to -1 (experts held by another rank) and an empty batch; TP shards and EP placements of one
-  layer add up to the whole layer.
+- The experts' CPU paths (the native op, torch ops on plain and on oneDNN-packed weights) equal the torch
+  reference, including choices routed to -1 (experts held by another rank) and an empty batch, and run
+  only the chosen experts; TP shards and EP placements of one layer add up to the whole layer.
 - Config fields tandem cannot honour are refused at start with the field named; training-only ones are
   accepted; a checkpoint missing one expert's tensor is named.
 - bfloat16 through the engine agrees with transformers within the top-5 (tests/gpu's rule).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from engine_svc import LLM, SamplingParams
 from engine_svc.attention.torch_backend import TorchAttentionBackend
 from engine_svc.config import ConfigError, EngineConfig
+from engine_svc.model.layers import moe_cpu
 from engine_svc.model.layers.moe import FusedMoE, SparseMoeBlock, route
 from engine_svc.model.layers.moe_cpu import CpuExperts
 from engine_svc.model.llama import LlamaMLP
@@ -194,31 +196,72 @@ def _routing(gen: torch.Generator, tokens: int, num_experts: int, top_k: int) ->
     return route(logits, _spec("softmax_topk", True, num_experts, top_k))
 
 
+CPU_PATHS = ("native", "torch", "packed")
+
+
+def _cpu_experts(path: str, w13: torch.Tensor, w2: torch.Tensor, monkeypatch) -> CpuExperts:
+    """CpuExperts forced onto one path: the native op (skipped where it cannot be built), torch ops on the
+    stacked weights, or torch ops on oneDNN-packed weights."""
+    if path == "native":
+        if moe_cpu.native() is None:
+            pytest.skip("the native MoE op is not built here")
+        calls = []
+        real = moe_cpu.native()
+
+        class Spy:
+            def moe_experts(self, *args):  # type: ignore[no-untyped-def]
+                calls.append(1)
+                return real.moe_experts(*args)
+
+        monkeypatch.setattr(moe_cpu, "native", lambda: Spy())
+        monkeypatch.setattr(CpuExperts, "calls", calls, raising=False)
+    else:
+        monkeypatch.setattr(moe_cpu, "native", lambda: None)
+    return CpuExperts.from_stacked(w13, w2, pack=path == "packed")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("packed", [False, True])
-def test_cpu_experts_equal_the_reference(dtype: torch.dtype, packed: bool) -> None:
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_cpu_experts_equal_the_reference(dtype: torch.dtype, path: str, monkeypatch) -> None:
     w13, w2, gen = _random_experts(8, 64, 24, dtype, seed=1)
     weights, ids = _routing(gen, 13, 8, 3)
     ids[2, 1] = -1  # a choice another rank holds: contributes nothing
     ids[7] = -1
     x = torch.randn(13, 64, generator=gen).to(dtype)
-    got = CpuExperts.from_stacked(w13, w2, pack=packed)(x, weights, ids)
+    experts = _cpu_experts(path, w13, w2, monkeypatch)
+    got = experts(x, weights, ids)
     want = reference_experts(x, w13, w2, weights, ids)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(got[7], torch.zeros(64, dtype=dtype))
-    empty = CpuExperts.from_stacked(w13, w2, pack=packed)(x[:0], weights[:0], ids[:0])
-    assert empty.shape == (0, 64)
+    assert experts(x[:0], weights[:0], ids[:0]).shape == (0, 64)
+    if path == "native":
+        assert len(CpuExperts.calls) == 2  # type: ignore[attr-defined]
+
+
+def test_many_rows_per_expert_take_the_torch_path(monkeypatch) -> None:
+    """A long prefill (more than NATIVE_MAX_ROWS slots on an expert) runs per-expert GEMMs, same result."""
+    w13, w2, gen = _random_experts(4, 32, 16, torch.float32, seed=5)
+    weights, ids = _routing(gen, 40, 4, 2)  # 20 slots per expert on average
+    x = torch.randn(40, 32, generator=gen)
+    experts = _cpu_experts("native", w13, w2, monkeypatch)
+    torch.testing.assert_close(experts(x, weights, ids), reference_experts(x, w13, w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+    assert len(CpuExperts.calls) == 0  # type: ignore[attr-defined]
+    torch.testing.assert_close(experts(x[:3], weights[:3], ids[:3]),
+                               reference_experts(x[:3], w13, w2, weights[:3], ids[:3]), atol=1e-5, rtol=1e-5)
+    assert len(CpuExperts.calls) == 1  # type: ignore[attr-defined]
 
 
 def test_cpu_experts_run_only_the_chosen_experts(monkeypatch) -> None:
     w13, w2, _ = _random_experts(16, 32, 8, torch.float32, seed=2)
-    experts = CpuExperts.from_stacked(w13, w2)
+    experts = _cpu_experts("torch", w13, w2, monkeypatch)
     used: list[int] = []
     real = experts._linear
 
     def counting(x, weight, bias):  # type: ignore[no-untyped-def]
-        used.append(next(i for i, w in enumerate(experts.w13 + experts.w2) if w is weight) % 16)
+        stacked = experts.w13 if weight.shape[0] == 16 else experts.w2
+        used.append(next(i for i, w in enumerate(stacked) if w.data_ptr() == weight.data_ptr()))
         return real(x, weight, bias)
 
     monkeypatch.setattr(experts, "_linear", counting)
@@ -227,13 +270,14 @@ def test_cpu_experts_run_only_the_chosen_experts(monkeypatch) -> None:
     assert sorted(set(used)) == [3, 5, 11] and len(used) == 6  # gate/up and down, once per chosen expert
 
 
-def test_swiglu_with_biases_equals_the_reference() -> None:
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_swiglu_with_biases_equals_the_reference(path: str, monkeypatch) -> None:
     w13, w2, gen = _random_experts(4, 32, 16, torch.float32, seed=3)
     b13, b2 = torch.randn(4, 32, generator=gen), torch.randn(4, 32, generator=gen)
     weights, ids = _routing(gen, 9, 4, 2)
     x = 3 * torch.randn(9, 32, generator=gen)  # large enough that the clamps bite
     kwargs = dict(activation="swigluoai", w13_bias=b13, w2_bias=b2, swiglu_alpha=1.702, swiglu_limit=1.0)
-    torch.testing.assert_close(CpuExperts.from_stacked(w13, w2)(x, weights, ids, **kwargs),
+    torch.testing.assert_close(_cpu_experts(path, w13, w2, monkeypatch)(x, weights, ids, **kwargs),
                                reference_experts(x, w13, w2, weights, ids, **kwargs), atol=1e-5, rtol=1e-5)
 
 
@@ -316,16 +360,19 @@ def test_expert_parallel_needs_experts_that_split(make_model) -> None:
 
 TOP_K = 5
 BF16_TOKENS = 16
-LOGPROB_TOL = 0.5
+LOGPROB_TOL = 1.0  # per token: a near-tie routing flip moves a logprob by ~0.5 on these tiny models
+MEDIAN_LOGPROB_TOL = 0.1  # typical bf16 error here is 0.01-0.15 nats
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_bf16_agrees_with_transformers_within_top5(make_model, arch: str) -> None:
     """tests/gpu/test_bf16_agreement.py's rule on CPU: up to the first differing token the logprobs agree
-    within LOGPROB_TOL; there each side's token is in the other's top-5. The reference is transformers in
-    float32, not in bfloat16: a MoE model in bf16 flips a near-tie routing decision now and then, and
-    transformers' bf16 (which also rounds the routing weights and sums the experts in bf16) did so on these
-    prompts, picking a token outside the float32 model's top-5 where tandem's bf16 kept the float32 one."""
+    within LOGPROB_TOL (their median within MEDIAN_LOGPROB_TOL); there each side's token is in the other's
+    top-5. The reference is transformers in float32, not in bfloat16: a MoE model in bf16 flips a near-tie
+    routing decision now and then (an expert swapped for another moves the output far more than rounding
+    does), and transformers' bf16 (which also rounds the routing weights and sums the experts in bf16) did so
+    on these prompts, picking a token outside the float32 model's top-5 where tandem's bf16 kept the float32
+    one."""
     model_dir = make_model(arch)
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (4, 17, 30)]
@@ -333,7 +380,7 @@ def test_bf16_agrees_with_transformers_within_top5(make_model, arch: str) -> Non
     params = SamplingParams(temperature=0.0, max_tokens=BF16_TOKENS, ignore_eos=True, logprobs=TOP_K)
     outs = llm.generate(prompts, params, use_tqdm=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    compared = 0
+    errors: list[float] = []
     for prompt, out in zip(prompts, outs, strict=True):
         got = out.outputs[0]
         ids = list(prompt)
@@ -345,7 +392,7 @@ def test_bf16_agrees_with_transformers_within_top5(make_model, arch: str) -> Non
                 assert token in lp.topk(TOP_K).indices.tolist(), f"pos {i}: ours {token} not in HF's top-{TOP_K}"
                 assert want in {tid for tid, _ in got.logprobs[i].top}, f"pos {i}: HF {want} not in our top-{TOP_K}"
                 break
-            assert got.logprobs[i].logprob == pytest.approx(float(lp[want]), abs=LOGPROB_TOL)
+            errors.append(abs(got.logprobs[i].logprob - float(lp[want])))
             ids.append(token)
-            compared += 1
-    assert compared >= BF16_TOKENS  # not vacuous
+    assert len(errors) >= BF16_TOKENS  # not vacuous
+    assert max(errors) < LOGPROB_TOL and statistics.median(errors) < MEDIAN_LOGPROB_TOL, errors

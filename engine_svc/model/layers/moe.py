@@ -144,10 +144,14 @@ class FusedMoE(nn.Module):
     # -- compute -------------------------------------------------------------------------------------
 
     def prepack(self) -> None:
-        """Pack every expert's weights for oneDNN and drop the stacked copies (CPU only; called by
-        cpu_gemm.prepack_linears after loading, before the first step). A layer that runs the Triton
+        """Lay the experts out for the CPU (called by cpu_gemm.prepack_linears after loading, before the
+        first step): the stacked weights as they are where the native op is built (it reads them), else
+        every expert's weights packed for oneDNN, the stacked copies dropped. A layer that runs the Triton
         kernel (`fused`, e.g. under TRITON_INTERPRET on CPU) keeps its stacked weights."""
         if self.fused:
+            return
+        if moe_cpu.native() is not None:
+            self.cpu_weights = moe_cpu.CpuExperts.from_stacked(self.w13_weight.data, self.w2_weight.data)
             return
         self.cpu_weights = moe_cpu.CpuExperts.from_stacked(self.w13_weight, self.w2_weight, pack=True)
         for name in ("w13_weight", "w2_weight"):
@@ -166,7 +170,7 @@ class FusedMoE(nn.Module):
             out = triton_moe.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids, **kwargs)
         elif x.device.type == "cpu":
             if self.cpu_weights is None:
-                self.cpu_weights = moe_cpu.CpuExperts.from_stacked(self.w13_weight, self.w2_weight)
+                self.cpu_weights = moe_cpu.CpuExperts.from_stacked(self.w13_weight.data, self.w2_weight.data)
             out = self.cpu_weights(x, weights, ids, **kwargs)
         else:
             out = reference_experts(x, self.w13_weight, self.w2_weight, weights, ids, **kwargs)

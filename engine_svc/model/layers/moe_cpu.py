@@ -1,18 +1,28 @@
-"""The CPU fast path of a MoE layer's experts: GEMMs over only the experts chosen this step.
+"""The CPU fast path of a MoE layer's experts: only the experts chosen this step are computed.
 
-`CpuExperts(x, weights, ids, ...)` (kernels/fused_moe_ref.py's numerics and keyword arguments):
-1. the T*K (token, choice) slots are sorted by expert (one argsort; slots routed to -1, experts another
-   rank holds, sort first and are dropped), and the counts per expert read once on the host;
-2. for each expert that received a slot, and only those, its rows go through gate/up, the gated
-   activation and down as three ops on contiguous slices of the sorted rows - with the weights prepacked
-   for oneDNN (`prepack`, as the dense linears are) where the dtype allows, else plain linears;
-3. each result times its routing weight is added into a float32 [T, H] (`index_add_`, expert by expert
-   in ascending order, as transformers adds them), then rounded once to the activation dtype.
+`CpuExperts(x, weights, ids, ...)` (kernels/fused_moe_ref.py's numerics and keyword arguments) sorts the
+T*K (token, choice) slots by expert (one argsort; slots routed to -1, experts another rank holds, are
+left out) and reads the counts per expert once on the host. Then either:
 
-An expert nobody chose costs nothing: a decode step of batch B runs at most B*K experts, not all E.
+- the native op (csrc/cpu_moe.cpp, built once like engine_svc/attention/cpu_paged.py's ops) when every
+  expert got at most `NATIVE_MAX_ROWS` slots (decode): one parallel pass over each chosen expert's gate/up
+  rows with the activation fused, one over its down rows, each weight row read once for all the slots
+  routed to it, and the weighted sum per token, all in C++ (no per-expert Python, no gathers); or
+- per chosen expert, three torch ops on its contiguous slice of the sorted rows (gate/up, the gated
+  activation, down) and an `index_add_` of the weighted result into a float32 [T, H] (a long prefill,
+  where each expert's rows make a real GEMM; also where the native op is not built, with the weights
+  packed for oneDNN by `prepack`).
+
+Either way an expert nobody chose costs nothing: a decode step of batch B reads at most B*K experts.
+`TANDEM_CPU_MOE=0` turns the native op off (A/B and the torch reference path).
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -21,34 +31,56 @@ from engine_svc.attention import cpu_paged
 from engine_svc.model.layers.cpu_gemm import pack_weight, packed_linear
 from kernels.fused_moe_ref import gated_activation
 
+NATIVE_ENV = "TANDEM_CPU_MOE"
+NATIVE_MAX_ROWS = 16  # slots per expert up to which the native op runs (its dot products beat a GEMM call)
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_moe.cpp"
+_NATIVE_ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+
+
+@functools.cache
+def native() -> ModuleType | None:
+    """The built native MoE op, or None (switched off, or no compiler: the torch path runs)."""
+    if os.environ.get(NATIVE_ENV, "1") == "0" or not cpu_paged.enabled() or not cpu_paged.can_build():
+        return None
+    return cpu_paged.build("tandem_cpu_moe", [_SOURCE], "MoE experts")
+
 
 def _act(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
     if activation == "silu":
-        native = cpu_paged.for_tensor(h)
-        if native is not None and h.is_contiguous():
-            out: torch.Tensor = native.silu_and_mul(h)
+        op = cpu_paged.for_tensor(h)
+        if op is not None and h.is_contiguous():
+            out: torch.Tensor = op.silu_and_mul(h)
             return out
     return gated_activation(h, activation, alpha, limit)
 
 
 class CpuExperts:
-    """One layer's experts laid out for the CPU: per expert its [2I, H] and [H, I] weights, plain or
-    packed for oneDNN (`packed=True`)."""
+    """One layer's experts laid out for the CPU: stacked [E, 2I, H] / [E, H, I] weights (what the native op
+    and the torch path read), or, where the native op cannot run, per-expert weights packed for oneDNN."""
 
-    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor], packed: bool) -> None:
-        self.w13, self.w2, self.packed = w13, w2, packed
+    def __init__(self, w13: torch.Tensor | list[torch.Tensor], w2: torch.Tensor | list[torch.Tensor]) -> None:
+        self.w13, self.w2 = w13, w2
+        self.num_experts = len(w13)
+        self.packed = isinstance(w13, list)
 
     @classmethod
     def from_stacked(cls, w13: torch.Tensor, w2: torch.Tensor, pack: bool = False) -> CpuExperts:
-        """From stacked [E, 2I, H] / [E, H, I] weights (views of them unless `pack`)."""
+        """Views of the stacked weights, or (`pack`) each expert's weights packed for oneDNN."""
         if pack:
-            return cls([pack_weight(w) for w in w13], [pack_weight(w) for w in w2], True)
-        return cls(list(w13.unbind(0)), list(w2.unbind(0)), False)
+            return cls([pack_weight(w) for w in w13], [pack_weight(w) for w in w2])
+        return cls(w13.contiguous(), w2.contiguous())
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed:
             return packed_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def _native(self, x: torch.Tensor, activation: str, max_rows: int) -> ModuleType | None:
+        if self.packed or max_rows > NATIVE_MAX_ROWS or activation not in _NATIVE_ACTIVATIONS:
+            return None
+        if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+            return None
+        return native()
 
     def __call__(
         self,
@@ -65,10 +97,25 @@ class CpuExperts:
         top_k = ids.shape[1]
         key = ids.reshape(-1) + 1  # -1 (not held here) -> bucket 0, expert e -> e + 1
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=len(self.w13) + 1).tolist()
+        counts = torch.bincount(key, minlength=self.num_experts + 1)
+        slot_weights = weights.reshape(-1).to(torch.float32)
+        op = self._native(x, activation, int(counts[1:].max()) if ids.numel() else 0)
+        if op is not None:
+            offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+            torch.cumsum(counts[1:], 0, out=offsets[1:])
+            out: torch.Tensor = op.moe_experts(
+                x, order[int(counts[0]):], offsets, slot_weights.contiguous(), top_k, self.w13, self.w2,
+                w13_bias, w2_bias, _NATIVE_ACTIVATIONS[activation], swiglu_alpha, swiglu_limit)
+            return out
+        return self._torch(x, order, counts.tolist(), slot_weights, top_k, activation, w13_bias, w2_bias,
+                           swiglu_alpha, swiglu_limit)
+
+    def _torch(self, x: torch.Tensor, order: torch.Tensor, counts: list[int], slot_weights: torch.Tensor,
+               top_k: int, activation: str, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+               alpha: float, limit: float) -> torch.Tensor:
         tokens = order // top_k
         rows = x[tokens]
-        slot_weights = weights.reshape(-1)[order].unsqueeze(1)
+        sorted_weights = slot_weights[order].unsqueeze(1)
         out = torch.zeros(x.shape, dtype=torch.float32)
         start = counts[0]
         for expert, count in enumerate(counts[1:]):
@@ -76,8 +123,8 @@ class CpuExperts:
                 continue
             end = start + count
             h = self._linear(rows[start:end], self.w13[expert], None if w13_bias is None else w13_bias[expert])
-            a = _act(h, activation, swiglu_alpha, swiglu_limit)
-            y = self._linear(a, self.w2[expert], None if w2_bias is None else w2_bias[expert])
-            out.index_add_(0, tokens[start:end], y.float() * slot_weights[start:end])
+            y = self._linear(_act(h, activation, alpha, limit), self.w2[expert],
+                             None if w2_bias is None else w2_bias[expert])
+            out.index_add_(0, tokens[start:end], y.float() * sorted_weights[start:end])
             start = end
         return out.to(x.dtype)
