@@ -1,5 +1,9 @@
 """A MoE model's CPU decode against the dense model with the same active parameters, in process.
 
+`layer`: one layer's experts alone, each CPU path (the native op, torch ops on the stacked weights, torch
+ops on oneDNN-packed weights) against the dense MLP with the same active parameters, at each batch size,
+the paths taking turns round by round (the machine is shared). `step` (the default): whole decode steps.
+
 The MoE model is Qwen3-MoE-shaped with random weights (hidden 1024, 16 layers, 16 heads of 64, 4 KV heads,
 64 experts of 256, top-8); the dense twin is Qwen3 with one MLP of 8 x 256 = 2048 (the same active
 parameters per token: what a step must multiply). Both are built once under .tiny-models/ (a few minutes,
@@ -10,11 +14,13 @@ a MoE step (router, routing and experts, timed around each block), and MoE step 
 
     python bench/moe.py --dtype bfloat16 --batch 1 32
     python bench/moe.py --dtype float32 --batch 1 32 --rounds 5
+    python bench/moe.py layer --dtype bfloat16 float32 --batch 1 8 32
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -97,21 +103,112 @@ def time_steps(core: EngineCore, steps: int, timer: BlockTimer | None) -> tuple[
     return statistics.median(times), share
 
 
+def layer_paths(dtype: Any, batch: int, copies: int) -> dict[str, Any]:
+    """name -> a callable running one layer's experts (or the dense MLP) on `batch` decode rows. Each call
+    takes the next of `copies` layers' weights, as a model's layers do (one layer's dense weights would
+    otherwise stay in the CPU's last-level cache between calls, and its experts would not)."""
+    import torch
+
+    from engine_svc.attention import cpu_paged
+    from engine_svc.model.layers import moe_cpu
+    from engine_svc.model.layers.cpu_gemm import pack_weight, packed_linear
+
+    gen = torch.Generator().manual_seed(batch)
+    hidden = SHAPE["hidden_size"]
+    x = torch.randn(batch, hidden, generator=gen).to(dtype)
+    weights, ids = torch.topk(torch.randn(batch, EXPERTS, generator=gen).softmax(-1), TOP_K)
+    stacked, packed, dense = [], [], []
+    for _ in range(copies):
+        w13 = (torch.randn(EXPERTS, 2 * EXPERT_SIZE, hidden, generator=gen) * 0.03).to(dtype)
+        w2 = (torch.randn(EXPERTS, hidden, EXPERT_SIZE, generator=gen) * 0.06).to(dtype)
+        stacked.append(moe_cpu.CpuExperts.from_stacked(w13, w2))
+        packed.append(moe_cpu.CpuExperts.from_stacked(w13, w2, pack=True))
+        dense.append((pack_weight((torch.randn(2 * EXPERT_SIZE * TOP_K, hidden, generator=gen) * 0.03).to(dtype)),
+                      pack_weight((torch.randn(hidden, EXPERT_SIZE * TOP_K, generator=gen) * 0.03).to(dtype))))
+    op = cpu_paged.for_tensor(x)
+    native = moe_cpu.native()
+    turn = [0]
+
+    def next_layer() -> int:
+        turn[0] = (turn[0] + 1) % copies
+        return turn[0]
+
+    def torch_stacked() -> Any:
+        moe_cpu.native.cache_clear()
+        os.environ[moe_cpu.NATIVE_ENV] = "0"
+        try:
+            return stacked[next_layer()](x, weights, ids)
+        finally:
+            del os.environ[moe_cpu.NATIVE_ENV]
+            moe_cpu.native.cache_clear()
+
+    def dense_mlp() -> Any:
+        gate_up, down = dense[next_layer()]
+        return packed_linear(op.silu_and_mul(packed_linear(x, gate_up, None)), down, None)
+
+    paths = {
+        "torch ops": torch_stacked,
+        "torch ops, packed": lambda: packed[next_layer()](x, weights, ids),
+        "dense MLP": dense_mlp,
+    }
+    if native is not None:
+        paths = {"native op": lambda: stacked[next_layer()](x, weights, ids), **paths}
+    return paths
+
+
+def layer_main(args: argparse.Namespace) -> None:
+    import torch
+
+    print(f"one MoE layer ({EXPERTS} experts x {EXPERT_SIZE}, top-{TOP_K}, hidden {SHAPE['hidden_size']}) vs a "
+          f"dense MLP of {EXPERT_SIZE * TOP_K}, {args.layers} layers' weights in turn; median of {args.rounds} "
+          f"rounds x {args.steps} calls, paths in turn")
+    print("| dtype | batch | " + " | ".join(["native op", "torch ops", "torch ops, packed", "dense MLP"]) +
+          " | native / dense |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype_name in args.dtype:
+        dtype = getattr(torch, dtype_name)
+        for batch in args.batch:
+            paths = layer_paths(dtype, batch, args.layers)
+            times: dict[str, list[float]] = {name: [] for name in paths}
+            for _ in range(args.rounds):
+                for name, fn in paths.items():
+                    fn()
+                    t0 = time.perf_counter()
+                    for _ in range(args.steps):
+                        fn()
+                    times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+            med = {name: statistics.median(t) for name, t in times.items()}
+            cells = [f"{med[n]:.2f} ms" if n in med else "-" for n in
+                     ("native op", "torch ops", "torch ops, packed", "dense MLP")]
+            ratio = f"{med['native op'] / med['dense MLP']:.2f}x" if "native op" in med else "-"
+            print(f"| {dtype_name} | {batch} | " + " | ".join(cells) + f" | {ratio} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("mode", nargs="?", default="step", choices=("step", "layer"))
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=("float32", "bfloat16"))
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10, help="decode steps timed per round")
+    ap.add_argument("--steps", type=int, default=10, help="decode steps (layer calls) timed per round")
+    ap.add_argument("--layers", type=int, default=8, help="layer: copies of the weights the calls cycle through")
     args = ap.parse_args()
+    if args.mode == "layer":
+        layer_main(args)
+        return
+    for dtype in args.dtype:
+        step_main(args, dtype)
+
+
+def step_main(args: argparse.Namespace, dtype: str) -> None:
     moe_dir, dense_dir = build_models()
-    print(f"{args.dtype}: Qwen3-MoE shape (hidden 1024, 16 layers, {EXPERTS} experts x {EXPERT_SIZE}, top-{TOP_K}) "
+    print(f"{dtype}: Qwen3-MoE shape (hidden 1024, 16 layers, {EXPERTS} experts x {EXPERT_SIZE}, top-{TOP_K}) "
           f"vs dense Qwen3 (MLP {EXPERT_SIZE * TOP_K}); {args.rounds} rounds x {args.steps} decode steps")
     print("| batch | MoE step ms (median, min-max) | MoE tok/s | MoE blocks' share | dense step ms | dense tok/s "
           "| MoE / dense |")
     print("|---|---|---|---|---|---|---|")
     for batch in args.batch:
-        moe, dense = make_core(moe_dir, args.dtype, batch), make_core(dense_dir, args.dtype, batch)
+        moe, dense = make_core(moe_dir, dtype, batch), make_core(dense_dir, dtype, batch)
         timer = BlockTimer(moe.executor.worker.model)  # type: ignore[attr-defined]
         start_decoding(moe, batch, "m")
         start_decoding(dense, batch, "d")

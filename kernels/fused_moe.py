@@ -37,13 +37,14 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids [P] int32, block_expert [P / block_m] int32, num_padded [1] int32) for `topk_ids`
     [T, K] (ids < 0: not held here, left out). P = T*K + E*(block_m - 1) rounded up to block_m, the most
-    any routing needs. Slots of one expert keep their order; expert e's slots start at a multiple of
+    any routing needs. Device ops only, no host sync (CUDA-graph safe). Slots of one expert keep their order; expert e's slots start at a multiple of
     block_m; entries past an expert's slots (and past `num_padded`) hold T*K."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     dev = flat.device
     key = torch.where(flat >= 0, flat, num_experts)  # slots not held here sort last, into bucket E
-    counts = torch.bincount(key, minlength=num_experts + 1)
+    # scatter_add, not bincount: bincount sizes its output from the data (a host sync, no CUDA graphs)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m
     padded[num_experts] = 0
     padded_end = torch.cumsum(padded, 0)

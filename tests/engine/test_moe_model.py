@@ -237,13 +237,19 @@ def test_cpu_experts_equal_the_reference(dtype: torch.dtype, path: str, monkeypa
     assert experts(x[:0], weights[:0], ids[:0]).shape == (0, 64)
     if path == "native":
         assert len(CpuExperts.calls) == 2  # type: ignore[attr-defined]
+    if path != "packed":  # one expert taking every token of a 40-token step (several row blocks)
+        ids40 = torch.stack([torch.full((40,), 5), torch.randint(0, 5, (40,), generator=gen)], dim=1)
+        weights40 = torch.rand(40, 2, generator=gen)
+        x40 = torch.randn(40, 64, generator=gen).to(dtype)
+        torch.testing.assert_close(experts(x40, weights40, ids40), reference_experts(x40, w13, w2, weights40, ids40),
+                                   **tol)
 
 
-def test_many_rows_per_expert_take_the_torch_path(monkeypatch) -> None:
-    """A long prefill (more than NATIVE_MAX_ROWS slots on an expert) runs per-expert GEMMs, same result."""
+def test_long_prefills_take_the_torch_path(monkeypatch) -> None:
+    """A step of more than NATIVE_MAX_TOKENS tokens runs per-expert GEMMs, with the same result."""
     w13, w2, gen = _random_experts(4, 32, 16, torch.float32, seed=5)
-    weights, ids = _routing(gen, 40, 4, 2)  # 20 slots per expert on average
-    x = torch.randn(40, 32, generator=gen)
+    weights, ids = _routing(gen, 70, 4, 2)
+    x = torch.randn(70, 32, generator=gen)
     experts = _cpu_experts("native", w13, w2, monkeypatch)
     torch.testing.assert_close(experts(x, weights, ids), reference_experts(x, w13, w2, weights, ids),
                                atol=1e-5, rtol=1e-5)
@@ -396,3 +402,25 @@ def test_bf16_agrees_with_transformers_within_top5(make_model, arch: str) -> Non
             ids.append(token)
     assert len(errors) >= BF16_TOKENS  # not vacuous
     assert max(errors) < LOGPROB_TOL and statistics.median(errors) < MEDIAN_LOGPROB_TOL, errors
+
+
+def test_a_gguf_file_with_experts_is_refused_by_name(tmp_path: Path) -> None:
+    """llama.cpp files Mixtral as architecture "llama" with experts: refused, not served as a dense Llama."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match=r"mixture-of-experts model \(llama.expert_count = 8\)"):
+        EngineConfig.create(model=str(path))

@@ -1,14 +1,15 @@
 """The CPU fast path of a MoE layer's experts: only the experts chosen this step are computed.
 
-`CpuExperts(x, weights, ids, ...)` (kernels/fused_moe_ref.py's numerics and keyword arguments) sorts the
-T*K (token, choice) slots by expert (one argsort; slots routed to -1, experts another rank holds, are
-left out) and reads the counts per expert once on the host. Then either:
+`CpuExperts(x, weights, ids, ...)` (kernels/fused_moe_ref.py's numerics and keyword arguments) runs
+either:
 
-- the native op (csrc/cpu_moe.cpp, built once like engine_svc/attention/cpu_paged.py's ops) when every
-  expert got at most `NATIVE_MAX_ROWS` slots (decode): one parallel pass over each chosen expert's gate/up
-  rows with the activation fused, one over its down rows, each weight row read once for all the slots
-  routed to it, and the weighted sum per token, all in C++ (no per-expert Python, no gathers); or
-- per chosen expert, three torch ops on its contiguous slice of the sorted rows (gate/up, the gated
+- the native op (csrc/cpu_moe.cpp, built once like engine_svc/attention/cpu_paged.py's ops) for steps of
+  at most `NATIVE_MAX_TOKENS` tokens (decode): it buckets the T*K (token, choice) slots by expert (slots
+  routed to -1, experts another rank holds, are left out), then makes one parallel pass over each chosen
+  expert's gate/up rows with the activation fused and one over its down rows, each weight row read once
+  for all the slots routed to it, and sums each token's rows - all in C++, one call from Python; or
+- the torch path: the slots sorted by expert (one argsort, the counts read once on the host), then per
+  chosen expert three torch ops on its contiguous slice of the sorted rows (gate/up, the gated
   activation, down) and an `index_add_` of the weighted result into a float32 [T, H] (a long prefill,
   where each expert's rows make a real GEMM; also where the native op is not built, with the weights
   packed for oneDNN by `prepack`).
@@ -32,7 +33,7 @@ from engine_svc.model.layers.cpu_gemm import pack_weight, packed_linear
 from kernels.fused_moe_ref import gated_activation
 
 NATIVE_ENV = "TANDEM_CPU_MOE"
-NATIVE_MAX_ROWS = 16  # slots per expert up to which the native op runs (its dot products beat a GEMM call)
+NATIVE_MAX_TOKENS = 64  # tokens per step up to which the native op runs (its dot products beat GEMM calls)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_moe.cpp"
 _NATIVE_ACTIVATIONS = {"silu": 0, "swigluoai": 1}
 
@@ -75,8 +76,8 @@ class CpuExperts:
             return packed_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def _native(self, x: torch.Tensor, activation: str, max_rows: int) -> ModuleType | None:
-        if self.packed or max_rows > NATIVE_MAX_ROWS or activation not in _NATIVE_ACTIVATIONS:
+    def _native(self, x: torch.Tensor, activation: str) -> ModuleType | None:
+        if self.packed or x.shape[0] > NATIVE_MAX_TOKENS or activation not in _NATIVE_ACTIVATIONS:
             return None
         if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
             return None
@@ -94,21 +95,18 @@ class CpuExperts:
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
     ) -> torch.Tensor:
+        op = self._native(x, activation)
+        if op is not None:
+            out: torch.Tensor = op.moe_experts(
+                x, ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous(), self.w13, self.w2,
+                w13_bias, w2_bias, _NATIVE_ACTIVATIONS[activation], swiglu_alpha, swiglu_limit)
+            return out
         top_k = ids.shape[1]
         key = ids.reshape(-1) + 1  # -1 (not held here) -> bucket 0, expert e -> e + 1
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=self.num_experts + 1)
-        slot_weights = weights.reshape(-1).to(torch.float32)
-        op = self._native(x, activation, int(counts[1:].max()) if ids.numel() else 0)
-        if op is not None:
-            offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
-            torch.cumsum(counts[1:], 0, out=offsets[1:])
-            out: torch.Tensor = op.moe_experts(
-                x, order[int(counts[0]):], offsets, slot_weights.contiguous(), top_k, self.w13, self.w2,
-                w13_bias, w2_bias, _NATIVE_ACTIVATIONS[activation], swiglu_alpha, swiglu_limit)
-            return out
-        return self._torch(x, order, counts.tolist(), slot_weights, top_k, activation, w13_bias, w2_bias,
-                           swiglu_alpha, swiglu_limit)
+        counts = torch.bincount(key, minlength=self.num_experts + 1).tolist()
+        return self._torch(x, order, counts, weights.reshape(-1).to(torch.float32), top_k, activation, w13_bias,
+                           w2_bias, swiglu_alpha, swiglu_limit)
 
     def _torch(self, x: torch.Tensor, order: torch.Tensor, counts: list[int], slot_weights: torch.Tensor,
                top_k: int, activation: str, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,

@@ -1,10 +1,10 @@
 // The experts of a MoE layer on CPU for few rows per expert (decode): one pass over each chosen expert's
 // weights, every (token, choice) row routed to it multiplied as the weights stream by.
 //
-// moe_experts(x [T, H], sorted_slots [S'] int64, offsets [E + 1] int64, slot_weights [T * K] float32, top_k,
-//             w13 [E, 2I, H], w2 [E, H, I], w13_bias?, w2_bias?, activation, alpha, limit) -> [T, H]
-//   sorted_slots: the slots (t * K + k) routed to experts held here, sorted by expert; offsets: expert e's
-//   slots are sorted_slots[offsets[e], offsets[e + 1]). Experts with no slot are never read.
+// moe_experts(x [T, H], ids [T, K] int64, weights [T, K] float32, w13 [E, 2I, H], w2 [E, H, I], w13_bias?,
+//             w2_bias?, activation, alpha, limit) -> [T, H]
+//   ids < 0 are choices of experts another rank holds: they contribute nothing. The (token, choice) slots
+//   are bucketed by expert here (a counting sort, stable); experts with no slot are never read.
 // Numerics (kernels/fused_moe_ref.py): gate/up and down dot products in float32, each result rounded to
 // the model dtype (a torch linear's output), the gated activation in float32 rounded once, the weighted sum
 // over a token's choices in float32 in ascending expert order, rounded once.
@@ -67,24 +67,49 @@ inline __m512bh load_bf16(const at::BFloat16* p, int64_t left) {
   return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), p);
 }
 
-// vdpbf16ps over 32 bfloat16 a step: the kRows x kCols accumulators stay in registers.
+// vdpbf16ps over 32 bfloat16 a step, NM x NC accumulators fixed at compile time so that they stay in
+// registers; the next weight lines are prefetched a few steps ahead.
+template <int NM, int NC>
+inline void dots_bf16(const at::BFloat16* const* rows, const at::BFloat16* const* w, int64_t n, float out[kRows][kCols]) {
+  __m512 acc[NM][NC];
+  for (int m = 0; m < NM; ++m)
+    for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 32) {
+    const int64_t left = n - k;
+    __m512bh b[NC];
+    for (int c = 0; c < NC; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[c] + k + 256), _MM_HINT_T0);
+      b[c] = load_bf16(w[c] + k, left);
+    }
+    for (int m = 0; m < NM; ++m) {
+      const __m512bh a = load_bf16(rows[m] + k, left);
+      for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], a, b[c]);
+    }
+  }
+  for (int m = 0; m < NM; ++m)
+    for (int c = 0; c < NC; ++c) out[m][c] = _mm512_reduce_add_ps(acc[m][c]);
+}
+
+template <int NM>
+inline void dots_bf16_nc(const at::BFloat16* const* rows, const at::BFloat16* const* w, int64_t nc, int64_t n,
+                         float out[kRows][kCols]) {
+  switch (nc) {
+    case 4: return dots_bf16<NM, 4>(rows, w, n, out);
+    case 3: return dots_bf16<NM, 3>(rows, w, n, out);
+    case 2: return dots_bf16<NM, 2>(rows, w, n, out);
+    default: return dots_bf16<NM, 1>(rows, w, n, out);
+  }
+}
+
 template <>
 inline void dots<at::BFloat16>(const at::BFloat16* const* rows, int64_t nm, const at::BFloat16* const* w, int64_t nc,
                                int64_t n, float out[kRows][kCols]) {
-  __m512 acc[kRows][kCols];
-  for (int64_t m = 0; m < kRows; ++m)
-    for (int64_t c = 0; c < kCols; ++c) acc[m][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < n; k += 32) {
-    const int64_t left = n - k;
-    __m512bh b[kCols];
-    for (int64_t c = 0; c < nc; ++c) b[c] = load_bf16(w[c] + k, left);
-    for (int64_t m = 0; m < nm; ++m) {
-      const __m512bh a = load_bf16(rows[m] + k, left);
-      for (int64_t c = 0; c < nc; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], a, b[c]);
-    }
+  switch (nm) {
+    case 4: return dots_bf16_nc<4>(rows, w, nc, n, out);
+    case 3: return dots_bf16_nc<3>(rows, w, nc, n, out);
+    case 2: return dots_bf16_nc<2>(rows, w, nc, n, out);
+    default: return dots_bf16_nc<1>(rows, w, nc, n, out);
   }
-  for (int64_t m = 0; m < nm; ++m)
-    for (int64_t c = 0; c < nc; ++c) out[m][c] = _mm512_reduce_add_ps(acc[m][c]);
 }
 #endif
 
@@ -216,10 +241,9 @@ at::Tensor run(const at::Tensor& x, const int64_t* slots, const int64_t* offsets
 
 }  // namespace
 
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& sorted_slots, const at::Tensor& offsets,
-                       const at::Tensor& slot_weights, int64_t top_k, const at::Tensor& w13, const at::Tensor& w2,
-                       const c10::optional<at::Tensor>& w13_bias, const c10::optional<at::Tensor>& w2_bias,
-                       int64_t activation, double alpha, double limit) {
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13,
+                       const at::Tensor& w2, const c10::optional<at::Tensor>& w13_bias,
+                       const c10::optional<at::Tensor>& w2_bias, int64_t activation, double alpha, double limit) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "moe_experts: x must be [T, H] contiguous");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "moe_experts: float32 or bfloat16");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous() &&
@@ -229,29 +253,34 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& sorted_slots, cons
   TORCH_CHECK(w13.size(2) == x.size(1) && w2.size(1) == x.size(1) && w13.size(1) == 2 * w2.size(2) &&
                   w2.size(0) == num_experts,
               "moe_experts: expert weight shapes do not match x");
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.numel() == num_experts + 1 && offsets.is_contiguous(),
-              "moe_experts: offsets must be [E + 1] int64");
-  TORCH_CHECK(sorted_slots.scalar_type() == at::kLong && sorted_slots.is_contiguous(),
-              "moe_experts: sorted_slots must be int64");
-  TORCH_CHECK(slot_weights.scalar_type() == at::kFloat && slot_weights.numel() == x.size(0) * top_k &&
-                  slot_weights.is_contiguous(),
-              "moe_experts: slot_weights must be [T * K] float32");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == x.size(0) && ids.is_contiguous(),
+              "moe_experts: ids must be [T, K] int64");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.sizes() == ids.sizes() && weights.is_contiguous(),
+              "moe_experts: weights must be [T, K] float32");
   TORCH_CHECK(activation == kSilu || activation == kSwigluOai, "moe_experts: activation 0 (silu) or 1 (swigluoai)");
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[num_experts] == sorted_slots.numel(), "moe_experts: offsets do not span the slots");
-  const int64_t* slots = sorted_slots.data_ptr<int64_t>();
-  for (int64_t p = 0; p < sorted_slots.numel(); ++p)
-    TORCH_CHECK(slots[p] >= 0 && slots[p] < slot_weights.numel(), "moe_experts: slot out of range");
   for (const auto* bias : {&w13_bias, &w2_bias})
     TORCH_CHECK(!bias->has_value() || ((*bias)->is_contiguous() && (*bias)->scalar_type() == x.scalar_type()),
                 "moe_experts: biases contiguous, in x's dtype");
+  // Counting sort of the slots by expert.
+  const int64_t num_slots = ids.numel(), top_k = ids.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> offsets(num_experts + 1, 0), slots;
+  for (int64_t s = 0; s < num_slots; ++s) {
+    TORCH_CHECK(id[s] < num_experts, "moe_experts: expert id out of range");
+    if (id[s] >= 0) ++offsets[id[s] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
+  slots.resize(offsets[num_experts]);
+  std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+  for (int64_t s = 0; s < num_slots; ++s)
+    if (id[s] >= 0) slots[fill[id[s]]++] = s;
   if (x.scalar_type() == at::kFloat) {
-    return run<float>(x, slots, off, num_experts, slot_weights.data_ptr<float>(), top_k, w13, w2,
+    return run<float>(x, slots.data(), offsets.data(), num_experts, weights.data_ptr<float>(), top_k, w13, w2,
                       w13_bias ? w13_bias->data_ptr<float>() : nullptr, w2_bias ? w2_bias->data_ptr<float>() : nullptr,
                       activation, static_cast<float>(alpha), static_cast<float>(limit));
   }
   using B = at::BFloat16;
-  return run<B>(x, slots, off, num_experts, slot_weights.data_ptr<float>(), top_k, w13, w2,
+  return run<B>(x, slots.data(), offsets.data(), num_experts, weights.data_ptr<float>(), top_k, w13, w2,
                 w13_bias ? w13_bias->data_ptr<B>() : nullptr, w2_bias ? w2_bias->data_ptr<B>() : nullptr, activation,
                 static_cast<float>(alpha), static_cast<float>(limit));
 }
