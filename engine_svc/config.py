@@ -22,7 +22,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",
 )
+# Architectures whose config's sliding_window applies to some layers only, in the attention itself.
+PER_LAYER_WINDOW_ARCHITECTURES = ("GptOssForCausalLM",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -229,7 +232,7 @@ class EngineConfig:
         if max_model_len > model_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
                               f"{model_max}; lower it")
-        window = _sliding_window(hf_config)
+        window = None if arch in PER_LAYER_WINDOW_ARCHITECTURES else _sliding_window(hf_config)
         if window is not None and max_model_len > window:
             if kwargs.get("max_model_len"):
                 raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's sliding window {window}; "

@@ -2,8 +2,8 @@
 
 Nothing can be downloaded where tandem is developed, so every model it serves in tests comes from here:
 a byte-level BPE tokenizer trained on the bundled ``data/corpus.txt`` plus a transformers causal LM
-(Llama, Mistral, Qwen2, Qwen3, or the mixture-of-experts Qwen3-MoE and Mixtral) with seeded random
-weights, saved as a standard HF dir.
+(Llama, Mistral, Qwen2, Qwen3, or the mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss) with seeded
+random weights, saved as a standard HF dir.
 
 Invariants:
   * The same arguments (seed included) produce byte-identical files.
@@ -26,7 +26,8 @@ CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 
 BOS, EOS, PAD, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, IM_START, IM_END)  # ids 0..4, in this order
-ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+GPT_OSS_WINDOW = 8  # gpt-oss's sliding layers see 8 tokens: short prompts already outgrow the window
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n per message, preceded by the BOS token.
 CHAT_TEMPLATE = (
@@ -163,6 +164,13 @@ def _build_config(arch: str, num_experts: int = 4, num_experts_per_tok: int = 2,
                                            moe_intermediate_size=sizes["intermediate_size"], use_sliding_window=False)
     if arch == "mixtral":
         return transformers.MixtralConfig(**common, **moe, num_local_experts=num_experts, sliding_window=None)
+    if arch == "gpt_oss":  # sliding / full attention layers in turn, YaRN rotary as the real models
+        layers = sizes["num_hidden_layers"]
+        return transformers.GptOssConfig(
+            **common, **moe, num_local_experts=num_experts, sliding_window=GPT_OSS_WINDOW,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

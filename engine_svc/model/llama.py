@@ -29,7 +29,12 @@ from engine_svc.attention.backend import AttentionBackend, AttentionMetadata
 from engine_svc.model.layers.activation import GatedActivation
 from engine_svc.model.layers.attention import Attention
 from engine_svc.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine_svc.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine_svc.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    make_param,
+)
 from engine_svc.model.layers.norm import QKNorm, RMSNorm
 from engine_svc.model.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, read_rope_config
 from kernels import rope as triton_rope  # importing kernels never imports triton
@@ -54,6 +59,8 @@ class DecoderVariant:
     # Builds layer i's feed-forward block: (config, layer index, dtype, fused) -> module; None: LlamaMLP.
     # Mixture-of-experts models set it (engine_svc/model/moe_models.py).
     feed_forward: Callable[[Any, int, torch.dtype, bool], nn.Module] | None = None
+    attention_sinks: bool = False  # a learned sink logit per query head (`self_attn.sinks`, gpt-oss)
+    layer_windows: tuple[int | None, ...] | None = None  # layer i's sliding window (None: full attention)
 
 
 def head_dim_of(config: Any) -> int:
@@ -63,7 +70,7 @@ def head_dim_of(config: Any) -> int:
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype,
-        fused: bool = False,
+        fused: bool = False, layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.fused = fused
@@ -82,7 +89,16 @@ class LlamaAttention(nn.Module):
             if variant.qk_norm
             else None
         )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend)
+        window = variant.layer_windows[layer_idx] if variant.layer_windows else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend, window)
+        self.sinks = make_param((self.num_heads,), dtype, self._load_sinks) if variant.attention_sinks else None
+
+    def _load_sinks(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """This rank's query heads' sink logits (heads are split across ranks as the q projection's)."""
+        mine = loaded.narrow(0, self.qkv_proj.tp_rank * self.num_heads, self.num_heads)
+        if mine.shape != param.shape:
+            raise ValueError(f"shape mismatch loading sinks: {tuple(param.shape)} vs {tuple(mine.shape)}")
+        param.data.copy_(mine)
 
     def forward(
         self,
@@ -101,7 +117,7 @@ class LlamaAttention(nn.Module):
                 kv_cache=kv_cache, slot_mapping=meta.slot_mapping,
             )
             out = self.attn(qkv[:, :num_heads], qkv[:, num_heads:num_qk], qkv[:, num_qk:], kv_cache, meta,
-                            kv_written=True)
+                            kv_written=True, sinks=self.sinks)
         else:
             assert rope.cos is not None and rope.sin is not None
             qk = qkv[:, :num_qk]
@@ -112,7 +128,7 @@ class LlamaAttention(nn.Module):
                 native.rotary_(qk, rope.positions, rope.cos_sin_cache)
             else:
                 qk = apply_rotary(qk, rope.cos, rope.sin)
-            out = self.attn(qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_qk:], kv_cache, meta)
+            out = self.attn(qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_qk:], kv_cache, meta, sinks=self.sinks)
         projected: torch.Tensor = self.o_proj(out)
         return projected
 
@@ -138,7 +154,7 @@ class LlamaDecoderLayer(nn.Module):
         fused: bool = False, layer_idx: int = 0,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant, backend, dtype, fused)
+        self.self_attn = LlamaAttention(config, variant, backend, dtype, fused, layer_idx)
         self.mlp = (LlamaMLP(config, variant, dtype, fused) if variant.feed_forward is None
                     else variant.feed_forward(config, layer_idx, dtype, fused))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)

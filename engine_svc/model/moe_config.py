@@ -114,7 +114,25 @@ def _mixtral(config: Any, num_layers: int) -> MoeSpec:
     )
 
 
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def layer_windows(config: Any, num_layers: int) -> tuple[int | None, ...]:
+    """gpt-oss: each layer's sliding window (None: full attention), from `layer_types` and `sliding_window`."""
+    types = _get(config, "layer_types", default=None)
+    if types is None:  # transformers' default: sliding, full, sliding, ...
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, (list, tuple)) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise MoeConfigError(f"config field layer_types={types!r} must list one of {', '.join(LAYER_TYPES)} "
+                             f"for each of the {num_layers} layers")
+    window = _get(config, "sliding_window", default=None)
+    if "sliding_attention" in types:
+        window = _positive("sliding_window", window)
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
 def _gpt_oss(config: Any, num_layers: int) -> MoeSpec:
+    layer_windows(config, num_layers)  # checked here, at start
     num_experts, top_k = _experts_and_top_k(config, ("num_local_experts", "num_experts"))
     size = _positive("intermediate_size", _get(config, "intermediate_size"))
     return MoeSpec(

@@ -11,6 +11,10 @@ spec marks sparse, the dense `LlamaMLP` on the others (Qwen3-MoE's `mlp_only_lay
   `norm_topk_prob`; checkpoint tensors `mlp.gate.weight`, `mlp.experts.{e}.{gate,up,down}_proj.weight`.
 - Mixtral: Mistral's attention; softmax routing, top-k always renormalised; checkpoint tensors
   `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{e}.w{1,3,2}.weight` (gate, up, down).
+- gpt-oss: q/k/v/o biases, a learned attention sink per head (`self_attn.sinks`), sliding-window and full
+  attention layers as `layer_types` says, YaRN rotary; top-k then softmax routing with a router bias, and
+  experts with biases and clamped SwiGLU, stored stacked (`mlp.experts.gate_up_proj` [E, H, 2I] with gate
+  and up columns interleaved, `mlp.experts.down_proj` [E, I, H], their biases, `mlp.router.*`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from torch import nn
 
 from engine_svc.model.layers.moe import SparseMoeBlock
 from engine_svc.model.llama import DecoderVariant, LlamaMLP
-from engine_svc.model.moe_config import MoeSpec, moe_spec
+from engine_svc.model.moe_config import MoeSpec, layer_windows, moe_spec
 
 
 @dataclass(frozen=True)
@@ -50,3 +54,10 @@ def qwen3_moe_variant(config: Any) -> DecoderVariant:
 
 def mixtral_variant(config: Any) -> DecoderVariant:
     return DecoderVariant(feed_forward=MoeFeedForward(moe_spec("MixtralForCausalLM", config), "mixtral"))
+
+
+def gpt_oss_variant(config: Any) -> DecoderVariant:
+    spec = moe_spec("GptOssForCausalLM", config)
+    return DecoderVariant(qkv_bias=True, o_proj_bias=True, attention_sinks=True,
+                          layer_windows=layer_windows(config, config.num_hidden_layers),
+                          feed_forward=MoeFeedForward(spec, "gpt_oss"))

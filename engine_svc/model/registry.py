@@ -11,7 +11,7 @@ from torch import nn
 
 from engine_svc.attention.backend import AttentionBackend
 from engine_svc.model.llama import DecoderVariant, LlamaForCausalLM
-from engine_svc.model.moe_models import MoeFeedForward, mixtral_variant, qwen3_moe_variant
+from engine_svc.model.moe_models import MoeFeedForward, gpt_oss_variant, mixtral_variant, qwen3_moe_variant
 
 
 def _llama(config: Any) -> DecoderVariant:
@@ -35,6 +35,7 @@ _ARCHITECTURES: dict[str, tuple[type[nn.Module], Callable[[Any], DecoderVariant]
     "Qwen3ForCausalLM": (LlamaForCausalLM, _qwen3),
     "Qwen3MoeForCausalLM": (LlamaForCausalLM, qwen3_moe_variant),
     "MixtralForCausalLM": (LlamaForCausalLM, mixtral_variant),
+    "GptOssForCausalLM": (LlamaForCausalLM, gpt_oss_variant),
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

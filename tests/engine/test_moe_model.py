@@ -3,7 +3,7 @@
 - The routing of each architecture (softmax then top-k, renormalised or not; top-k then softmax) equals
   transformers' router modules.
 - Whole models (Qwen3-MoE with and without `norm_topk_prob`, with dense layers from `decoder_sparse_step`
-  and `mlp_only_layers`; Mixtral) equal transformers' logits in float32 through prefill, chunked prefill
+  and `mlp_only_layers`; Mixtral; gpt-oss with sliding-window layers, sinks and YaRN) equal transformers' logits in float32 through prefill, chunked prefill
   with decodes and a mixed batch (the paged-attention harness of test_model.py), weights re-drawn so that
   routing is spread over the experts.
 - The experts' CPU paths (the native op, torch ops on plain and on oneDNN-packed weights) equal the torch
@@ -58,9 +58,15 @@ CONFIGS = {
         "mlp_only_layers": [3]}),
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                                                  sliding_window=None)),
+    # windows of 6 on layers 0 and 2 (prompts of 21-30 tokens outgrow them), sinks, YaRN, expert biases
+    "gpt_oss": (transformers.GptOssConfig, dict(
+        num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+        sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})),
 }
 SPARSE_LAYERS = {"qwen3_moe": [True, True], "qwen3_moe_mixed_layers": [False, True, False, False],
-                 "mixtral": [True, True]}
+                 "mixtral": [True, True], "gpt_oss": [True, True, True]}
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +143,9 @@ def test_layers_are_sparse_where_the_config_says(moe_pair) -> None:
     kinds = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers]
     assert kinds == SPARSE_LAYERS[name]
     assert all(isinstance(layer.mlp, (SparseMoeBlock, LlamaMLP)) for layer in ours.model.layers)
+    windows = [layer.self_attn.attn.sliding_window for layer in ours.model.layers]
+    assert windows == ([6, None, 6] if name == "gpt_oss" else [None] * len(windows))
+    assert all((layer.self_attn.sinks is not None) == (name == "gpt_oss") for layer in ours.model.layers)
 
 
 def test_prefill_matches_hf(moe_pair) -> None:
@@ -341,6 +350,10 @@ def _with_config(model_dir: Path, tmp_path: Path, **changes) -> Path:
     ("qwen3_moe", {"hidden_act": "relu2"}, "hidden_act"),
     ("mixtral", {"num_local_experts": 0}, "num_local_experts"),
     ("mixtral", {"num_experts_per_tok": None}, "num_experts_per_tok"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config.*mxfp4"),
+    ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ("gpt_oss", {"layer_types": ["full_attention"]}, "layer_types"),
+    ("gpt_oss", {"sliding_window": None}, "sliding_window"),
 ])
 def test_unsupported_moe_config_is_refused_by_name(make_model, tmp_path, arch, changes, named) -> None:
     model = _with_config(make_model(arch), tmp_path, **changes)
@@ -370,7 +383,7 @@ LOGPROB_TOL = 1.0  # per token: a near-tie routing flip moves a logprob by ~0.5 
 MEDIAN_LOGPROB_TOL = 0.1  # typical bf16 error here is 0.01-0.15 nats
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_bf16_agrees_with_transformers_within_top5(make_model, arch: str) -> None:
     """tests/gpu/test_bf16_agreement.py's rule on CPU: up to the first differing token the logprobs agree
     within LOGPROB_TOL (their median within MEDIAN_LOGPROB_TOL); there each side's token is in the other's

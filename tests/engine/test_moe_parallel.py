@@ -21,7 +21,8 @@ from tests.engine.test_hf_exact import MAX_TOKENS, assert_no_block_leaks, hf_gre
 from tests.engine.test_tp import DUMP_ENV, ENGINE_ARGS, GREEDY, token_ids
 
 pytestmark = pytest.mark.timeout(300)
-LAYOUTS = [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", False), ("mixtral", True)]
+LAYOUTS = [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", False), ("mixtral", True), ("gpt_oss", False),
+           ("gpt_oss", True)]
 
 
 @pytest.fixture(scope="module")

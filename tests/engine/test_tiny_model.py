@@ -27,6 +27,7 @@ HF_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 MULTIBYTE_TEXT = "naïve café — Ελληνικά, русский, 中文字符, 日本語, 한국어 🚀👩‍💻 ∑ x² €5\n\ttab"
 
