@@ -184,7 +184,7 @@ def _perturb_defaults(model: Any, std: float) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith("bias"):  # also gpt-oss's experts' gate_up_proj_bias / down_proj_bias
                 param.normal_(0.0, std)
             elif "norm" in name and name.endswith(".weight"):
                 param.add_(torch.randn_like(param) * std)
