@@ -83,11 +83,15 @@ def start_decoding(core: EngineCore, batch: int, tag: str) -> None:
     rng = random.Random(0)
     params = EngineSamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
     for i in range(batch):
-        prompt = [rng.randrange(5, 4000) for _ in range(PROMPT)]
+        prompt = [rng.randrange(5, core.vocab_size) for _ in range(PROMPT)]
         core.add_request(EngineCoreRequest(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling_params=params))
     started: set[str] = set()
     while len(started) < batch:
-        started |= {o.request_id for o in core.step().outputs if o.new_token_ids}
+        outputs = core.step().outputs
+        failed = [o for o in outputs if (o.finished or o.error) and not o.new_token_ids]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} ended before its first token: {failed[0]}")
+        started |= {o.request_id for o in outputs if o.new_token_ids}
 
 
 def time_steps(core: EngineCore, steps: int, timer: BlockTimer | None) -> tuple[float, float]:

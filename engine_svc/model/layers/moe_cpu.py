@@ -126,3 +126,11 @@ class CpuExperts:
             out.index_add_(0, tokens[start:end], y.float() * sorted_weights[start:end])
             start = end
         return out.to(x.dtype)
+
+
+if __name__ == "__main__":  # `python -m engine_svc.model.layers.moe_cpu`: build (or find) the cached op
+    import logging
+    import sys
+
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(0 if native() is not None else 1)
