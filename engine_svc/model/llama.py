@@ -1,4 +1,6 @@
-"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim).
+"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim),
+and the mixture-of-experts models built on it (engine_svc/model/moe_models.py: a `DecoderVariant` may
+replace each layer's feed-forward block, add attention sinks and give layers sliding windows).
 
 Pre-norm decoder layers; the residual stream is carried beside the activations so each RMSNorm also
 does the preceding residual add. Module and parameter names follow the HF checkpoints, except for
