@@ -20,7 +20,12 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "GptOssForCausalLM",
 )
+# Architectures whose config's sliding_window applies to some layers only, in the attention itself.
+PER_LAYER_WINDOW_ARCHITECTURES = ("GptOssForCausalLM",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -154,6 +159,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of sharded ones
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: GPU max(8192, min(max_model_len, 16384)), CPU 256
@@ -222,12 +228,13 @@ class EngineConfig:
             raise ConfigError("--model is required: a Hugging Face model directory or a .gguf file")
         hf_config = read_hf_config(str(model))
         arch = _check_architecture(hf_config, str(model))
+        _check_experts(arch, hf_config, kwargs)
         model_max = int(hf_config.get("max_position_embeddings") or 2048)
         max_model_len = kwargs.get("max_model_len") or model_max
         if max_model_len > model_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
                               f"{model_max}; lower it")
-        window = _sliding_window(hf_config)
+        window = None if arch in PER_LAYER_WINDOW_ARCHITECTURES else _sliding_window(hf_config)
         if window is not None and max_model_len > window:
             if kwargs.get("max_model_len"):
                 raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's sliding window {window}; "
@@ -296,6 +303,24 @@ def _fill_step_defaults(kwargs: dict[str, Any], max_model_len: int) -> None:
         kwargs["long_prefill_token_threshold"] = CPU_LONG_PREFILL_TOKEN_THRESHOLD if cpu else 0
 
 
+def _check_experts(arch: str, hf_config: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Refuse, before any worker starts, a MoE config field tandem cannot honour (named), and
+    --enable-expert-parallel where there are no experts or they do not split over the ranks."""
+    from engine_svc.model.moe_config import MOE_ARCHITECTURES, MoeConfigError, check_expert_parallel, moe_spec
+
+    expert_parallel = bool(kwargs.get("enable_expert_parallel"))
+    if arch not in MOE_ARCHITECTURES:
+        if expert_parallel:
+            raise ConfigError(f"--enable-expert-parallel needs a mixture-of-experts model; {arch} has no experts")
+        return
+    try:
+        spec = moe_spec(arch, hf_config)
+        if expert_parallel:
+            check_expert_parallel(spec, int(kwargs.get("tensor_parallel_size") or 1))
+    except MoeConfigError as exc:
+        raise ConfigError(f"{arch}: {exc}") from None
+
+
 def _sliding_window(hf_config: dict[str, Any]) -> int | None:
     """The attention window the model was trained with, if it uses one (Qwen2/3 configs carry a window
     but switch it off with use_sliding_window=false)."""
@@ -326,6 +351,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
            "bfloat16 on CUDA and on CPUs with bfloat16 dot-product instructions (AVX512-BF16, AMX)")
     a("--device", default="auto", choices=DEVICES)
     a("--tensor-parallel-size", "-tp", type=int, default=1)
+    a("--enable-expert-parallel", action="store_true",
+      help="mixture-of-experts models: place whole experts on the tensor-parallel ranks (num_experts / "
+           "tp each) instead of sharding every expert's intermediate dim")
     a("--block-size", type=int, default=16)
     a("--max-num-seqs", type=int, default=256)
     a("--max-num-batched-tokens", type=int, default=None,

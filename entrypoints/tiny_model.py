@@ -2,7 +2,8 @@
 
 Nothing can be downloaded where tandem is developed, so every model it serves in tests comes from here:
 a byte-level BPE tokenizer trained on the bundled ``data/corpus.txt`` plus a transformers causal LM
-(Llama, Mistral, Qwen2 or Qwen3 architecture) with seeded random weights, saved as a standard HF dir.
+(Llama, Mistral, Qwen2, Qwen3, or the mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss) with seeded
+random weights, saved as a standard HF dir.
 
 Invariants:
   * The same arguments (seed included) produce byte-identical files.
@@ -25,7 +26,8 @@ CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 
 BOS, EOS, PAD, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, IM_START, IM_END)  # ids 0..4, in this order
-ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+GPT_OSS_WINDOW = 8  # gpt-oss's sliding layers see 8 tokens: short prompts already outgrow the window
 
 # ChatML: <|im_start|>role\ncontent<|im_end|>\n per message, preceded by the BOS token.
 CHAT_TEMPLATE = (
@@ -135,8 +137,9 @@ def _save_tokenizer(tokenizer: Any, out_dir: Path, model_max_length: int) -> Non
     )
 
 
-def _build_config(arch: str, **sizes: Any) -> Any:
-    """The transformers config for ``arch``; ``sizes`` are the common LlamaConfig-style kwargs."""
+def _build_config(arch: str, num_experts: int = 4, num_experts_per_tok: int = 2, **sizes: Any) -> Any:
+    """The transformers config for ``arch``; ``sizes`` are the common LlamaConfig-style kwargs. MoE archs
+    get ``num_experts`` experts of ``intermediate_size`` each, ``num_experts_per_tok`` per token."""
     import transformers
 
     common = dict(
@@ -155,6 +158,19 @@ def _build_config(arch: str, **sizes: Any) -> Any:
         return transformers.Qwen2Config(**common, use_sliding_window=False)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, use_sliding_window=False)
+    moe = dict(num_experts_per_tok=num_experts_per_tok, output_router_logits=False)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, **moe, num_experts=num_experts, norm_topk_prob=True,
+                                           moe_intermediate_size=sizes["intermediate_size"], use_sliding_window=False)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, **moe, num_local_experts=num_experts, sliding_window=None)
+    if arch == "gpt_oss":  # sliding / full attention layers in turn, YaRN rotary as the real models
+        layers = sizes["num_hidden_layers"]
+        return transformers.GptOssConfig(
+            **common, **moe, num_local_experts=num_experts, sliding_window=GPT_OSS_WINDOW,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -168,7 +184,7 @@ def _perturb_defaults(model: Any, std: float) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith("bias"):  # also gpt-oss's experts' gate_up_proj_bias / down_proj_bias
                 param.normal_(0.0, std)
             elif "norm" in name and name.endswith(".weight"):
                 param.add_(torch.randn_like(param) * std)
@@ -188,11 +204,14 @@ def make_tiny_model(
     vocab_size: int = 1024,
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = False,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
 ) -> Path:
     """Write a random-weight HF causal-LM dir (weights, config, tokenizer) to ``out_dir``; return it.
 
     ``head_dim`` defaults to ``hidden_size // num_heads``; ``intermediate_size`` to ``2 * hidden_size``.
     ``vocab_size`` is a target: the model's vocab is the trained tokenizer's real size (<= target).
+    ``num_experts`` / ``num_experts_per_tok`` apply to the MoE archs (each expert of ``intermediate_size``).
     """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -222,6 +241,8 @@ def make_tiny_model(
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -246,6 +267,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--max-position-embeddings", type=int, default=2048)
     p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument("--num-experts", type=int, default=4, help="MoE archs: experts per layer")
+    p.add_argument("--num-experts-per-tok", type=int, default=2, help="MoE archs: experts each token uses")
     return p
 
 
@@ -268,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=args.vocab_size,
         max_position_embeddings=args.max_position_embeddings,
         tie_word_embeddings=args.tie_word_embeddings,
+        num_experts=args.num_experts,
+        num_experts_per_tok=args.num_experts_per_tok,
     )
     print(out)
     return 0

@@ -22,6 +22,11 @@ Work decomposition (grid = (query blocks, kv heads, kv splits)):
   reads their accumulators.
 
 Head sizes that are not a power of two (40, 72, 80, 96, ...) are padded to HEAD_DIM_P with masked loads.
+
+Per layer, optionally (gpt-oss): a sliding window W (a query at position p sees keys p - W < k <= p; the
+tiles wholly before a query block's window are not visited) and attention sinks (one logit per query head
+joining the softmax's denominator: folded into the running max and sum once, when the row is finished -
+in the reduction when the context was split).
 """
 
 from __future__ import annotations
@@ -97,6 +102,8 @@ def _attention_kernel(
     bt_ptr,
     scale_log2,
     num_reqs,
+    sinks_ptr,
+    window,
     stride_q_t,
     stride_q_h,
     stride_kv_kind,
@@ -118,6 +125,8 @@ def _attention_kernel(
     DECODE_ONLY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,8 +163,11 @@ def _attention_kernel(
     # --- the key range this program (and split) visits ---
     kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)  # past the block's last position
     num_tiles = tl.cdiv(kv_end, TILE)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES)
-    tile_lo = split * tiles_per_split
+    tile_first = 0
+    if USE_WINDOW:  # the block's first query sees nothing before its window
+        tile_first = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0) // TILE
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles - tile_first, NUM_SPLITS), MIN_TILES)
+    tile_lo = tile_first + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     if NUM_SPLITS > 1:
         # partials laid out [T, Hq, NUM_SPLITS, HEAD_DIM_P] and [T, Hq, NUM_SPLITS, 2] (max, sum)
@@ -195,6 +207,8 @@ def _attention_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE]
         visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
@@ -205,6 +219,12 @@ def _attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the sink joins the denominator: one more logit, no value
+            sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            rescale = tl.math.exp2(m_i - m_fin)
+            l_i = l_i * rescale + tl.math.exp2(sink - m_fin)
+            acc = acc * rescale[:, None]
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_row = (q_start + q_tok).to(tl.int64) * stride_o_t + q_head * stride_o_h
         tl.store(
@@ -226,6 +246,7 @@ def _reduce_splits_kernel(
     part_acc_ptr,
     part_ml_ptr,
     out_ptr,
+    sinks_ptr,
     num_heads,
     stride_o_t,
     stride_o_h,
@@ -233,6 +254,7 @@ def _reduce_splits_kernel(
     HEAD_DIM_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -243,8 +265,13 @@ def _reduce_splits_kernel(
     m = tl.load(part_ml_ptr + base * 2, mask=split_ok, other=float("-inf"))
     l_part = tl.load(part_ml_ptr + base * 2 + 1, mask=split_ok, other=0.0)
     m_max = tl.max(m, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     weight = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))  # empty splits weigh 0
     total = tl.sum(weight * l_part, axis=0)
+    if HAS_SINKS:
+        total += tl.math.exp2(sink - m_max)
     visited = split_ok & (m > float("-inf"))  # empty splits never wrote an accumulator
     acc = tl.load(
         part_acc_ptr + base[:, None] * HEAD_DIM_P + dims[None, :], mask=visited[:, None], other=0.0
@@ -325,6 +352,8 @@ def unified_paged_attention(
     min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a ragged batch; returns [T, Hq, D] in query's dtype.
 
@@ -336,7 +365,8 @@ def unified_paged_attention(
     num_kv_splits (None = auto: `choose_num_splits`, 1 on CPU), tile_size (keys per inner step, power of
     two >= 16), min_keys_per_split (the floor on each split's share of a context), num_warps and
     num_stages (the launch's; decode steps default to `decode_launch_config`) are tuning knobs that never change
-    the result beyond rounding.
+    the result beyond rounding. `sinks` [Hq] (sink logits, any float dtype) and `sliding_window` (keys
+    p - W < k <= p only) are the per-layer options of the module docstring.
     """
     require_triton()
     check_device(query)
@@ -395,6 +425,8 @@ def unified_paged_attention(
         block_table,
         scale * _LOG2E,
         num_reqs,
+        out if sinks is None else sinks,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         kv_cache.stride(0),
@@ -416,6 +448,8 @@ def unified_paged_attention(
         DECODE_ONLY=decode_only,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,
+        HAS_SINKS=sinks is not None,
+        USE_WINDOW=sliding_window is not None,
         **launch,
     )
     if splits > 1:
@@ -423,6 +457,7 @@ def unified_paged_attention(
             part_acc,
             part_ml,
             out,
+            out if sinks is None else sinks,
             num_heads,
             out.stride(0),
             out.stride(1),
@@ -430,5 +465,6 @@ def unified_paged_attention(
             HEAD_DIM_P=head_dim_p,
             NUM_SPLITS=splits,
             SPLITS_P=next_power_of_2(splits),
+            HAS_SINKS=sinks is not None,
         )
     return out

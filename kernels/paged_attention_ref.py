@@ -30,12 +30,16 @@ def unified_paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    *,
+    sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a ragged batch; returns [T, Hq, D] in query's dtype.
 
     Query token j of request i sits at position seq_lens[i] - q_len_i + j and sees keys 0..that position.
     Query head h reads KV head h // (Hq // Hkv). max_query_len / max_seq_len are unused (kept for the
-    shared signature). Rows past query_start_loc[-1] are left zero.
+    shared signature). Rows past query_start_loc[-1] are left zero. With `sliding_window` W a query at p
+    sees keys p - W < k <= p only; `sinks` [Hq] adds one logit per head to the softmax (no value).
     """
     del max_query_len, max_seq_len
     num_heads = query.shape[1]
@@ -53,7 +57,14 @@ def unified_paged_attention(
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - (q_hi - q_lo), seq_len, device=query.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

@@ -24,14 +24,22 @@ os.environ.setdefault("TANDEM_CPU_THREAD_GOVERNOR", "0")
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHS)
 
 # Small, but with enough heads for GQA; qwen2 is MQA (one KV head); qwen3 has head_dim != hidden/heads.
+# The MoE archs: 8 experts of 32, top-2, so a decode step leaves most experts without a token; gpt-oss's
+# sliding layers see 8 tokens (tiny_model.GPT_OSS_WINDOW).
 TINY_SHAPES: dict[str, dict[str, int]] = {
     "llama": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2),
     "mistral": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2),
     "qwen2": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1),
     "qwen3": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32),
+    "qwen3_moe": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=32,
+                      num_experts=8),
+    "mixtral": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=32, num_experts=8),
+    "gpt_oss": dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=32,
+                    num_experts=8),
 }
 
 

@@ -17,6 +17,11 @@ hit has q_len < seq_len.
 A backend's `forward` first writes the new K/V into the cache through `slot_mapping` (one slot per
 query token; skipped when the caller says `kv_written`, because a fused kernel already did it), then
 attends over the cache. Backends must not depend on anything beyond this metadata.
+
+Two per-layer options (gpt-oss uses both): `sliding_window` W restricts a query at position p to keys at
+positions p - W < k <= p (transformers' sliding-window mask); `sinks` adds one learned logit per query
+head to the softmax's denominator (a key every query sees, with a zero value), as gpt-oss's attention
+sinks do.
 """
 
 from __future__ import annotations
@@ -64,5 +69,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,  # this step's key/value are already in kv_cache
+        sinks: torch.Tensor | None = None,  # [num_heads] learned sink logits (gpt-oss), or None
+        sliding_window: int | None = None,  # attend to the last `sliding_window` positions only, or all
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

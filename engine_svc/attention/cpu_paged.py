@@ -56,29 +56,36 @@ def _ensure_ninja_on_path() -> bool:
     return False
 
 
-def build_key(csrc: Path = _CSRC) -> str:
-    """What the built module depends on, hashed: the sources' and headers' bytes, the flags, torch's version,
-    the Python ABI and the machine. The same for every clone of the same code on one machine."""
-    digest = hashlib.sha256()
-    for name in (*_SOURCES, *_HEADERS):
-        digest.update(name.encode() + b"\0" + (csrc / name).read_bytes() + b"\0")
+def can_build() -> bool:
+    """Whether ninja and a C++ compiler are there to build native ops."""
+    return _ensure_ninja_on_path() and shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+def build_key(csrc: Path = _CSRC, name: str = _NAME, sources: tuple[str, ...] = _SOURCES,
+              headers: tuple[str, ...] = _HEADERS) -> str:
+    """What a built module depends on, hashed: its name, the sources' and headers' bytes, the flags, torch's
+    version, the Python ABI and the machine. The same for every clone of the same code on one machine."""
+    digest = hashlib.sha256(name.encode() + b"\0")
+    for file in (*sources, *headers):
+        digest.update(file.encode() + b"\0" + (csrc / file).read_bytes() + b"\0")
     for part in (*_FLAGS, torch.__version__, sys.implementation.cache_tag, platform.machine()):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
 
 
-def build_directory(csrc: Path = _CSRC) -> Path:
-    """The cache folder of this build: torch's extension cache, named by `build_key`."""
+def build_directory(csrc: Path = _CSRC, name: str = _NAME, sources: tuple[str, ...] = _SOURCES,
+                    headers: tuple[str, ...] = _HEADERS) -> Path:
+    """The cache folder of one build: torch's extension cache, named by `build_key`."""
     from torch.utils import cpp_extension
 
-    root = Path(cpp_extension._get_build_directory(_NAME, verbose=False)).parent
-    return root / f"{_NAME}-{build_key(csrc)}"
+    root = Path(cpp_extension._get_build_directory(name, verbose=False)).parent
+    return root / f"{name}-{build_key(csrc, name, sources, headers)}"
 
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled module, or None when disabled or unbuildable (logged once). Its functions:
-    `paged_decode(query, kv_cache, block_table, seq_lens, scale)`, `add_rms_norm_(x, residual, weight, eps)`
+    """The native ops module (built on first use), or None when disabled or unbuildable. Functions:
+    `paged_decode(...)`, `add_rms_norm_(x, residual, weight, eps)` / `rms_norm_(x, weight, eps)`
     (in place), `rotary_(x, positions, cos_sin_cache)` (in place), `silu_and_mul(x)`."""
     if not enabled():
         return None
@@ -86,57 +93,65 @@ def load() -> ModuleType | None:
 
 
 def load_from(csrc: Path) -> ModuleType | None:
-    """The module built from the sources in `csrc`: imported from its cache folder when it was built there
-    (by any clone), else compiled there first."""
-    where = build_directory(csrc)
-    built = _import_built(where)
-    if built is not None:
+    """The attention and small ops built from the sources in `csrc` (see `build`)."""
+    module = build(_NAME, csrc, _SOURCES, _HEADERS, "attention and small ops")
+    if module is not None:
         logger.info("native CPU ops loaded (paged decode attention, add + RMSNorm, RoPE, SiLU-and-mul)")
+    return module
+
+
+def build(name: str, csrc: Path, sources: tuple[str, ...], headers: tuple[str, ...],
+          fallback: str) -> ModuleType | None:
+    """The extension `name` compiled from `sources` (files of `csrc`, which may include `headers`) with this
+    module's flags: imported from its cache folder when any clone built it there, else compiled there first
+    (the files are copied in, so the build never names a clone's path). None, logged with what stays in
+    torch (`fallback`), when it cannot be built."""
+    where = build_directory(csrc, name, sources, headers)
+    built = _import_built(where, name)
+    if built is not None:
         return built
-    if not (_ensure_ninja_on_path() and shutil.which(os.environ.get("CXX", "c++"))):
-        logger.warning("native CPU ops: no ninja or C++ compiler; attention and small ops stay in torch")
+    if not can_build():
+        logger.warning("native CPU op %s: no ninja or C++ compiler; %s stay in torch", name, fallback)
         return None
     from torch.utils import cpp_extension
 
     try:
-        sources = _copy_sources(csrc, where / "src")
-        module = cpp_extension.load(_NAME, [str(s) for s in sources], extra_cflags=_FLAGS,
-                                    extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+        copied = _copy_sources(csrc, (*sources, *headers), where / "src")
+        return cpp_extension.load(name, [str(copied / s) for s in sources], extra_cflags=_FLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
     except Exception as exc:  # a failed build must not stop the engine: the torch path is correct
-        logger.warning("native CPU ops did not build (%s); attention and small ops stay in torch", exc)
+        logger.warning("native CPU op %s did not build (%s); %s stay in torch", name, exc, fallback)
         return None
-    logger.info("native CPU ops built and loaded (paged decode attention, add + RMSNorm, RoPE, SiLU-and-mul)")
-    return module
 
 
-def _import_built(where: Path) -> ModuleType | None:
+def _import_built(where: Path, name: str) -> ModuleType | None:
     """The module already built in `where`, imported without torch's builder (None when there is none)."""
-    library = where / f"{_NAME}.so"
+    library = where / f"{name}.so"
     if not library.is_file():
         return None
-    if _NAME in sys.modules:
-        return sys.modules[_NAME]
-    spec = importlib.util.spec_from_file_location(_NAME, library)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, library)
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules[_NAME] = module
+    sys.modules[name] = module
     return module
 
 
-def _copy_sources(csrc: Path, into: Path) -> list[Path]:
-    """The sources and headers copied into `into` (files whose bytes are already there are left alone, so
-    their modification times stay); the compiled sources' new paths."""
+def _copy_sources(csrc: Path, files: tuple[str, ...], into: Path) -> Path:
+    """`files` copied from `csrc` into `into` (files whose bytes are already there are left alone, so their
+    modification times stay); returns `into`."""
     into.mkdir(parents=True, exist_ok=True)
-    for name in (*_SOURCES, *_HEADERS):
-        data = (csrc / name).read_bytes()
-        target = into / name
+    for file in files:
+        data = (csrc / file).read_bytes()
+        target = into / file
         if not target.is_file() or target.read_bytes() != data:
             tmp = target.with_suffix(target.suffix + f".{os.getpid()}.tmp")
             tmp.write_bytes(data)
             tmp.replace(target)
-    return [into / name for name in _SOURCES]
+    return into
 
 
 def for_tensor(x: torch.Tensor) -> ModuleType | None:

@@ -22,6 +22,10 @@ Per call: write this step's K/V into the cache through `slot_mapping`, then atte
 - Prefill chunks run one SDPA call per request: `is_causal` when the chunk is the whole context,
   otherwise the context is gathered from the cache and the causal mask is offset by seq_len - q_len.
 
+A layer with a sliding window or attention sinks (gpt-oss) takes `_windowed` instead: per request, its
+context gathered from the cache, scores as one matmul per request, the causal and window mask, the sinks
+as one more column of the softmax (dropped after it), as transformers' eager attention computes it.
+
 Masked positions are multiplied by a probability of exactly 0, so the cache must hold finite values
 everywhere: it is zero-initialised and only ever written with the model's K/V.
 
@@ -42,6 +46,7 @@ from engine_svc.attention import cpu_paged
 from engine_svc.attention.backend import AttentionMetadata
 
 _PLAN_ATTR = "_torch_attention_plan"
+_CONTEXTS_ATTR = "_torch_attention_contexts"
 
 
 @dataclass
@@ -215,7 +220,16 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if sinks is not None or sliding_window is not None:
+            if not kv_written:
+                token_major = kv_cache.transpose(2, 3)
+                write_at = _block_and_offset(meta.slot_mapping.long(), kv_cache.shape[3])
+                token_major[0].index_put_(write_at, key)
+                token_major[1].index_put_(write_at, value)
+            return _windowed(query, kv_cache, meta, scale, sinks, sliding_window)
         num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
         native = self._native_decode(query, kv_cache) if meta.num_decodes else None
         plan = _get_plan(meta, block_size, num_kv_heads, query.dtype, plan_decodes=native is None)
@@ -296,3 +310,41 @@ class TorchAttentionBackend:
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out[0].transpose(0, 1)
+
+
+def _windowed(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+              sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """Attention with a sliding window and / or sinks, request by request (the cache already written).
+    Each request's (block, offset) context indices are computed once per step and shared by the layers."""
+    block_size = kv_cache.shape[3]
+    contexts = meta.__dict__.get(_CONTEXTS_ATTR)
+    if contexts is None:
+        contexts = [_context_at(meta.block_table[i], meta.seq_lens_cpu[i], block_size) for i in range(meta.num_reqs)]
+        meta.__dict__[_CONTEXTS_ATTR] = contexts
+    num_heads, group = query.shape[1], query.shape[1] // kv_cache.shape[2]
+    parts, start = [], 0
+    for i, (blocks, offsets) in enumerate(contexts):
+        q_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
+        k, v = kv_cache[:, blocks, :, offsets].unbind(1)  # [seq_len, Hkv, D] each
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, seq_len, D]
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            sink = sinks.to(scores.dtype).view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            logits = torch.cat([scores, sink], dim=-1)
+            logits = logits - logits.amax(dim=-1, keepdim=True)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        parts.append(torch.matmul(probs.to(v.dtype), v).transpose(0, 1))  # [q_len, H, D]
+        start += q_len
+    if start < query.shape[0]:  # padding rows past the batch
+        parts.append(query.new_zeros((query.shape[0] - start, *query.shape[1:])))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

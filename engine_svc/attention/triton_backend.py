@@ -41,6 +41,8 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if not kv_written:
             self._kv_write(key, value, kv_cache, meta.slot_mapping)
@@ -53,4 +55,6 @@ class TritonAttentionBackend:
             scale,
             meta.max_query_len,
             meta.max_seq_len,
+            sinks=sinks,
+            sliding_window=sliding_window,
         )

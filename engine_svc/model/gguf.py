@@ -11,7 +11,8 @@ transformers' GGUF-key -> config-key table, so no mapping is written by hand her
 - `metadata_only(path)`: the file without its tensors (what GetTokenizer serves for a .gguf model).
 
 Invariants:
-- Only architectures tandem serves are accepted (`GGUF_ARCHITECTURES`), and only tensor types whose
+- Only architectures tandem serves are accepted (`GGUF_ARCHITECTURES`; a file with experts, such as a
+  Mixtral filed as "llama", is refused by name: MoE models load from Hugging Face checkpoints), and only tensor types whose
   dequantization is exact to float32 (`SUPPORTED_TENSOR_TYPES`); anything else is a `GGUFError` that
   names what the file holds and what is supported, raised before any weight is read.
 - llama.cpp stores the q/k projections of the "llama" architecture permuted for its interleaved rotary
@@ -92,6 +93,10 @@ def check_supported(path: str | Path) -> str:
     if bad:
         raise GGUFError(f"{path} holds tensors of type {', '.join(bad)}, which tandem cannot dequantize; "
                         f"supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+    experts = read_metadata(path, [f"{arch}.expert_count"]).get(f"{arch}.expert_count")
+    if experts:  # e.g. Mixtral, which llama.cpp files as "llama" with experts
+        raise GGUFError(f"{path} holds a mixture-of-experts model ({arch}.expert_count = {experts}); tandem serves "
+                        "MoE models (Qwen3-MoE, Mixtral) from Hugging Face checkpoints only, not from GGUF files")
     scaling = read_metadata(path, [f"{arch}.rope.scaling.type"]).get(f"{arch}.rope.scaling.type")
     if (scaling not in (None, "none")) or "rope_freqs.weight" in types:
         raise GGUFError(f"{path} uses rope scaling ({scaling or 'rope_freqs'}), which tandem does not read "

@@ -1,4 +1,6 @@
-"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim).
+"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm, explicit head_dim),
+and the mixture-of-experts models built on it (engine_svc/model/moe_models.py: a `DecoderVariant` may
+replace each layer's feed-forward block, add attention sinks and give layers sliding windows).
 
 Pre-norm decoder layers; the residual stream is carried beside the activations so each RMSNorm also
 does the preceding residual add. Module and parameter names follow the HF checkpoints, except for
@@ -17,6 +19,7 @@ Two numerically equivalent paths (`fused_kernels_wanted`):
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -28,7 +31,12 @@ from engine_svc.attention.backend import AttentionBackend, AttentionMetadata
 from engine_svc.model.layers.activation import GatedActivation
 from engine_svc.model.layers.attention import Attention
 from engine_svc.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine_svc.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine_svc.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    make_param,
+)
 from engine_svc.model.layers.norm import QKNorm, RMSNorm
 from engine_svc.model.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, read_rope_config
 from kernels import rope as triton_rope  # importing kernels never imports triton
@@ -50,6 +58,11 @@ class DecoderVariant:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # Builds layer i's feed-forward block: (config, layer index, dtype, fused) -> module; None: LlamaMLP.
+    # Mixture-of-experts models set it (engine_svc/model/moe_models.py).
+    feed_forward: Callable[[Any, int, torch.dtype, bool], nn.Module] | None = None
+    attention_sinks: bool = False  # a learned sink logit per query head (`self_attn.sinks`, gpt-oss)
+    layer_windows: tuple[int | None, ...] | None = None  # layer i's sliding window (None: full attention)
 
 
 def head_dim_of(config: Any) -> int:
@@ -59,7 +72,7 @@ def head_dim_of(config: Any) -> int:
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype,
-        fused: bool = False,
+        fused: bool = False, layer_idx: int = 0,
     ) -> None:
         super().__init__()
         self.fused = fused
@@ -78,7 +91,16 @@ class LlamaAttention(nn.Module):
             if variant.qk_norm
             else None
         )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend)
+        window = variant.layer_windows[layer_idx] if variant.layer_windows else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend, window)
+        self.sinks = make_param((self.num_heads,), dtype, self._load_sinks) if variant.attention_sinks else None
+
+    def _load_sinks(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """This rank's query heads' sink logits (heads are split across ranks as the q projection's)."""
+        mine = loaded.narrow(0, self.qkv_proj.tp_rank * self.num_heads, self.num_heads)
+        if mine.shape != param.shape:
+            raise ValueError(f"shape mismatch loading sinks: {tuple(param.shape)} vs {tuple(mine.shape)}")
+        param.data.copy_(mine)
 
     def forward(
         self,
@@ -97,7 +119,7 @@ class LlamaAttention(nn.Module):
                 kv_cache=kv_cache, slot_mapping=meta.slot_mapping,
             )
             out = self.attn(qkv[:, :num_heads], qkv[:, num_heads:num_qk], qkv[:, num_qk:], kv_cache, meta,
-                            kv_written=True)
+                            kv_written=True, sinks=self.sinks)
         else:
             assert rope.cos is not None and rope.sin is not None
             qk = qkv[:, :num_qk]
@@ -108,7 +130,7 @@ class LlamaAttention(nn.Module):
                 native.rotary_(qk, rope.positions, rope.cos_sin_cache)
             else:
                 qk = apply_rotary(qk, rope.cos, rope.sin)
-            out = self.attn(qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_qk:], kv_cache, meta)
+            out = self.attn(qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_qk:], kv_cache, meta, sinks=self.sinks)
         projected: torch.Tensor = self.o_proj(out)
         return projected
 
@@ -131,11 +153,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype,
-        fused: bool = False,
+        fused: bool = False, layer_idx: int = 0,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant, backend, dtype, fused)
-        self.mlp = LlamaMLP(config, variant, dtype, fused)
+        self.self_attn = LlamaAttention(config, variant, backend, dtype, fused, layer_idx)
+        self.mlp = (LlamaMLP(config, variant, dtype, fused) if variant.feed_forward is None
+                    else variant.feed_forward(config, layer_idx, dtype, fused))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
 
@@ -168,7 +191,7 @@ class LlamaModel(nn.Module):
         self.fused = fused
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, backend, dtype, fused) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, variant, backend, dtype, fused, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
         theta, rope_params = read_rope_config(config)

@@ -3,7 +3,9 @@
 Each checkpoint tensor (named as in HF checkpoints; a GGUF file's tensors are renamed and dequantized by
 engine_svc/model/gguf.py) is handed, whole, to its parameter's `weight_loader`, which copies this TP
 rank's shard. Fused parameters (see `packed_modules` on the model) receive several checkpoint
-tensors, one per shard_id. Every parameter shard must be loaded exactly once or loading fails.
+tensors, one per shard_id. A module with a `checkpoint_shards(prefix, param)` method names the
+checkpoint tensors of its own parameters instead (a MoE block: one tensor per expert, stacked into one
+parameter). Every parameter shard must be loaded exactly once or loading fails.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def load_model(
     dtype: torch.dtype | str,
     device: torch.device | str,
     attn_backend: AttentionBackend,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """Build the model named by `model_dir/config.json` (or a GGUF file) on `device` and load its weights."""
-    model = build_model(load_config(model_dir), dtype, device, attn_backend)
+    model = build_model(load_config(model_dir), dtype, device, attn_backend, expert_parallel)
     load_weights(model, model_dir)
     return model
 
@@ -53,9 +56,19 @@ def checkpoint_names(model: nn.Module) -> list[str]:
     return sorted(set(_expected_shards(model, getattr(model, "packed_modules", {})).values()))
 
 
-def _checkpoint_to_param(packed: dict[str, tuple[tuple[str, Any], ...]]) -> dict[str, tuple[str, Any]]:
-    """checkpoint module name -> (fused module name, shard_id)."""
-    return {part: (fused, shard) for fused, parts in packed.items() for part, shard in parts}
+def _shard_namers(model: nn.Module) -> dict[str, Any]:
+    """module path -> module, for the modules that name their own checkpoint tensors."""
+    return {name: m for name, m in model.named_modules() if callable(getattr(m, "checkpoint_shards", None))}
+
+
+def _namer_of(param: str, namers: dict[str, Any]) -> tuple[str, Any] | None:
+    """(module path, module) of the innermost module above `param` that names its checkpoint tensors."""
+    parts = param.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:cut])
+        if prefix in namers:
+            return prefix, namers[prefix]
+    return None
 
 
 def _expected_shards(
@@ -63,19 +76,18 @@ def _expected_shards(
 ) -> dict[tuple[str, Any], str]:
     """(param name, shard_id) -> checkpoint tensor name, for every tensor the checkpoint must hold."""
     expected = {}
+    namers = _shard_namers(model)
     for name, _ in model.named_parameters():
-        *prefix, module, leaf = name.split(".")
+        owner = _namer_of(name, namers) if namers else None
+        if owner is not None:
+            prefix, module_obj = owner
+            for ckpt, shard in module_obj.checkpoint_shards(prefix, name[len(prefix) + 1 :]):
+                expected[(name, shard)] = ckpt
+            continue
+        *path, module, leaf = name.split(".")
         for part, shard in packed.get(module, ((module, None),)):
-            expected[(name, shard)] = ".".join([*prefix, part, leaf])
+            expected[(name, shard)] = ".".join([*path, part, leaf])
     return expected
-
-
-def _map_name(name: str, table: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
-    *prefix, module, leaf = name.split(".")
-    if module in table:
-        fused, shard = table[module]
-        return ".".join([*prefix, fused, leaf]), shard
-    return name, None
 
 
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
@@ -107,20 +119,20 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tens
                        source: str) -> None:
     """Hand each (checkpoint name, tensor) to its parameter's weight loader; check nothing is missing.
     A None tensor is one the caller did not read because the model does not load it."""
-    packed = getattr(model, "packed_modules", {})
-    table = _checkpoint_to_param(packed)
     params = dict(model.named_parameters())
-    expected = _expected_shards(model, packed)
+    expected = _expected_shards(model, getattr(model, "packed_modules", {}))
+    by_checkpoint = {ckpt: key for key, ckpt in expected.items()}
     loaded: set[tuple[str, Any]] = set()
     ignored: list[str] = []
     for name, tensor in tensors:
-        target, shard = _map_name(name, table)
-        if tensor is None or name.endswith(_SKIPPED_SUFFIXES) or target not in params:
+        key = by_checkpoint.get(name)
+        if tensor is None or name.endswith(_SKIPPED_SUFFIXES) or key is None:
             ignored.append(name)
             continue
+        target, shard = key
         param = params[target]
         param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]
-        loaded.add((target, shard))
+        loaded.add(key)
     if ("lm_head.weight", None) in expected and ("lm_head.weight", None) not in loaded:
         model.tie_lm_head()  # type: ignore[operator]
         del expected[("lm_head.weight", None)]

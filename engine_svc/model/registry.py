@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from engine_svc.attention.backend import AttentionBackend
 from engine_svc.model.llama import DecoderVariant, LlamaForCausalLM
+from engine_svc.model.moe_models import MoeFeedForward, gpt_oss_variant, mixtral_variant, qwen3_moe_variant
 
 
 def _llama(config: Any) -> DecoderVariant:
@@ -31,6 +33,9 @@ _ARCHITECTURES: dict[str, tuple[type[nn.Module], Callable[[Any], DecoderVariant]
     "MistralForCausalLM": (LlamaForCausalLM, _llama),
     "Qwen2ForCausalLM": (LlamaForCausalLM, _qwen2),
     "Qwen3ForCausalLM": (LlamaForCausalLM, _qwen3),
+    "Qwen3MoeForCausalLM": (LlamaForCausalLM, qwen3_moe_variant),
+    "MixtralForCausalLM": (LlamaForCausalLM, mixtral_variant),
+    "GptOssForCausalLM": (LlamaForCausalLM, gpt_oss_variant),
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,8 +45,9 @@ def supported_architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def resolve_architecture(hf_config: Any) -> tuple[type[nn.Module], DecoderVariant]:
-    """(model class, variant) for the config; ValueError naming the architecture if unsupported."""
+def resolve_architecture(hf_config: Any, expert_parallel: bool = False) -> tuple[type[nn.Module], DecoderVariant]:
+    """(model class, variant) for the config; ValueError naming the architecture if unsupported, or
+    asked for expert parallelism without experts."""
     archs = getattr(hf_config, "architectures", None) or []
     arch = archs[0] if archs else None
     if arch not in _ARCHITECTURES:
@@ -49,7 +55,12 @@ def resolve_architecture(hf_config: Any) -> tuple[type[nn.Module], DecoderVarian
             f"unsupported model architecture {arch!r}; supported: {', '.join(supported_architectures())}"
         )
     cls, variant_of = _ARCHITECTURES[arch]
-    return cls, variant_of(hf_config)
+    variant = variant_of(hf_config)
+    if expert_parallel:
+        if not isinstance(variant.feed_forward, MoeFeedForward):
+            raise ValueError(f"--enable-expert-parallel needs a mixture-of-experts model; {arch} has no experts")
+        variant = replace(variant, feed_forward=replace(variant.feed_forward, expert_parallel=True))
+    return cls, variant
 
 
 def resolve_dtype(dtype: torch.dtype | str, hf_config: Any = None) -> torch.dtype:
@@ -78,10 +89,12 @@ def resolve_dtype(dtype: torch.dtype | str, hf_config: Any = None) -> torch.dtyp
 
 
 def build_model(
-    hf_config: Any, dtype: torch.dtype | str, device: torch.device | str, attn_backend: AttentionBackend
+    hf_config: Any, dtype: torch.dtype | str, device: torch.device | str, attn_backend: AttentionBackend,
+    expert_parallel: bool = False,
 ) -> nn.Module:
-    """An uninitialised model (weights are `torch.empty`) on `device`; fill it with `load_weights`."""
-    cls, variant = resolve_architecture(hf_config)
+    """An uninitialised model (weights are `torch.empty`) on `device`; fill it with `load_weights`.
+    `expert_parallel`: a MoE model's experts are placed whole on the TP ranks instead of sharded."""
+    cls, variant = resolve_architecture(hf_config, expert_parallel)
     with torch.device(device):
         model = cls(hf_config, variant, attn_backend, resolve_dtype(dtype, hf_config))
     return model.eval()

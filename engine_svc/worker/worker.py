@@ -61,7 +61,8 @@ class Worker:
 
         torch.manual_seed(self.config.seed)
         backend = make_attention_backend(self.config.resolved_attention_backend)
-        self.model = load_model(self.config.model, dtype=self.dtype, device=self.device, attn_backend=backend)
+        self.model = load_model(self.config.model, dtype=self.dtype, device=self.device, attn_backend=backend,
+                                expert_parallel=self.config.enable_expert_parallel)
         if prepack_wanted(self.dtype, self.device):
             prepack_linears(self.model)
         if self.device.type == "cpu" and self.config.resolved_attention_backend == "torch":

@@ -25,6 +25,9 @@ HF_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 MULTIBYTE_TEXT = "naïve café — Ελληνικά, русский, 中文字符, 日本語, 한국어 🚀👩‍💻 ∑ x² €5\n\ttab"
 
@@ -66,6 +69,10 @@ def test_arch_specific_shapes(make_model) -> None:
 
     mistral_config = json.loads((make_model("mistral") / "config.json").read_text())
     assert mistral_config["sliding_window"] is None
+
+    gpt_oss = load_file(make_model("gpt_oss") / "model.safetensors")
+    for name in ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias", "mlp.router.bias", "self_attn.sinks"):
+        assert gpt_oss[f"model.layers.0.{name}"].abs().sum() > 0, name  # randomised: a dropped one diverges
 
     llama = load_file(make_model("llama") / "model.safetensors")
     assert not any(name.endswith(".bias") for name in llama)

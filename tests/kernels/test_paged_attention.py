@@ -337,3 +337,50 @@ def test_imports_stay_triton_free_and_late_interpret_is_explained():
     )
     assert proc.returncode == 0, proc.stderr
     assert "TRITON_INTERPRET=1 was set after triton had been imported" in proc.stdout
+
+
+# ------------------------------------------------------------------ sliding windows and attention sinks
+
+
+def _sinks(num_heads: int, device) -> torch.Tensor:
+    return (2 * torch.randn(num_heads, generator=torch.Generator().manual_seed(7))).to(device)
+
+
+def _check_options(batch: Batch, sinks, window, **kwargs) -> None:
+    real = int(batch.meta.query_start_loc[-1])
+    options = dict(sinks=sinks, sliding_window=window)
+    got = unified_paged_attention(*batch.attention_args(), 0.3, *batch.limits(), **options, **kwargs)
+    want = attention_ref(*batch.attention_args(), 0.3, *batch.limits(), **options)
+    plain = attention_ref(*batch.attention_args(), 0.3, *batch.limits())
+    assert not torch.allclose(want[:real], plain[:real])  # the options change the result here
+    tol = TOLERANCE[batch.query.dtype]
+    torch.testing.assert_close(got[:real].float(), want[:real].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("use_sinks", "window"), [(True, None), (False, 3), (True, 5), (True, 1)])
+def test_sinks_and_sliding_windows_match_the_reference(use_sinks, window, device):
+    """A window of 3 or 5 over contexts of up to 20 keys in blocks of 4 (whole tiles skipped, partial ones
+    masked); a window of 1 (each query sees only itself); sinks alone; both."""
+    batch = _filled(make_batch(MIXED, block_size=4, kv_heads=2, group=2, device=device, seed=21))
+    _check_options(batch, _sinks(4, device) if use_sinks else None, window, tile_size=16)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_sinks_and_windows_with_kv_splits(splits, device):
+    """Split contexts: the sink joins the reduction once; splits wholly before the window stay empty."""
+    batch = _filled(make_batch([(1, 60), (1, 33), (1, 7)], block_size=4, device=device, seed=22))
+    _check_options(batch, _sinks(4, device), 24, num_kv_splits=splits, tile_size=16, min_keys_per_split=16)
+
+
+def test_torch_backend_sinks_and_window_match_the_reference(device):
+    torch_backend = pytest.importorskip("engine_svc.attention.torch_backend")
+    batch = make_batch(MIXED, block_size=4, kv_heads=2, group=2, device=device, seed=23)
+    cache_torch = batch.kv_cache.transpose(2, 3).contiguous()
+    sinks = _sinks(4, device)
+    got = torch_backend.TorchAttentionBackend().forward(batch.query, batch.key, batch.value, cache_torch,
+                                                        batch.meta, 0.3, sinks=sinks, sliding_window=4)
+    _filled(batch)
+    want = attention_ref(*batch.attention_args(), 0.3, *batch.limits(), sinks=sinks, sliding_window=4)
+    real = int(batch.meta.query_start_loc[-1])
+    assert torch.equal(cache_torch.transpose(2, 3), batch.kv_cache)
+    torch.testing.assert_close(got[:real], want[:real], atol=2e-5, rtol=2e-5)

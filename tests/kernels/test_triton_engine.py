@@ -2,7 +2,8 @@
 transformers token for token, through chunked prefill, prefix-cache hits and preemption.
 
 With the Triton backend the model runs its fused kernels too (norms, q/k-norm + RoPE + KV-cache write,
-SiLU-and-mul): each test checks they were launched, and that the backend's separate KV write was not.
+SiLU-and-mul, and a MoE model's grouped-GEMM experts): each test checks they were launched, and that the
+backend's separate KV write was not.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 from entrypoints import LLM, SamplingParams
-from kernels import activation, kv_write, paged_attention, rms_norm, rope
+from kernels import activation, fused_moe, kv_write, paged_attention, rms_norm, rope
 from tests.engine.test_hf_exact import MAX_TOKENS, PREEMPT_ARGS, hf_greedy, make_prompts, preempt_prompts
 
 pytestmark = pytest.mark.slow  # the interpreter runs every kernel launch in Python
@@ -25,12 +26,18 @@ FUSED = {"rms_norm": rms_norm._kernel, "rope": rope._kernel, "silu_and_mul": act
 def fused_kernels_proven(llm: LLM) -> Iterator[None]:
     """Asserts that the block launched every fused kernel and attention, and never the separate KV write."""
     assert llm.engine.executor.worker.model.fused_kernels
-    kernels = {**FUSED, "attention": paged_attention._attention, "kv_write": kv_write._kernel}
+    kernels = {**FUSED, "attention": paged_attention._attention, "kv_write": kv_write._kernel,
+               "fused_moe": fused_moe._kernel}
+    arch = llm.engine.executor.worker.model.config.architectures[0]
+    moe = arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+    # gpt-oss's experts use clamped SwiGLU (torch ops between the grouped GEMMs), no SiLU-and-mul anywhere
+    expected = [name for name in (*FUSED, "attention") if not (name == "silu_and_mul" and arch == "GptOssForCausalLM")]
     before = {name: k.launches for name, k in kernels.items()}
     yield
     launched = {name: k.launches - before[name] for name, k in kernels.items()}
     assert launched["kv_write"] == 0, launched
-    assert all(launched[name] > 0 for name in (*FUSED, "attention")), launched
+    assert all(launched[name] > 0 for name in expected), launched
+    assert (launched["fused_moe"] > 0) == moe, launched
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]):
@@ -38,7 +45,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_triton_backend_matches_transformers(make_model, arch: str) -> None:
     model_dir = make_model(arch)
     # A 16-token budget: prompts are prefilled in chunks that attend to earlier context in the cache.

@@ -68,7 +68,8 @@ def pack_linear_weight(module: nn.Module, shared: set[int]) -> None:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Pack the weight of every `PackedWeight` module of a loaded model; returns how many were packed."""
+    """Pack the weight of every `PackedWeight` module of a loaded model, and call `prepack()` on modules
+    that pack their own (a MoE layer's experts); returns how many modules were packed."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -78,5 +79,8 @@ def prepack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, PackedWeight):
             pack_linear_weight(module, shared)
+            packed += 1
+        elif callable(getattr(module, "prepack", None)):
+            module.prepack()
             packed += 1
     return packed

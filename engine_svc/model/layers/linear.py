@@ -10,6 +10,7 @@ copies this rank's slice of it into `param`:
 - QKVParallelLinear: q, k, v fused into one matmul (`shard_id` "q" | "k" | "v"). Query heads are
   split across ranks; KV heads too, or replicated when there are fewer KV heads than ranks.
 - RowParallelLinear: input columns split across ranks; partial outputs are summed by all-reduce.
+- ReplicatedLinear: the whole weight on every rank (e.g. a MoE router, whose every output each rank needs).
 """
 
 from __future__ import annotations
@@ -93,6 +94,17 @@ class _TPLinear(PackedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+
+class ReplicatedLinear(_TPLinear):
+    """y = x W^T + b with the whole W on every rank (no communication)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__(input_size, output_size, bias, params_dtype, 0, 1)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        copy_full(param, loaded)
 
 
 class ColumnParallelLinear(_TPLinear):

@@ -45,7 +45,48 @@ def _inverse_frequencies(head_dim: int, theta: float, params: dict[str, Any]) ->
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, params)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3, yarn)")
+
+
+def _yarn(head_dim: int, theta: float, params: dict[str, Any]) -> torch.Tensor:
+    """YaRN (gpt-oss): frequencies blended between the original (short wavelengths, extrapolated) and
+    divided by `factor` (long ones, interpolated) over a linear ramp between the dims that turn beta_fast
+    and beta_slow times within original_max_position_embeddings (floored / ceiled when `truncate`)."""
+    factor, original = float(params["factor"]), float(params["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolated = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+
+
+def attention_factor(params: dict[str, Any]) -> float:
+    """What cos and sin are multiplied by: YaRN's 0.1 ln(factor) + 1 (or its `attention_factor`), else 1."""
+    if params.get("rope_type") != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all:
+        return get_mscale(factor, float(mscale)) / get_mscale(factor, float(mscale_all))
+    return get_mscale(factor)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -95,8 +136,9 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         inv_freq = _inverse_frequencies(head_dim, rope_theta, params)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
-        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        scale = attention_factor(params)
+        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1) * scale
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scale
         cache = torch.stack((cos, sin), dim=1).to(dtype or torch.get_default_dtype())
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
