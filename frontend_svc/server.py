@@ -17,7 +17,7 @@ Invariants:
   on the event loop, so one large prompt does not stall other calls' streams (the tokenizer releases
   the GIL while encoding; size limits reject what could never fit before any of that work).
 - With API keys configured every call but health needs `authorization: Bearer <key>`
-  (shared_runtime/security/auth.py); malformed request bytes are INVALID_ARGUMENT (frontend_svc/grpc_api/decode_guard.py).
+  (shared_runtime/security/auth.py); malformed request bytes are INVALID_ARGUMENT (shared_runtime/security/decode_guard.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from frontend_svc.config import FrontendConfig
 from frontend_svc.dispatcher import Dispatcher
 from frontend_svc.engine_client import ChannelFactory, EngineClient
 from frontend_svc.generation import Admission, Generation
-from frontend_svc.grpc_api.decode_guard import DecodeGuardInterceptor
 from frontend_svc.grpc_api.servicer import GenerationServicer
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
@@ -52,6 +51,7 @@ from shared_runtime import limits
 from shared_runtime.contract import SamplingParams
 from shared_runtime.link import MAX_MESSAGE_BYTES, SERVER_PING_OPTIONS
 from shared_runtime.security.auth import AuthInterceptor, BearerToken, KeySet
+from shared_runtime.security.decode_guard import DecodeGuardInterceptor
 from shared_runtime.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
 from shared_runtime.security.tls import ServerTls, client_tls, server_tls
 from shared_runtime.violations import ValidationError

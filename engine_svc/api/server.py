@@ -13,7 +13,8 @@
 workers were spawned before it; gRPC starts next with health NOT_SERVING; the busy loop builds the core).
 
 Security (docs/security.md): TLS / mutual TLS from `ServerTls` (certificates re-read on change or
-SIGHUP); with an engine token every call but health needs `authorization: Bearer <token>`. The port is
+SIGHUP); with an engine token every call but health needs `authorization: Bearer <token>`. A request
+whose bytes do not decode is INVALID_ARGUMENT (shared_runtime/security/decode_guard.py). The port is
 bound exclusively (no SO_REUSEPORT): a second engine on a taken port fails to start.
 
 Health (`grpc.health.v1`): "", `tandem.engine.v1.EngineCoreService` and `vllm.grpc.engine.VllmEngine` are NOT_SERVING until the model is
@@ -50,6 +51,7 @@ from shared_runtime.link import (
     message_size_options,
 )
 from shared_runtime.security.auth import AuthInterceptor, KeySet
+from shared_runtime.security.decode_guard import DecodeGuardInterceptor
 from shared_runtime.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
 from shared_runtime.security.tls import ServerTls
 
@@ -131,6 +133,7 @@ class EngineServer:
             publisher = KvEventPublisher(self.servicer.engine_id, self.config.block_size, self.kv_events_buffer)
             self.servicer.kv_events = publisher
         interceptors = [AuthInterceptor(self.tokens)] if self.tokens is not None else []
+        interceptors.append(DecodeGuardInterceptor())  # undecodable bytes: INVALID_ARGUMENT, not UNKNOWN
         receive = engine_receive_limit(self.config.max_model_len, self.max_message_bytes)
         server = grpc.aio.server(options=server_options(self.max_message_bytes, receive), interceptors=interceptors)
         pb_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, server)

@@ -63,6 +63,8 @@ def json_object(raw: bytes) -> dict[str, Any]:
         data = json.loads(raw)
     except ValueError:
         raise bad_request("the body is not valid JSON") from None
+    except RecursionError:  # json.loads recurses per nesting level: a 400, not a 500 with a traceback
+        raise bad_request("the body is not valid JSON: it is nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     return data

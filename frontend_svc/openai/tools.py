@@ -95,7 +95,7 @@ def message_tool_calls(calls: list[p.ToolCall]) -> list[dict[str, Any]]:
     for call in calls:
         try:
             arguments: Any = json.loads(call.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deeply to parse
             arguments = call.function.arguments
         out.append({"id": call.id, "type": "function",
                     "function": {"name": call.function.name, "arguments": arguments}})

@@ -1,0 +1,63 @@
+"""What one anonymous HTTP client could still do to everyone else (fake engine, real sockets, a victim SSE
+stream during every attack): refused requests kept in reference cycles, big bodies parsed before their
+counts were checked, JSON nested too deeply for the parser, ids echoed back whole.
+
+Memory is this process's resident size (the server, the fake engine and the clients share it), read
+after a few attacks (the allocator's arenas grow to their working size over the first ones, then stay)
+and again after many more: what the attacks leave behind, not what they use while they run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+
+from tests.openai_api.conftest import HttpStack, SseReader
+from tests.support import MAX_STALL_S, LoopThread
+
+BIG_CONTEXT = 131_072
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def stack(loop: LoopThread, tokenizer: Any, tiny_model_dir: Path) -> Iterator[HttpStack]:
+    """A long context (so big prompts pass the body's pre-checks and reach the count checks), 8 MiB bodies."""
+    stack = HttpStack(loop, tokenizer, tiny_model_dir, max_model_len=BIG_CONTEXT, step_s=0.01,
+                      max_message_bytes=8 * MiB)
+    stack.wait_http_ready()
+    yield stack
+    stack.close()
+
+
+@pytest.fixture
+def victim(stack: HttpStack) -> Iterator[SseReader]:
+    reader = SseReader(f"{stack.url}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": None, "stream": True})
+    reader.wait_started()
+    yield reader
+    reader.stop()
+    assert reader.error is None, reader.error
+    stack.wait_engine_idle()
+
+
+def post(stack: HttpStack, path: str, content: bytes) -> httpx2.Response:
+    return httpx2.post(f"{stack.url}{path}", content=content, headers={"Content-Type": "application/json"},
+                       timeout=60)
+
+
+# ---- malformed JSON ---------------------------------------------------------------------------------------
+
+def test_json_nested_too_deeply_for_the_parser_is_400_without_a_traceback(
+        stack: HttpStack, victim: SseReader, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: /tokenize answered 500 and logged two tracebacks (json.loads raised RecursionError)."""
+    nested = b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    with caplog.at_level(logging.WARNING):
+        answer, gap = victim.during("/tokenize nested 30,000 levels", lambda: post(stack, "/tokenize", nested))
+    assert answer.status_code == 400, answer.text
+    assert "nested too deeply" in answer.json()["error"]["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert gap < MAX_STALL_S
