@@ -293,6 +293,7 @@ class FrontendServer:
             return await asyncio.wrap_future(job)
         finally:
             self.admission.give_back(1, job)
+            del job  # a failed job's exception holds this frame in its traceback: no cycle through `job`
 
     def _refuse_if_draining(self) -> None:
         if self.draining:

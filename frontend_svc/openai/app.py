@@ -49,11 +49,14 @@ from frontend_svc.openai.errors import (
     bad_request,
     from_pydantic,
     not_found,
+    raise_if,
     unauthorized,
 )
 from frontend_svc.openai.generations import Run, code_name, from_service
 from frontend_svc.openai.http_io import (
+    DISCONNECTED,
     JSON,
+    Disconnected,
     error_response,
     guarded,
     header_pairs,
@@ -257,9 +260,7 @@ class OpenAIApi:
 
     def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
         bodies.served_model(body.model, self.frontend.model_name)
-        error = bodies.unsupported(body)
-        if error is not None:
-            raise error
+        raise_if(bodies.unsupported(body))
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
@@ -276,18 +277,17 @@ class OpenAIApi:
     async def _respond(self, request: Request, run: Run, builder: Builder,
                        body: p.CompletionRequest | p.ChatCompletionRequest, request_id: str) -> Response:
         headers = {"X-Request-Id": request_id}
-        start = asyncio.ensure_future(run.start())
-        if not await unless_disconnected(request, start):
+        if await unless_disconnected(request, run.start()) is DISCONNECTED:
             return Response(status_code=499)
         builder.prompts = [self._prompt_info(prepared, builder.extras.echo) for prepared in run.prepared]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse.EventStream(_stream(run, builder, include_usage), on_close=run.close, headers=headers)
-        collect = asyncio.ensure_future(_collect(run, builder))
         try:
-            if not await unless_disconnected(request, collect):
+            answer = await unless_disconnected(request, _collect(run, builder))
+            if isinstance(answer, Disconnected):
                 return Response(status_code=499)
-            return Response(collect.result(), media_type=JSON, headers=headers)
+            return Response(answer, media_type=JSON, headers=headers)
         finally:
             run.close()
 

@@ -65,6 +65,17 @@ class ApiError(Exception):
         return self.body().model_dump_json().encode()
 
 
+def raise_if(error: ApiError | None) -> None:
+    """Raise `error` unless it is None. Call it as `raise_if(check(...))`: an exception held in a local of a
+    frame it is raised through is a reference cycle (the exception's traceback holds the frame), which
+    keeps the frame's locals - a refused request's parsed body - until a full garbage collection."""
+    if error is not None:
+        try:
+            raise error
+        finally:
+            del error
+
+
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import pydantic
@@ -91,22 +91,36 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def unless_disconnected(request: Request, task: asyncio.Future[Any]) -> bool:
-    """Wait for `task`; False (task cancelled) if the client disconnects first. Raises what `task` raises."""
+class Disconnected:
+    """What `unless_disconnected` returns when the client went away first."""
+
+
+DISCONNECTED = Disconnected()
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | Disconnected:
+    """`work`'s result, or DISCONNECTED (work cancelled) if the client disconnects first. Raises what
+    `work` raises.
+
+    The task running `work` is referenced by this frame alone, and this frame drops it before returning
+    or raising: a task keeps its exception, whose traceback holds this frame and its caller's, so a task
+    held by any of them would make a reference cycle that keeps everything the failed work touched (a
+    refused request's parsed body) until a full garbage collection."""
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request.receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # its end, without its exception (and without hiding our own cancel)
+            return DISCONNECTED
+        return task.result()
     except asyncio.CancelledError:
         task.cancel()
         raise
     finally:
         watch.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.wait({task})  # its end, without its exception (and without hiding our own cancel)
-        return False
-    task.result()
-    return True
+        del task, watch
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -23,7 +23,6 @@ its store never forgets), and tandem keeps nothing either: `store` is accepted a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -39,10 +38,12 @@ from frontend_svc.generation import GenerationBackend
 from frontend_svc.openai import bodies, sse
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai import responses_protocol as rp
-from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, from_pydantic
+from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, from_pydantic, raise_if
 from frontend_svc.openai.generations import Run, code_name, from_service
 from frontend_svc.openai.http_io import (
+    DISCONNECTED,
     JSON,
+    Disconnected,
     error_response,
     guarded,
     header_pairs,
@@ -327,9 +328,7 @@ class ResponsesHandler:
         api, frontend = self.api, self.api.frontend
         body = await parse_body(request, api.max_body_bytes, rp.ResponsesRequest)
         bodies.served_model(body.model, frontend.model_name)
-        error = unsupported(body)
-        if error is not None:
-            raise error
+        raise_if(unsupported(body))
         if body.previous_response_id is not None:
             raise not_stored(body.previous_response_id)
         chat = to_chat(body)
@@ -344,18 +343,17 @@ class ResponsesHandler:
         builder = ResponseBuilder(response_id, frontend.model_name, body, params)
         run = Run(frontend, header_pairs(request), ROUTE, [prompt], params, response_id,
                   body.priority, names, bodies.prompt_options(chat))
-        start = asyncio.ensure_future(run.start())
-        if not await unless_disconnected(request, start):
+        if await unless_disconnected(request, run.start()) is DISCONNECTED:
             return Response(status_code=499)
         builder.fitted(len(run.prepared[0].prompt_token_ids), frontend.max_model_len)
         headers = {"X-Request-Id": response_id}
         if body.stream:
             return sse.EventStream(_stream(run, builder), on_close=run.close, headers=headers)
-        collect = asyncio.ensure_future(_collect(run, builder))
         try:
-            if not await unless_disconnected(request, collect):
+            answer = await unless_disconnected(request, _collect(run, builder))
+            if isinstance(answer, Disconnected):
                 return Response(status_code=499)
-            return Response(collect.result(), media_type=JSON, headers=headers)
+            return Response(answer, media_type=JSON, headers=headers)
         finally:
             run.close()
 

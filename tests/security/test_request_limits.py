@@ -84,6 +84,40 @@ def test_a_5000_message_chat_does_not_stall_other_streams(big: Stack, tokenizer:
     assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
 
 
+def test_refused_calls_are_freed_by_reference_counting_alone(big: Stack) -> None:
+    """Before: a refusal was `context.abort`, whose exception grpc keeps in the call's state with the
+    handler's frames - the request - in its traceback: each refused 140k-message chat stayed until a full
+    collection. With the collector off, nothing of them may stay."""
+    import gc
+
+    chat = [{"role": "user", "content": "x"}] * 140_000  # > max_model_len messages: refused by count
+
+    def attack(client: TandemClient) -> list[grpc.RpcError]:
+        return [rpc_error(lambda: list(client.generate(chat=chat, max_tokens=4, timeout=60))) for _ in range(10)]
+
+    gc.collect()
+    gc.disable()
+    try:
+        with TandemClient(big.address) as client:
+            attack(client)  # the allocator's arenas reach their working size
+        settled = _resident_bytes()
+        gap, errors = attack_while_victim_streams(big, attack)
+        grown = _resident_bytes() - settled
+    finally:
+        gc.enable()
+    print(f"[memory] 10 refused 140k-message chats: resident +{grown / 2**20:.1f} MiB")
+    assert all(e.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_fields(e) == ["chat.messages"] for e in errors)
+    assert grown < 24 * 2**20, f"refused calls left {grown / 2**20:.0f} MiB behind"
+    assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_a_prompt_over_the_byte_budget_is_rejected_quickly(small: Stack) -> None:
     prompt = "x" * 3_900_000
     gap, result = attack_while_victim_streams(small, lambda c: list(c.generate(prompt, max_tokens=4, timeout=30)))
