@@ -65,9 +65,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def Generate(self, request: vpb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[vpb.GenerateResponse]:
+        """Every way this call fails ends it with `_end` (a status, then return), never `context.abort`:
+        grpc keeps an abort's exception in the call's state, and its traceback holds this frame, whose
+        request, plan and answer (n copies of the prompt) would then wait for a full garbage collection."""
         busy, core = self.engine.busy, self.engine.core
         if busy is None or core is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
+            _end(context, grpc.StatusCode.UNAVAILABLE, "engine is still loading")
             return
         self.last_receive = time.time()
         facts = await self._facts
@@ -76,11 +79,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                 arrival_time=time.time())
             stops = await self._stops(plan) if plan.stop else None
         except Refused as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            _end(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
         if plan.request_id in self._calls:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "duplicate request id: ids must be unique "
-                                "per engine while their request runs")
+            _end(context, grpc.StatusCode.INVALID_ARGUMENT, "duplicate request id: ids must be unique per engine "
+                 "while their request runs")
             return
         sid, queue = self.engine.open_stream()
         self._calls[plan.request_id] = (sid, [child.request_id for child in plan.children])
@@ -91,7 +94,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             while not answer.done:
                 step = await queue.get()
                 if step is None:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped")
+                    _end(context, grpc.StatusCode.UNAVAILABLE, "the engine stopped")
                     return
                 for out in step.outputs:
                     messages, stopped = answer.on_output(out)
@@ -100,7 +103,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     for message in messages:
                         yield message
         except EngineFailure as exc:
-            await context.abort(_STATUS.get(exc.code, grpc.StatusCode.INTERNAL), str(exc))
+            _end(context, _STATUS.get(exc.code, grpc.StatusCode.INTERNAL), str(exc))
         finally:
             self._calls.pop(plan.request_id, None)
             self.engine.close_stream(sid)
@@ -210,6 +213,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}  # ErrorCode values are grpc.StatusCode numbers
+
+
+def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """The call's status once the handler returns (what `context.abort` sends, without its exception)."""
+    context.set_code(code)
+    context.set_details(details)
 
 
 def add_to_server(servicer: VllmEngineServicer, server: grpc.aio.Server) -> None:

@@ -1,0 +1,144 @@
+"""What a client of the engine's own port could still do to everyone else (a real tiny engine in process,
+over gRPC, a victim SMG stream during every attack): refused calls kept in reference cycles, unread
+subscribers and tokenizer downloads without a cap, stop-string automata built on the event loop.
+
+Memory is this process's resident size (the engine runs in it), read after a few attacks (the
+allocator's arenas grow to their working size over the first ones) and again after many more.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from tandem.vendor.smg import vllm_engine_pb2 as vpb
+from tandem.vendor.smg import vllm_engine_pb2_grpc as vpb_grpc
+
+from engine_svc.api.server import EngineServer
+from engine_svc.config import EngineConfig
+from tests.engine.test_engine_server import ServerThread
+from tests.engine_stream import engine_idle
+from tests.support import MAX_STALL_S, max_gap, wait_until
+
+TIMEOUT = 60.0
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir: Path) -> Iterator[ServerThread]:
+    """Four sequences at once and two waiting: an n=64 call is refused RESOURCE_EXHAUSTED."""
+    config = EngineConfig.create(model=str(llama_dir), dtype="float32", device="cpu", max_num_seqs=4,
+                                 block_size=16, num_gpu_blocks_override=512)
+    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0, max_waiting=2)).start()
+    wait_until(lambda: engine_idle(running.address), 60, "engine up", retry_on=(grpc.RpcError,))
+    yield running
+    running.begin_drain()
+    assert running.join(15) == 0
+
+
+@pytest.fixture(scope="module")
+def stub(engine: ServerThread) -> vpb_grpc.VllmEngineStub:
+    return vpb_grpc.VllmEngineStub(engine.channel())
+
+
+def request(request_id: str, prompt: list[int], **sampling: object) -> vpb.GenerateRequest:
+    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, **sampling}
+    return vpb.GenerateRequest(request_id=request_id, tokenized=vpb.TokenizedInput(input_ids=prompt),
+                               sampling_params=vpb.SamplingParams(**params), stream=True)
+
+
+class SmgVictim:
+    """A long greedy SMG stream read on its own thread; `arrivals` are the times of its chunks."""
+
+    def __init__(self, stub: vpb_grpc.VllmEngineStub) -> None:
+        self.call = stub.Generate(request(f"victim-{random.random()}", [5, 6, 7], max_tokens=1900), timeout=300)
+        self.arrivals: list[float] = []
+        self.error: grpc.RpcError | None = None
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        wait_until(lambda: len(self.arrivals) >= 5, 30, "victim streaming")
+
+    def _read(self) -> None:
+        try:
+            for _ in self.call:
+                self.arrivals.append(time.monotonic())
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                self.error = exc
+
+    def during(self, label: str, action: object) -> tuple[object, float]:
+        start = time.monotonic()
+        result = action()  # type: ignore[operator]
+        end = time.monotonic()
+        time.sleep(0.05)
+        gap = max_gap(self.arrivals, start, end)
+        print(f"[stall] {label}: victim max gap {1000 * gap:.1f} ms over {end - start:.2f} s")
+        return result, gap
+
+    def stop(self) -> None:
+        self.call.cancel()
+        self._thread.join(10)
+        assert self.error is None, self.error
+
+
+@pytest.fixture
+def victim(engine: ServerThread, stub: vpb_grpc.VllmEngineStub) -> Iterator[SmgVictim]:
+    reader = SmgVictim(stub)
+    yield reader
+    reader.stop()
+    wait_until(lambda: engine_idle(engine.address), 30, "engine idle")
+
+
+def resident() -> int:
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---- refused calls leave nothing behind ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_refused_smg_calls_are_freed_by_reference_counting_alone(stub: vpb_grpc.VllmEngineStub,
+                                                                 victim: SmgVictim) -> None:
+    """Before: each refused call's abort exception (kept by grpc in the call's state) held the handler's
+    frame, so its request, plan and answer - n copies of the prompt - until a full collection (40 calls
+    x n=64 x 2,000 ids grew the engine ~80 MB a round; here 8 rounds of 20 grew this process ~1 GB).
+    With the collector off, nothing may stay."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, 500) for _ in range(2000)]
+
+    def one_round(round_: int) -> list[grpc.StatusCode]:
+        def call(i: int) -> grpc.StatusCode:
+            try:
+                list(stub.Generate(request(f"r{round_}-{i}", prompt, n=64, max_tokens=1, temperature=1.0),
+                                   timeout=TIMEOUT))
+                return grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                return exc.code()
+
+        with ThreadPoolExecutor(20) as pool:
+            return list(pool.map(call, range(20)))
+
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(5):  # the allocator's arenas reach their working size
+            one_round(r)
+        settled = resident()
+        codes, gap = victim.during("8 rounds of 20 refused n=64 calls",
+                                   lambda: [c for r in range(5, 13) for c in one_round(r)])
+        grown = resident() - settled
+    finally:
+        gc.enable()
+    refused = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)  # type: ignore[union-attr]
+    print(f"[memory] {refused} refused calls; resident +{grown / MiB:.1f} MiB after 8 more rounds")
+    assert refused >= 8 * 15
+    assert grown < 24 * MiB, f"refused calls left {grown / MiB:.0f} MiB behind"
+    assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
