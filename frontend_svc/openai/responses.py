@@ -38,7 +38,7 @@ from frontend_svc.generation import GenerationBackend
 from frontend_svc.openai import bodies, sse
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai import responses_protocol as rp
-from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, from_pydantic, raise_if
+from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, echo, from_pydantic, raise_if
 from frontend_svc.openai.generations import Run, code_name, from_service
 from frontend_svc.openai.http_io import (
     DISCONNECTED,
@@ -80,7 +80,7 @@ def routes(api: OpenAIRoutes) -> list[Route]:
 
 def not_stored(response_id: str) -> ApiError:
     """vLLM's answer for an id it has not stored (every id: nothing is stored)."""
-    return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    return ApiError(404, f"Response with id '{echo(response_id)}' not found.", param="response_id")
 
 
 # ---- request ------------------------------------------------------------------------------------------
@@ -111,7 +111,8 @@ def input_messages(body: rp.ResponsesRequest) -> tuple[list[dict[str, Any]], boo
         return messages, False
     for i, item in enumerate(body.input):
         if item.type != "message" or item.role is None:
-            raise bad_request(f"input items of type {item.type!r} are not supported (only messages)", f"input.[{i}]")
+            raise bad_request(f"input items of type {echo(item.type)!r} are not supported (only messages)",
+                              f"input.[{i}]")
         messages.append({"role": item.role, "content": _content(item, i)})
     last = body.input[-1] if body.input else None
     partial = last is not None and last.role == "assistant" and last.status in rp.PARTIAL
@@ -126,7 +127,7 @@ def _content(item: rp.InputItem, index: int) -> str | list[dict[str, str]]:
     parts = []
     for j, part in enumerate(content):
         if part.type not in rp.TEXT_PARTS or part.text is None:
-            raise bad_request(f"content parts of type {part.type!r} are not supported (only input_text and "
+            raise bad_request(f"content parts of type {echo(part.type)!r} are not supported (only input_text and "
                               f"output_text)", f"input.[{index}].content.[{j}].type")
         parts.append({"type": "text", "text": part.text})
     if item.role == "assistant":

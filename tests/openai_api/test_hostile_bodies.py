@@ -102,3 +102,30 @@ def test_json_nested_too_deeply_for_the_parser_is_400_without_a_traceback(
     assert "nested too deeply" in answer.json()["error"]["message"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert gap < MAX_STALL_S
+
+
+# ---- what errors echo -------------------------------------------------------------------------------------
+
+def test_errors_quote_at_most_the_start_of_a_clients_string(stack: HttpStack, victim: SseReader) -> None:
+    """Before: the 404 for an unknown 3 MB previous_response_id echoed it whole (a 3 MB answer); so did an
+    unknown model name, and a body with 100k bad entries got one message per entry."""
+    model = stack.frontend.config.model_name
+    huge = "resp_" + "a" * 3_000_000
+    cases = [
+        ("/v1/responses", {"model": model, "input": "hi", "previous_response_id": huge}, 404, "previous_response_id"),
+        ("/v1/completions", {"model": "m" * 3_000_000, "prompt": "hi"}, 404, "model"),
+        ("/detokenize", {"tokens": ["x"] * 100_000}, 400, "tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "t" * 1_000_000}]}]}, 400,
+         "content part type"),
+    ]
+    for path, body, status, what in cases:
+        content = json.dumps(body).encode()
+        answer, gap = victim.during(f"{what} echoed", lambda: post(stack, path, content))  # noqa: B023
+        assert answer.status_code == status, answer.text[:300]
+        message = answer.json()["error"]["message"]
+        print(f"[echo] {what}: a {len(answer.content):,}-byte answer: {message[:160]!r}")
+        assert len(answer.content) < 2048, f"{what}: a {len(answer.content)}-byte answer"
+        assert gap < MAX_STALL_S
+    retrieve = httpx2.get(f"{stack.url}/v1/responses/{'b' * 30_000}", timeout=30)
+    assert retrieve.status_code == 404 and len(retrieve.content) < 2048
+    assert "(30000 characters)" in retrieve.json()["error"]["message"]
