@@ -121,7 +121,8 @@ class Completion:
         self.index = index
         self.engine_id = request.prepared.engine_request_ids[index]
         self.detokenizer = detokenizer
-        self.stop_checker = StopChecker(stops, params.include_stop_str_in_output) if stops else None
+        self.stop_checker = StopChecker(stops, params.include_stop_str_in_output,
+                                        request.prepared.stop_automaton) if stops else None
         self.num_tokens = 0
         self.num_cached = 0
         self.sent_first = False

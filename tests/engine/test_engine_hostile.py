@@ -142,3 +142,42 @@ def test_refused_smg_calls_are_freed_by_reference_counting_alone(stub: vpb_grpc.
     assert refused >= 8 * 15
     assert grown < 24 * MiB, f"refused calls left {grown / MiB:.0f} MiB behind"
     assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
+
+
+# ---- stop strings --------------------------------------------------------------------------------------
+
+def test_fresh_stop_strings_are_compiled_off_the_event_loop(engine: ServerThread, stub: vpb_grpc.VllmEngineStub,
+                                                           victim: SmgVictim, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: SMG's stop checkers (an Aho-Corasick automaton over 16 fresh 1,024-character strings: tens of
+    ms of pure Python) were built on the server's event loop: 100 such calls stalled every stream."""
+    from shared_runtime import stop
+
+    built_on: list[str] = []
+    build = stop.StopAutomaton.__init__
+
+    def recording(self: stop.StopAutomaton, stops: object) -> None:
+        built_on.append(threading.current_thread().name)
+        build(self, stops)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stop.StopAutomaton, "__init__", recording)
+    rng = random.Random(3)
+    stops = [["".join(rng.choice("abcdefghij") for _ in range(1024)) for _ in range(16)] for _ in range(100)]
+
+    def call(i: int) -> int:
+        """Completes received (2), or 0 when admission refused the call (after its checkers were built)."""
+        try:
+            chunks = list(stub.Generate(request(f"stops-{i}", [5, 6, 7], max_tokens=4, stop=stops[i], n=2,
+                                                temperature=1.0), timeout=TIMEOUT))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+            return 0
+        return sum(1 for c in chunks if c.HasField("complete"))
+
+    def attack() -> list[int]:
+        with ThreadPoolExecutor(100) as pool:
+            return list(pool.map(call, range(100)))
+
+    completes, gap = victim.during("100 calls x 16 fresh stop strings", attack)
+    assert set(completes) <= {0, 2} and completes.count(2) >= 4  # type: ignore[union-attr]
+    assert len(built_on) == 100 and "engine-server-test" not in built_on, set(built_on)  # the loop's thread
+    assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"

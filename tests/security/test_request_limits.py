@@ -182,6 +182,43 @@ def test_longest_allowed_stop_strings_with_n_16_keep_memory_and_streams_fine(big
     assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
 
 
+def test_a_hundred_requests_with_fresh_stop_strings_do_not_stall_other_streams(big: Stack, monkeypatch) -> None:
+    """Before: each request's stop-string automaton was built on the event loop (16 fresh strings of 1,024
+    characters: tens of ms of pure Python each), and requests arriving together built theirs back to back:
+    100 of them stalled every stream for seconds. Now `process` builds it on the tokenizer pool: no
+    automaton is ever built on the loop's thread."""
+    import concurrent.futures
+    import random
+    import threading
+
+    from shared_runtime import stop
+
+    built_on: list[str] = []
+    build = stop.StopAutomaton.__init__
+
+    def recording(self: Any, stops: Any) -> None:
+        built_on.append(threading.current_thread().name)
+        build(self, stops)
+
+    monkeypatch.setattr(stop.StopAutomaton, "__init__", recording)
+
+    rng = random.Random(7)
+    stops = [["".join(rng.choice("abcdefghij") for _ in range(1024)) for _ in range(16)] for _ in range(100)]
+
+    def attack(client: TandemClient) -> list[Any]:
+        def one(i: int) -> Any:
+            return collect(client.generate(token_ids=[5, 6, 7], max_tokens=4, stop=stops[i], timeout=60))
+
+        with concurrent.futures.ThreadPoolExecutor(100) as pool:
+            return list(pool.map(one, range(100)))
+
+    gap, outs = attack_while_victim_streams(big, attack)
+    assert not isinstance(outs, grpc.RpcError), outs
+    assert all(len(out[0]["token_ids"]) == 4 for out in outs)
+    assert len(built_on) == 100 and big.loop.thread.name not in built_on, set(built_on)
+    assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
+
+
 def test_oversized_stop_strings_are_invalid_argument(small: Stack) -> None:
     with TandemClient(small.address) as client:
         error = rpc_error(lambda: list(client.generate(PROMPT, n=4, stop=["ab" * 8192], timeout=10)))
