@@ -9,8 +9,10 @@ allocator's arenas grow to their working size over the first ones) and again aft
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +21,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from tandem.engine.v1 import engine_core_pb2 as epb
+from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
+from tandem.vendor.smg import common_pb2 as cpb
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
 from tandem.vendor.smg import vllm_engine_pb2_grpc as vpb_grpc
 
@@ -33,11 +38,25 @@ MiB = 2**20
 
 
 @pytest.fixture(scope="module")
-def engine(llama_dir: Path) -> Iterator[ServerThread]:
-    """Four sequences at once and two waiting: an n=64 call is refused RESOURCE_EXHAUSTED."""
-    config = EngineConfig.create(model=str(llama_dir), dtype="float32", device="cpu", max_num_seqs=4,
+def model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with a 4 MB tokenizer_config.json: a tokenizer download that outlasts grpc's flow
+    control window, as a real tokenizer's does (an unread one then holds its place)."""
+    out = tmp_path_factory.mktemp("big-tokenizer") / "model"
+    shutil.copytree(llama_dir, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["x_padding"] = "p" * (4 * MiB)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[ServerThread]:
+    """Four sequences at once and two waiting: an n=64 call is refused RESOURCE_EXHAUSTED. At most 8 KV
+    event subscribers and 4 tokenizer downloads at once."""
+    config = EngineConfig.create(model=str(model_dir), dtype="float32", device="cpu", max_num_seqs=4,
                                  block_size=16, num_gpu_blocks_override=512)
-    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0, max_waiting=2)).start()
+    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0, max_waiting=2, max_kv_event_subscribers=8,
+                                        max_tokenizer_downloads=4)).start()
     wait_until(lambda: engine_idle(running.address), 60, "engine up", retry_on=(grpc.RpcError,))
     yield running
     running.begin_drain()
@@ -181,3 +200,59 @@ def test_fresh_stop_strings_are_compiled_off_the_event_loop(engine: ServerThread
     assert set(completes) <= {0, 2} and completes.count(2) >= 4  # type: ignore[union-attr]
     assert len(built_on) == 100 and "engine-server-test" not in built_on, set(built_on)  # the loop's thread
     assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
+
+
+# ---- unread subscribers and downloads -------------------------------------------------------------------
+
+def test_kv_event_subscribers_and_tokenizer_downloads_are_capped(engine: ServerThread, stub: vpb_grpc.VllmEngineStub,
+                                                                  victim: SmgVictim) -> None:
+    """Before: every unread SubscribeKvEvents stream pinned a copy of the prefix cache's snapshot (+0.68 MB
+    at 8k blocks) and 200 unread GetTokenizer calls held +367 MB, without limit. Now both protocols share
+    one cap per kind (8 and 4 here): past it, RESOURCE_EXHAUSTED; a place comes back when a call ends."""
+    for i in range(6):  # some cached blocks for the snapshot
+        list(stub.Generate(request(f"fill-{i}", list(range(20 + 40 * i, 60 + 40 * i)), max_tokens=1), timeout=TIMEOUT))
+    channel = engine.channel()
+    tandem = epb_grpc.EngineCoreServiceStub(channel)
+
+    def subscribe(i: int) -> grpc.Future:
+        if i % 2:
+            return tandem.SubscribeKvEvents(epb.SubscribeKvEventsRequest(), timeout=TIMEOUT)
+        return stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=TIMEOUT)
+
+    def download(i: int) -> grpc.Future:
+        if i % 2:
+            return tandem.GetTokenizer(epb.GetTokenizerRequest(), timeout=TIMEOUT)
+        return stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=TIMEOUT)
+
+    def refused(calls: list[grpc.Future]) -> int:
+        wait_until(lambda: sum(c.done() for c in calls) >= len(calls) - limit, 15, "the refusals")
+        time.sleep(0.2)
+        assert all(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in calls if c.done())
+        return sum(c.done() for c in calls)
+
+    held: list[grpc.Future] = []
+    try:
+        for open_call, limit in ((subscribe, 8), (download, 4)):
+            calls = [open_call(i) for i in range(limit)]  # never read: each holds its place
+            held += calls
+            time.sleep(0.5)
+            assert not any(c.done() for c in calls)
+            settled = resident()
+            more, gap = victim.during(f"200 more {open_call.__name__} calls",
+                                      lambda open_call=open_call: [open_call(i) for i in range(200)])
+            assert refused(more) == 200  # type: ignore[arg-type]
+            grown = resident() - settled
+            print(f"[memory] {limit} unread {open_call.__name__} calls open, 200 refused: resident "
+                  f"+{grown / MiB:.1f} MiB")
+            assert grown < 24 * MiB
+            assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
+            calls[0].cancel()  # one ends: its place is free again
+            time.sleep(0.3)
+            again = open_call(1)
+            held.append(again)
+            time.sleep(0.5)
+            assert not again.done() or again.code() == grpc.StatusCode.OK
+    finally:
+        for call in held:
+            call.cancel()
+        channel.close()

@@ -179,12 +179,18 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def GetTokenizer(self, request: cpb.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.GetTokenizerChunk]:
-        archive = await self.engine.tokenizer if self.engine.tokenizer is not None else None
-        if archive is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "this engine's model has no tokenizer files to serve")
+        cap = self.engine.tokenizer_downloads  # shared with EngineCoreService's GetTokenizer
+        if not cap.take(context):
             return
-        for piece, _, last in archive.chunks():
-            yield cpb.GetTokenizerChunk(data=piece, sha256=archive.sha256 if last else "")
+        try:
+            archive = await self.engine.tokenizer if self.engine.tokenizer is not None else None
+            if archive is None:
+                _end(context, grpc.StatusCode.NOT_FOUND, "this engine's model has no tokenizer files to serve")
+                return
+            for piece, _, last in archive.chunks():
+                yield cpb.GetTokenizerChunk(data=piece, sha256=archive.sha256 if last else "")
+        finally:
+            cap.give_back()
 
     async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.KvEventBatch]:
