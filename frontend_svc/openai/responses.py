@@ -43,6 +43,7 @@ from frontend_svc.openai.generations import Run, code_name, from_service
 from frontend_svc.openai.http_io import (
     DISCONNECTED,
     JSON,
+    BodyLimits,
     Disconnected,
     error_response,
     guarded,
@@ -61,7 +62,8 @@ class OpenAIRoutes(Protocol):
     """What these routes use of the OpenAI app they join (`app.OpenAIRoutes`)."""
 
     frontend: GenerationBackend
-    max_body_bytes: int
+
+    def body_limits(self) -> BodyLimits: ...
 
 
 ROUTE = "/v1/responses"
@@ -327,7 +329,7 @@ class ResponsesHandler:
 
     async def _create(self, request: Request) -> Response:
         api, frontend = self.api, self.api.frontend
-        body = await parse_body(request, api.max_body_bytes, rp.ResponsesRequest)
+        body = await parse_body(request, api.body_limits(), rp.ResponsesRequest)
         bodies.served_model(body.model, frontend.model_name)
         raise_if(unsupported(body))
         if body.previous_response_id is not None:
