@@ -184,6 +184,30 @@ def test_bodies_within_their_counts_are_parsed_one_at_a_time(loop: LoopThread, t
     assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
 
 
+# ---- grammar compiles ------------------------------------------------------------------------------------
+
+def test_schemas_that_would_compile_for_minutes_are_refused_at_once(stack: HttpStack, victim: SseReader) -> None:
+    """The issue's attack: 800 nested objects and 1,000 nested arrays as structured_outputs.json kept the
+    engine's two compile threads busy for minutes (and ~1 GB); every other client's constraint then
+    failed at 30 s. The frontend now refuses both by their nesting, before any engine sees them."""
+    objects = '{"type":"object","required":["a"],"properties":{"a":' * 800 + '{"type":"integer"}' + "}}" * 800
+    arrays = '{"type":"array","items":' * 1000 + '{"type":"integer"}' + "}" * 1000
+    added = len(stack.fake.added)
+    for schema in (objects, arrays):
+        body = json.dumps({"prompt": "x", "max_tokens": 4, "structured_outputs": {"json": schema}}).encode()
+        answer, gap = victim.during(f"a {len(body) // 1000} KB nested schema",
+                                    lambda: post(stack, "/v1/completions", body))  # noqa: B023
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == "structured_outputs.json", answer.text[:300]
+        assert "would cost too much to compile" in error["message"] and "nests more than 64" in error["message"]
+        assert answer.elapsed.total_seconds() < 1.0
+        assert gap < MAX_STALL_S
+    assert len(stack.fake.added) == added  # nothing reached the engine
+    ok = post(stack, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2,
+                                                     "structured_outputs": {"regex": "[0-9]{3}"}}).encode())
+    assert ok.status_code == 200, ok.text
+
+
 # ---- malformed JSON ---------------------------------------------------------------------------------------
 
 def test_json_nested_too_deeply_for_the_parser_is_400_without_a_traceback(
