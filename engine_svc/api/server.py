@@ -204,7 +204,8 @@ class EngineServer:
             self.tokens.reload()
 
     def _make_core(self) -> EngineCore:
-        return EngineCore(self.config, executor=self.executor, kv_events=self.kv_events)  # type: ignore[arg-type]
+        return EngineCore(self.config, executor=self.executor, kv_events=self.kv_events,  # type: ignore[arg-type]
+                          compile_processes=True)
 
     def _set_serving(self, serving: bool) -> None:
         """Readiness ("" and the service name); `liveness` is left SERVING until exit."""
