@@ -41,7 +41,7 @@ def measure(case: str, streams: int, tokens: int, rounds: int, interval: int = 1
 
     import frontend_svc
     from entrypoints.demo_model import demo_gguf_path
-    from frontend_svc.engine_client import EngineClient
+    from frontend_svc.engines.client import EngineClient
     from frontend_svc.output_processor import OutputProcessor
     from frontend_svc.processor import Processor
     from frontend_svc.tokenizer import Tokenizer

@@ -3,7 +3,8 @@
 There is no prefill or decode phase: a request has `num_tokens` known tokens (prompt + output so far)
 of which `num_computed_tokens` have K/V in the cache. Each step the scheduler hands it up to
 `num_tokens - num_computed_tokens` tokens; chunked prefill, prefix hits and decode all fall out of that.
-Preemption (recompute) resets `num_computed_tokens` to 0 and keeps the output tokens.
+Preemption (recompute) resets `num_computed_tokens` to 0 and keeps the output tokens. A continuation
+(a request migrated from another engine) arrives in that same state: its outputs so far, nothing computed.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ class Request:
         self.priority: int = req.priority
         self.trace_headers: dict[str, str] = dict(req.trace_headers)
 
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # A continuation (`output_token_ids`: generated on another engine) starts with its outputs so far,
+        # exactly as a request resumed after preemption: they count as output everywhere.
+        self.output_token_ids: list[int] = list(req.output_token_ids)
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens: int = 0
         self.num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 until then
         self.status: RequestStatus = RequestStatus.WAITING

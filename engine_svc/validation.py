@@ -69,9 +69,9 @@ def add_size_problem(msg: pb.EngineCoreRequest, max_prompt_tokens: int) -> str |
     COPY_FREELY)` entries, no more than a prompt costs to copy (allowed_token_ids: past its own, larger,
     limit); a smaller excess is copied and refused by the full rules, which name every bad field in the
     frontend's words."""
-    n = len(msg.prompt_token_ids)
+    n = len(msg.prompt_token_ids) + len(msg.output_token_ids)
     if n > max_prompt_tokens:
-        return f"the prompt has {n} tokens, more than max_model_len ({max_prompt_tokens})"
+        return f"the prompt and its earlier output have {n} tokens, more than max_model_len ({max_prompt_tokens})"
     bound = max(max_prompt_tokens, COPY_FREELY)
     sampling = msg.sampling_params
     words = sampling.bad_words_token_ids

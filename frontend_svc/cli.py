@@ -45,8 +45,8 @@ from frontend_svc.config import (
     default_routing,
     parse_engine_list,
 )
+from frontend_svc.engines.router import CacheAwareSettings
 from frontend_svc.openai.tool_parsers import TOOL_CALL_PARSER_NAMES
-from frontend_svc.router import CacheAwareSettings
 from shared_runtime.heap import settle_heap
 from shared_runtime.security.auth import API_KEY_ENV
 from shared_runtime.security.flags import (
@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="stream each completion in chunks of at least this many tokens (vLLM's flag; the first "
                         "and last chunks go out at once; a request's stream_interval may raise it)")
+    p.add_argument("--max-migrations", type=int, default=3,
+                   help="times a request may move to another engine when its engine dies or drains (its stream "
+                        "goes on where it was; 0: off, the request ends with UNAVAILABLE; docs/architecture.md)")
+    p.add_argument("--migration-timeout", type=float, default=10.0,
+                   help="seconds a moving request waits for a ready engine before it ends with UNAVAILABLE")
     p.add_argument("--log-level", default="INFO")
     add_http_limit_args(p.add_argument_group("HTTP API limits (docs/security.md)"))
     add_security_args(p)
@@ -150,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         health_port=args.health_port, http_port=args.http_port, http_limits=http_limits,
         tool_call_parser=args.tool_call_parser, trust_request_chat_template=args.trust_request_chat_template,
         stream_interval=args.stream_interval,
+        max_migrations=args.max_migrations, migration_timeout_s=args.migration_timeout,
         tls=tls_files(args), engine_tls=tls_files(args, "--engine-ssl"),
         api_keys=tuple(args.api_key) + _env_keys(), api_key_file=args.api_key_file,
         engine_token_file=args.engine_token_file, engine_ssl_server_name=args.engine_ssl_server_name,
@@ -206,7 +212,7 @@ async def _fetch_and_serve(config: FrontendConfig, signals: ServiceSignals) -> i
 async def _with_engine_tokenizer(config: FrontendConfig) -> tuple[FrontendConfig, Path]:
     """The config with the engines' tokenizer files as its model (written to a temporary directory, which
     is returned too); raises TokenizerFetchError (a ValueError) or ConfigError."""
-    from frontend_svc.engine_client import ChannelFactory
+    from frontend_svc.engines.client import ChannelFactory
     from frontend_svc.tokenizer_fetch import TokenizerFetchError, fetch_engine_tokenizer, write_tokenizer_dir
     from shared_runtime.security.auth import BearerToken
     from shared_runtime.security.tls import client_tls

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frontend_svc.engines.router import POLICIES, CacheAwareSettings
 from frontend_svc.gguf_tokenizer import is_gguf, model_limits, read_metadata
 from frontend_svc.openai.tool_parsers import TOOL_CALL_PARSER_NAMES
-from frontend_svc.router import POLICIES, CacheAwareSettings
 from shared_runtime.security.http_limits import HttpLimits
 from shared_runtime.security.tls import TlsConfigError, TlsFiles
 
@@ -58,6 +58,8 @@ class FrontendConfig:
     tool_call_parser: str | None = None  # OpenAI tool_choice "auto": the model's call format (vLLM's flag)
     trust_request_chat_template: bool = False  # accept a chat request's own chat_template (vLLM's flag)
     stream_interval: int = 1  # tokens per streamed delta at least (vLLM's flag; output_processor.py)
+    max_migrations: int = 3  # moves of a request to another engine when its own dies or drains; 0 = off
+    migration_timeout_s: float = 10.0  # how long a moving request waits for a ready engine
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -89,6 +91,10 @@ class FrontendConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSER_NAMES:
             raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSER_NAMES)}, "
                               f"got {self.tool_call_parser!r}")
+        if self.max_migrations < 0:
+            raise ConfigError(f"--max-migrations must be >= 0, got {self.max_migrations}")
+        if not self.migration_timeout_s > 0:
+            raise ConfigError(f"--migration-timeout must be > 0, got {self.migration_timeout_s}")
         if self.stream_interval < 1:
             raise ConfigError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.tokenizer_threads < 0:

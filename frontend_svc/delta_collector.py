@@ -8,7 +8,7 @@ An unread delta may carry token ids whose text is not decoded yet: the output pr
 decode while the reader is behind (output_processor.py, "Where text is decoded"), and the reader's `get`
 has their owner `settle()` them before handing the delta out. The collector never decodes anything itself.
 
-With a `DrainGate` (drain_gate.py) the collector tells the engine stream that fed it when its reader came
+With a `DrainGate` (engines/drain_gate.py) the collector tells the engine stream that fed it when its reader came
 back for more. Everything here runs on one asyncio loop.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from frontend_svc.drain_gate import DrainGate
+from frontend_svc.engines.drain_gate import DrainGate
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.service_error import ServiceError
 

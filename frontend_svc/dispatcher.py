@@ -1,17 +1,32 @@
-"""The owner of every request in flight: sends it to an engine, turns what comes back into its deltas.
+"""The owner of every request in flight: sends it to an engine, turns what comes back into its deltas, and
+moves it to another engine when its own dies or drains.
 
 vLLM's `AsyncLLM` owns the output processor and the engine-core client and runs the loop between them;
 the `Dispatcher` is that loop here. A request from `submit` to its end has exactly one owner, this
 dispatcher, which knows its state in the output processor (`RequestState`: which completions still run,
-where their deltas wait) and the engine it was sent to. The engine client (engine_client.py) is transport
-and routing only: it hands the dispatcher each engine stream's messages (`on_outputs`) and each stream
-that breaks (`on_stream_down`).
+what each generated, where their deltas wait) and the engine it runs on. The engine client
+(engines/client.py) is transport and routing only: it hands the dispatcher each engine stream's messages
+(`on_outputs`) and each stream that breaks (`on_stream_down`).
+
+Migration. When a request's engine stream breaks (the engine died or was lost) or the engine hands the
+request back (an UNAVAILABLE error output: it drained, or failed, before the request finished), the
+request continues on another ready engine (after a hand-back, never the engine that gave it back): each unfinished completion is re-sent as a continuation -
+the prompt plus `output_token_ids`, the tokens it generated so far, which the engine counts as output
+(max_tokens, min_tokens, penalties, the seeded random stream, a grammar all continue after them) - under
+a new engine id. The client's stream goes on from where it was: the output processor's state (the
+detokenizer, held stop-string text, logprob context, usage counts) is kept; tokens the lost engine
+sampled but never delivered are sampled again, the same ones. A request moves at most
+`MigrationPolicy.max_migrations` times and waits at most `timeout_s` for a ready engine; otherwise it ends
+with UNAVAILABLE (the client may retry), as every request did before migration existed.
 
 Invariants:
 - Every request handed out by `submit` ends exactly once: each completion's finished delta, or one
-  `ServiceError` in its collector (UNAVAILABLE when its engine's stream broke, or what `fail_all` says).
-  Once it ends it leaves `_engine_of` and its connection's `requests`.
-- All n completions of one request go to the same engine (they share the prompt's KV blocks).
+  `ServiceError` in its collector (UNAVAILABLE when it could not be continued, or what `fail_all` says).
+  Once it ends it leaves every table here and its connection's `requests`.
+- All n completions of one request run on the same engine (they share the prompt's KV blocks), and move
+  together.
+- Engine request ids are unique: a continuation runs under `<first id>.m<k>`, so outputs still in flight
+  from the engine it left (after a hand-back) are ignored.
 - A stop string that matches in the output processor aborts that completion in its engine at once.
 - The outputs of several engine messages processed together are grouped by request (a request's outputs
   in engine order, requests in the order they first appear), so a request with outputs of several steps
@@ -24,53 +39,90 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
+import msgspec
 from tandem.engine.v1 import engine_core_pb2 as epb
 
 from frontend_svc.delta_collector import DeltaCollector
-from frontend_svc.engine_client import EngineClient, EngineConnection
+from frontend_svc.engines.client import EngineClient, EngineConnection, EngineUnavailable
 from frontend_svc.output_processor import OutputProcessor, ProcessedOutputs, RequestState
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.service_error import UNAVAILABLE, ServiceError
 from shared_runtime.contract import EngineCoreRequest
 from shared_runtime.to_pb import abort_to_pb, add_to_pb
 
+logger = logging.getLogger(__name__)
+
 OUTPUT_SLICE = 32  # engine outputs processed between two turns of the event loop (`on_outputs`)
+ENGINE_LOST = "engine_lost"  # a migration's reason: the engine's stream broke
+HANDED_BACK = "handed_back"  # the engine gave the request back (it drained or failed)
 
 Keyed = tuple[str, epb.EngineCoreOutput]
 
 
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """How far a request may follow its engines: `max_migrations` moves (0: none, every request ends with
+    its engine) and `timeout_s` to wait for a ready engine to continue on."""
+
+    max_migrations: int = 3
+    timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One move of one request (or a move that could not be made: `to_address` None)."""
+
+    request_id: str  # the client's
+    reason: str  # ENGINE_LOST or HANDED_BACK
+    number: int  # 1 for its first move
+    from_address: str
+    to_address: str | None
+
+
+OnMigration = Callable[[Migration], None]
+
+
 class Dispatcher:
-    """Requests in flight: submitted to an engine, their outputs processed, their ends made exactly once."""
+    """Requests in flight: submitted to an engine, their outputs processed, moved when their engine goes
+    away, their ends made exactly once."""
 
     def __init__(self, engines: EngineClient, output_processor: OutputProcessor, *,
-                 on_processed: Callable[[ProcessedOutputs], None] | None = None) -> None:
-        """`on_processed` sees what the output processor handed out for each slice (telemetry). The
-        dispatcher becomes `engines`' listener."""
+                 on_processed: Callable[[ProcessedOutputs], None] | None = None,
+                 migration: MigrationPolicy | None = None, on_migration: OnMigration | None = None) -> None:
+        """`on_processed` sees what the output processor handed out for each slice (telemetry);
+        `on_migration` every move (metrics, logs). The dispatcher becomes `engines`' listener. With
+        migration on, the output processor must hand back UNAVAILABLE errors (`hand_back=True`)."""
         self.engines = engines
         self.output_processor = output_processor
+        self.migration = migration or MigrationPolicy(max_migrations=0)
         self._on_processed = on_processed
+        self._on_migration = on_migration
         self._engine_of: dict[RequestState, EngineConnection] = {}
+        self._sent: dict[RequestState, dict[str, EngineCoreRequest]] = {}  # engine id -> what runs there
+        self._moves: dict[RequestState, int] = {}  # how many times it moved
+        self._moving: dict[RequestState, asyncio.Task[None]] = {}  # waiting for an engine to continue on
+        self._listeners: dict[RequestState, OnMigration] = {}
         engines.listener = self
 
     def submit(self, prepared: PreparedRequest, engine_requests: Sequence[EngineCoreRequest],
-               collector: DeltaCollector) -> RequestState:
+               collector: DeltaCollector, on_migration: OnMigration | None = None) -> RequestState:
         """Send the request's n engine requests to one ready engine (EngineUnavailable if none). Its
-        deltas, or one ServiceError, arrive in `collector`."""
+        deltas, or one ServiceError, arrive in `collector`; `on_migration` hears of each of its moves."""
         connection = self.engines.choose(prepared.prompt_token_ids)
         messages = [add_to_pb(request) for request in engine_requests]  # may raise: before any state
         request = self.output_processor.add_request(prepared, collector)
-        self._engine_of[request] = connection
-        collector.gate = connection.gate
-        connection.requests.add(request)
-        connection.note_sent(len(messages))
-        for message in messages:
-            connection.send(message)
+        self._sent[request] = {r.request_id: r for r in engine_requests}
+        if on_migration is not None:
+            self._listeners[request] = on_migration
+        self._attach(request, connection, messages)
         return request
 
     def engine_of(self, request: RequestState) -> EngineConnection | None:
-        """The engine a request in flight was sent to (None once it ended)."""
+        """The engine a request in flight runs on (None once it ended, or while it moves)."""
         return self._engine_of.get(request)
 
     def abort(self, request: RequestState) -> None:
@@ -82,13 +134,13 @@ class Dispatcher:
 
     def fail_all(self, code: int, message: str, reason: str) -> None:
         """End every request in flight with a ServiceError and abort it in its engine (a drain's end)."""
-        for request in list(self._engine_of):
+        for request in [*self._engine_of, *self._moving]:
             self.abort(request)
             request.fail(ServiceError(code, message, reason))
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._engine_of)
+        return len(self._sent)
 
     # ---- what the engine client hands over -----------------------------------------------------------
     async def on_outputs(self, connection: EngineConnection, *messages: epb.EngineCoreOutputs) -> None:
@@ -102,21 +154,121 @@ class Dispatcher:
             self._deliver(connection, process(outputs))
 
     def on_stream_down(self, connection: EngineConnection, message: str) -> None:
-        """The stream broke: every request on it ends with UNAVAILABLE (the engine aborted them)."""
+        """The stream broke: the engine aborted its requests; each moves to another engine, or ends with
+        UNAVAILABLE when it cannot."""
         for request in [r for r, engine in self._engine_of.items() if engine is connection]:
-            self._forget(request)
-            request.fail(ServiceError(UNAVAILABLE, message, "ENGINE_UNAVAILABLE"))
+            self._move(request, connection, ENGINE_LOST, message)
 
     def _deliver(self, connection: EngineConnection, processed: ProcessedOutputs) -> None:
-        """A processed slice: telemetry, stop-string aborts to the engine, finished requests released."""
+        """A processed slice: telemetry, stop-string aborts to the engine, requests the engine handed back
+        moved, finished requests released."""
         if self._on_processed is not None:
             self._on_processed(processed)
         if processed.reqs_to_abort:
             connection.send(abort_to_pb(processed.reqs_to_abort))
+        if processed.handed_back:
+            self._take_back(connection, processed.handed_back)
         for request in processed.finished:
             self._release(request)
 
+    # ---- migration -----------------------------------------------------------------------------------
+    def _take_back(self, connection: EngineConnection, engine_ids: list[str]) -> None:
+        """The engine gave these completions back: their requests move, all completions together (those
+        it still runs are aborted there)."""
+        handed = set(engine_ids)
+        for request in {self.output_processor.owner(i) for i in engine_ids} - {None}:
+            assert request is not None
+            if self._engine_of.get(request) is not connection:
+                continue  # already moving, or ended
+            still_there = [i for i in request.unfinished if i not in handed]
+            if still_there:
+                connection.send(abort_to_pb(still_there))
+            self._move(request, connection, HANDED_BACK,
+                       f"engine {connection.address} gave the request back before it finished")
+
+    def _move(self, request: RequestState, connection: EngineConnection, reason: str, message: str) -> None:
+        """Continue `request` on another engine, or end it with UNAVAILABLE when it may not move again."""
+        self._detach(request)
+        moves = self._moves.get(request, 0)
+        if moves >= self.migration.max_migrations or request.done:
+            why = "" if not self.migration.max_migrations else f" (moved {moves} times already)"
+            self._report(request, reason, moves + 1, connection.address, None)
+            self._fail(request, f"{message}{why}; retry the request")
+            return
+        self._moves[request] = moves + 1
+        task = asyncio.get_running_loop().create_task(
+            self._continue(request, connection, reason, message), name=f"continue {request.prepared.request_id}")
+        self._moving[request] = task
+
+    async def _continue(self, request: RequestState, left: EngineConnection, reason: str, message: str) -> None:
+        """Wait (at most the policy's timeout) for a ready engine and re-send the request's unfinished
+        completions there as continuations."""
+        timeout = self.migration.timeout_s
+        # An engine that gave the request back will not take it again (it drains, or fails requests while it
+        # stays up); a lost engine may come back, restarted at the same address, and take it.
+        avoid = left if reason == HANDED_BACK else None
+        connection = None
+        while connection is None:
+            try:
+                connection = self.engines.choose(request.prepared.prompt_token_ids, avoid)
+            except EngineUnavailable:
+                if not await self.engines.wait_for_ready_engine(timeout, avoid):
+                    break
+        del self._moving[request]
+        number = self._moves[request]
+        if connection is None:
+            self._report(request, reason, number, left.address, None)
+            self._fail(request, f"{message}, and no engine became ready within {timeout:g} s to continue it; "
+                                "retry the request")
+            return
+        sent = self._sent[request]
+        continued: dict[str, EngineCoreRequest] = {}
+        for engine_id, completion in list(request.unfinished.items()):
+            root = request.prepared.engine_request_ids[completion.index]
+            new_id = f"{root}.m{number}"
+            original = sent[engine_id]
+            params = original.sampling_params
+            if completion.sent_first and params.prompt_logprobs is not None:  # the client has them already
+                params = msgspec.structs.replace(params, prompt_logprobs=None)
+            continued[new_id] = msgspec.structs.replace(
+                original, request_id=new_id, sampling_params=params, output_token_ids=list(completion.generated))
+            self.output_processor.rekey(request, engine_id, new_id)
+        self._sent[request] = continued
+        self._attach(request, connection, [add_to_pb(r) for r in continued.values()])
+        self._report(request, reason, number, left.address, connection.address)
+        logger.info("request %s moved from engine %s to %s (%s, move %d)", request.prepared.request_id,
+                    left.address, connection.address, reason, number)
+
+    def _report(self, request: RequestState, reason: str, number: int, from_address: str,
+                to_address: str | None) -> None:
+        migration = Migration(request.prepared.request_id, reason, number, from_address, to_address)
+        if self._on_migration is not None:
+            self._on_migration(migration)
+        listener = self._listeners.get(request)
+        if listener is not None:
+            listener(migration)
+
+    def _fail(self, request: RequestState, message: str) -> None:
+        self._forget(request)
+        request.fail(ServiceError(UNAVAILABLE, message, "ENGINE_UNAVAILABLE"))
+
     # ---- bookkeeping ---------------------------------------------------------------------------------
+    def _attach(self, request: RequestState, connection: EngineConnection, messages: list[epb.EngineCoreInput]) -> None:
+        """`request` runs on `connection` from now on: its adds go out, its reader paces that stream."""
+        self._engine_of[request] = connection
+        if request.collector is not None:
+            request.collector.gate = connection.gate
+        connection.requests.add(request)
+        connection.note_sent(len(messages))
+        for message in messages:
+            connection.send(message)
+
+    def _detach(self, request: RequestState) -> None:
+        """`request` no longer runs on its engine (which closes if it was retired and is now idle)."""
+        connection = self._engine_of.pop(request, None)
+        if connection is not None:
+            self.engines.release(connection, request)
+
     def _forget(self, request: RequestState) -> list[str]:
         """Finish a request's open completions in the output processor and release it; return the
         engine ids that were still running."""
@@ -125,10 +277,14 @@ class Dispatcher:
         return engine_ids
 
     def _release(self, request: RequestState) -> None:
-        """A request that ended leaves its engine (which closes if it was retired and is now idle)."""
-        connection = self._engine_of.pop(request, None)
-        if connection is not None:
-            self.engines.release(connection, request)
+        """A request that ended leaves every table (a move in progress is cancelled)."""
+        self._detach(request)
+        self._sent.pop(request, None)
+        self._moves.pop(request, None)
+        self._listeners.pop(request, None)
+        task = self._moving.pop(request, None)
+        if task is not None:
+            task.cancel()
 
 
 def _slices(messages: Sequence[epb.EngineCoreOutputs]) -> Iterator[list[Keyed]]:

@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.dispatcher import Dispatcher
-from frontend_svc.engine_client import EngineUnavailable
+from frontend_svc.engines.client import EngineUnavailable
 from frontend_svc.output_processor import RequestState
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
@@ -177,7 +177,8 @@ class Generation:
             raise asyncio.CancelledError
         engine_requests = self._processor.engine_requests(prepared, self.call.trace_headers())
         try:
-            self._request = self._dispatcher.submit(prepared, engine_requests, self._collector)
+            self._request = self._dispatcher.submit(prepared, engine_requests, self._collector,
+                                                    on_migration=self.call.migrated)
         except EngineUnavailable as exc:
             raise ServiceError(UNAVAILABLE, str(exc), "NO_READY_ENGINE") from None
         connection = self._dispatcher.engine_of(self._request)

@@ -25,6 +25,12 @@ incrementally, checks stop strings and reports finishes. Invariants:
   other waits in `Completion.held`, merged with the next, until >= interval tokens accumulated since
   the last delta sent. Merged deltas concatenate to the same output as interval 1. What is held when a
   request is aborted or fails (its engine lost) is dropped with it.
+- With `hand_back`, an engine error output with code UNAVAILABLE (the engine drained, or failed, before
+  the completion finished) does not end the completion: its engine id is put in
+  `ProcessedOutputs.handed_back` and the completion stays unfinished, for the caller to continue on
+  another engine (`rekey` then gives it the id it runs under there) or to fail. Any tokens such an output
+  carries are dropped: the continuation regenerates them (the same tokens, from the same state).
+- Each completion keeps the ids it generated (`Completion.generated`): a continuation starts from them.
 - With `log_stats`, each step's engine-clock queue times (first SCHEDULED - QUEUED of a request) are
   handed out in `ProcessedOutputs.queue_times` for telemetry to record; nothing here records metrics.
 - The common output (a completion past its first delta, without stop strings or logprobs, no finish, no
@@ -64,6 +70,8 @@ from shared_runtime.token_texts import REPLACEMENT, TokenTexts
 # Indexed by the wire FinishReason number (0 = unspecified, 1 stop, 2 length, 3 abort, 4 error).
 _FINISH_NAMES: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")
 _QUEUED, _SCHEDULED = epb.REQUEST_EVENT_TYPE_QUEUED, epb.REQUEST_EVENT_TYPE_SCHEDULED
+_ERROR = epb.FINISH_REASON_ERROR
+_UNAVAILABLE = 14  # the engine could not finish the request (it drained or failed): grpc.StatusCode.UNAVAILABLE
 
 
 logger = logging.getLogger(__name__)
@@ -101,6 +109,7 @@ class RequestState:
 class ProcessedOutputs:
     deltas: list[CompletionDelta] = field(default_factory=list)  # of requests without a collector
     reqs_to_abort: list[str] = field(default_factory=list)  # engine ids finished by a stop string
+    handed_back: list[str] = field(default_factory=list)  # engine ids the engine gave back (`hand_back`)
     finished: list[RequestState] = field(default_factory=list)  # requests whose last completion ended
     queue_times: list[float] = field(default_factory=list)  # engine-clock seconds, with log_stats only
 
@@ -108,9 +117,9 @@ class ProcessedOutputs:
 class Completion:
     """Per engine request state: detokenizer, stop checker, counters."""
 
-    __slots__ = ("collector", "detokenizer", "engine_id", "held", "index", "interval", "logprob_context",
-                 "num_cached", "num_sent", "num_tokens", "pending", "plain", "request", "request_id",
-                 "sent_first", "stop_checker", "undecoded")
+    __slots__ = ("collector", "continued", "detokenizer", "engine_id", "generated", "held", "index", "interval",
+                 "logprob_context", "num_cached", "num_sent", "num_tokens", "pending", "plain", "request",
+                 "request_id", "sent_first", "stop_checker", "undecoded")
 
     def __init__(self, request: RequestState, index: int, detokenizer: IncrementalDetokenizer,
                  interval: int = 1) -> None:
@@ -124,7 +133,9 @@ class Completion:
         self.stop_checker = StopChecker(stops, params.include_stop_str_in_output,
                                         request.prepared.stop_automaton) if stops else None
         self.num_tokens = 0
+        self.generated: list[int] = []  # every id the engine(s) sampled for it, in order
         self.num_cached = 0
+        self.continued = False  # runs on a second engine: usage keeps the first engine's cached count
         self.sent_first = False
         # The fast path's completions (`OutputProcessor._process_one`): past their first delta, with no
         # stop strings and no logprobs to look after.
@@ -167,11 +178,14 @@ class Completion:
 class OutputProcessor:
     """Turns engine outputs into `CompletionDelta`s for every request added with `add_request`."""
 
-    def __init__(self, tokenizer: Any, log_stats: bool = False, stream_interval: int = 1) -> None:
+    def __init__(self, tokenizer: Any, log_stats: bool = False, stream_interval: int = 1,
+                 hand_back: bool = False) -> None:
         """`tokenizer`: the frontend `Tokenizer` (its `.backend` is the `tokenizers.Tokenizer`);
         `log_stats`: hand out queue times in each `ProcessedOutputs`; `stream_interval`: the server's
-        (vLLM's `--stream-interval`), the least a request with a collector streams in."""
+        (vLLM's `--stream-interval`), the least a request with a collector streams in; `hand_back`:
+        report UNAVAILABLE engine errors in `handed_back` instead of ending the completion."""
         self._stream_interval = stream_interval
+        self._hand_back = hand_back
         self._backend = getattr(tokenizer, "backend", tokenizer)
         self._texts: TokenTexts = getattr(tokenizer, "token_texts", None) or TokenTexts(self._backend)
         self._log_stats = log_stats
@@ -191,6 +205,21 @@ class OutputProcessor:
             completion = Completion(request, index, primed if index == 0 else primed.copy(), interval)
             self._completions[engine_id] = request.unfinished[engine_id] = completion
         return request
+
+    def owner(self, engine_id: str) -> RequestState | None:
+        """The request whose unfinished completion runs as `engine_id`, if any."""
+        completion = self._completions.get(engine_id)
+        return completion.request if completion is not None else None
+
+    def rekey(self, request: RequestState, engine_id: str, new_engine_id: str) -> Completion:
+        """The unfinished completion `engine_id` of `request` runs as `new_engine_id` from now on (a
+        continuation on another engine); later outputs for the old id are ignored."""
+        completion = request.unfinished.pop(engine_id)
+        del self._completions[engine_id]
+        completion.engine_id = new_engine_id
+        completion.continued = True
+        self._completions[new_engine_id] = request.unfinished[new_engine_id] = completion
+        return completion
 
     def abort_request(self, request: RequestState) -> list[str]:
         """Finish a request's unfinished completions here, without output; return their engine ids
@@ -218,6 +247,9 @@ class OutputProcessor:
                 continue
             if log_stats and output.events:
                 _note_queue_time(output.events, result.queue_times)
+            if output.finish_reason == _ERROR and self._hand_back and output.error.code == _UNAVAILABLE:
+                result.handed_back.append(request_id)
+                continue
             try:
                 delta = self._process_one(completion, output, result.reqs_to_abort)
             except Exception:  # a fault in one completion's processing must not fail the others
@@ -252,8 +284,9 @@ class OutputProcessor:
                      to_abort: list[str]) -> CompletionDelta | None:
         new_ids = output.new_token_ids[:]  # a list
         c.num_tokens += len(new_ids)
+        c.generated += new_ids
         cached = output.num_cached_tokens
-        if cached:
+        if cached and not c.continued:
             c.num_cached = cached
         if c.plain and not output.finish_reason and not output.HasField("error"):
             # The common output, what the general path below makes of it: its tokens' text, nothing else.

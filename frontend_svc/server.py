@@ -36,13 +36,13 @@ from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 from frontend_svc.config import FrontendConfig
-from frontend_svc.dispatcher import Dispatcher
-from frontend_svc.engine_client import ChannelFactory, EngineClient
+from frontend_svc.dispatcher import Dispatcher, MigrationPolicy
+from frontend_svc.engines.client import ChannelFactory, EngineClient
+from frontend_svc.engines.router import Router
 from frontend_svc.generation import Admission, Generation
 from frontend_svc.grpc_api.servicer import GenerationServicer
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
-from frontend_svc.router import Router
 from frontend_svc.service_error import UNAVAILABLE, ServiceError
 from frontend_svc.telemetry.call import GenerateCall
 from frontend_svc.telemetry.service import FrontendTelemetry
@@ -109,7 +109,8 @@ class FrontendServer:
         self.processor = Processor(self.tokenizer, max_model_len=self._model_max_len,
                                    vocab_size=vocab_size, model_name=config.model_name)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.telemetry.logs_stats,
-                                                stream_interval=config.stream_interval)
+                                                stream_interval=config.stream_interval,
+                                                hand_back=config.max_migrations > 0)
         self.api_keys = KeySet.from_sources(config.api_keys, config.api_key_file, env={})
         self.tls: ServerTls | None = server_tls(config.tls)
         token = BearerToken(config.engine_token_file) if config.engine_token_file else None
@@ -120,7 +121,9 @@ class FrontendServer:
                                     channels=ChannelFactory(client_tls(config.engine_tls), token,
                                                             config.engine_ssl_server_name))
         self.dispatcher = Dispatcher(self.engines, self.output_processor,
-                                     on_processed=self.telemetry.observe_step if self.telemetry.logs_stats else None)
+                                     on_processed=self.telemetry.observe_step if self.telemetry.logs_stats else None,
+                                     migration=MigrationPolicy(config.max_migrations, config.migration_timeout_s),
+                                     on_migration=self.telemetry.observe_migration)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.tokenizer_threads or default_tokenizer_threads(),
             thread_name_prefix="tandem-tokenize")

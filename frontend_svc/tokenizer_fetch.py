@@ -6,7 +6,7 @@ starting), then gives the others `settle_s` to answer too. Every answer must be 
 model name, or the frontend refuses to start with a message naming the engines and the files that
 differ. `write_tokenizer_dir` puts the files in a fresh directory that the rest of the frontend loads
 exactly as it loads a --model directory. Engines that join later are checked against the archive's
-checksum when they connect (engine_client.py).
+checksum when they connect (engines/client.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
-from frontend_svc.engine_client import ChannelFactory, dns_target_host, is_dns_target, resolve_target
+from frontend_svc.engines.client import ChannelFactory, dns_target_host, is_dns_target, resolve_target
 from shared_runtime import tokenizer_bundle
 
 logger = logging.getLogger(__name__)

@@ -382,6 +382,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     arrival_time: float = 0.0
     priority: int = 0
     trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
+    # A continuation's tokens generated so far (elsewhere): output, not prompt (the proto says how).
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 # ---- outputs -----------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ def request_from_pb(msg: pb.EngineCoreRequest) -> c.EngineCoreRequest:
         arrival_time=msg.arrival_time,
         priority=msg.priority,
         trace_headers=dict(msg.trace_headers),
+        output_token_ids=list(msg.output_token_ids),
     )
 
 

@@ -41,6 +41,7 @@ def request_to_pb(request: c.EngineCoreRequest) -> pb.EngineCoreRequest:
         arrival_time=request.arrival_time,
         priority=request.priority,
         trace_headers=request.trace_headers,
+        output_token_ids=request.output_token_ids,
     )
 
 

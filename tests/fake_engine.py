@@ -5,7 +5,8 @@ step (every `step_s`; 0 = as fast as the stream takes them), until `max_tokens`,
 leaves max_tokens unset, `default_max_tokens` (None: forever). A request that asks for logprobs gets a
 made-up entry per token (the token at rank 1, then the next top-N ids). A stream that ends aborts what
 it added, as the real engine does. The request's sampling seed steers it: `SEED_REJECT` fails the
-request at once (RESOURCE_EXHAUSTED), `SEED_FAIL_LATE` sends two tokens then fails it (UNAVAILABLE),
+request at once (RESOURCE_EXHAUSTED), `SEED_FAIL_LATE` sends two tokens then fails it (UNAVAILABLE; a continuation of it, which arrives with
+`output_token_ids`, goes on instead),
 `SEED_ENDLESS` never finishes. It records what it was sent (`added`, `aborted`), what still runs
 (`running`), and the most requests it ever had running at once (`max_running`). Given
 `tokenizer_files`, it serves them as GetTokenizer does (the real archive, in small chunks) and announces
@@ -136,7 +137,8 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
         async for message in request_iterator:
             if message.WhichOneof("kind") == "add":
                 self.added.append(message.add)
-                self.running[message.add.request_id] = [message.add, 0]
+                # A continuation goes on from the tokens it already has (as the real engine counts them).
+                self.running[message.add.request_id] = [message.add, len(message.add.output_token_ids)]
                 mine.add(message.add.request_id)
                 self.max_running = max(self.max_running, len(self.running))
             else:
@@ -149,7 +151,8 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
         request, produced = self.running[rid]
         sp = request.sampling_params
         seed = sp.seed if sp.HasField("seed") else None
-        if seed == SEED_REJECT or (seed == SEED_FAIL_LATE and produced == 2):
+        late = seed == SEED_FAIL_LATE and produced == 2 and not request.output_token_ids
+        if seed == SEED_REJECT or late:
             code = epb.ERROR_CODE_RESOURCE_EXHAUSTED if seed == SEED_REJECT else epb.ERROR_CODE_UNAVAILABLE
             return epb.EngineCoreOutput(request_id=rid, finish_reason=epb.FINISH_REASON_ERROR,
                                         error=epb.EngineError(code=code, message="fake engine says no"))

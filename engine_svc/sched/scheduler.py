@@ -196,7 +196,8 @@ class Scheduler:
             try:
                 if not ticket.done:
                     raise GrammarError(f"the constraint did not compile within {self.grammars.timeout_s:g} s")
-                request.grammar = RequestGrammar(self.grammars.result(ticket), sorted(request.eos_token_ids))
+                request.grammar = _grammar_after_outputs(
+                    RequestGrammar(self.grammars.result(ticket), sorted(request.eos_token_ids)), request)
                 self._num_constrained += 1
             except GrammarError as exc:
                 request.status = RequestStatus.FINISHED_ERROR
@@ -520,9 +521,17 @@ class Scheduler:
         if n > self.max_model_len:
             return f"the prompt has {n} tokens, more than max_model_len ({self.max_model_len})"
         if self.vocab_size is not None:
-            bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+            bad = next((t for t in request.all_token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                return f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                return f"token id {bad} (prompt or output_token_ids) is outside the vocabulary [0, {self.vocab_size})"
+        outputs = request.num_output_tokens
+        if outputs:
+            if request.num_tokens > self.max_model_len:
+                return (f"the prompt and its earlier output have {request.num_tokens} tokens, more than "
+                        f"max_model_len ({self.max_model_len})")
+            if request.num_tokens >= request.max_total_tokens:
+                return f"output_token_ids: the request already has its {outputs} output tokens (max_tokens)"
+            n = request.num_tokens
         blocks = -(-n // self.block_size)
         if blocks > self.kv.num_blocks:
             return (
@@ -581,3 +590,12 @@ def _token_logprobs(token_id: int, row: tuple[float, int, list[int], list[float]
     return TokenLogprobs(
         token_id=token_id, logprob=logprob, rank=rank, top_token_ids=top_ids, top_logprobs=top_logprobs
     )
+
+
+def _grammar_after_outputs(grammar: RequestGrammar, request: Request) -> RequestGrammar:
+    """`grammar` advanced through a continuation's earlier output (a new request has none), so that it has
+    accepted exactly the request's output tokens; GrammarError if they do not follow the constraint."""
+    for token in request.output_token_ids:
+        if not grammar.accept(token):
+            raise GrammarError(f"output_token_ids do not follow the constraint (token {token} is refused)")
+    return grammar

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from frontend_svc.dispatcher import Migration
 from frontend_svc.grpc_api.status import code_from_number
 from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import PreparedRequest
@@ -76,6 +77,17 @@ class GenerateCall:
         self.span.set_attributes({"tandem.engine.address": engine})
         if self._metrics is not None:
             self._metrics.engine_requests.labels(self._model_name, engine).inc(num_engine_requests)
+
+    def migrated(self, migration: Migration) -> None:
+        """The request moved to another engine (or could not): an event on the call's span; the continuation's
+        engine span joins the same trace (its trace headers travel with it)."""
+        attributes: dict[str, str | int] = {"tandem.migration.reason": migration.reason,
+                                            "tandem.migration.number": migration.number,
+                                            "tandem.migration.from": migration.from_address}
+        if migration.to_address is not None:
+            attributes["tandem.migration.to"] = migration.to_address
+        self.span.add_event("tandem.request.migrated" if migration.to_address else "tandem.request.migration_failed",
+                            attributes)
 
     def on_delta(self, delta: CompletionDelta) -> None:
         if delta.token_ids:

@@ -54,6 +54,10 @@ class FrontendMetrics:
         self.generation_tokens = Histogram("tandem_request_generation_tokens", "Generated tokens per finished "
                                            "call (all completions)", m, buckets=TOKEN_BUCKETS,
                                            registry=r).labels(model_name)
+        self.migrations = Counter("tandem_request_migrations", "Requests moved to another engine because "
+                                  "theirs died or handed them back (reason engine_lost | handed_back; outcome "
+                                  "moved, or failed when they could not move and ended with UNAVAILABLE)",
+                                  ["model_name", "reason", "outcome"], registry=r)
         self.engine_requests = Counter("tandem_engine_requests", "Engine requests (completions) routed to "
                                        "each engine", ["model_name", "engine"], registry=r)
 

@@ -1,10 +1,12 @@
 """`FrontendTelemetry`: what `FrontendServer` holds — `begin_call()` per Generate call, `observe_step`
-for what the output processor hands out per engine message, and the engine gauges it wires in. `FrontendTelemetry.off()` (the default) creates no spans and
+for what the output processor hands out per engine message, `observe_migration` for each request moved to
+another engine, and the engine gauges it wires in. `FrontendTelemetry.off()` (the default) creates no spans and
 no metrics; `from_env()` reads `OTEL_*` (see `shared_runtime.telemetry`) and serves /metrics on a port.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,12 +14,14 @@ from typing import Any
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 
+from frontend_svc.dispatcher import Migration
 from frontend_svc.output_processor import ProcessedOutputs
 from frontend_svc.telemetry.call import GenerateCall
 from frontend_svc.telemetry.metrics import FrontendMetrics
 from frontend_svc.telemetry.tracing import CallSpan
 from shared_runtime.telemetry import provider_from_env, serve_metrics, shutdown_telemetry
 
+logger = logging.getLogger(__name__)
 DEFAULT_SERVICE_NAME = "tandem-frontend"
 GENERATE_METHOD = "tandem.v1.GenerationService/Generate"
 
@@ -62,6 +66,15 @@ class FrontendTelemetry:
     def observe_step(self, processed: ProcessedOutputs) -> None:
         if self.metrics is not None:
             self.metrics.observe_step(processed)
+
+    def observe_migration(self, migration: Migration) -> None:
+        """A request moved to another engine (or could not): the counter, and one log line."""
+        outcome = "moved" if migration.to_address is not None else "failed"
+        if self.metrics is not None:
+            self.metrics.migrations.labels(self.metrics.model_name, migration.reason, outcome).inc()
+        if migration.to_address is None:
+            logger.warning("request %s could not move off engine %s (%s, move %d)", migration.request_id,
+                           migration.from_address, migration.reason, migration.number)
 
     def watch_engines(self, connections: Callable[[], Iterable[Any]]) -> None:
         if self.metrics is not None:

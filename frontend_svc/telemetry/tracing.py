@@ -85,9 +85,9 @@ class CallSpan:
         if self.span is not None:
             self.span.set_attributes(attrs)
 
-    def add_event(self, name: str) -> None:
+    def add_event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         if self.span is not None:
-            self.span.add_event(name)
+            self.span.add_event(name, attributes=dict(attributes) if attributes else None)
 
     def end(self, error_type: str | None = None, message: str = "") -> None:
         span = self.span

@@ -42,7 +42,8 @@ def frontend_service(model: Path, engine_port: int | Sequence[int], port: int, l
     engines = ",".join(f"127.0.0.1:{p}" for p in ports)
     argv = [sys.executable, "-m", "frontend_svc.cli", "--model", str(model), "--engine",
             engines, "--host", "127.0.0.1", "--port", str(port),
-            "--max-concurrent-requests", str(FRONTEND_MAX_CONCURRENT), "--drain-grace-period", "5", *flags]
+            "--max-concurrent-requests", str(FRONTEND_MAX_CONCURRENT), "--drain-grace-period", "5",
+            "--migration-timeout", "2", *flags]
     return Service("frontend", argv, port, log_dir)
 
 

@@ -17,8 +17,8 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
+from tandem.v1 import generation_pb2 as pb
 
 from frontend_svc.client import collect
 from tests.support import DeadlineClient, Service, free_port, wait_until
@@ -127,14 +127,16 @@ def test_a_killed_engine_leaves_every_index_its_conversations_move_and_a_restart
                                            max_tokens=LONG_TOKENS, ignore_eos=True)
     next(running)  # streaming on the conversations' engine when it dies
     cluster.engines[home].kill()
-    with pytest.raises(grpc.RpcError) as info:
-        list(running)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = list(running)  # it goes on on the survivor (request migration)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
     for f in frontends:
         wait_until(lambda f=f: f.cached_blocks().get(dead) == 0, 10, "the dead engine's cache forgotten")
-    for i, c in enumerate(conversations):  # every conversation goes on, on the survivor: its history is gone
-        lost = c.expected_hit
-        assert c.turn(frontends[i % 2]) <= len(SYSTEM) < lost
+    for i, c in enumerate(conversations):  # every conversation goes on, on the survivor: its history is gone,
+        lost = c.expected_hit  # but for conversation 0's, which the moved request computed there again
+        if i == 0:
+            assert c.turn(frontends[i % 2]) > len(SYSTEM)
+        else:
+            assert c.turn(frontends[i % 2]) <= len(SYSTEM) < lost
     for i, c in enumerate(conversations):  # and stays there
         expected = c.expected_hit
         assert c.turn(frontends[(i + 1) % 2]) == expected

@@ -106,8 +106,10 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_engine(healthy: Any) -> Non
     assert [u.cached_prompt_tokens for u in usages] == [0] + [80] * 7
 
 
-def test_killing_an_engine_fails_only_its_requests_and_a_restart_rejoins(healthy: Any,
-                                                                        clients: list[DeadlineClient]) -> None:
+def test_killing_an_engine_moves_its_requests_and_a_restart_rejoins(healthy: Any,
+                                                                    clients: list[DeadlineClient]) -> None:
+    """The killed engine's streams go on on the survivor (request migration, tests/e2e/test_migration.py
+    checks their outputs token for token); the others never notice."""
     vocab = healthy.model_info(healthy.frontends[0]).vocab_size
     long = dict(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True)
     streams = [clients[i % 2].generate(token_ids=p, **long) for i, p in enumerate(prompts(8, 4, vocab))]
@@ -120,8 +122,8 @@ def test_killing_an_engine_fails_only_its_requests_and_a_restart_rejoins(healthy
         outcomes = list(pool.map(outcome, streams))
     failed = [o for o in outcomes if not isinstance(o, dict)]
     finished = [(f, o) for f, o in zip(firsts, outcomes) if isinstance(o, dict)]
-    assert failed == [grpc.StatusCode.UNAVAILABLE] * on_killed
-    assert len(finished) == 8 - on_killed
+    assert failed == []
+    assert len(finished) == 8
     for first, rest in finished:
         assert len(first.token_ids) + len(rest["token_ids"]) == LONG_TOKENS
         assert rest["finish_reason"] == pb.FINISH_REASON_LENGTH

@@ -6,7 +6,7 @@ Checked: replaying the records gives exactly the pool's cache map (through evict
 preemptions), every stored record carries its true parent and tokens; batches are numbered with no gap;
 a subscription starts with a snapshot of the mirror and continues with every later batch; a subscriber
 that falls behind its buffer is dropped (counted) while the others miss nothing and `publish` never waits;
-the frontend's index (frontend_svc/kv_index.py) rebuilt from the stream equals the engine's cache.
+the frontend's index (frontend_svc/engines/kv_index.py) rebuilt from the stream equals the engine's cache.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from engine_svc.kv.events import KVEventLog, StoredBlock
 from engine_svc.request import Request
 from engine_svc.sched.output import ModelRunnerOutput
 from engine_svc.sched.scheduler import Scheduler
-from frontend_svc.kv_index import KvBlockIndex, KvEventGap
+from frontend_svc.engines.kv_index import KvBlockIndex, KvEventGap
 from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams, SchedulerStats
 from shared_runtime.kv_hash import hash_block_tokens, iter_block_hashes
 

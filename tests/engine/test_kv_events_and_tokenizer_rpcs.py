@@ -33,7 +33,7 @@ from engine_svc.api.server import EngineServer
 from engine_svc.api.tokenizer_archive import read_tokenizer_archive
 from engine_svc.config import EngineConfig
 from engine_svc.kv.events import StoredBlock
-from frontend_svc.kv_index import KvBlockIndex
+from frontend_svc.engines.kv_index import KvBlockIndex
 from shared_runtime import tokenizer_bundle
 from shared_runtime.kv_hash import hash_block_tokens
 from tests.engine.test_engine_server import ServerThread

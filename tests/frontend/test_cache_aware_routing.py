@@ -1,4 +1,4 @@
-"""Cache-aware routing (frontend_svc/router.py) over engines whose cache views are given exactly.
+"""Cache-aware routing (frontend_svc/engines/router.py) over engines whose cache views are given exactly.
 
 SGLang's / SMG's cache_aware semantics: the longest cached prefix wins when it covers more than
 `cache_threshold` of the prompt (ties: least loaded) and its engine is not overloaded (more than both
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from frontend_svc.config import ConfigError, FrontendConfig, default_routing
-from frontend_svc.router import CacheAwareSettings, Router, cached_prefix_tokens
+from frontend_svc.engines.router import CacheAwareSettings, Router, cached_prefix_tokens
 from shared_runtime import kv_hash
 from shared_runtime.kv_hash import iter_block_hashes
 

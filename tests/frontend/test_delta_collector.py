@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from frontend_svc.delta_collector import DeltaCollector
-from frontend_svc.drain_gate import DrainGate
+from frontend_svc.engines.drain_gate import DrainGate
 from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
 from frontend_svc.service_error import UNAVAILABLE, ServiceError
 

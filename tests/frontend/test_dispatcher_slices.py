@@ -10,7 +10,7 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 
 from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.dispatcher import OUTPUT_SLICE, Dispatcher, _slices
-from frontend_svc.engine_client import EngineClient
+from frontend_svc.engines.client import EngineClient
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import Processor
 from shared_runtime import contract as p

@@ -21,7 +21,7 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 
 from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.dispatcher import Dispatcher
-from frontend_svc.engine_client import EngineClient, EngineConnection
+from frontend_svc.engines.client import EngineClient, EngineConnection
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import Processor
 from shared_runtime.contract import SamplingParams

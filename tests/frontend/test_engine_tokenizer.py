@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_client import ChannelFactory
+from frontend_svc.engines.client import ChannelFactory
 from frontend_svc.server import FrontendServer
 from frontend_svc.tokenizer import Tokenizer
 from frontend_svc.tokenizer_fetch import TokenizerFetchError, fetch_engine_tokenizer, write_tokenizer_dir

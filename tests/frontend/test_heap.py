@@ -108,5 +108,5 @@ def test_the_frontend_settles_its_heap_after_start_up(monkeypatch, restored_gc, 
     monkeypatch.setattr(frontend_svc.server, "FrontendServer", Server)
     monkeypatch.setattr(cli, "settle_heap", lambda: calls.append("settle"))
     config = cli.config_from_args(cli.build_parser().parse_args(["--model", str(tiny_model_dir), "--engine", "127.0.0.1:1"]))
-    assert asyncio.run(cli._serve_with_model(config)) == 0
+    assert asyncio.run(cli._serve(config)) == 0
     assert calls == ["init", "start", "settle", "serving"]

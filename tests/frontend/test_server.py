@@ -22,9 +22,9 @@ from tandem.v1 import generation_pb2 as pb
 
 from frontend_svc.client import TandemClient, collect, generate_request
 from frontend_svc.config import FrontendConfig
-from frontend_svc.engine_client import resolve_target
+from frontend_svc.engines.client import resolve_target
+from frontend_svc.engines.router import Router
 from frontend_svc.grpc_api.servicer import GenerationServicer
-from frontend_svc.router import Router
 from frontend_svc.server import FrontendServer
 from tests.fake_engine import SEED_ENDLESS, SEED_FAIL_LATE, SEED_REJECT, FakeEngine, start_fake_engine
 from tests.support import RPC_TIMEOUT_S, DeadlineClient, LoopThread, bad_fields, rpc_error, wait_until
@@ -35,6 +35,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then it rests in the 
 
 def make_frontend(loop: LoopThread, tokenizer: Any, model_dir: Any, engine_port: int,
                   **overrides: Any) -> FrontendServer:
+    # One engine: a request whose engine goes away has nowhere to move, and ends after this short wait.
+    overrides.setdefault("migration_timeout_s", 0.5)
     config = FrontendConfig(model=str(model_dir), engines=(f"127.0.0.1:{engine_port}",), host="127.0.0.1",
                             port=0, **overrides)
 
@@ -195,9 +197,13 @@ def test_engine_error_before_first_token_ends_without_responses(client: TandemCl
 
 
 def test_engine_error_after_tokens_ends_the_stream_with_its_code(client: TandemClient) -> None:
+    """The engine fails the request with UNAVAILABLE after 2 tokens: the frontend would continue it on
+    another engine, never on the one that gave it back; there is none, so the client gets UNAVAILABLE
+    after the migration timeout (a short one here)."""
     received: list[pb.GenerateResponse] = []
     error = rpc_error(lambda: received.extend(client.generate(PROMPT, seed=SEED_FAIL_LATE, max_tokens=10)))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no engine became ready" in (error.details() or "")
     assert sum(len(r.token_ids) for r in received) == 2
 
 

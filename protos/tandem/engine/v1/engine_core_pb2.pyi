@@ -57,7 +57,7 @@ class EngineCoreInput(_message.Message):
     def __init__(self, add: _Optional[_Union[EngineCoreRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ...) -> None: ...
 
 class EngineCoreRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "priority", "trace_headers")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "priority", "trace_headers", "output_token_ids")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class EngineCoreRequest(_message.Message):
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: EngineSamplingParams
@@ -79,7 +80,8 @@ class EngineCoreRequest(_message.Message):
     arrival_time: float
     priority: int
     trace_headers: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineSamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "logit_bias", "structured_outputs", "allowed_token_ids", "bad_words_token_ids")

@@ -47,9 +47,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
-from frontend_svc.drain_gate import DrainGate
-from frontend_svc.kv_index import KvBlockIndex, follow_kv_events
-from frontend_svc.router import Router
+from frontend_svc.engines.drain_gate import DrainGate
+from frontend_svc.engines.kv_index import KvBlockIndex, follow_kv_events
+from frontend_svc.engines.router import Router
 from shared_runtime.link import KEEPALIVE_OPTIONS, message_size_options
 from shared_runtime.security.auth import BearerToken, bearer_token_interceptors
 from shared_runtime.security.tls import ClientTls
@@ -362,6 +362,7 @@ class EngineClient:
         self._resolved: dict[str, list[str]] = {}  # target -> its last good addresses
         self._background: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
+        self._changed: asyncio.Event | None = None  # set (and replaced) at every readiness change
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -415,13 +416,27 @@ class EngineClient:
     def connections(self) -> list[EngineConnection]:
         return list(self._connections.values())
 
-    def choose(self, prompt_token_ids: Sequence[int]) -> EngineConnection:
+    def choose(self, prompt_token_ids: Sequence[int], avoid: EngineConnection | None = None) -> EngineConnection:
         """The ready engine a new request goes to (all n completions of a request go to one engine: they
-        share the prompt's KV blocks); EngineUnavailable when none is ready."""
-        connection = self.router.choose(self.ready_engines(), prompt_token_ids)
+        share the prompt's KV blocks), never `avoid`; EngineUnavailable when there is none."""
+        connection = self.router.choose([c for c in self.ready_engines() if c is not avoid], prompt_token_ids)
         if connection is None:
             raise EngineUnavailable("no engine is ready to serve requests; retry shortly")
         return connection
+
+    async def wait_for_ready_engine(self, timeout: float, avoid: EngineConnection | None = None) -> bool:
+        """Wait until an engine other than `avoid` is ready (True), or `timeout` seconds pass without one
+        (False)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not [c for c in self.ready_engines() if c is not avoid]:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return True
 
     def release(self, connection: EngineConnection, request: Carried | None = None) -> None:
         """`request` is done with `connection`; a retired connection closes once it carries nothing."""
@@ -450,6 +465,9 @@ class EngineClient:
         return False
 
     def connection_changed(self) -> None:
+        if self._changed is not None:  # wake whoever waits for a ready engine
+            self._changed.set()
+            self._changed = None
         self._on_change()
 
     def connection_down(self, connection: EngineConnection, message: str, was_ready: bool) -> None:

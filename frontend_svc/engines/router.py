@@ -82,7 +82,7 @@ class Routable(Protocol):
 
 
 class CacheIndex(Container[bytes], Sized, Protocol):
-    """The block hashes an engine has cached (frontend_svc/kv_index.py)."""
+    """The block hashes an engine has cached (frontend_svc/engines/kv_index.py)."""
 
 
 class CacheAware(Routable, Protocol):

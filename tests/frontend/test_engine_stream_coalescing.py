@@ -16,7 +16,7 @@ from tandem.v1 import generation_pb2 as pb
 
 from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.dispatcher import OUTPUT_SLICE, Dispatcher
-from frontend_svc.engine_client import READ_AHEAD, EngineClient, EngineConnection
+from frontend_svc.engines.client import READ_AHEAD, EngineClient, EngineConnection
 from frontend_svc.grpc_api.servicer import prepare
 from frontend_svc.grpc_api.wire import response_from_delta
 from frontend_svc.openai.bodies import ChatBuilder, TokenTexts
