@@ -48,10 +48,10 @@ from engine_svc.structured.compile_worker import (
     read_frame,
     write_frame,
 )
+from engine_svc.structured.constraint import Key
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, str]
 TICK_S = 0.05
 DEFAULT_MEMORY_BYTES = 3 * 2**30  # resident memory of one compile process (its idle size is ~0.4 GiB)
 

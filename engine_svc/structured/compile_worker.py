@@ -68,7 +68,7 @@ def main() -> int:
         return 2
     import xgrammar as xgr
 
-    from engine_svc.structured.compiler import compile_key, reason
+    from engine_svc.structured.constraint import compile_key, reason
 
     info = xgr.TokenizerInfo.deserialize_json(json.loads(frame[1])["tokenizer_info"])
     # cache_enabled=False: the parent's LRU is the cache (see compiler.py)

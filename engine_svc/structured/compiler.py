@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -40,13 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from engine_svc.structured.compile_farm import CompileFarm
+from engine_svc.structured.constraint import Key, compile_key, reason
 from shared_runtime.contract import StructuredOutputs
-
-Key = tuple[str, str]
-# JSON may be written compact or pretty-printed (any whitespace between tokens, as vLLM allows), but at
-# most this many whitespace characters in a row: enough for indented output 7 levels deep, and a small
-# model cannot spend its max_tokens on an endless run of spaces and newlines inside the object.
-MAX_JSON_WHITESPACE = 16
 
 
 class GrammarError(ValueError):
@@ -230,29 +224,6 @@ class GrammarCompilers:
             return self._compiler
 
 
-def compile_key(compiler: Any, key: Key) -> Any:
-    """`key`'s constraint compiled by an xgrammar `GrammarCompiler` (blocking; raises what xgrammar raises)."""
-    kind, text = key
-    if kind == "json":
-        return compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-    if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
-    if kind == "regex":
-        return compiler.compile_regex(text)
-    if kind == "choice":
-        return compiler.compile_grammar(choice_grammar(json.loads(text)))
-    if kind == "grammar":
-        return compiler.compile_grammar(text)
-    if kind == "structural_tag":
-        return compiler.compile_structural_tag(text)
-    raise GrammarError(f"unknown constraint kind {kind!r}")
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """EBNF whose root is exactly one of `choices` (JSON string literals are valid EBNF literals)."""
-    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
-
-
 def load_tokenizer_info(model: str, vocab_size: int) -> Any:
     """xgrammar's view of the vocabulary, from the model directory's tokenizer files (or a .gguf file's
     metadata), `vocab_size` wide."""
@@ -265,14 +236,3 @@ def load_tokenizer_info(model: str, vocab_size: int) -> Any:
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-
-
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-MAX_REASON_CHARS = 500
-
-
-def reason(exc: BaseException) -> str:
-    """xgrammar's message without its timestamp and C++ source location, on one bounded line."""
-    text = " ".join(_XGRAMMAR_PREFIX.sub("", str(exc).strip()).split())
-    text = text or type(exc).__name__
-    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS] + "..."
