@@ -19,6 +19,8 @@ import logging
 import sys
 
 from engine_svc.api.kv_events import DEFAULT_BUFFER as KV_EVENTS_BUFFER
+from engine_svc.api.kv_events import DEFAULT_MAX_SUBSCRIBERS
+from engine_svc.api.stream_cap import DEFAULT_MAX_TOKENIZER_DOWNLOADS
 from engine_svc.config import ConfigError, add_engine_args, config_from_args
 from shared_runtime.link import MAX_MESSAGE_BYTES
 from shared_runtime.security.flags import SERVER, add_engine_token_arg, add_tls_args, tls_files
@@ -54,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-events-buffer", type=int, default=KV_EVENTS_BUFFER,
                         help="KV event batches (about one per step) a subscriber may fall behind before it is "
                              "dropped and must resubscribe")
+    parser.add_argument("--max-kv-event-subscribers", type=int, default=DEFAULT_MAX_SUBSCRIBERS,
+                        help="SubscribeKvEvents streams open at once (both protocols); more are refused "
+                             "RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-tokenizer-downloads", type=int, default=DEFAULT_MAX_TOKENIZER_DOWNLOADS,
+                        help="GetTokenizer calls served at once (both protocols); more are refused RESOURCE_EXHAUSTED")
     parser.add_argument("--log-level", default="INFO")
     security = parser.add_argument_group("security (docs/security.md)")
     add_tls_args(security, side=SERVER, peer="frontends")
@@ -81,8 +88,9 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.kv_events_buffer < 1:
-            raise ConfigError(f"--kv-events-buffer must be >= 1, got {args.kv_events_buffer}")
+        for flag in ("kv_events_buffer", "max_kv_event_subscribers", "max_tokenizer_downloads"):
+            if getattr(args, flag) < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
         config = config_from_args(args)
         security = _security(args)
     except (ConfigError, TlsConfigError, ValueError) as exc:
@@ -117,7 +125,9 @@ async def _serve_with_signals(config, args: argparse.Namespace, executor, securi
                           drain_grace_s=args.drain_grace_period, executor=executor, telemetry=telemetry,
                           tls=tls, tokens=tokens, health_port=args.health_port,
                           max_message_bytes=args.max_message_bytes, kv_events=args.enable_kv_cache_events,
-                          kv_events_buffer=args.kv_events_buffer, settle_heap_when_ready=True)
+                          kv_events_buffer=args.kv_events_buffer,
+                          max_kv_event_subscribers=args.max_kv_event_subscribers,
+                          max_tokenizer_downloads=args.max_tokenizer_downloads, settle_heap_when_ready=True)
     # The server takes a drain at any point of its start-up (queued until the core is up), so the handlers
     # are bound at once; a signal that came while it was being built is delivered now.
     signals.bind(drain=server.begin_drain, stop=server.force_exit, reload=server.reload_credentials)

@@ -54,7 +54,11 @@ _NOTHING_RAN = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None, kv_events: bool = False) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, kv_events: bool = False,
+                 compile_processes: bool = False) -> None:
+        """`compile_processes`: compile structured-output constraints in processes the engine can pause and
+        kill (engine_svc/structured/compile_farm.py): what a server of many clients needs; the offline
+        API compiles on threads."""
         self.config = config
         self.kv_events: KVEventLog | None = KVEventLog() if kv_events else None
         self.executor = executor or make_executor(config)
@@ -62,9 +66,10 @@ class EngineCore:
         self.vocab_size = self.executor.vocab_size
         self.max_model_len = max_model_len = self.executor.max_model_len  # what the workers were sized for
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
-        # Structured outputs: constraints compile on these threads (a serving engine prewarms the vocabulary).
+        # Structured outputs: constraints compile off the busy loop (a serving engine prewarms the vocabulary).
         self._compiled = threading.Event()
-        self.grammars = GrammarCompilers(config.model, self.vocab_size, on_done=self._compiled.set)
+        self.grammars = GrammarCompilers(config.model, self.vocab_size, on_done=self._compiled.set,
+                                         processes=compile_processes)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=int(config.max_num_batched_tokens or max_model_len),

@@ -168,7 +168,11 @@ class Generation:
         """Tokenize and validate with `prepare` on the tokenizer pool, then send the request to an engine.
         Raises ValidationError for bad input, ServiceError UNAVAILABLE when no engine is ready."""
         self._preparing = self._pool.submit(self.call.prepare, prepare)
-        prepared = await asyncio.wrap_future(self._preparing)
+        try:
+            prepared = await asyncio.wrap_future(self._preparing)
+        finally:
+            if self._preparing.done():  # its failure's traceback holds this frame, so self: drop the job
+                self._preparing = None  # (kept only while the pool still runs it: close() waits for it)
         if self._closed:  # the client left while the prompt was being tokenized
             raise asyncio.CancelledError
         engine_requests = self._processor.engine_requests(prepared, self.call.trace_headers())

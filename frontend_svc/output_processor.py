@@ -130,7 +130,8 @@ class Completion:
         self.index = index
         self.engine_id = request.prepared.engine_request_ids[index]
         self.detokenizer = detokenizer
-        self.stop_checker = StopChecker(stops, params.include_stop_str_in_output) if stops else None
+        self.stop_checker = StopChecker(stops, params.include_stop_str_in_output,
+                                        request.prepared.stop_automaton) if stops else None
         self.num_tokens = 0
         self.generated: list[int] = []  # every id the engine(s) sampled for it, in order
         self.num_cached = 0

@@ -12,7 +12,8 @@ only knows n = 1; shared_runtime/contract.py). Invariants:
 - Size limits (shared_runtime/limits.py: request_id, prompt bytes, chat messages, token count) are
   checked before anything is tokenized or rendered, so an oversized prompt costs next to nothing.
 - `process` is thread-safe: the gRPC server runs it on a small thread pool, off the event loop (the
-  tokenizer releases the GIL while it encodes).
+  tokenizer releases the GIL while it encodes). It also builds the stop strings' automaton there, so
+  the output processor never builds one on the loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import msgspec
 from frontend_svc.chat_template import ChatOptions
 from shared_runtime import limits
 from shared_runtime.contract import EngineCoreRequest, SamplingParams
+from shared_runtime.stop import StopAutomaton, compile_stops
 from shared_runtime.violations import FieldViolation, ValidationError
 
 _PROCESS_TAG = secrets.token_hex(4)
@@ -82,6 +84,9 @@ class PreparedRequest:
     priority: int = 0
     engine_request_ids: list[str] = field(default_factory=list)  # one per completion, process-unique
     prompt: str | None = None  # the prompt text when the client sent text, the rendered chat for a chat
+    # The stop strings' automaton, built by `process` (on the tokenizer pool, off the event loop); the
+    # output processor's checkers share it.
+    stop_automaton: StopAutomaton | None = None
 
 
 class PromptTokenizer(Protocol):
@@ -143,6 +148,7 @@ class Processor:
             priority=priority,
             engine_request_ids=_engine_request_ids(request_id, params.n),
             prompt=prompt if isinstance(prompt, str) else rendered,
+            stop_automaton=compile_stops(params.stop) if params.stop else None,
         )
 
     def engine_requests(self, prepared: PreparedRequest,

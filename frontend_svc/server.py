@@ -17,7 +17,7 @@ Invariants:
   on the event loop, so one large prompt does not stall other calls' streams (the tokenizer releases
   the GIL while encoding; size limits reject what could never fit before any of that work).
 - With API keys configured every call but health needs `authorization: Bearer <key>`
-  (shared_runtime/security/auth.py); malformed request bytes are INVALID_ARGUMENT (frontend_svc/grpc_api/decode_guard.py).
+  (shared_runtime/security/auth.py); malformed request bytes are INVALID_ARGUMENT (shared_runtime/security/decode_guard.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from frontend_svc.dispatcher import Dispatcher, MigrationPolicy
 from frontend_svc.engines.client import ChannelFactory, EngineClient
 from frontend_svc.engines.router import Router
 from frontend_svc.generation import Admission, Generation
-from frontend_svc.grpc_api.decode_guard import DecodeGuardInterceptor
 from frontend_svc.grpc_api.servicer import GenerationServicer
 from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
@@ -52,6 +51,7 @@ from shared_runtime import limits
 from shared_runtime.contract import SamplingParams
 from shared_runtime.link import MAX_MESSAGE_BYTES, SERVER_PING_OPTIONS
 from shared_runtime.security.auth import AuthInterceptor, BearerToken, KeySet
+from shared_runtime.security.decode_guard import DecodeGuardInterceptor
 from shared_runtime.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
 from shared_runtime.security.tls import ServerTls, client_tls, server_tls
 from shared_runtime.violations import ValidationError
@@ -296,6 +296,7 @@ class FrontendServer:
             return await asyncio.wrap_future(job)
         finally:
             self.admission.give_back(1, job)
+            del job  # a failed job's exception holds this frame in its traceback: no cycle through `job`
 
     def _refuse_if_draining(self) -> None:
         if self.draining:

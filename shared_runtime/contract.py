@@ -46,7 +46,7 @@ from typing import Any
 
 import msgspec
 
-from shared_runtime import limits
+from shared_runtime import grammar_bounds, limits
 from shared_runtime.violations import FieldViolation, ValidationError
 
 # ---- requests ----------------------------------------------------------------------------------------
@@ -332,6 +332,21 @@ def _check_structured_outputs(add: Callable[[str, str], None], so: StructuredOut
     if size > limits.MAX_STRUCTURED_OUTPUT_BYTES:
         add(f"structured_outputs.{kinds[0]}", f"must be at most {limits.MAX_STRUCTURED_OUTPUT_BYTES} bytes, "
                                                f"got more")
+        return
+    problem = _compile_cost_problem(so)
+    if problem is not None:
+        add(f"structured_outputs.{kinds[0]}", f"would cost too much to compile: {problem} "
+                                               "(docs/security.md, structured outputs)")
+
+
+def _compile_cost_problem(so: StructuredOutputs) -> str | None:
+    """The bound (shared_runtime/grammar_bounds.py) a constraint breaks, before anything compiles it."""
+    if so.json is not None:
+        return grammar_bounds.json_schema_problem(so.json)
+    if so.structural_tag is not None:
+        return grammar_bounds.structural_tag_problem(so.structural_tag)
+    text = so.regex if so.regex is not None else so.grammar
+    return grammar_bounds.regex_problem(text) if text is not None else None
 
 
 def _clamped(bias: float) -> float:

@@ -35,6 +35,13 @@ The bounds, and why:
 - Chat: at most `max_model_len` messages (every message renders to at least one token) and the same
   byte budget over all roles and contents, checked before the template runs.
 - Token-id prompt: the count is checked against max_model_len before the ids are copied or scanned.
+- An HTTP JSON body, counted on its raw bytes before anything is parsed (parsing holds the GIL, so a
+  parse on a thread still stalls every stream: 100k Responses input items cost 345 ms): at most
+  `4 * max_model_len + vocab_size + 65536` commas (about one per array element or object member; a
+  prompt has fewer ids than max_model_len, allowed_token_ids fewer than the vocabulary, a legit text
+  fewer punctuation marks than tokens) and `max_model_len / 2 + 4096` opening braces (objects: a chat
+  message renders to several tokens; the floor leaves room for tools and schemas). Commas and braces
+  inside strings count too: counting them costs ~1 ms per MB, telling them apart would cost a parse.
 
 Each size check returns a `FieldViolation` (field = the dot path in `tandem.v1.GenerateRequest`) or None.
 """
@@ -69,11 +76,24 @@ UINT64_LIMIT = 1 << 64
 MAX_TRACE_HEADERS = 8
 MAX_TRACE_HEADER_BYTES = 1024
 PROMPT_BYTES_PER_TOKEN = 32
+JSON_COMMAS_PER_TOKEN = 4
+JSON_COMMAS_FLOOR = 65_536
+JSON_OBJECTS_FLOOR = 4096
 
 
 def max_prompt_bytes(max_model_len: int) -> int:
     """The largest text prompt (UTF-8 bytes) worth tokenizing for this context window."""
     return max_model_len * PROMPT_BYTES_PER_TOKEN
+
+
+def max_json_commas(max_model_len: int, vocab_size: int) -> int:
+    """Commas an HTTP JSON body may hold (array elements and object members, strings' commas included)."""
+    return JSON_COMMAS_PER_TOKEN * max_model_len + vocab_size + JSON_COMMAS_FLOOR
+
+
+def max_json_objects(max_model_len: int) -> int:
+    """Opening braces an HTTP JSON body may hold (objects, strings' braces included)."""
+    return max_model_len // 2 + JSON_OBJECTS_FLOOR
 
 
 def request_id_violation(request_id: str) -> FieldViolation | None:

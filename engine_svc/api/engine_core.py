@@ -28,6 +28,7 @@ from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 from engine_svc.api.kv_events import KvEventPublisher, stream_kv_events
 from engine_svc.api.output_packing import pack_outputs
+from engine_svc.api.stream_cap import DEFAULT_MAX_TOKENIZER_DOWNLOADS, StreamCap
 from engine_svc.api.tokenizer_archive import TokenizerArchive, stream_tokenizer
 from engine_svc.busy_loop import BusyLoop
 from engine_svc.config import EngineConfig
@@ -58,7 +59,8 @@ class _Stream:
 
 class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 max_tokenizer_downloads: int = DEFAULT_MAX_TOKENIZER_DOWNLOADS) -> None:
         self.config = config
         self.loop = loop
         self.max_message_bytes = max_message_bytes
@@ -71,6 +73,8 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         self.spans: RequestSpans | None = None  # per-request engine spans (None: tracing off)
         self.kv_events: KvEventPublisher | None = None  # None: --no-enable-kv-cache-events
         self.tokenizer: asyncio.Future[TokenizerArchive | None] | None = None
+        # GetTokenizer calls at once, both protocols together (an unread one holds a chunk and grpc's buffers)
+        self.tokenizer_downloads = StreamCap("GetTokenizer", "--max-tokenizer-downloads", max_tokenizer_downloads)
 
     # Called from the busy-loop thread.
     def deliver(self, stream_id: int, outputs: EngineCoreOutputs) -> None:
@@ -220,7 +224,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
 
     async def GetTokenizer(self, request: pb.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenizerChunk]:
-        async for chunk in stream_tokenizer(self.tokenizer, self.config.model_name, context):
+        async for chunk in stream_tokenizer(self.tokenizer, self.config.model_name, context, self.tokenizer_downloads):
             yield chunk
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:

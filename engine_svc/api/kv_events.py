@@ -3,7 +3,8 @@
 The busy loop hands each iteration's records (engine_svc/kv/events.py) to `KvEventPublisher.publish`
 through `call_soon_threadsafe`; everything in this module runs on the server's event loop. Each
 `SubscribeKvEvents` stream holds one `Subscription` (`stream_kv_events` serves it: a snapshot, then live
-batches; RESOURCE_EXHAUSTED when the subscriber fell too far behind, FAILED_PRECONDITION when events are off).
+batches; RESOURCE_EXHAUSTED when the subscriber fell too far behind or `max_subscribers` streams are
+open already, FAILED_PRECONDITION when events are off).
 
 Invariants:
 - Published batches are numbered 1, 2, 3, ... in publication order, per engine process.
@@ -16,6 +17,9 @@ Invariants:
   (its stream then ends with RESOURCE_EXHAUSTED and the subscriber must subscribe again). `publish`
   never waits for a subscriber: a slow one cannot slow the engine, only lose its subscription.
 - Each batch is converted to protobuf once, whoever subscribes; with no subscriber nothing is converted.
+- At most `max_subscribers` subscriptions are open at once (both protocols' together); one more is refused.
+- Subscriptions made before the next batch share one `Snapshot` (one copy of the mirror's entries, each
+  chunk converted once): an unread subscriber holds no copy of the cache of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +44,7 @@ from shared_runtime.to_pb import stats_to_pb
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUFFER = 1024  # batches (about one per engine step) a subscriber may fall behind before it is dropped
+DEFAULT_MAX_SUBSCRIBERS = 128  # open subscriptions per engine (a deployment's frontends and routers)
 SNAPSHOT_CHUNK_BLOCKS = 4096  # blocks per snapshot message (~0.4 MB at block size 16: far below 4 MiB)
 
 Entry = tuple[BlockHash | None, tuple[int, ...]]  # a cached block's parent hash and token ids
@@ -47,6 +52,10 @@ Entry = tuple[BlockHash | None, tuple[int, ...]]  # a cached block's parent hash
 
 class SubscriberDropped(Exception):
     """The subscriber fell more than `buffer` batches behind; it must subscribe again."""
+
+
+class TooManySubscribers(Exception):
+    """`max_subscribers` subscriptions are open already."""
 
 
 @dataclass
@@ -61,16 +70,21 @@ class KvEventCounters:
 class KvEventPublisher:
     """The engine's prefix cache as a stream of numbered batches, for any number of subscribers."""
 
-    def __init__(self, engine_id: str, block_size: int, buffer: int = DEFAULT_BUFFER) -> None:
+    def __init__(self, engine_id: str, block_size: int, buffer: int = DEFAULT_BUFFER,
+                 max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS) -> None:
         if buffer < 1:
             raise ValueError(f"the KV event buffer must hold at least one batch, got {buffer}")
+        if max_subscribers < 1:
+            raise ValueError(f"at least one KV event subscriber must be allowed, got {max_subscribers}")
         self.engine_id = engine_id
         self.block_size = block_size
         self.buffer = buffer
+        self.max_subscribers = max_subscribers
         self.sequence = 0  # the number of the last published batch
         self.mirror: dict[BlockHash, Entry] = {}
         self.counters = KvEventCounters()
         self._subscriptions: set[Subscription] = set()
+        self._snapshot: Snapshot | None = None  # the mirror as of `sequence`, once someone subscribed
 
     @property
     def num_subscribers(self) -> int:
@@ -79,6 +93,7 @@ class KvEventPublisher:
     def publish(self, events: Sequence[KVEvent], stats: SchedulerStats | None) -> None:
         """One busy-loop iteration's records: mirror them, number them, queue them for every subscriber."""
         self.sequence += 1
+        self._snapshot = None
         apply_to_mirror(self.mirror, events)
         if not self._subscriptions:
             return
@@ -91,8 +106,13 @@ class KvEventPublisher:
             subscription.offer(batch, num_events)
 
     def subscribe(self) -> Subscription:
-        """A new subscription, starting with a snapshot of what is cached now."""
-        subscription = Subscription(self, list(self.mirror.items()), self.sequence)
+        """A new subscription, starting with a snapshot of what is cached now (shared with every other
+        subscription made before the next batch). Raises TooManySubscribers at `max_subscribers`."""
+        if len(self._subscriptions) >= self.max_subscribers:
+            raise TooManySubscribers
+        if self._snapshot is None:
+            self._snapshot = Snapshot(self, tuple(self.mirror.items()), self.sequence)
+        subscription = Subscription(self, self._snapshot)
         self._subscriptions.add(subscription)
         return subscription
 
@@ -105,13 +125,42 @@ class KvEventPublisher:
         self._subscriptions.discard(subscription)
 
 
+class Snapshot:
+    """The mirror as of batch `sequence`, as the chunks a subscription starts with: at most
+    SNAPSHOT_CHUNK_BLOCKS blocks per message, each converted once, when the first subscription sending it
+    gets there (a large cache is converted between writes, not all at once on the event loop), and kept
+    while any subscription still has the snapshot to send."""
+
+    def __init__(self, publisher: KvEventPublisher, items: tuple[tuple[BlockHash, Entry], ...], sequence: int) -> None:
+        self._publisher = publisher
+        self._items = items
+        self.sequence = sequence
+        self.count = max(1, -(-len(items) // SNAPSHOT_CHUNK_BLOCKS))
+        self._chunks: list[tuple[pb.KvEventBatch, int] | None] = [None] * self.count
+
+    def chunk(self, index: int) -> tuple[pb.KvEventBatch, int]:
+        """Chunk `index` and the number of events it holds."""
+        done = self._chunks[index]
+        if done is None:
+            publisher, items = self._publisher, self._items
+            part = items[index * SNAPSHOT_CHUNK_BLOCKS : (index + 1) * SNAPSHOT_CHUNK_BLOCKS]
+            batch = pb.KvEventBatch(
+                sequence_number=self.sequence, timestamp=time.time(), engine_id=publisher.engine_id,
+                snapshot=pb.KvSnapshotChunk(index=index, count=self.count, num_blocks=len(items)))
+            if index == 0:
+                batch.events.add().cleared.SetInParent()
+            add_events(batch.events, [StoredBlock(h, parent, tokens) for h, (parent, tokens) in part],
+                       publisher.block_size)
+            done = self._chunks[index] = (batch, count_events(batch))
+        return done
+
+
 class Subscription:
     """One subscriber's view: a snapshot, then live batches from a bounded buffer."""
 
-    def __init__(self, publisher: KvEventPublisher, snapshot: list[tuple[BlockHash, Entry]], sequence: int) -> None:
+    def __init__(self, publisher: KvEventPublisher, snapshot: Snapshot) -> None:
         self._publisher = publisher
-        self._snapshot = snapshot
-        self._snapshot_sequence = sequence
+        self._snapshot: Snapshot | None = snapshot
         self._pending: collections.deque[tuple[pb.KvEventBatch, int]] = collections.deque()  # (batch, events)
         self._wakeup = asyncio.Event()
         self._dropped = False
@@ -137,12 +186,15 @@ class Subscription:
         when closed."""
         counters = self._publisher.counters
         try:
-            for chunk in self._snapshot_chunks():
+            snapshot = self._snapshot
+            assert snapshot is not None
+            for index in range(snapshot.count):
                 if self._dropped:
                     raise SubscriberDropped
-                counters.sent_events += count_events(chunk)
+                chunk, num_events = snapshot.chunk(index)
+                counters.sent_events += num_events
                 yield chunk
-            self._snapshot = []
+            self._snapshot = snapshot = None  # sent: the other subscriptions may still hold it
             while True:
                 await self._wakeup.wait()
                 self._wakeup.clear()
@@ -156,23 +208,6 @@ class Subscription:
                     return
         finally:
             self.close()
-
-    def _snapshot_chunks(self) -> Iterator[pb.KvEventBatch]:
-        """The snapshot, at most SNAPSHOT_CHUNK_BLOCKS blocks per message; built lazily, so a large cache is
-        converted between writes instead of all at once on the event loop."""
-        publisher = self._publisher
-        items = self._snapshot
-        count = max(1, -(-len(items) // SNAPSHOT_CHUNK_BLOCKS))
-        for index in range(count):
-            part = items[index * SNAPSHOT_CHUNK_BLOCKS : (index + 1) * SNAPSHOT_CHUNK_BLOCKS]
-            batch = pb.KvEventBatch(
-                sequence_number=self._snapshot_sequence, timestamp=time.time(), engine_id=publisher.engine_id,
-                snapshot=pb.KvSnapshotChunk(index=index, count=count, num_blocks=len(items)))
-            if index == 0:
-                batch.events.add().cleared.SetInParent()
-            add_events(batch.events, [StoredBlock(h, parent, tokens) for h, (parent, tokens) in part],
-                       publisher.block_size)
-            yield batch
 
     def _drop(self, overflow_events: int) -> None:
         counters = self._publisher.counters
@@ -239,16 +274,27 @@ def count_events(batch: pb.KvEventBatch) -> int:
 
 async def stream_kv_events(publisher: KvEventPublisher | None,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvEventBatch]:
+    """A subscription as a stream. Refusals end the call with a status set on it, not `context.abort`
+    (whose exception grpc would keep, with this frame, until a full garbage collection)."""
     if publisher is None:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            "KV cache events are off on this engine (--no-enable-kv-cache-events)")
+        _end(context, grpc.StatusCode.FAILED_PRECONDITION,
+             "KV cache events are off on this engine (--no-enable-kv-cache-events)")
         return
-    subscription = publisher.subscribe()
+    try:
+        subscription = publisher.subscribe()
+    except TooManySubscribers:
+        _end(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"this engine has {publisher.max_subscribers} KV event "
+             "subscribers already (--max-kv-event-subscribers); retry later")
+        return
     try:
         async for batch in subscription.batches():
             yield batch
     except SubscriberDropped:
         logger.warning("a KV event subscriber fell more than %d batches behind; dropped it", publisher.buffer)
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"this subscriber fell more than {publisher.buffer} batches behind the engine's KV "
-                            "cache events and was dropped; subscribe again for a fresh snapshot")
+        _end(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"this subscriber fell more than {publisher.buffer} "
+             "batches behind the engine's KV cache events and was dropped; subscribe again for a fresh snapshot")
+
+
+def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    context.set_code(code)
+    context.set_details(details)

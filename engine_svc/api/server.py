@@ -13,7 +13,8 @@
 workers were spawned before it; gRPC starts next with health NOT_SERVING; the busy loop builds the core).
 
 Security (docs/security.md): TLS / mutual TLS from `ServerTls` (certificates re-read on change or
-SIGHUP); with an engine token every call but health needs `authorization: Bearer <token>`. The port is
+SIGHUP); with an engine token every call but health needs `authorization: Bearer <token>`. A request
+whose bytes do not decode is INVALID_ARGUMENT (shared_runtime/security/decode_guard.py). The port is
 bound exclusively (no SO_REUSEPORT): a second engine on a taken port fails to start.
 
 Health (`grpc.health.v1`): "", `tandem.engine.v1.EngineCoreService` and `vllm.grpc.engine.VllmEngine` are NOT_SERVING until the model is
@@ -34,8 +35,9 @@ from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
 from tandem.vendor.smg import vllm_engine_pb2 as smg_pb
 
 from engine_svc.api.engine_core import EngineCoreServicer
-from engine_svc.api.kv_events import DEFAULT_BUFFER, KvEventPublisher
+from engine_svc.api.kv_events import DEFAULT_BUFFER, DEFAULT_MAX_SUBSCRIBERS, KvEventPublisher
 from engine_svc.api.smg import servicer as smg_servicer
+from engine_svc.api.stream_cap import DEFAULT_MAX_TOKENIZER_DOWNLOADS
 from engine_svc.api.tokenizer_archive import TokenizerArchive, read_tokenizer_archive
 from engine_svc.busy_loop import BusyLoop
 from engine_svc.config import EngineConfig
@@ -50,6 +52,7 @@ from shared_runtime.link import (
     message_size_options,
 )
 from shared_runtime.security.auth import AuthInterceptor, KeySet
+from shared_runtime.security.decode_guard import DecodeGuardInterceptor
 from shared_runtime.security.listen import NO_REUSEPORT, add_port, join_host_port, start_health_server
 from shared_runtime.security.tls import ServerTls
 
@@ -85,10 +88,14 @@ class EngineServer:
                  executor: object | None = None, telemetry: EngineTelemetry | None = None,
                  tls: ServerTls | None = None, tokens: KeySet | None = None, health_port: int = 0,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, kv_events: bool = True,
-                 kv_events_buffer: int = DEFAULT_BUFFER, settle_heap_when_ready: bool = False) -> None:
+                 kv_events_buffer: int = DEFAULT_BUFFER, max_kv_event_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
+                 max_tokenizer_downloads: int = DEFAULT_MAX_TOKENIZER_DOWNLOADS,
+                 settle_heap_when_ready: bool = False) -> None:
         """`max_waiting`: None = 4 x max_num_seqs, a negative value = unbounded. `tokens`: the engine
         tokens a caller must present (None: no token needed). `kv_events`: record the prefix cache's
-        changes for SubscribeKvEvents; `kv_events_buffer`: batches a subscriber may fall behind.
+        changes for SubscribeKvEvents; `kv_events_buffer`: batches a subscriber may fall behind;
+        `max_kv_event_subscribers`, `max_tokenizer_downloads`: SubscribeKvEvents and GetTokenizer calls
+        open at once (both protocols together; RESOURCE_EXHAUSTED past them).
         `settle_heap_when_ready`: once the engine is built, freeze what start-up allocated out of the
         garbage collector's reach (shared_runtime/heap.py); for a process that only serves (the CLI),
         since a frozen object is never collected."""
@@ -107,6 +114,7 @@ class EngineServer:
         self.health_port = 0
         self.max_message_bytes = max_message_bytes
         self.kv_events, self.kv_events_buffer = kv_events, kv_events_buffer
+        self.max_kv_event_subscribers, self.max_tokenizer_downloads = max_kv_event_subscribers, max_tokenizer_downloads
         self.settle_heap_when_ready = settle_heap_when_ready
         self.exit_code = 0
         self.bound_port = 0
@@ -123,14 +131,16 @@ class EngineServer:
         for name in READINESS:
             await self.health.set(name, NOT_SERVING)
         await self.health.set(LIVENESS, SERVING)
-        self.servicer = EngineCoreServicer(self.config, loop, self.max_message_bytes)
+        self.servicer = EngineCoreServicer(self.config, loop, self.max_message_bytes, self.max_tokenizer_downloads)
         self.servicer.spans = self.telemetry.spans
         self.servicer.tokenizer = loop.run_in_executor(None, _read_tokenizer_archive, self.config.model)
         publisher = None
         if self.kv_events:
-            publisher = KvEventPublisher(self.servicer.engine_id, self.config.block_size, self.kv_events_buffer)
+            publisher = KvEventPublisher(self.servicer.engine_id, self.config.block_size, self.kv_events_buffer,
+                                         self.max_kv_event_subscribers)
             self.servicer.kv_events = publisher
         interceptors = [AuthInterceptor(self.tokens)] if self.tokens is not None else []
+        interceptors.append(DecodeGuardInterceptor())  # undecodable bytes: INVALID_ARGUMENT, not UNKNOWN
         receive = engine_receive_limit(self.config.max_model_len, self.max_message_bytes)
         server = grpc.aio.server(options=server_options(self.max_message_bytes, receive), interceptors=interceptors)
         pb_grpc.add_EngineCoreServiceServicer_to_server(self.servicer, server)
@@ -194,7 +204,8 @@ class EngineServer:
             self.tokens.reload()
 
     def _make_core(self) -> EngineCore:
-        return EngineCore(self.config, executor=self.executor, kv_events=self.kv_events)  # type: ignore[arg-type]
+        return EngineCore(self.config, executor=self.executor, kv_events=self.kv_events,  # type: ignore[arg-type]
+                          compile_processes=True)
 
     def _set_serving(self, serving: bool) -> None:
         """Readiness ("" and the service name); `liveness` is left SERVING until exit."""

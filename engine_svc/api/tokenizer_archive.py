@@ -9,7 +9,8 @@ its own. The engine still needs no tokenizer to serve requests.
 - A .gguf file: its metadata without tensors (tokenizer, chat template and limits live there).
 
 `stream_tokenizer` serves it (`GetTokenizer`) in chunks of at most `tokenizer_bundle.CHUNK_BYTES`, the total
-size on the first and the SHA-256 on the last.
+size on the first and the SHA-256 on the last, to at most `--max-tokenizer-downloads` callers at once
+(stream_cap.py; both protocols together).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
 
+from engine_svc.api.stream_cap import StreamCap
 from shared_runtime import tokenizer_bundle
 
 logger = logging.getLogger(__name__)
@@ -67,13 +69,21 @@ def _tokenizer_files(path: Path) -> dict[str, bytes] | None:
 
 
 async def stream_tokenizer(archive: asyncio.Future[TokenizerArchive | None] | None, model_name: str,
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenizerChunk]:
-    found = await archive if archive is not None else None
-    if found is None:
-        await context.abort(grpc.StatusCode.NOT_FOUND, "this engine's model has no tokenizer files to serve "
-                            "(no tokenizer.json, or a .gguf file without a tokenizer); start the frontend "
-                            "with --model")
+                           context: grpc.aio.ServicerContext,
+                           cap: StreamCap | None = None) -> AsyncIterator[pb.TokenizerChunk]:
+    """GetTokenizer: the archive in chunks; NOT_FOUND without one; RESOURCE_EXHAUSTED past `cap`."""
+    if cap is not None and not cap.take(context):
         return
-    for piece, first, last in found.chunks():
-        yield pb.TokenizerChunk(data=piece, total_size=len(found.data) if first else 0,
-                                model_name=model_name if first else "", sha256=found.sha256 if last else "")
+    try:
+        found = await archive if archive is not None else None
+        if found is None:
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details("this engine's model has no tokenizer files to serve (no tokenizer.json, or a "
+                                ".gguf file without a tokenizer); start the frontend with --model")
+            return
+        for piece, first, last in found.chunks():
+            yield pb.TokenizerChunk(data=piece, total_size=len(found.data) if first else 0,
+                                    model_name=model_name if first else "", sha256=found.sha256 if last else "")
+    finally:
+        if cap is not None:
+            cap.give_back()

@@ -2,10 +2,11 @@
 EBNF grammar, structural tag) with xgrammar, as vLLM and SGLang do.
 
 - `compiler.py` (`GrammarCompilers`): compiles a request's `StructuredOutputs` against the model's
-  vocabulary on a small thread pool, never on the busy loop's thread (xgrammar releases the GIL while
-  it compiles), through a bounded LRU cache keyed by the constraint, so identical constraints compile
-  once. The vocabulary comes from the model directory's tokenizer files, read once on the pool's thread
-  by the first constrained request: the one place the engine reads a tokenizer.
+  vocabulary, never on the busy loop's thread, through a bounded LRU cache keyed by the constraint, so
+  identical constraints compile once: a serving engine in processes it can pause and kill
+  (`compile_farm.py`, each process running `compile_worker.py`), the offline API on a small thread pool
+  (xgrammar releases the GIL while it compiles). The vocabulary comes from the model directory's tokenizer
+  files, read once on a thread: the one place the engine reads a tokenizer.
 - `grammar.py` (`RequestGrammar`): one request's matcher - the grammar state after its output tokens.
   Each engine request (so each of n completions) has its own.
 - `bitmask.py`: each step, the scheduler fills one bitmask row per constrained request that samples

@@ -46,22 +46,28 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """A coroutine that writes its responses (`context.write`), not an async generator: a response
-        then costs one await, not a hop through each generator between it and grpc's send loop."""
+        then costs one await, not a hop through each generator between it and grpc's send loop. A failure
+        is a status set on the call (`status.end`), never an exception kept by grpc with our frames."""
         call = self._f.begin_call(context.invocation_metadata() or (), GENERATE_METHOD, None)
         try:
-            await self._generate(request, context, call)
+            failure = await self._generate(request, context, call)
         except BaseException as exc:
             call.fail(*grpc_failure(exc, context))
             raise
-        call.succeed()
+        if failure is None:
+            call.succeed()
+            return
+        status.end(context, failure)
+        call.fail(*grpc_failure(None, context))
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                        call: GenerateCall) -> None:
+                        call: GenerateCall) -> grpc.Status | None:
+        """Runs the request; the status it fails with, or None."""
         f = self._f
         try:
             generation = f.open_generation(max(1, request.sampling_params.n), call)
         except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(exc))
+            return status.from_error(exc)
         # The RPC's end releases the request even if this generator stays suspended in a write until
         # garbage collection (a cancel or deadline during a write): the engine must not wait for that.
         context.add_done_callback(lambda _: generation.close())
@@ -72,26 +78,29 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 for delta in deltas:
                     await write(response_from_delta(delta))
         except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(exc))
+            return status.from_error(exc)
         finally:
             generation.close()
+        return None
 
     async def Tokenize(self, request: pb.TokenizeRequest,
-                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse | None:
         f = self._f
         try:
             ids = await f.run_blocking(lambda r: tokenize(f, r), request)
         except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(exc))
+            status.end(context, status.from_error(exc))
+            return None
         return pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=f.max_model_len)
 
     async def Detokenize(self, request: pb.DetokenizeRequest,
-                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse | None:
         f = self._f
         try:
             text = await f.run_blocking(lambda r: detokenize(f, r), request)
         except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(exc))
+            status.end(context, status.from_error(exc))
+            return None
         return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

@@ -5,14 +5,13 @@
 - Retryable conditions (UNAVAILABLE, RESOURCE_EXHAUSTED) carry `google.rpc.ErrorInfo` (a stable
   `reason`, domain "tandem") and `google.rpc.RetryInfo` with a suggested delay.
 
-`abort()` ends the call; raised before the handler sends anything, gRPC answers Trailers-Only, which
-client retry policies can retry.
+`end()` sets the status a handler's call ends with when it returns; set before the handler sends
+anything, gRPC answers Trailers-Only, which client retry policies can retry.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import NoReturn
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -69,8 +68,11 @@ def from_error(error: ValidationError | ServiceError) -> grpc.Status:
     return error_status(code_from_number(error.code), error.message, error.reason)
 
 
-async def abort(context: grpc.aio.ServicerContext, status: grpc.Status) -> NoReturn:
-    """End the call with `status` (its details travel in grpc-status-details-bin)."""
-    await context.abort_with_status(status)
-    raise AssertionError("abort_with_status returned")  # it always raises
+def end(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
+    """The status the call ends with once its handler returns (details in grpc-status-details-bin): what
+    `context.abort_with_status` sends, without the exception grpc would keep in the call's state, whose
+    traceback holds the handler's frames - the request - in a reference cycle until a full collection."""
+    context.set_code(status.code)
+    context.set_details(status.details)
+    context.set_trailing_metadata(status.trailing_metadata)
 

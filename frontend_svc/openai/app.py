@@ -5,8 +5,9 @@
   POST /v1/responses   GET /v1/responses/{id}   POST /v1/responses/{id}/cancel   (responses.py)   GET /metrics
 
 Per generation request: read the body (at most `max_body_bytes`, checked from Content-Length before
-reading and while reading: 413) -> parse and validate it with pydantic (on a thread when it is large,
-so a big body never stalls other streams) -> check the model name and unsupported fields -> build the
+reading and while reading: 413) -> count its commas and braces against what a request within
+max_model_len can hold (400, before parsing) -> parse and validate it with pydantic (on the parse lane
+when it is large: one parse at a time, off the loop) -> check the model name and unsupported fields -> build the
 prompts and `SamplingParams` -> `Run.start` (admission, tokenization on the pool, routing) -> either
 stream SSE chunks or collect the whole response.
 
@@ -49,11 +50,15 @@ from frontend_svc.openai.errors import (
     bad_request,
     from_pydantic,
     not_found,
+    raise_if,
     unauthorized,
 )
 from frontend_svc.openai.generations import Run, code_name, from_service
 from frontend_svc.openai.http_io import (
+    DISCONNECTED,
     JSON,
+    BodyLimits,
+    Disconnected,
     error_response,
     guarded,
     header_pairs,
@@ -61,7 +66,7 @@ from frontend_svc.openai.http_io import (
     off_loop_if_large,
     parse_body,
     pick_request_id,
-    read_body,
+    read_json_body,
     unless_disconnected,
 )
 from frontend_svc.processor import PreparedRequest
@@ -107,6 +112,11 @@ class OpenAIApi:
         self.texts = bodies.TokenTexts(frontend.tokenizer)
         self.created = int(time.time())
         self.fingerprint = system_fingerprint(frontend.model_name)
+
+    def body_limits(self) -> BodyLimits:
+        """A request body's bounds for the model served now (max_model_len is the ready engines')."""
+        f = self.frontend
+        return BodyLimits.for_model(self.max_body_bytes, f.max_model_len, f.vocab_size)
 
     def asgi(self) -> ASGIApp:
         from frontend_svc.openai import responses  # it builds on this module's helpers
@@ -169,7 +179,7 @@ class OpenAIApi:
     async def _tokenize(self, request: Request) -> Response:
         """The chat form when the body has `messages`, else the prompt form (vLLM's union)."""
         f = self.frontend
-        raw = await read_body(request, self.max_body_bytes)
+        raw = await read_json_body(request, self.body_limits())
         data = await off_loop_if_large(raw, json_object, raw)
         body: p.TokenizeCompletionRequest | p.TokenizeChatRequest
         try:
@@ -193,7 +203,7 @@ class OpenAIApi:
         return Response(out.model_dump_json(), media_type=JSON)
 
     async def _detokenize(self, request: Request) -> Response:
-        body = await parse_body(request, self.max_body_bytes, p.DetokenizeRequest)
+        body = await parse_body(request, self.body_limits(), p.DetokenizeRequest)
         bodies.served_model(body.model, self.frontend.model_name)
         text = await self._blocking(lambda ids: self.frontend.detokenize_ids(ids, skip_special_tokens=False),
                                     body.tokens, {"token_ids": "tokens"})
@@ -216,7 +226,7 @@ class OpenAIApi:
 
     # ---- generation ----------------------------------------------------------------------------------
     async def _completions(self, request: Request) -> Response:
-        body = await parse_body(request, self.max_body_bytes, p.CompletionRequest)
+        body = await parse_body(request, self.body_limits(), p.CompletionRequest)
         self._check(body)
         prompts = bodies.completion_prompts(body.prompt)
         names = bodies.field_names(body)
@@ -230,7 +240,7 @@ class OpenAIApi:
         return await self._respond(request, run, builder, body, request_id)
 
     async def _chat(self, request: Request) -> Response:
-        body = await parse_body(request, self.max_body_bytes, p.ChatCompletionRequest)
+        body = await parse_body(request, self.body_limits(), p.ChatCompletionRequest)
         self._check(body)
         names = bodies.field_names(body)
         try:
@@ -257,9 +267,7 @@ class OpenAIApi:
 
     def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
         bodies.served_model(body.model, self.frontend.model_name)
-        error = bodies.unsupported(body)
-        if error is not None:
-            raise error
+        raise_if(bodies.unsupported(body))
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
@@ -276,18 +284,17 @@ class OpenAIApi:
     async def _respond(self, request: Request, run: Run, builder: Builder,
                        body: p.CompletionRequest | p.ChatCompletionRequest, request_id: str) -> Response:
         headers = {"X-Request-Id": request_id}
-        start = asyncio.ensure_future(run.start())
-        if not await unless_disconnected(request, start):
+        if await unless_disconnected(request, run.start()) is DISCONNECTED:
             return Response(status_code=499)
         builder.prompts = [self._prompt_info(prepared, builder.extras.echo) for prepared in run.prepared]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse.EventStream(_stream(run, builder, include_usage), on_close=run.close, headers=headers)
-        collect = asyncio.ensure_future(_collect(run, builder))
         try:
-            if not await unless_disconnected(request, collect):
+            answer = await unless_disconnected(request, _collect(run, builder))
+            if isinstance(answer, Disconnected):
                 return Response(status_code=499)
-            return Response(collect.result(), media_type=JSON, headers=headers)
+            return Response(answer, media_type=JSON, headers=headers)
         finally:
             run.close()
 

@@ -33,7 +33,7 @@ import pydantic_core
 from frontend_svc.chat_template import ChatOptions
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai import structured, tools
-from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, model_not_found
+from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, echo, model_not_found, raise_if
 from frontend_svc.outputs import CompletionDelta, TokenLogprob
 from frontend_svc.processor import ChatPrompt, Prompt, PromptOptions
 from shared_runtime.contract import SamplingParams
@@ -97,7 +97,7 @@ def chat_prompt(request: p.ChatCompletionRequest) -> ChatPrompt:
             texts = []
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"content parts of type {part.type!r} are not supported (only 'text')",
+                    raise bad_request(f"content parts of type {echo(part.type)!r} are not supported (only 'text')",
                                       f"messages.[{i}].content.[{j}].type")
                 texts.append(part.text)
             content = "\n".join(texts)
@@ -117,9 +117,7 @@ def tokenize_chat_prompt(request: p.TokenizeChatRequest) -> ChatPrompt:
     """/tokenize's messages as /v1/chat/completions would render them (same fields, same checks)."""
     fields = {name: getattr(request, name) for name in type(request).model_fields if name != "return_token_strs"}
     chat = p.ChatCompletionRequest.model_construct(**fields)
-    error = unsupported(chat)
-    if error is not None:
-        raise error
+    raise_if(unsupported(chat))
     return chat_prompt(chat)
 
 

@@ -65,6 +65,29 @@ class ApiError(Exception):
         return self.body().model_dump_json().encode()
 
 
+def raise_if(error: ApiError | None) -> None:
+    """Raise `error` unless it is None. Call it as `raise_if(check(...))`: an exception held in a local of a
+    frame it is raised through is a reference cycle (the exception's traceback holds the frame), which
+    keeps the frame's locals - a refused request's parsed body - until a full garbage collection."""
+    if error is not None:
+        try:
+            raise error
+        finally:
+            del error
+
+
+MAX_ECHO_CHARS = 128  # of a client's string (an id, a name, a key) quoted back in an error
+MAX_PYDANTIC_ERRORS = 8  # problems of one body listed in its 400 (the rest are counted)
+
+
+def echo(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """A client's string as an error quotes it: whole when short, else its start and its length (a 3 MB
+    id was echoed whole in a 3 MB answer)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
@@ -75,7 +98,7 @@ def unauthorized() -> ApiError:
 
 
 def model_not_found(name: str) -> ApiError:
-    return ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    return ApiError(404, f"The model `{echo(name)}` does not exist.", param="model", code="model_not_found")
 
 
 def too_large(limit: int) -> ApiError:
@@ -83,7 +106,7 @@ def too_large(limit: int) -> ApiError:
 
 
 def not_found(path: str) -> ApiError:
-    return ApiError(404, f"no route {path}", code="not_found")
+    return ApiError(404, f"no route {echo(path)}", code="not_found")
 
 
 def service_error(code: int, message: str, reason: str) -> ApiError:
@@ -121,7 +144,8 @@ class FieldNames:
 def from_pydantic(exc: pydantic.ValidationError) -> ApiError:
     """400 for a body whose shape is wrong; `param` is the first bad field in OpenAI's path style."""
     messages: dict[str, str] = {}
-    for err in exc.errors(include_url=False):
+    count = exc.error_count()
+    for err in exc.errors(include_url=False, include_input=False)[:MAX_PYDANTIC_ERRORS]:
         param, in_union = _param_of(err["loc"])
         if param not in messages:
             field_name = param.rsplit(".", 1)[-1]
@@ -129,6 +153,8 @@ def from_pydantic(exc: pydantic.ValidationError) -> ApiError:
                                else _describe(err))
     first = next(iter(messages), None)
     text = "; ".join(f"{p}: {m}" if p else m for p, m in messages.items())
+    if count > MAX_PYDANTIC_ERRORS:
+        text += f"; and {count - MAX_PYDANTIC_ERRORS} more problems"
     return bad_request(text or "invalid request body", first or None)
 
 
@@ -143,7 +169,7 @@ def _param_of(loc: Sequence[Any]) -> tuple[str, bool]:
             in_union = True
             break
         else:
-            parts.append(str(item))
+            parts.append(echo(str(item), 64))  # a key the client chose (an unknown field) may be megabytes
     return ".".join(parts), in_union
 
 

@@ -73,7 +73,10 @@ class Run:
             error = api_error(exc, self._names)
             self.fail(code_name(exc.code) if isinstance(exc, ServiceError) else "INVALID_ARGUMENT", error.message)
             self.close()
-            raise error from None
+            try:
+                raise error from None
+            finally:
+                del error  # a local holding the exception raised through this frame would be a cycle
         except asyncio.CancelledError:
             self.fail("CANCELLED", "the client went away")
             self.close()
@@ -113,7 +116,10 @@ class Run:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
-                    raise item
+                    try:
+                        raise item
+                    finally:
+                        del item  # no cycle through this frame (see raise_if)
                 else:
                     yield item
         finally:

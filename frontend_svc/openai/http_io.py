@@ -4,7 +4,13 @@ id, its headers, its client's disconnect, and errors as OpenAI's JSON error resp
 Invariants:
 - A body is read only up to its limit: Content-Length over it is refused before reading, and reading
   stops as soon as the bytes received exceed it (413).
-- A body larger than `INLINE_PARSE_BYTES` is parsed on a thread, never on the event loop.
+- Before a JSON body is parsed, its commas and opening braces are counted on the raw bytes (C speed,
+  ~1 ms per MB) against `BodyLimits` (shared_runtime/limits.py: what a request that fits max_model_len
+  can hold); more is a 400 at once. Parsing holds the GIL even on a thread, so this count is what bounds
+  how long one body's parse can stall every stream.
+- A body larger than `INLINE_PARSE_BYTES` is parsed on a thread, never on the event loop, and one such
+  parse runs at a time per event loop (the parse lane): eight big bodies at once stall other streams as
+  long as one does, not eight times as long, since the loop gets the GIL back between two parses.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pydantic
@@ -41,20 +49,60 @@ async def guarded(request: Request, handler: Callable[[Request], Awaitable[Respo
         return error_response(exc)
 
 
-async def parse_body(request: Request, max_body_bytes: int, model: type[M]) -> M:
-    """The body validated as `model` (pydantic; on a thread when it is large); 400/413 as `ApiError`."""
-    raw = await read_body(request, max_body_bytes)
+@dataclass(frozen=True)
+class BodyLimits:
+    """What one JSON body may hold: bytes (413), commas and opening braces (400, counted before parsing)."""
+
+    max_bytes: int
+    max_commas: int
+    max_objects: int
+
+    @classmethod
+    def for_model(cls, max_bytes: int, max_model_len: int, vocab_size: int) -> BodyLimits:
+        return cls(max_bytes, limits.max_json_commas(max_model_len, vocab_size),
+                   limits.max_json_objects(max_model_len))
+
+    def check(self, raw: bytes) -> None:
+        """400 when `raw` holds more commas or opening braces than a request within these limits can."""
+        for mark, what, bound in ((b",", "commas (array elements and object members)", self.max_commas),
+                                  (b"{", "objects ('{')", self.max_objects)):
+            count = raw.count(mark)
+            if count > bound:
+                raise bad_request(f"the request body holds {count} {what}; a request that fits this model's "
+                                  f"context holds at most {bound}")
+
+
+async def parse_body(request: Request, body_limits: BodyLimits, model: type[M]) -> M:
+    """The body validated as `model` (pydantic; on the parse lane when it is large) after its counts were
+    checked; 400/413 as `ApiError`."""
+    raw = await read_json_body(request, body_limits)
     try:
         return await off_loop_if_large(raw, model.model_validate_json, raw)
     except pydantic.ValidationError as exc:
         raise from_pydantic(exc) from None
 
 
+async def read_json_body(request: Request, body_limits: BodyLimits) -> bytes:
+    """The body's bytes, within `body_limits` (413 past its size, 400 past its counts)."""
+    raw = await read_body(request, body_limits.max_bytes)
+    body_limits.check(raw)
+    return raw
+
+
+_PARSE_LANES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
 async def off_loop_if_large(raw: bytes, fn: Callable[[Any], T], arg: Any) -> T:
-    """`fn(arg)`, on a thread when `raw` (the body it works on) is large, so it never stalls other streams."""
-    if len(raw) > INLINE_PARSE_BYTES:
+    """`fn(arg)`, on a thread when `raw` (the body it works on) is large, one at a time per event loop (the
+    parse lane: a parse holds the GIL, so the loop runs between two, never during one)."""
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return fn(arg)
+    loop = asyncio.get_running_loop()
+    lane = _PARSE_LANES.get(loop)
+    if lane is None:
+        lane = _PARSE_LANES[loop] = asyncio.Semaphore(1)
+    async with lane:
         return await asyncio.to_thread(fn, arg)
-    return fn(arg)
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -63,6 +111,8 @@ def json_object(raw: bytes) -> dict[str, Any]:
         data = json.loads(raw)
     except ValueError:
         raise bad_request("the body is not valid JSON") from None
+    except RecursionError:  # json.loads recurses per nesting level: a 400, not a 500 with a traceback
+        raise bad_request("the body is not valid JSON: it is nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     return data
@@ -89,22 +139,36 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def unless_disconnected(request: Request, task: asyncio.Future[Any]) -> bool:
-    """Wait for `task`; False (task cancelled) if the client disconnects first. Raises what `task` raises."""
+class Disconnected:
+    """What `unless_disconnected` returns when the client went away first."""
+
+
+DISCONNECTED = Disconnected()
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | Disconnected:
+    """`work`'s result, or DISCONNECTED (work cancelled) if the client disconnects first. Raises what
+    `work` raises.
+
+    The task running `work` is referenced by this frame alone, and this frame drops it before returning
+    or raising: a task keeps its exception, whose traceback holds this frame and its caller's, so a task
+    held by any of them would make a reference cycle that keeps everything the failed work touched (a
+    refused request's parsed body) until a full garbage collection."""
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request.receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # its end, without its exception (and without hiding our own cancel)
+            return DISCONNECTED
+        return task.result()
     except asyncio.CancelledError:
         task.cancel()
         raise
     finally:
         watch.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.wait({task})  # its end, without its exception (and without hiding our own cancel)
-        return False
-    task.result()
-    return True
+        del task, watch
 
 
 async def _disconnected(receive: Receive) -> None:

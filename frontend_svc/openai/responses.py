@@ -23,7 +23,6 @@ its store never forgets), and tandem keeps nothing either: `store` is accepted a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -39,10 +38,13 @@ from frontend_svc.generation import GenerationBackend
 from frontend_svc.openai import bodies, sse
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai import responses_protocol as rp
-from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, from_pydantic
+from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, echo, from_pydantic, raise_if
 from frontend_svc.openai.generations import Run, code_name, from_service
 from frontend_svc.openai.http_io import (
+    DISCONNECTED,
     JSON,
+    BodyLimits,
+    Disconnected,
     error_response,
     guarded,
     header_pairs,
@@ -60,7 +62,8 @@ class OpenAIRoutes(Protocol):
     """What these routes use of the OpenAI app they join (`app.OpenAIRoutes`)."""
 
     frontend: GenerationBackend
-    max_body_bytes: int
+
+    def body_limits(self) -> BodyLimits: ...
 
 
 ROUTE = "/v1/responses"
@@ -79,7 +82,7 @@ def routes(api: OpenAIRoutes) -> list[Route]:
 
 def not_stored(response_id: str) -> ApiError:
     """vLLM's answer for an id it has not stored (every id: nothing is stored)."""
-    return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    return ApiError(404, f"Response with id '{echo(response_id)}' not found.", param="response_id")
 
 
 # ---- request ------------------------------------------------------------------------------------------
@@ -110,7 +113,8 @@ def input_messages(body: rp.ResponsesRequest) -> tuple[list[dict[str, Any]], boo
         return messages, False
     for i, item in enumerate(body.input):
         if item.type != "message" or item.role is None:
-            raise bad_request(f"input items of type {item.type!r} are not supported (only messages)", f"input.[{i}]")
+            raise bad_request(f"input items of type {echo(item.type)!r} are not supported (only messages)",
+                              f"input.[{i}]")
         messages.append({"role": item.role, "content": _content(item, i)})
     last = body.input[-1] if body.input else None
     partial = last is not None and last.role == "assistant" and last.status in rp.PARTIAL
@@ -125,7 +129,7 @@ def _content(item: rp.InputItem, index: int) -> str | list[dict[str, str]]:
     parts = []
     for j, part in enumerate(content):
         if part.type not in rp.TEXT_PARTS or part.text is None:
-            raise bad_request(f"content parts of type {part.type!r} are not supported (only input_text and "
+            raise bad_request(f"content parts of type {echo(part.type)!r} are not supported (only input_text and "
                               f"output_text)", f"input.[{index}].content.[{j}].type")
         parts.append({"type": "text", "text": part.text})
     if item.role == "assistant":
@@ -325,11 +329,9 @@ class ResponsesHandler:
 
     async def _create(self, request: Request) -> Response:
         api, frontend = self.api, self.api.frontend
-        body = await parse_body(request, api.max_body_bytes, rp.ResponsesRequest)
+        body = await parse_body(request, api.body_limits(), rp.ResponsesRequest)
         bodies.served_model(body.model, frontend.model_name)
-        error = unsupported(body)
-        if error is not None:
-            raise error
+        raise_if(unsupported(body))
         if body.previous_response_id is not None:
             raise not_stored(body.previous_response_id)
         chat = to_chat(body)
@@ -344,18 +346,17 @@ class ResponsesHandler:
         builder = ResponseBuilder(response_id, frontend.model_name, body, params)
         run = Run(frontend, header_pairs(request), ROUTE, [prompt], params, response_id,
                   body.priority, names, bodies.prompt_options(chat))
-        start = asyncio.ensure_future(run.start())
-        if not await unless_disconnected(request, start):
+        if await unless_disconnected(request, run.start()) is DISCONNECTED:
             return Response(status_code=499)
         builder.fitted(len(run.prepared[0].prompt_token_ids), frontend.max_model_len)
         headers = {"X-Request-Id": response_id}
         if body.stream:
             return sse.EventStream(_stream(run, builder), on_close=run.close, headers=headers)
-        collect = asyncio.ensure_future(_collect(run, builder))
         try:
-            if not await unless_disconnected(request, collect):
+            answer = await unless_disconnected(request, _collect(run, builder))
+            if isinstance(answer, Disconnected):
                 return Response(status_code=499)
-            return Response(collect.result(), media_type=JSON, headers=headers)
+            return Response(answer, media_type=JSON, headers=headers)
         finally:
             run.close()
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from frontend_svc.openai import protocol as p
+from frontend_svc.openai.errors import echo
 from frontend_svc.openai.structured import schema_text
 from frontend_svc.openai.tool_parsers import (
     TOOL_CALL_PARSER_NAMES,
@@ -56,7 +57,7 @@ def check(request: p.ChatCompletionRequest, parser: str | None) -> None:
         raise ValidationError.single("tool_choice", "tool_choice needs tools")
     if isinstance(choice, p.NamedToolChoice) and _tool(request, choice.function.name) is None:
         raise ValidationError.single("tool_choice.function.name",
-                                     f"no tool named {choice.function.name!r} in tools")
+                                     f"no tool named {echo(choice.function.name)!r} in tools")
     if choice == "auto" and parser is None:
         raise ValidationError.single("tool_choice", '"auto" tool choice needs the server to run with '
                                                     f"--tool-call-parser ({', '.join(TOOL_CALL_PARSER_NAMES)})")
@@ -95,7 +96,7 @@ def message_tool_calls(calls: list[p.ToolCall]) -> list[dict[str, Any]]:
     for call in calls:
         try:
             arguments: Any = json.loads(call.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deeply to parse
             arguments = call.function.arguments
         out.append({"id": call.id, "type": "function",
                     "function": {"name": call.function.name, "arguments": arguments}})

@@ -133,8 +133,9 @@ class GenerateCall:
             self._metrics.failure.labels(self._model_name, code).inc()
 
 
-def grpc_failure(exc: BaseException, context: Any) -> tuple[str, str]:
-    """(status code name, message) of a gRPC call that ends with `exc` (read after an abort)."""
+def grpc_failure(exc: BaseException | None, context: Any) -> tuple[str, str]:
+    """(status code name, message) of a gRPC call that ends with `exc` (read after an abort), or with the
+    status its handler set (`exc` None)."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         remaining = context.time_remaining()
         code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"

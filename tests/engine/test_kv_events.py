@@ -167,6 +167,36 @@ def test_a_large_snapshot_comes_in_chunks_that_rebuild_the_cache(monkeypatch: py
     asyncio.run(scenario())
 
 
+def test_subscriptions_share_one_snapshot_until_the_next_batch_and_are_capped() -> None:
+    """Before: each subscription copied the whole mirror (+0.68 MB per unread subscriber at 8k blocks) and
+    converted its own chunks, with no bound on subscribers. Now subscriptions made before the next batch
+    share one snapshot, each chunk converted once, and past `max_subscribers` subscribe() refuses."""
+    import tracemalloc
+
+    async def scenario() -> None:
+        publisher = KvEventPublisher("e", BS, max_subscribers=40)
+        publisher.publish([stored(i, i + 1, i + 2, i + 3) for i in range(4000)], None)
+        first = publisher.subscribe()
+        tracemalloc.start()
+        rest = [publisher.subscribe() for _ in range(38)]
+        grown, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert grown < 200_000, f"38 subscriptions took {grown} bytes (a copy of 4,000 entries is ~450 kB)"
+        assert all(s._snapshot is first._snapshot for s in rest)
+        streams = [first.batches(), rest[0].batches()]  # (kept: a finished stream closes its subscription)
+        chunks = [await take(stream, 1) for stream in streams]
+        assert chunks[0][0] is chunks[1][0]  # converted once
+        publisher.publish([stored(1, 1, 1, 1)], None)
+        later = publisher.subscribe()  # the 40th
+        assert later._snapshot is not first._snapshot and later._snapshot.sequence == 2  # type: ignore[union-attr]
+        with pytest.raises(kv_publisher.TooManySubscribers):
+            publisher.subscribe()
+        later.close()
+        publisher.subscribe()  # a place came back
+
+    asyncio.run(scenario())
+
+
 def test_a_slow_subscriber_is_dropped_and_the_others_miss_nothing() -> None:
     async def scenario() -> None:
         publisher = KvEventPublisher("e", BS, buffer=2)

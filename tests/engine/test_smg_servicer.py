@@ -197,6 +197,19 @@ def test_refusals_name_the_field(stub: vpb_grpc.VllmEngineStub) -> None:
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.parametrize("method", ["Generate", "GetModelInfo"])
+def test_undecodable_bytes_are_invalid_argument_without_exception_text(engine: ServerThread, method: str) -> None:
+    """Before: UNKNOWN "Unexpected <class 'google.protobuf.message.DecodeError'>: ..." (grpcio's default)."""
+    with engine.channel() as channel:
+        call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
+            f"/vllm.grpc.engine.VllmEngine/{method}", request_serializer=lambda b: b, response_deserializer=bytes)
+        with pytest.raises(grpc.RpcError) as caught:
+            result = call(b"\xff\xff\xff\xff", timeout=TIMEOUT)
+            list(result) if method == "Generate" else result
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert caught.value.details() == f"the request is not a valid {method} request message"
+
+
 def test_the_admission_queue_bound_holds_for_smg_calls(engine: ServerThread, stub: vpb_grpc.VllmEngineStub) -> None:
     """max_num_seqs 4, --max-waiting 2: past 6 live requests the next is RESOURCE_EXHAUSTED."""
     calls = [stub.Generate(request(f"q{i}", max_tokens=500), timeout=TIMEOUT) for i in range(6)]

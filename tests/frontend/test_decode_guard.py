@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from frontend_svc.grpc_api.decode_guard import DecodeGuardInterceptor, MalformedRequest
+from shared_runtime.security.decode_guard import DecodeGuardInterceptor, MalformedRequest
 
 
 class _Details:

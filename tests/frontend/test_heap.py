@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import weakref
 from typing import Any
 
 import pytest
 
 from frontend_svc import cli
-from shared_runtime.heap import GEN0_THRESHOLD, settle_heap
+from shared_runtime import heap
+from shared_runtime.heap import GEN0_THRESHOLD, GarbageWatch, settle_heap
 
 
 @pytest.fixture
 def restored_gc():
     threshold = gc.get_threshold()
     yield
+    heap.stop_garbage_watch()
     gc.unfreeze()
     gc.set_threshold(*threshold)
 
@@ -40,6 +43,45 @@ def test_settle_heap_freezes_what_start_up_built_and_still_collects_cycles(resto
     assert alive() is not None  # refcounting alone cannot free a cycle
     gc.collect()
     assert alive() is None
+
+
+class Node:
+    pass
+
+
+def test_the_garbage_watch_collects_once_resident_memory_grew_past_the_slack(restored_gc) -> None:
+    """The collector counts objects, not bytes: a cycle holding a big list waits for a full collection.
+    The watch runs one when resident memory grew more than its slack since the last."""
+    resident = [1000]
+    watch = GarbageWatch(slack_bytes=100, resident=lambda: resident[0])
+    gc.disable()  # only the watch may collect here
+    try:
+        cycle = Node()
+        cycle.self, cycle.payload = cycle, [0] * 1000  # type: ignore[attr-defined]
+        alive = weakref.ref(cycle)
+        del cycle
+        resident[0] = 1100  # grown by exactly the slack: not yet
+        assert not watch.check() and alive() is not None
+        resident[0] = 1101
+        assert watch.check() and alive() is None and watch.collections == 1
+        resident[0] = 1150  # growth counts from the memory after that collection
+        assert not watch.check()
+        resident[0] = 500  # memory given back lowers the mark
+        assert not watch.check()
+        resident[0] = 601
+        assert watch.check() and watch.collections == 2
+    finally:
+        gc.enable()
+
+
+def test_settle_heap_starts_one_garbage_watch(restored_gc) -> None:
+    settle_heap()
+    first = heap._watch
+    settle_heap()
+    assert first is not None and heap._watch is first
+    assert any(t.name == "garbage-watch" for t in threading.enumerate())
+    heap.stop_garbage_watch()
+    assert not any(t.name == "garbage-watch" for t in threading.enumerate())
 
 
 def test_the_frontend_settles_its_heap_after_start_up(monkeypatch, restored_gc, tiny_model_dir) -> None:

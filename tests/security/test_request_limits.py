@@ -84,6 +84,40 @@ def test_a_5000_message_chat_does_not_stall_other_streams(big: Stack, tokenizer:
     assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
 
 
+def test_refused_calls_are_freed_by_reference_counting_alone(big: Stack) -> None:
+    """Before: a refusal was `context.abort`, whose exception grpc keeps in the call's state with the
+    handler's frames - the request - in its traceback: each refused 140k-message chat stayed until a full
+    collection. With the collector off, nothing of them may stay."""
+    import gc
+
+    chat = [{"role": "user", "content": "x"}] * 140_000  # > max_model_len messages: refused by count
+
+    def attack(client: TandemClient) -> list[grpc.RpcError]:
+        return [rpc_error(lambda: list(client.generate(chat=chat, max_tokens=4, timeout=60))) for _ in range(10)]
+
+    gc.collect()
+    gc.disable()
+    try:
+        with TandemClient(big.address) as client:
+            attack(client)  # the allocator's arenas reach their working size
+        settled = _resident_bytes()
+        gap, errors = attack_while_victim_streams(big, attack)
+        grown = _resident_bytes() - settled
+    finally:
+        gc.enable()
+    print(f"[memory] 10 refused 140k-message chats: resident +{grown / 2**20:.1f} MiB")
+    assert all(e.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_fields(e) == ["chat.messages"] for e in errors)
+    assert grown < 24 * 2**20, f"refused calls left {grown / 2**20:.0f} MiB behind"
+    assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_a_prompt_over_the_byte_budget_is_rejected_quickly(small: Stack) -> None:
     prompt = "x" * 3_900_000
     gap, result = attack_while_victim_streams(small, lambda c: list(c.generate(prompt, max_tokens=4, timeout=30)))
@@ -145,6 +179,43 @@ def test_longest_allowed_stop_strings_with_n_16_keep_memory_and_streams_fine(big
     assert not isinstance(out, grpc.RpcError), out
     assert sorted(out) == list(range(16)) and all(len(o["token_ids"]) == 200 for o in out.values())
     assert grown < 64 * 1024 * 1024, f"peak RSS grew {grown / 2**20:.0f} MiB (from {base / 2**20:.0f})"
+    assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
+
+
+def test_a_hundred_requests_with_fresh_stop_strings_do_not_stall_other_streams(big: Stack, monkeypatch) -> None:
+    """Before: each request's stop-string automaton was built on the event loop (16 fresh strings of 1,024
+    characters: tens of ms of pure Python each), and requests arriving together built theirs back to back:
+    100 of them stalled every stream for seconds. Now `process` builds it on the tokenizer pool: no
+    automaton is ever built on the loop's thread."""
+    import concurrent.futures
+    import random
+    import threading
+
+    from shared_runtime import stop
+
+    built_on: list[str] = []
+    build = stop.StopAutomaton.__init__
+
+    def recording(self: Any, stops: Any) -> None:
+        built_on.append(threading.current_thread().name)
+        build(self, stops)
+
+    monkeypatch.setattr(stop.StopAutomaton, "__init__", recording)
+
+    rng = random.Random(7)
+    stops = [["".join(rng.choice("abcdefghij") for _ in range(1024)) for _ in range(16)] for _ in range(100)]
+
+    def attack(client: TandemClient) -> list[Any]:
+        def one(i: int) -> Any:
+            return collect(client.generate(token_ids=[5, 6, 7], max_tokens=4, stop=stops[i], timeout=60))
+
+        with concurrent.futures.ThreadPoolExecutor(100) as pool:
+            return list(pool.map(one, range(100)))
+
+    gap, outs = attack_while_victim_streams(big, attack)
+    assert not isinstance(outs, grpc.RpcError), outs
+    assert all(len(out[0]["token_ids"]) == 4 for out in outs)
+    assert len(built_on) == 100 and big.loop.thread.name not in built_on, set(built_on)
     assert gap < MAX_STALL_S, f"victim stalled {gap * 1000:.0f} ms"
 
 

@@ -38,7 +38,7 @@ from engine_svc.api.smg.answer import EngineFailure, SmgAnswer
 from engine_svc.api.smg.kv_events import smg_batches
 from engine_svc.api.smg.model_info import ModelFacts, read_model_facts
 from engine_svc.api.smg.request import Refused, SmgPlan, plan_request
-from engine_svc.api.smg.stops import LazyStopTokenizer, NoTokenizer, SampleStops
+from engine_svc.api.smg.stops import LazyStopTokenizer, NoTokenizer, SampleStops, sample_stops
 
 if TYPE_CHECKING:
     from engine_svc.api.engine_core import EngineCoreServicer
@@ -65,9 +65,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def Generate(self, request: vpb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[vpb.GenerateResponse]:
+        """Every way this call fails ends it with `_end` (a status, then return), never `context.abort`:
+        grpc keeps an abort's exception in the call's state, and its traceback holds this frame, whose
+        request, plan and answer (n copies of the prompt) would then wait for a full garbage collection."""
         busy, core = self.engine.busy, self.engine.core
         if busy is None or core is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
+            _end(context, grpc.StatusCode.UNAVAILABLE, "engine is still loading")
             return
         self.last_receive = time.time()
         facts = await self._facts
@@ -76,11 +79,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                 arrival_time=time.time())
             stops = await self._stops(plan) if plan.stop else None
         except Refused as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            _end(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
         if plan.request_id in self._calls:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "duplicate request id: ids must be unique "
-                                "per engine while their request runs")
+            _end(context, grpc.StatusCode.INVALID_ARGUMENT, "duplicate request id: ids must be unique per engine "
+                 "while their request runs")
             return
         sid, queue = self.engine.open_stream()
         self._calls[plan.request_id] = (sid, [child.request_id for child in plan.children])
@@ -91,7 +94,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             while not answer.done:
                 step = await queue.get()
                 if step is None:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped")
+                    _end(context, grpc.StatusCode.UNAVAILABLE, "the engine stopped")
                     return
                 for out in step.outputs:
                     messages, stopped = answer.on_output(out)
@@ -100,20 +103,20 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     for message in messages:
                         yield message
         except EngineFailure as exc:
-            await context.abort(_STATUS.get(exc.code, grpc.StatusCode.INTERNAL), str(exc))
+            _end(context, _STATUS.get(exc.code, grpc.StatusCode.INTERNAL), str(exc))
         finally:
             self._calls.pop(plan.request_id, None)
             self.engine.close_stream(sid)
 
     async def _stops(self, plan: SmgPlan) -> list[SampleStops]:
-        """One stop checker per sample (the tokenizer is loaded the first time); Refused without one."""
+        """One stop checker per sample (the tokenizer is loaded the first time); Refused without one. Built
+        on a worker thread: the stop strings' automaton and the primed detokenizer are pure Python, tens
+        of milliseconds for 16 fresh strings of 1,024 characters, which the event loop must not spend."""
         try:
             tokenizer = await self._stop_tokenizer.get()
         except NoTokenizer as exc:
             raise Refused("sampling_params.stop", f"stop strings need the model's tokenizer.json: {exc}") from None
-        first = SampleStops(tokenizer, plan.prompt_token_ids, plan.stop, plan.include_stop_str_in_output,
-                            plan.skip_special_tokens)
-        return [first] + [first.copy_for(plan.stop, plan.include_stop_str_in_output) for _ in plan.children[1:]]
+        return await asyncio.to_thread(sample_stops, tokenizer, plan)
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         busy = self.engine.busy
@@ -176,12 +179,18 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def GetTokenizer(self, request: cpb.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.GetTokenizerChunk]:
-        archive = await self.engine.tokenizer if self.engine.tokenizer is not None else None
-        if archive is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "this engine's model has no tokenizer files to serve")
+        cap = self.engine.tokenizer_downloads  # shared with EngineCoreService's GetTokenizer
+        if not cap.take(context):
             return
-        for piece, _, last in archive.chunks():
-            yield cpb.GetTokenizerChunk(data=piece, sha256=archive.sha256 if last else "")
+        try:
+            archive = await self.engine.tokenizer if self.engine.tokenizer is not None else None
+            if archive is None:
+                _end(context, grpc.StatusCode.NOT_FOUND, "this engine's model has no tokenizer files to serve")
+                return
+            for piece, _, last in archive.chunks():
+                yield cpb.GetTokenizerChunk(data=piece, sha256=archive.sha256 if last else "")
+        finally:
+            cap.give_back()
 
     async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.KvEventBatch]:
@@ -210,6 +219,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}  # ErrorCode values are grpc.StatusCode numbers
+
+
+def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """The call's status once the handler returns (what `context.abort` sends, without its exception)."""
+    context.set_code(code)
+    context.set_details(details)
 
 
 def add_to_server(servicer: VllmEngineServicer, server: grpc.aio.Server) -> None:

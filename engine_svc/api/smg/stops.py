@@ -8,8 +8,9 @@ archive: tokenizer.json). The detokenizer and the stop checker are the frontend'
 shared_runtime/ (detokenizer.py, stop.py): the text matched is exactly the text a tandem frontend
 would match on.
 
-`SampleStops.feed(new_ids, allow_stop)` returns the stop string that matched, or None. It runs on the
-servicer's event loop, per step and sample with stop strings (one incremental decode of the new ids).
+`sample_stops(tokenizer, plan)` builds a call's checkers (blocking: the servicer runs it on a worker
+thread). `SampleStops.feed(new_ids, allow_stop)` returns the stop string that matched, or None. It runs
+on the servicer's event loop, per step and sample with stop strings (one incremental decode of the new ids).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from collections.abc import Sequence
 
 import tokenizers
 
+from engine_svc.api.smg.request import SmgPlan
 from engine_svc.api.tokenizer_archive import TokenizerArchive
 from shared_runtime import tokenizer_bundle
 from shared_runtime.detokenizer import IncrementalDetokenizer
-from shared_runtime.stop import StopChecker
+from shared_runtime.stop import StopAutomaton, StopChecker, compile_stops
 from shared_runtime.token_texts import TokenTexts
 
 
@@ -66,6 +68,16 @@ class LazyStopTokenizer:
         return await asyncio.get_running_loop().run_in_executor(None, StopTokenizer.from_archive, archive)
 
 
+def sample_stops(tokenizer: StopTokenizer, plan: SmgPlan) -> list[SampleStops]:
+    """One checker per sample of `plan`, sharing one automaton and one primed detokenizer's state
+    (blocking: pure Python linear in the stop strings and the prompt)."""
+    automaton = compile_stops(plan.stop)
+    first = SampleStops(tokenizer, plan.prompt_token_ids, plan.stop, plan.include_stop_str_in_output,
+                        plan.skip_special_tokens)
+    return [first] + [first.copy_for(plan.stop, plan.include_stop_str_in_output, automaton)
+                      for _ in plan.children[1:]]
+
+
 class SampleStops:
     """One sample's text, incrementally, and the stop strings matched on it."""
 
@@ -77,11 +89,12 @@ class SampleStops:
                                              tokenizer.texts)
         self._checker = StopChecker(stop, include_stop_str_in_output)
 
-    def copy_for(self, stop: Sequence[str], include_stop_str_in_output: bool) -> SampleStops:
+    def copy_for(self, stop: Sequence[str], include_stop_str_in_output: bool,
+                 automaton: StopAutomaton | None = None) -> SampleStops:
         """A twin with the same primed detokenizer (the n samples of one prompt decode it once)."""
         twin = SampleStops.__new__(SampleStops)
         twin._detok = self._detok.copy()
-        twin._checker = StopChecker(stop, include_stop_str_in_output)
+        twin._checker = StopChecker(stop, include_stop_str_in_output, automaton)
         return twin
 
     def feed(self, new_token_ids: Sequence[int], allow_stop: bool = True) -> str | None:

@@ -5,7 +5,8 @@ message (corrupt wire format, a string field holding invalid UTF-8) it answers U
 "Unexpected <class 'google.protobuf.message.DecodeError'>: ...". `DecodeGuardInterceptor` swaps in a
 deserializer that turns a parse failure into a `MalformedRequest` marker, and a behaviour that answers
 such a call with INVALID_ARGUMENT naming only the expected message type. It applies to every method
-with a single request message (the public API and health); streaming requests are left alone.
+with a single request message (the frontend's public API, the engine's SMG protocol and unary calls,
+health on both); request streams (the engine's `Connect`) are left alone: they check their own input.
 """
 
 from __future__ import annotations
