@@ -83,7 +83,7 @@ _PATHS = {
     "stop_token_ids": "stopping.stop_token_ids", "stop": "stopping.stop_strings",
     "logprobs": "response.output_candidates", "prompt_logprobs": "response.prompt_candidates",
     # the processor's names for the prompt
-    "text": "text", "token_ids": "token_ids.ids", "token_ids.ids": "token_ids.ids", "prompt": "text",
+    "text": "text", "token_ids": "token_ids.ids", "token_ids.ids": "token_ids.ids",
 }
 
 
