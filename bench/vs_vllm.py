@@ -25,6 +25,15 @@ Two comparisons (each system runs in its own process; every round runs both, in 
 
       python bench/vs_vllm.py served --model .tiny-models/SmolLM2-135M-Instruct --dtype float32
 
+Shared cores (`--neighbour quiet spin`): each run happens once on a quiet machine and once beside a
+neighbour that keeps one core busy (a process spinning in a loop, started before the system and stopped
+after it), alternating; the tables get a `neighbour` column and the summary each system's spin/quiet
+ratio per round. `--systems tandem-static` is tandem with its thread governor off
+(TANDEM_CPU_THREAD_GOVERNOR=0: the OpenMP team stays one thread per core whoever else runs).
+
+      python bench/vs_vllm.py offline --model .tiny-models/SmolLM2-135M-Instruct --dtype bfloat16 \
+          --systems tandem tandem-static vllm --neighbour quiet spin
+
 Both systems get the same 1 GiB KV cache and their default scheduling limits (`--tandem-args` adds
 `tandem serve` flags, e.g. other step sizes: `--systems tandem` compares settings without vLLM). `--vllm-python` names
 the interpreter of vLLM's environment (default /work/vllm-venv/bin/python).
@@ -116,8 +125,9 @@ def _result(stdout: str) -> dict[str, Any]:
     return json.loads(line[len(RESULT):])  # type: ignore[no-any-return]
 
 
-def _child(python: str, argv: list[str], timeout: float, tree: Path) -> dict[str, Any]:
-    env = {**os.environ, "TANDEM_TREE": str(tree)}
+def _child(python: str, argv: list[str], timeout: float, tree: Path, env_extra: dict[str, str] | None = None
+           ) -> dict[str, Any]:
+    env = {**os.environ, "TANDEM_TREE": str(tree), **(env_extra or {})}
     proc = subprocess.run([python, str(Path(__file__).resolve()), *argv], capture_output=True, text=True,
                           timeout=timeout, env=env)
     if proc.returncode != 0:
@@ -174,7 +184,8 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
     port, name = _free_port(), Path(args.model).name
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(_server_command(system, args, dtype, port, name), stdout=log, stderr=log,
-                                  start_new_session=True, env={**os.environ, "PYTHONPATH": str(args.tandem_tree)})
+                                  start_new_session=True, env={**os.environ, "PYTHONPATH": str(args.tandem_tree),
+                                                               **_system_env(system)})
         try:
             # /health, not /v1/models: tandem's frontend lists the model before its engine has loaded
             # (requests sent then fail, and a run would count them as failed), /health is 200 only once
@@ -212,18 +223,43 @@ Results = dict[tuple[str, str], list[dict[str, Any]]]  # (dtype, system) -> one 
 
 
 def _rounds(args: argparse.Namespace, columns: list[str], run: Any, cells: Any) -> Results:
-    """Every round runs every system in every dtype (alternating, so drift hits both alike); a table row
-    per run: `run(system, dtype)` gives the result, `cells(result)` its columns."""
+    """Every round runs every system in every dtype, under every neighbour condition (alternating, so
+    drift hits all alike); a table row per run: `run(system, dtype)` gives the result, `cells(result)` its
+    columns. Results are keyed (dtype, system) on a quiet machine, (dtype, system + "@spin") beside one."""
     results: Results = {}
-    print("| round | dtype | system | " + " | ".join(columns) + " |")
-    print("|---" * (3 + len(columns)) + "|")
+    print("| round | dtype | system | neighbour | " + " | ".join(columns) + " |")
+    print("|---" * (4 + len(columns)) + "|")
     for rnd in range(1, args.rounds + 1):
         for dtype in args.dtype:
             for system in args.systems:
-                r = run(system, dtype)
-                results.setdefault((dtype, system), []).append(r)
-                print(f"| {rnd} | {dtype} | {system} | " + " | ".join(cells(r)) + " |", flush=True)
+                for condition in args.neighbour:
+                    with _neighbour(condition):
+                        r = run(system, dtype)
+                    key = system if condition == "quiet" else f"{system}@{condition}"
+                    results.setdefault((dtype, key), []).append(r)
+                    print(f"| {rnd} | {dtype} | {system} | {condition} | " + " | ".join(cells(r)) + " |", flush=True)
     return results
+
+
+class _neighbour:
+    """`spin`: a process keeping one core busy for the duration; `quiet`: nothing."""
+
+    def __init__(self, condition: str) -> None:
+        self.condition = condition
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> None:
+        if self.condition == "spin":
+            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _system_env(system: str) -> dict[str, str]:
+    return {"TANDEM_CPU_THREAD_GOVERNOR": "0"} if system == "tandem-static" else {}
 
 
 def offline(args: argparse.Namespace) -> None:
@@ -236,7 +272,9 @@ def offline(args: argparse.Namespace) -> None:
 
     def run(system: str, dtype: str) -> dict[str, Any]:
         python = args.vllm_python if system == "vllm" else sys.executable
-        return _child(python, ["_offline", system, args.model, dtype, f.name], 900, args.tandem_tree)
+        kind = "vllm" if system == "vllm" else "tandem"
+        return _child(python, ["_offline", kind, args.model, dtype, f.name], 900, args.tandem_tree,
+                      _system_env(system))
 
     results = _rounds(args, ["output tok/s", "elapsed s", "batch-1 decode step ms", "load s"], run, lambda r: [
         f"{r['tok_s']:.1f}", f"{r['elapsed_s']:.2f}", f"{r['decode1_ms']:.1f}", f"{r['load_s']:.0f}"])
@@ -253,9 +291,18 @@ def served(args: argparse.Namespace) -> None:
 
 
 def _print_ratios(args: argparse.Namespace, results: Results, metrics: tuple[tuple[str, str], ...]) -> None:
-    """Per dtype, tandem / vLLM of each (key, label) metric, round by round (when both systems ran)."""
+    """Per dtype, tandem / vLLM of each (key, label) metric, round by round (when both systems ran); with a
+    neighbour, each system's spin / quiet ratio of the first metric, round by round."""
     print()
-    for dtype in args.dtype if len(args.systems) == 2 else []:
+    key, label = metrics[0]
+    for dtype in args.dtype:
+        for system in args.systems:
+            quiet, spun = results.get((dtype, system)), results.get((dtype, f"{system}@spin"))
+            if quiet and spun:
+                ratios = [s[key] / q[key] for q, s in zip(quiet, spun)]
+                print(f"{dtype}: {system} beside a spinning neighbour / quiet, {label}: "
+                      f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
+    for dtype in args.dtype if {"tandem", "vllm"} <= set(args.systems) else []:
         t, v = results[(dtype, "tandem")], results[(dtype, "vllm")]
         parts = [f"{label} {', '.join(f'{a[key] / b[key]:.2f}' for a, b in zip(t, v))}" for key, label in metrics]
         print(f"{dtype}: tandem / vLLM per round: " + "; ".join(parts))
@@ -273,7 +320,9 @@ def main() -> int:
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "vllm"))
+    ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "tandem-static", "vllm"))
+    ap.add_argument("--neighbour", nargs="+", default=["quiet"], choices=("quiet", "spin"),
+                    help="run each system on a quiet machine and/or beside a process spinning on one core")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--tandem-tree", type=Path, default=ROOT,
                     help="the tandem source tree to run (default: this one; e.g. a `git archive` of main)")

@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CPU worker's thread governor (engine_svc/worker/cpu_threads.py) resizes the OpenMP team when other
+# processes take cores; a team of another size rounds differently, and the suite compares runs token for
+# token while its own processes load the machine. Its tests turn it on where they test it.
+os.environ.setdefault("TANDEM_CPU_THREAD_GOVERNOR", "0")
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -15,7 +15,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.model.layers.cpu_gemm import prepack_linears, prepack_wanted
 from engine_svc.model.registry import resolve_dtype
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
-from engine_svc.worker.cpu_threads import set_cpu_threads
+from engine_svc.worker.cpu_threads import ThreadGovernor, governor_enabled, set_cpu_threads
 from engine_svc.worker.cuda_graphs import maybe_capture_decode_graphs
 from engine_svc.worker.model_runner import ModelRunner
 
@@ -49,7 +49,10 @@ class Worker:
             torch.cuda.set_device(self.rank)
             return torch.device("cuda", self.rank)
         self.cpu_threads = threads = set_cpu_threads(self.config.tensor_parallel_size)
-        logger.info("CPU worker rank %d: %d intra-op threads", self.rank, threads)
+        self._lending = False
+        self.governor = ThreadGovernor(threads, self.config.tensor_parallel_size) if governor_enabled() else None
+        logger.info("CPU worker rank %d: %d intra-op threads%s", self.rank, threads,
+                    " (fewer while other processes hold cores)" if self.governor is not None else "")
         return torch.device("cpu")
 
     def load_model(self) -> None:
@@ -140,12 +143,24 @@ class Worker:
     def lend_core(self, lend: bool) -> None:
         """CPU: one intra-op thread fewer while `lend` holds. A grammar compile on its own thread beside a
         full OpenMP team oversubscribes the cores, and the team then waits at every barrier for a
-        descheduled thread: on 2 cores a streaming victim stalled 0.7-1.1 s during a 10 s compile
-        (tests/realmodel/test_structured_outputs_served.py); with the core lent it keeps flowing."""
-        want = max(1, self.cpu_threads - 1) if lend else self.cpu_threads
+        descheduled thread (tests/realmodel/test_structured_outputs_served.py has a streaming victim of
+        such a compile); with the core lent it keeps flowing."""
+        self._lending = lend
+        self._apply_threads()
+
+    def _apply_threads(self) -> None:
+        """The team size the governor (or the static count) and a lent core ask for, set if it differs."""
+        if self.device.type != "cpu":
+            return
+        if self.governor is not None:
+            want = self.governor.threads(self._lending)
+        else:
+            want = max(1, self.cpu_threads - 1) if self._lending else self.cpu_threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         assert self.runner is not None
+        if self.governor is not None and self.governor.observe():
+            self._apply_threads()
         return self.runner.execute_model(so)
