@@ -74,7 +74,7 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
         """The call's responses; aborts the call with its status on bad input or a failure."""
         f = self._f
         try:
-            mapped = plan(request, f.model_name, unary=unary)
+            mapped = plan(request, f.model_name, unary=unary, defaults=f.tokenizer.sampling_defaults)
             generation = f.open_generation(mapped.params.n, call)
         except ModelNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))

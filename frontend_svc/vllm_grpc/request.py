@@ -5,11 +5,11 @@ refused with INVALID_ARGUMENT naming it (`HONOURED` / `REFUSED`, which tests/fro
 checks against the vendored descriptors, so a field added to vLLM's proto fails that test until it is mapped).
 
 vLLM's gRPC defaults, where they differ from tandem's own API (its Rust server's request conversion):
-- `temperature` unset -> 0 (greedy): "the model-specific default or 0", and tandem applies no
-  model-specific sampling defaults;
+- `temperature` unset -> "the model-specific default or 0": the model's generation_config.json
+  `temperature` when it has one (vLLM's model defaults), else 0 (greedy);
 - `stopping.max_new_tokens` 0 -> 20 (the proto's "Default (0) is currently 20");
-- proto3 zeros mean "unset": `top_k` 0 -> no top-k, `top_p` 0 -> 1, `min_p` 0 -> 0,
-  `repetition_penalty` 0 -> 1, `num_sequences` 0 -> 1;
+- proto3 zeros mean "default": `top_k`, `top_p`, `min_p` and `repetition_penalty` 0 -> the model's
+  generation_config.json value when it has one, else no top-k, 1, 0 and 1; `num_sequences` 0 -> 1;
 - `response.output_text` and `response.skip_special_tokens` unset -> true;
 - `truncate_prompt_tokens` N > 0 keeps the last N prompt tokens;
 - `model` empty -> the served model; another name -> NOT_FOUND (`ModelNotFound`).
@@ -20,6 +20,7 @@ Where tandem goes beyond vLLM: `sampling.num_sequences` > 1 streams every sequen
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tandem.vendor.vllm import inference_pb2 as ipb
@@ -125,9 +126,10 @@ def renamed(error: ValidationError) -> ValidationError:
     return ValidationError(FieldViolation(field_path(v.field), v.description) for v in error.violations)
 
 
-def plan(request: ipb.GenerateRequest, served_model: str, *, unary: bool = False) -> InferencePlan:
+def plan(request: ipb.GenerateRequest, served_model: str, *, unary: bool = False,
+         defaults: Mapping[str, float] | None = None) -> InferencePlan:
     """Map a request (ValidationError listing every bad or refused field, by its vLLM path;
-    ModelNotFound for another model's name)."""
+    ModelNotFound for another model's name); `defaults`: the model's sampling defaults (generation_config)."""
     if request.model and request.model != served_model:
         raise ModelNotFound(f"model `{request.model}` not found")
     bad = refused_fields(request)
@@ -147,7 +149,7 @@ def plan(request: ipb.GenerateRequest, served_model: str, *, unary: bool = False
         bad.append(FieldViolation("prompt", "set one of text or token_ids"))
     params: SamplingParams | None = None
     try:
-        params = sampling_params(request)
+        params = sampling_params(request, defaults or {})
     except ValidationError as exc:
         bad.extend(renamed(exc).violations)
     if bad or prompt is None or params is None:
@@ -176,19 +178,21 @@ def refused_fields(request: ipb.GenerateRequest) -> list[FieldViolation]:
     return bad
 
 
-def sampling_params(request: ipb.GenerateRequest) -> SamplingParams:
-    """vLLM's gRPC sampling defaults applied (module docstring); raises ValidationError (bare names)."""
+def sampling_params(request: ipb.GenerateRequest, defaults: Mapping[str, float] | None = None) -> SamplingParams:
+    """vLLM's gRPC sampling defaults applied, the model's (`defaults`) first (module docstring); raises
+    ValidationError (bare names)."""
     sampling, decoding, stopping, response = request.sampling, request.decoding, request.stopping, request.response
+    model = defaults or {}
     return SamplingParams(
-        temperature=request.temperature if request.HasField("temperature") else 0.0,
+        temperature=request.temperature if request.HasField("temperature") else model.get("temperature", 0.0),
         n=sampling.num_sequences or 1,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p or 1.0,
-        min_p=sampling.min_p,
+        top_k=sampling.top_k or int(model.get("top_k", 0)),
+        top_p=sampling.top_p or model.get("top_p", 1.0),
+        min_p=sampling.min_p or model.get("min_p", 0.0),
         seed=(sampling.seed % (1 << 64)) if sampling.HasField("seed") else None,
         presence_penalty=decoding.presence_penalty,
         frequency_penalty=decoding.frequency_penalty,
-        repetition_penalty=decoding.repetition_penalty or 1.0,
+        repetition_penalty=decoding.repetition_penalty or model.get("repetition_penalty", 1.0),
         logit_bias=dict(decoding.logit_bias),
         allowed_token_ids=list(decoding.allowed_token_ids),
         structured_outputs=structured_outputs(decoding),

@@ -123,6 +123,32 @@ def test_vllm_s_grpc_defaults() -> None:
     assert zeros.params == want
 
 
+MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 50.0, "min_p": 0.05, "repetition_penalty": 1.1}
+
+
+def test_the_model_s_sampling_defaults_fill_vllm_s_unset_fields() -> None:
+    """vLLM's "model-specific default": generation_config.json's values where the request leaves a field unset
+    (temperature absent, the others 0); a value the request sets wins."""
+    request = ipb.GenerateRequest(text="Hi")
+    got = plan(request, MODEL, defaults=MODEL_DEFAULTS).params
+    assert (got.temperature, got.top_p, got.top_k, got.min_p, got.repetition_penalty) == (0.7, 0.9, 50, 0.05, 1.1)
+    request = ipb.GenerateRequest(text="Hi", temperature=0.0, sampling=ipb.RandomSampling(top_p=0.5, top_k=3, min_p=0.2),
+                                  decoding=ipb.DecodingParameters(repetition_penalty=1.3))
+    got = plan(request, MODEL, defaults=MODEL_DEFAULTS).params
+    assert (got.temperature, got.top_p, got.top_k, round(got.min_p, 6), round(got.repetition_penalty, 6)) == \
+        (0.0, 0.5, 3, 0.2, 1.3)
+
+
+def test_generation_config_sampling_fields_are_read(tmp_path: Any) -> None:
+    from frontend_svc.tokenizer import generation_sampling_defaults
+
+    config = tmp_path / "generation_config.json"
+    config.write_text('{"temperature": 0.6, "top_k": 20, "top_p": "x", "do_sample": true, "min_p": false, '
+                      '"eos_token_id": 2}')
+    assert generation_sampling_defaults(config) == {"temperature": 0.6, "top_k": 20.0}
+    assert generation_sampling_defaults(tmp_path / "missing.json") == {}
+
+
 # honoured field -> (request fields, what the mapped plan must then say)
 HONOURED_CASES: dict[str, tuple[dict[str, Any], Any]] = {
     "request_id": ({"request_id": "r-7"}, lambda p: p.request_id == "r-7"),
