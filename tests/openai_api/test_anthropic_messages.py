@@ -186,6 +186,21 @@ def test_an_auto_tool_call_is_a_tool_use_block(stack: HttpStack, scripted: Any) 
     assert starts == [0, 1]
 
 
+def test_a_complete_call_wins_over_a_stop_sequence_after_it(stack: HttpStack, scripted: Any) -> None:
+    """vLLM's rule: a stop string that ends the text after a complete call does not make it a stop_sequence
+    answer (the call may run); before the call completes it would (the forced-call test)."""
+    scripted(CALL + " all done")
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 200, "tools": [WEATHER],
+            "stop_sequences": ["done"]}
+    answer = post(stack, body).json()
+    assert [b["type"] for b in answer["content"]] == ["tool_use"] and answer["stop_reason"] == "tool_use"
+    assert "stop_sequence" not in answer
+    with httpx2.stream("POST", f"{stack.url}/v1/messages", json={"model": served(stack), **body, "stream": True},
+                       timeout=30) as response:
+        events = sse(response.read().decode())
+    assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+
+
 def test_text_after_a_call_comes_as_a_block_after_it_when_streamed() -> None:
     """vLLM's order: content the parser gives while a tool_use block is open waits for that block to close."""
     class Parser:  # a call in the first delta, content in the second
