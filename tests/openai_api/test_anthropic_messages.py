@@ -331,7 +331,7 @@ def test_output_config_format_constrains_the_output(stack: HttpStack) -> None:
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"), ({"stop_sequences": ["s"] * 100}, "stop_sequences"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": CONTEXT + 1}, "max_tokens"), ({"stop_sequences": ["s"] * 100}, "stop_sequences"),
     ({"messages": []}, "messages"),
 ])
 def test_bad_or_unsupported_input_is_400_naming_the_field(stack: HttpStack, body: dict[str, Any], field: str) -> None:
