@@ -8,7 +8,9 @@
 | ListLoras | none (tandem serves no LoRA adapters) |
 | LoadLora, UnloadLora | FAILED_PRECONDITION, as vLLM answers when LoRA is not enabled |
 | GetKvEventSources | one source per ready engine: tandem's `SubscribeKvEvents` gRPC stream at the engine's address (transport "grpc", encoding "protobuf", docs/architecture.md "KV-cache events") |
-| Shutdown, the RL and weight-update RPCs | UNIMPLEMENTED: an engine's life and weights are not a client's to change through a frontend |
+| IsPaused | paused while the frontend drains (it takes no new requests, as a paused vLLM server) |
+| IsSleeping | never: a frontend does not put engines to sleep |
+| Shutdown, Pause/Resume, Sleep/WakeUp, the weight-update RPCs | UNIMPLEMENTED: an engine's life and weights are not a client's to change through a frontend |
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ SERVICE_NAME = cpb.DESCRIPTOR.services_by_name["Control"].full_name
 API_VERSION = "v1"
 KV_EVENTS_TOPIC = epb.DESCRIPTOR.services_by_name["EngineCoreService"].methods_by_name["SubscribeKvEvents"].full_name
 # The RPCs a frontend does not serve (every other one is a method of `ControlServicer`).
-NOT_SERVED = ("Shutdown", "PauseGeneration", "ResumeGeneration", "IsPaused", "Sleep", "WakeUp", "IsSleeping",
+NOT_SERVED = ("Shutdown", "PauseGeneration", "ResumeGeneration", "Sleep", "WakeUp",
               "InitWeightTransferEngine", "StartWeightUpdate", "StartDraftWeightUpdate", "UpdateWeights",
               "FinishWeightUpdate", "UpdateWeightVersion", "GetWeightVersion")
 
@@ -70,6 +72,13 @@ class ControlServicer(cpb_grpc.ControlServicer):
     async def Abort(self, request: cpb.AbortRequest, context: grpc.aio.ServicerContext) -> cpb.AbortResponse:
         self._in_flight.abort(request.request_ids)
         return cpb.AbortResponse()
+
+    async def IsPaused(self, request: cpb.IsPausedRequest, context: grpc.aio.ServicerContext) -> cpb.IsPausedResponse:
+        return cpb.IsPausedResponse(paused=self._f.draining)
+
+    async def IsSleeping(self, request: cpb.IsSleepingRequest,
+                         context: grpc.aio.ServicerContext) -> cpb.IsSleepingResponse:
+        return cpb.IsSleepingResponse(sleeping=False)
 
     async def ListLoras(self, request: cpb.ListLorasRequest,
                         context: grpc.aio.ServicerContext) -> cpb.ListLorasResponse:

@@ -264,6 +264,13 @@ def test_control_describes_the_server(api: Api, stack: Stack) -> None:
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     error = rpc_error(lambda: api.control.Shutdown(cpb.ShutdownRequest(), metadata=AUTH))
     assert error.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert not api.control.IsSleeping(cpb.IsSleepingRequest(), metadata=AUTH).sleeping
+    assert not api.control.IsPaused(cpb.IsPausedRequest(), metadata=AUTH).paused
+    stack.frontend.draining = True
+    try:
+        assert api.control.IsPaused(cpb.IsPausedRequest(), metadata=AUTH).paused
+    finally:
+        stack.frontend.draining = False
     [source] = api.control.GetKvEventSources(cpb.GetKvEventSourcesRequest(), metadata=AUTH).sources
     assert source.transport == "grpc" and source.endpoint == stack.frontend.config.engines[0]
     assert source.topic == "tandem.engine.v1.EngineCoreService.SubscribeKvEvents"
