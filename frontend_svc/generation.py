@@ -31,11 +31,13 @@ import concurrent.futures
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from tandem.engine.v1 import engine_core_pb2 as epb
+
 from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.dispatcher import Dispatcher
 from frontend_svc.engines.client import EngineUnavailable
 from frontend_svc.output_processor import RequestState
-from frontend_svc.outputs import CompletionDelta
+from frontend_svc.outputs import CompletionDelta, Usage
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
 from frontend_svc.service_error import RESOURCE_EXHAUSTED, UNAVAILABLE, ServiceError
 from frontend_svc.telemetry.call import GenerateCall
@@ -84,6 +86,9 @@ class GenerationBackend(Protocol):
 
     @property
     def num_ready_engines(self) -> int: ...
+
+    def ready_engine_infos(self) -> list[tuple[str, epb.EngineInfo]]:
+        """(address, what it reported in GetEngineInfo) of each ready engine."""
 
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
                    attributes: dict[str, str] | None) -> GenerateCall:
@@ -202,6 +207,21 @@ class Generation:
                 self.call.on_delta(delta)
             yield deltas
         self._collector.release()
+
+    def abort(self) -> None:
+        """End the unfinished completions now (an abort asked for by the client, vLLM's Control.Abort):
+        they stop in the engine, and `batches()` hands out one final delta for each, finish_reason
+        "abort", with its usage so far. A no-op before `start()` or once the request ended."""
+        request = self._request
+        if request is None or self._closed:
+            return
+        ended = [(c.index, c.num_tokens, c.num_cached) for c in request.unfinished.values()]
+        self._dispatcher.abort(request)
+        prepared = request.prepared
+        for index, generated, cached in ended:
+            self._collector.put(CompletionDelta(
+                request_id=prepared.request_id, index=index, text="", token_ids=[], finish_reason="abort",
+                usage=Usage(len(prepared.prompt_token_ids), generated, cached)))
 
     def close(self) -> None:
         """Abort what is unfinished in the engine and give the slots back (once; later calls no-op)."""

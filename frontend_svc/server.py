@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem.vendor.vllm import control_pb2_grpc, inference_pb2_grpc
 
 from frontend_svc.config import FrontendConfig
 from frontend_svc.dispatcher import Dispatcher, MigrationPolicy
@@ -47,6 +49,9 @@ from frontend_svc.service_error import UNAVAILABLE, ServiceError
 from frontend_svc.telemetry.call import GenerateCall
 from frontend_svc.telemetry.service import FrontendTelemetry
 from frontend_svc.tokenizer import Tokenizer
+from frontend_svc.vllm_grpc import control as vllm_control
+from frontend_svc.vllm_grpc import inference as vllm_inference
+from frontend_svc.vllm_grpc.inflight import InFlight
 from shared_runtime import limits
 from shared_runtime.contract import SamplingParams
 from shared_runtime.link import MAX_MESSAGE_BYTES, SERVER_PING_OPTIONS
@@ -63,6 +68,8 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# Readiness is reported under "" and each generation API's service name.
+READY_NAMES = ("", SERVICE_NAME, vllm_inference.SERVICE_NAME)
 LIVENESS = "liveness"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -138,11 +145,12 @@ class FrontendServer:
         self._server: grpc.aio.Server | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.http: HttpServer | None = None  # the OpenAI-compatible HTTP API, with --http-port
+        self.vllm_in_flight = InFlight()  # vllm.Inference calls, for vllm.Control/Abort
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> int:
         """Bind, start serving (health NOT_SERVING until an engine is ready), connect to engines."""
-        for name in ("", SERVICE_NAME):
+        for name in READY_NAMES:
             await self.health.set(name, NOT_SERVING)
         await self.health.set(LIVENESS, SERVING)
         interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -151,8 +159,13 @@ class FrontendServer:
         interceptors.append(DecodeGuardInterceptor())
         server = grpc.aio.server(options=server_options(self.config), interceptors=interceptors)
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), server)
+        inference_pb2_grpc.add_InferenceServicer_to_server(
+            vllm_inference.InferenceServicer(self, self.vllm_in_flight), server)
+        control_pb2_grpc.add_ControlServicer_to_server(
+            vllm_control.ControlServicer(self, self.vllm_in_flight, self.config.tool_call_parser), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        reflection.enable_server_reflection([SERVICE_NAME, vllm_inference.SERVICE_NAME, vllm_control.SERVICE_NAME,
+                                             health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         self.bound_port = add_port(server, self.config.host, self.config.port, self.tls)
         if self.config.health_port:
             self._health_server, self.health_port = await start_health_server(
@@ -245,6 +258,9 @@ class FrontendServer:
     def num_ready_engines(self) -> int:
         return len(self.engines.ready_engines())
 
+    def ready_engine_infos(self) -> list[tuple[str, epb.EngineInfo]]:
+        return [(c.address, c.info) for c in self.engines.ready_engines() if c.info is not None]
+
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
                    attributes: dict[str, str] | None) -> GenerateCall:
         return self.telemetry.begin_call(headers, method, attributes)
@@ -319,5 +335,5 @@ class FrontendServer:
     async def _sync_health(self) -> None:
         """Health from the state at the time it runs (so out-of-order updates still end right)."""
         serving = self.serving
-        for name in ("", SERVICE_NAME):
+        for name in READY_NAMES:
             await self.health.set(name, SERVING if serving else NOT_SERVING)

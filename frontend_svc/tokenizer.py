@@ -9,6 +9,8 @@ Invariants:
   * ``encode``/``decode`` go straight to the Rust ``tokenizers.Tokenizer`` (``backend``), the same object
     the incremental detokenizer streams with, so prompt and output text agree.
   * ``eos_token_ids`` is the tokenizer's EOS id followed by generation_config's, without duplicates.
+  * ``sampling_defaults`` are generation_config's sampling fields (``SAMPLING_DEFAULT_KEYS``), what vLLM
+    calls the model's defaults: only APIs whose contract says "the model's default" apply them.
   * Importing this module never imports torch.
 """
 
@@ -30,14 +32,19 @@ __all__ = ["ChatTemplateError", "Tokenizer"]
 
 # transformers' placeholder for "no limit given" is int(1e30); anything this large means unknown.
 _NO_MAX_LENGTH = 10**12
+# generation_config.json's sampling fields, vLLM's model-specific sampling defaults
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class Tokenizer:
     """Text <-> token ids and chat rendering for one model."""
 
-    def __init__(self, hf_tokenizer: Any, generation_eos_ids: Iterable[int] = ()) -> None:
-        """``hf_tokenizer``: a transformers fast tokenizer; ``generation_eos_ids``: extra EOS ids."""
+    def __init__(self, hf_tokenizer: Any, generation_eos_ids: Iterable[int] = (),
+                 sampling_defaults: Mapping[str, float] | None = None) -> None:
+        """``hf_tokenizer``: a transformers fast tokenizer; ``generation_eos_ids``: extra EOS ids;
+        ``sampling_defaults``: the model's sampling defaults (generation_config.json)."""
         self._hf = hf_tokenizer
+        self.sampling_defaults: dict[str, float] = dict(sampling_defaults or {})
         self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
         """The Rust ``tokenizers.Tokenizer``: ``encode``/``decode`` here, and the incremental detokenizer's
         decodes (shared_runtime/detokenizer.py: a prefix/read-offset window, not ``DecodeStream``)."""
@@ -62,7 +69,8 @@ class Tokenizer:
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
         hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
-        return cls(hf_tokenizer, _generation_eos_ids(path / "generation_config.json"))
+        config = path / "generation_config.json"
+        return cls(hf_tokenizer, _generation_eos_ids(config), generation_sampling_defaults(config))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
@@ -113,6 +121,15 @@ def _generation_eos_ids(path: Path) -> list[int]:
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+def generation_sampling_defaults(path: Path) -> dict[str, float]:
+    """The numeric sampling fields of a generation_config.json (``SAMPLING_DEFAULT_KEYS``); {} when absent."""
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return {key: float(config[key]) for key in SAMPLING_DEFAULT_KEYS
+            if isinstance(config.get(key), (int, float)) and not isinstance(config.get(key), bool)}
 
 
 def _dedupe(ids: Iterable[int | None]) -> list[int]:

@@ -49,6 +49,7 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
         self.archive = tokenizer_bundle.pack(tokenizer_files) if tokenizer_files is not None else None
         self.default_max_tokens = default_max_tokens
         self.output_ids = output_ids
+        self.stop_on_eos = False  # True: a token in the request's eos_token_ids ends it (STOP), as the real engine
         self.added: list[epb.EngineCoreRequest] = []
         self.aborted: list[str] = []
         self.running: dict[str, list[Any]] = {}  # request id -> [request, tokens produced]
@@ -167,6 +168,8 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
         limit = sp.max_tokens if sp.HasField("max_tokens") else self.default_max_tokens
         if token in sp.stop_token_ids:
             out.finish_reason, out.stop_token_id = epb.FINISH_REASON_STOP, token
+        elif self.stop_on_eos and token in request.eos_token_ids and not sp.ignore_eos:
+            out.finish_reason = epb.FINISH_REASON_STOP
         elif limit is not None and produced >= limit and seed != SEED_ENDLESS:
             out.finish_reason = epb.FINISH_REASON_LENGTH
         return out

@@ -3,6 +3,7 @@
   POST /v1/completions        POST /v1/chat/completions        GET /v1/models        GET /health
   GET /v1/models/{model_id}   POST /tokenize   POST /detokenize   GET /version   GET|POST /ping
   POST /v1/responses   GET /v1/responses/{id}   POST /v1/responses/{id}/cancel   (responses.py)   GET /metrics
+  POST /v1/messages   POST /v1/messages/count_tokens   (Anthropic's Messages API, frontend_svc/anthropic/)
 
 Per generation request: read the body (at most `max_body_bytes`, checked from Content-Length before
 reading and while reading: 413) -> count its commas and braces against what a request within
@@ -17,8 +18,8 @@ Invariants:
   `data: [DONE]` (the status line already said 200).
 - A client that disconnects (mid-stream, or while a non-streaming request runs) closes the `Run`: its
   unfinished completions are aborted in the engine and its admission slots given back.
-- With API keys, every route but `/health` and `/ping` needs `Authorization: Bearer <key>` (the same keys and the
-  same constant-time check as the gRPC API). `/health` (and `/ping`) is 200 only while an engine is ready and the
+- With API keys, every route but `/health` and `/ping` needs `Authorization: Bearer <key>` or `X-Api-Key: <key>`
+  (Anthropic's header; the same keys and the same constant-time check as the gRPC API). `/health` (and `/ping`) is 200 only while an engine is ready and the
   server is not draining (the readiness of the gRPC health service), else 503.
 """
 
@@ -41,6 +42,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from frontend_svc.anthropic import routes as messages_routes
+from frontend_svc.anthropic.errors import error_response as anthropic_error
 from frontend_svc.generation import GenerationBackend
 from frontend_svc.openai import bodies, sse, tools
 from frontend_svc.openai import protocol as p
@@ -84,8 +87,8 @@ Builder = bodies.CompletionBuilder | bodies.ChatBuilder
 
 
 class ApiKeyAuth:
-    """ASGI middleware: `Authorization: Bearer <key>` on every path but /health and /ping (keys may be None:
-    off)."""
+    """ASGI middleware: `Authorization: Bearer <key>` or `X-Api-Key: <key>` on every path but /health and /ping
+    (keys may be None: off); a refusal in Anthropic's error shape on its routes, else OpenAI's."""
 
     def __init__(self, app: ASGIApp, keys: KeySet | None) -> None:
         self.app = app
@@ -93,9 +96,13 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.keys is not None and scope["path"] not in HEALTH_PATHS:
-            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            if not self.keys.check_authorization(header.decode("latin-1") if header is not None else None):
-                await error_response(unauthorized())(scope, receive, send)
+            headers = dict(scope["headers"])
+            header, api_key = headers.get(b"authorization"), headers.get(b"x-api-key")
+            ok = (self.keys.check_authorization(header.decode("latin-1") if header is not None else None)
+                  or (api_key is not None and self.keys.accepts(api_key.decode("latin-1"))))
+            if not ok:
+                refuse = anthropic_error if scope["path"].startswith(messages_routes.ROUTE) else error_response
+                await refuse(unauthorized())(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -131,7 +138,7 @@ class OpenAIApi:
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/metrics", self.metrics, methods=["GET"]),  # as vLLM's port; --metrics-port's too
-                  *responses.routes(self)]
+                  *responses.routes(self), *messages_routes.routes(self)]
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
         return ApiKeyAuth(app, self.frontend.api_keys)
 

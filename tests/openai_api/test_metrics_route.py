@@ -31,7 +31,9 @@ def test_metrics_on_the_api_port_are_the_metrics_port_series(loop: LoopThread, t
     try:
         stack.wait_http_ready()
         for route, body in (("/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
-                            ("/v1/completions", {"prompt": "Hi", "max_tokens": 2})):
+                            ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                            ("/v1/messages", {"model": stack.frontend.config.model_name, "messages": [{"role": "user", "content": "Hi"}],
+                                              "max_tokens": 2})):
             assert httpx2.post(f"{stack.url}{route}", json=body, headers=auth, timeout=30).status_code == 200
         assert httpx2.get(f"{stack.url}/metrics", timeout=10).status_code == 401
         api = httpx2.get(f"{stack.url}/metrics", headers=auth, timeout=10)
@@ -41,8 +43,8 @@ def test_metrics_on_the_api_port_are_the_metrics_port_series(loop: LoopThread, t
         ours, theirs = samples(api.text), samples(own.text)
         assert set(ours) == set(theirs)
         success = [(k, v) for k, v in ours.items() if k[0] == "tandem_request_success_total"]
-        assert sum(v for _, v in success) == 2  # both calls, the Responses one included
-        assert ours[("tandem_request_success_total", (("finished_reason", "length"), ("model_name", "tiny")))] == 2
+        assert sum(v for _, v in success) == 3  # every call, the Responses and Messages ones included
+        assert ours[("tandem_request_success_total", (("finished_reason", "length"), ("model_name", "tiny")))] == 3
     finally:
         stack.close()
         telemetry.shutdown()
