@@ -12,7 +12,6 @@ under one admission slot) and returns its length.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -30,7 +29,15 @@ from frontend_svc.openai import bodies, sse, tools
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import ApiError
 from frontend_svc.openai.generations import Run, code_name, from_service
-from frontend_svc.openai.http_io import header_pairs, parse_body, pick_request_id, unless_disconnected
+from frontend_svc.openai.http_io import (
+    DISCONNECTED,
+    BodyLimits,
+    Disconnected,
+    header_pairs,
+    parse_body,
+    pick_request_id,
+    unless_disconnected,
+)
 from frontend_svc.service_error import ServiceError
 from shared_runtime.contract import SamplingParams
 from shared_runtime.violations import ValidationError
@@ -43,8 +50,9 @@ class OpenAIRoutes(Protocol):
     """What these routes use of the OpenAI app they join (`app.OpenAIApi`)."""
 
     frontend: GenerationBackend
-    max_body_bytes: int
     tool_call_parser: str | None
+
+    def body_limits(self) -> BodyLimits: ...
 
 
 def routes(api: OpenAIRoutes) -> list[Route]:
@@ -85,7 +93,7 @@ class MessagesHandler:
 
     async def _count_tokens(self, request: Request) -> Response:
         api, frontend = self.api, self.api.frontend
-        body = await parse_body(request, api.max_body_bytes, ap.CountTokensRequest)
+        body = await parse_body(request, api.body_limits(), ap.CountTokensRequest)
         prompt = bodies.chat_prompt(self._chat(body))
         try:
             ids = await frontend.run_blocking(frontend.tokenize_chat, prompt)
@@ -99,7 +107,7 @@ class MessagesHandler:
 
     async def _create(self, request: Request) -> Response:
         api, frontend = self.api, self.api.frontend
-        body = await parse_body(request, api.max_body_bytes, ap.MessagesRequest)
+        body = await parse_body(request, api.body_limits(), ap.MessagesRequest)
         chat = self._chat(body)
         prompt = bodies.chat_prompt(chat)
         params = self._params(chat)
@@ -108,18 +116,17 @@ class MessagesHandler:
                                  tools.tool_calls_factory(chat, api.tool_call_parser))
         run = Run(frontend, header_pairs(request), ROUTE, [prompt], params, request_id, 0, convert.NAMES,
                   bodies.prompt_options(chat))
-        start = asyncio.ensure_future(run.start())
-        if not await unless_disconnected(request, start):
+        if await unless_disconnected(request, run.start()) is DISCONNECTED:
             return Response(status_code=499)
         builder.prompt_tokens(len(run.prepared[0].prompt_token_ids))
         headers = {"X-Request-Id": request_id, "request-id": request_id}
         if body.stream:
             return sse.EventStream(_stream(run, builder), on_close=run.close, headers=headers)
-        collect = asyncio.ensure_future(_collect(run, builder))
         try:
-            if not await unless_disconnected(request, collect):
+            answer = await unless_disconnected(request, _collect(run, builder))
+            if isinstance(answer, Disconnected):
                 return Response(status_code=499)
-            return Response(collect.result(), media_type=JSON, headers=headers)
+            return Response(answer, media_type=JSON, headers=headers)
         finally:
             run.close()
 

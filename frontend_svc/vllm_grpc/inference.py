@@ -53,6 +53,9 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
             async with aclosing(self._run(request, context, call, unary=False)) as responses:
                 async for response in responses:
                     await write(response)
+        except _Failed as failed:
+            _end(context, call, failed)
+            return
         except BaseException as exc:
             call.fail(*grpc_failure(exc, context))
             raise
@@ -63,6 +66,9 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
         try:
             async with aclosing(self._run(request, context, call, unary=True)) as responses:
                 response = fold([r async for r in responses])
+        except _Failed as failed:
+            _end(context, call, failed)
+            return ipb.GenerateResponse()
         except BaseException as exc:
             call.fail(*grpc_failure(exc, context))
             raise
@@ -71,15 +77,15 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
 
     async def _run(self, request: ipb.GenerateRequest, context: grpc.aio.ServicerContext, call: GenerateCall, *,
                    unary: bool) -> AsyncGenerator[ipb.GenerateResponse, None]:
-        """The call's responses; aborts the call with its status on bad input or a failure."""
+        """The call's responses; raises _Failed with the status of bad input or a failure."""
         f = self._f
         try:
             mapped = plan(request, f.model_name, unary=unary, defaults=f.tokenizer.sampling_defaults)
             generation = f.open_generation(mapped.params.n, call)
         except ModelNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise _Failed(status.error_status(grpc.StatusCode.NOT_FOUND, str(exc))) from None
         except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(_named(exc)))
+            raise _Failed(status.from_error(_named(exc))) from None
         entry = self._in_flight.add(mapped.request_id, generation)
 
         def ended(_: object) -> None:  # the RPC's end releases the request even if this generator is stuck
@@ -95,10 +101,24 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
             async for response in _responses(generation, prepared, writer):
                 yield response
         except (ValidationError, ServiceError) as exc:
-            await status.abort(context, status.from_error(_named(exc)))
+            raise _Failed(status.from_error(_named(exc))) from None
         finally:
             self._in_flight.remove(entry)
             generation.close()
+
+
+class _Failed(Exception):
+    """The status a call ends with, raised out of `_run` to the RPC method, which sets it on the call
+    (`status.end`) and drops this exception: grpc never keeps it (nor the frames its traceback holds)."""
+
+    def __init__(self, st: grpc.Status) -> None:
+        super().__init__(st.details)
+        self.status = st
+
+
+def _end(context: grpc.aio.ServicerContext, call: GenerateCall, failed: _Failed) -> None:
+    status.end(context, failed.status)
+    call.fail(*grpc_failure(None, context))
 
 
 async def _responses(generation: Generation, prepared: PreparedRequest,
