@@ -54,6 +54,8 @@ def _yarn(head_dim: int, theta: float, params: dict[str, Any]) -> torch.Tensor:
     """YaRN (gpt-oss): frequencies blended between the original (short wavelengths, extrapolated) and
     divided by `factor` (long ones, interpolated) over a linear ramp between the dims that turn beta_fast
     and beta_slow times within original_max_position_embeddings (floored / ceiled when `truncate`)."""
+    if "original_max_position_embeddings" not in params:
+        raise ValueError("rope_type yarn needs rope_scaling.original_max_position_embeddings")
     factor, original = float(params["factor"]), float(params["original_max_position_embeddings"])
     beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
 
