@@ -147,7 +147,7 @@ def test_speculative_config_parsing() -> None:
 
 
 def test_speculation_with_async_scheduling_is_refused_naming_both_flags(llama_dir) -> None:
-    with pytest.raises(ConfigError, match="--speculative-config.*--async-scheduling"):
+    with pytest.raises(ConfigError, match=r"--speculative-config.*--async-scheduling"):
         EngineConfig.create(model=str(llama_dir), async_scheduling=True,
                             speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
