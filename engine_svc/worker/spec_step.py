@@ -12,20 +12,31 @@ replay a decode CUDA graph.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from engine_svc.sample.logprobs import sampled_logprobs
-from engine_svc.sample.metadata import SamplingMetadata, build_sampling_metadata
+from engine_svc.sample.metadata import RequestSamplingState, SamplingMetadata, build_sampling_metadata
+from engine_svc.sample.sampler import Sampler
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.spec.rejection import verify
 from engine_svc.structured.bitmask import apply_bitmask
 from engine_svc.worker.input_batch import InputBatch, StepInputs
+from engine_svc.worker.staging import StepStaging
 
-if TYPE_CHECKING:
-    from engine_svc.worker.model_runner import ModelRunner
+
+class Runner(Protocol):
+    """What verification uses of the model runner (engine_svc/worker/model_runner.py `ModelRunner`)."""
+
+    model: Any
+    sampler: Sampler
+    sampling_states: dict[str, RequestSamplingState]
+    device: torch.device
+    staging: StepStaging
+
+    def _sampling_metadata(self, sample_ids: list[str], batch_rows: np.ndarray) -> SamplingMetadata: ...
 
 
 def put_drafts(batch: InputBatch, drafts: dict[str, list[int]]) -> None:
@@ -36,7 +47,7 @@ def put_drafts(batch: InputBatch, drafts: dict[str, list[int]]) -> None:
         batch.token_ids[row, end : end + len(tokens)] = tokens
 
 
-def verified_output(runner: ModelRunner, so: SchedulerOutput, inputs: StepInputs, sample_idx: np.ndarray,
+def verified_output(runner: Runner, so: SchedulerOutput, inputs: StepInputs, sample_idx: np.ndarray,
                     hidden: torch.Tensor, prompt_logprobs: dict[str, list]) -> ModelRunnerOutput:
     """The step's output when some requests verify drafts (see the module docstring). Must run between
     the runner's `staging.begin_step()` and `end_step()`; ends the staging step itself."""
