@@ -2,7 +2,8 @@
 
 Two workloads of chat prompts, greedy: `grounded` (outputs that quote, copy or edit their prompt, where
 prompt lookup's drafts are accepted) and `open` (open-ended questions, where they mostly are not).
-Requests run `--batch-size` at a time (1: single-stream latency). Per mode and workload it reports the
+Requests run `--batch-size` at a time (1: single-stream latency; a batch larger than a workload repeats
+its prompts). Per mode and workload it reports the
 decode tokens/s (output tokens / wall time, median over rounds with the min-max spread), and for ngram
 the acceptance rate (accepted / draft tokens), the mean tokens per verification and the output tokens
 per engine step. The two engines load once and then alternate, round after round, so a shared machine's
@@ -48,6 +49,8 @@ def run_workload(llm: Any, prompts: tuple[str, ...], batch_size: int, max_tokens
     from entrypoints import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if batch_size > len(prompts):  # a batch of the workload's prompts repeated
+        prompts = (prompts * -(-batch_size // len(prompts)))[:batch_size]
     steps = [0]
     inner = llm.engine.scheduler.schedule
 
