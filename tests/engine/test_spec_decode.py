@@ -218,3 +218,18 @@ def test_acceptance_metrics_are_exported_and_cross_the_wire(looping_dir: Path) -
             f'{float(stats.spec_decode_num_accepted_tokens)}') in text
     first = stats.spec_decode_num_accepted_tokens_per_pos[0]
     assert f'tandem_spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}' in text
+
+
+@pytest.mark.slow  # two worker processes over gloo
+def test_greedy_speculation_at_tp2_equals_plain_tp1(looping_dir: Path) -> None:
+    prompts = repetitive_prompts(8, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    plain, _ = generate(looping_dir, prompts, params, None)
+    spec, llm = generate(looping_dir, prompts, params, NGRAM, tensor_parallel_size=2)
+    try:
+        assert completions(spec) == completions(plain)
+        assert_same_logprobs(plain, spec)
+        assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+        assert_no_block_leaks(llm)
+    finally:
+        llm.engine.shutdown()
