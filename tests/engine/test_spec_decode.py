@@ -99,8 +99,8 @@ def test_greedy_speculation_equals_transformers(looping_dir: Path) -> None:
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(looping_dir: Path) -> None:
-    """A stop id, a stop string and max_tokens that fall inside a run of accepted drafts end the request
-    exactly where plain decoding ends it; the run's later tokens are dropped."""
+    """A stop id, a stop string and max_tokens while drafts are being accepted end the request exactly
+    where plain decoding ends it (a stop id in the middle of a run: test_spec_scheduler.py)."""
     prompts = repetitive_prompts(3, 3)
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     reference, _ = generate(looping_dir, prompts, free, None)
