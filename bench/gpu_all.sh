@@ -9,12 +9,13 @@
 #                    run(command="bash bench/gpu_all.sh owed profile host", carry=[".gpu"])  # what is owed, ~7 min
 #                    run(command="bash bench/gpu_all.sh async_tests async", carry=[".gpu"])  # issue 46, ~5 min
 #                    run(command="bash bench/gpu_all.sh moe", carry=[".gpu"])   # MoE kernel tests + figures, ~2 min
+#                    run(command="bash bench/gpu_all.sh spec", carry=[".gpu"])  # speculative decoding, ~6 min
 #
 # Measured on an H200 (2026-11-27): the kernel tests take ~20 s over 8 xdist workers; the tests that build
 # an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially);
 # kernels 18 s, profile 60 + 49 s, e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host
 # greedy 61 s.
-# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe): pass stage names to run a subset. Each
+# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe spec): pass stage names to run a subset. Each
 # stage has its own timeout, so one hang still leaves every other log. The device tool caps a call at 10
 # minutes and lends a session 15 minutes of device time in all: pick the stages that the session needs.
 set -uo pipefail
@@ -87,7 +88,13 @@ for s in "${stages[@]}"; do
                tests/kernels/test_fused_moe.py "tests/kernels/test_triton_engine.py::test_triton_backend_matches_transformers[qwen3_moe]" \
                "tests/kernels/test_triton_engine.py::test_triton_backend_matches_transformers[mixtral]"
              stage kernel_moe 45 python bench/kernel_moe.py ;;
-    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe)"; exit 2 ;;
+    # Speculative decoding (~6 min): ngram greedy == plain on CUDA (Triton attention for the verification
+    # queries), SmolLM2 included; then on vs off at batch 1 and 32 (bench/spec_decode.py).
+    spec)    stage tests_spec 300 python -m pytest -q -p no:cacheprovider --timeout 200 -rfE -m "slow or not slow" \
+               tests/engine/test_spec_decode.py tests/realmodel/test_spec_decode_real.py
+             stage spec_decode_b1 120 python bench/spec_decode.py --rounds 3 --dtype bfloat16
+             stage spec_decode_b32 120 python bench/spec_decode.py --rounds 3 --dtype bfloat16 --batch-size 32 ;;
+    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe spec)"; exit 2 ;;
   esac
 done
 echo; cat "$OUT/summary.txt"

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine_svc.spec.config import SpeculativeConfig, SpeculativeConfigError
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -176,6 +178,8 @@ class EngineConfig:
     served_model_name: str | None = None
     # Plan step N+1 while step N runs (engine_svc/core.py); None: the device's default (ASYNC_SCHEDULING_DEFAULT).
     async_scheduling: bool | None = None
+    # Speculative decoding (engine_svc/spec/): vLLM's --speculative-config JSON, or a dict / parsed config.
+    speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
     # Resolved by create(); not user arguments.
     architecture: str = field(default="", compare=False)
     model_dtype: str | None = field(default=None, compare=False)  # the checkpoint's own dtype
@@ -183,6 +187,26 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self._check_choices()
         self._check_sizes()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """Parse --speculative-config into a SpeculativeConfig (ConfigError naming the bad key)."""
+        if self.speculative_config is None:
+            return
+        try:
+            parsed = SpeculativeConfig.parse(self.speculative_config)
+        except SpeculativeConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        object.__setattr__(self, "speculative_config", parsed)
+        if self.resolved_async_scheduling:
+            raise ConfigError("--speculative-config cannot be combined with --async-scheduling (yet): drop one "
+                              "of them (drafts are proposed from the tokens each step samples)")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config, None without one."""
+        spec = self.speculative_config
+        return spec if isinstance(spec, SpeculativeConfig) else None
 
     def _check_choices(self) -> None:
         for name, value, allowed in (
@@ -374,6 +398,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
       help="schedule step N+1 while step N runs on the device: the host's scheduling and output work "
            "overlaps the forward pass (vLLM's option; default: off on CPU and on CUDA)")
+    a("--speculative-config", default=None,
+      help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+           '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (docs/speculative.md)')
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -83,6 +83,7 @@ class EngineCore:
             kv_events=self.kv_events,
             grammars=self.grammars,
             async_scheduling=config.resolved_async_scheduling,
+            speculative=config.speculative,
         )
         # Batches in flight, newest first: (future of its output, what was scheduled).
         self.max_concurrent_batches = self.executor.max_concurrent_batches

@@ -79,6 +79,7 @@ class Request:
         self.num_output_placeholders: int = 0  # samples scheduled whose token the scheduler has not seen yet
         self.last_scheduled_step: int = -1  # SchedulerOutput.step_id of its last schedule
         self.stop_token_id: int | None = None
+        self.spec_token_ids: list[int] = []  # drafts to verify when next scheduled (speculative decoding)
         # Largest total length this request may reach: prompt + max_tokens, capped by the context.
         max_tokens = req.sampling_params.max_tokens
         limit = max_model_len if max_tokens is None else len(self.prompt_token_ids) + max_tokens

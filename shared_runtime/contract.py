@@ -474,6 +474,12 @@ class SchedulerStats(msgspec.Struct, kw_only=True, gc=False):
     prefix_cache_queries: int = 0  # cumulative, in tokens
     prefix_cache_hits: int = 0  # cumulative, in tokens
     num_preemptions: int = 0  # cumulative
+    # Speculative decoding, cumulative: verifications (a request's drafts in one step), drafts verified,
+    # drafts accepted, and accepted drafts by their position in the run (index 0 = the first draft).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
     num_scheduled_tokens: int = 0  # this step
     num_prompt_tokens: int = 0  # this step: prompt tokens computed
     num_generation_tokens: int = 0  # this step: tokens sampled

@@ -143,4 +143,6 @@ def _logprob_from_pb(msg: pb.TokenLogprobs) -> c.TokenLogprobs:
 
 def stats_from_pb(msg: pb.SchedulerStats) -> c.SchedulerStats:
     """The struct form of a pb SchedulerStats."""
-    return c.SchedulerStats(**{name: getattr(msg, name) for name in c.SchedulerStats.__struct_fields__})
+    stats = c.SchedulerStats(**{name: getattr(msg, name) for name in c.SchedulerStats.__struct_fields__})
+    stats.spec_decode_num_accepted_tokens_per_pos = list(stats.spec_decode_num_accepted_tokens_per_pos)
+    return stats

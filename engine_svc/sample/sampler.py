@@ -52,22 +52,29 @@ class Sampler:
         if meta.is_plain_greedy:
             return SamplerOutput(logits.argmax(dim=-1))
         raw_logits = logits
-        logits = logits.to(torch.float32, copy=True)
-        if meta.allowed_token_ids is not None:
-            apply_allowed_token_ids(logits, meta.allowed_token_ids)
-        if meta.bad_words_mask is not None:
-            apply_token_mask(logits, meta.bad_words_mask)
-        if meta.min_tokens_mask is not None:
-            apply_token_mask(logits, meta.min_tokens_mask)
-        if meta.logit_bias is not None:
-            apply_logit_bias(logits, meta.logit_bias)
-        if meta.penalties is not None:
-            apply_penalties(logits, meta.penalties)
+        logits = processed_logits(logits, meta)
         sampled = logits.argmax(dim=-1) if meta.all_greedy else _sample_random(logits, meta)
         lp = None
         if meta.num_logprobs is not None:
             lp = sampled_logprobs(raw_logits, sampled, meta.num_logprobs)
         return SamplerOutput(sampled, lp)
+
+
+def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """A float32 copy of `logits` with step 2 of the pipeline applied (masks, bias, penalties): the
+    logits greedy rows take the argmax of and random rows scale and filter."""
+    logits = logits.to(torch.float32, copy=True)
+    if meta.allowed_token_ids is not None:
+        apply_allowed_token_ids(logits, meta.allowed_token_ids)
+    if meta.bad_words_mask is not None:
+        apply_token_mask(logits, meta.bad_words_mask)
+    if meta.min_tokens_mask is not None:
+        apply_token_mask(logits, meta.min_tokens_mask)
+    if meta.logit_bias is not None:
+        apply_logit_bias(logits, meta.logit_bias)
+    if meta.penalties is not None:
+        apply_penalties(logits, meta.penalties)
+    return logits
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

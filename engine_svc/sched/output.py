@@ -74,6 +74,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     decode_num_computed_tokens: list[int] = msgspec.field(default_factory=list)
     # The scheduler's count of schedule() calls when it made this output (its own bookkeeping; workers ignore it).
     step_id: int = 0
+    # Speculative decoding: the drafts each verifying request runs after its last known token this step
+    # (vLLM's name). Its num_scheduled_tokens count them: 1 + len(drafts) for a decode. The drafts are not
+    # tokens of the request: the worker writes them past its known tokens for this step only.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     def cached_diffs(self) -> list[CachedRequestData]:
         """Every cached request's diff as a `CachedRequestData` (the columnar decodes expanded), in
@@ -105,3 +109,8 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False)
     prompt_logprobs: dict[str, list[tuple[int, float, int, list[int], list[float]]]] = msgspec.field(
         default_factory=dict
     )
+    # Verified requests (those with drafts this step): every token the verification yields, its accepted
+    # drafts then the one the target sampled (sampled_token_ids holds the first); and, when asked, the
+    # logprobs of each of those tokens.
+    spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    spec_logprobs: dict[str, list[tuple[float, int, list[int], list[float]]]] = msgspec.field(default_factory=dict)

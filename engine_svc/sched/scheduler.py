@@ -65,6 +65,9 @@ from engine_svc.sched.output import (
     SchedulerOutput,
 )
 from engine_svc.sched.request_queue import make_request_queue
+from engine_svc.spec.config import SpeculativeConfig, may_speculate
+from engine_svc.spec.ngram import NgramProposer
+from engine_svc.spec.stats import SpecDecodeStats
 from engine_svc.structured.bitmask import BitmaskFiller
 from engine_svc.structured.compiler import GrammarCompilers, GrammarError
 from engine_svc.structured.grammar import RequestGrammar
@@ -98,6 +101,7 @@ class Scheduler:
         kv_events: KVEventLog | None = None,
         grammars: GrammarCompilers | None = None,
         async_scheduling: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -140,6 +144,15 @@ class Scheduler:
         self._step_id = 0
         self._last_updated_step = 0
         self._stale: dict[str, int] = {}  # ended request id -> last step that scheduled it, while in flight
+        # Speculative decoding (engine_svc/spec/): drafts proposed after each step, verified in the next.
+        if speculative is not None and async_scheduling:
+            raise ValueError("--speculative-config cannot be combined with --async-scheduling yet: drafts are "
+                             "proposed from the tokens a step samples, which async scheduling has not seen")
+        self.speculative = speculative
+        self._proposer = (NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+                          if speculative is not None else None)
+        self._verified_extra = 0  # tokens beyond the first in this step's verified outputs
+        self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
 
     # ---- inputs ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -264,6 +277,8 @@ class Scheduler:
                     i += 1
                     continue
                 n += placeholders
+            elif request.spec_token_ids and n - request.num_computed_tokens == 1:
+                n += len(request.spec_token_ids)  # a decode verifying drafts: 1 + k tokens
             if n > max_model_len:  # (a compare, not a min() call: this runs per request per step)
                 n = max_model_len
             n -= request.num_computed_tokens
@@ -325,6 +340,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.spec_token_ids = []
         request.record_event(EventType.PREEMPTED)
         if not request.first_token_sent and not request.num_output_placeholders:
             request.prompt_logprobs.clear()  # the prompt will be run (and its logprobs sent) again
@@ -352,6 +368,7 @@ class Scheduler:
         decode_tokens: list[int] = []
         decode_computed: list[int] = []
         prompt_tokens: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         requests, tokens_sent_of, blocks_sent_of = self.requests, self._num_tokens_sent, self._num_blocks_sent
         kv, step_id, in_flight = self.kv, self._step_id, self.steps_in_flight
         for request_id, n in scheduled.items():
@@ -391,6 +408,8 @@ class Scheduler:
             if start < len(request.prompt_token_ids):
                 prompt_tokens[request_id] = min(len(request.prompt_token_ids) - start, n)
             request.num_computed_tokens = start + n
+            if start + n > num_tokens:  # drafts scheduled past the known tokens (never under async scheduling)
+                spec_tokens[request_id] = request.spec_token_ids[: start + n - num_tokens]
             if in_flight:
                 request.last_scheduled_step = step_id
                 if start + n == horizon:  # it samples this step
@@ -407,6 +426,7 @@ class Scheduler:
             decode_token_ids=decode_tokens,
             decode_num_computed_tokens=decode_computed,
             step_id=step_id,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self._finished_ids, self._preempted_ids = [], []
         return output
@@ -447,6 +467,7 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         requests, running, on_sampled = self.requests, RequestStatus.RUNNING, self._on_sampled
         in_flight = self.steps_in_flight
+        runs = model_runner_output.spec_token_ids  # verified requests' tokens (several per request)
         for request_id, token, row in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids,
                                           repeat(None) if logprobs is None else logprobs):
             if token < 0:
@@ -454,6 +475,10 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None or (stale and stale.get(request_id, -1) >= step):
                 continue  # ended (aborted, or finished by a token of an earlier step) since it was scheduled
+            if runs and request_id in runs:
+                outputs.append(self._on_verified(request, scheduler_output.scheduled_spec_decode_tokens[request_id],
+                                                 runs[request_id], model_runner_output.spec_logprobs.get(request_id)))
+                continue
             if not in_flight:
                 outputs.append(on_sampled(request, token, row))
                 continue
@@ -462,12 +487,15 @@ class Scheduler:
             outputs.append(on_sampled(request, token, row))
             if preempted and request.is_finished:
                 self.waiting.remove(request)
-        num_sampled = len(outputs) - num_terminal  # one output per sampled request
+        num_sampled = len(outputs) - num_terminal + self._verified_extra  # one output per sampled request
+        self._verified_extra = 0
         if len(self._finished_ids) > num_finished:  # `_release` lists every request it ends
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         if stale:
             for request_id in [r for r, last in stale.items() if last <= step]:
                 del stale[request_id]
+        if self._proposer is not None:
+            self._propose_drafts()
 
         self._last_step = (scheduler_output.total_num_scheduled_tokens, num_prompt_tokens, num_sampled)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.get_stats())
@@ -507,6 +535,51 @@ class Scheduler:
         if request.pending_events:  # else the output keeps its own empty list
             output.events, request.pending_events = request.pending_events, []
         return output
+
+    def _on_verified(self, request: Request, drafts: list[int], run: list[int],
+                     logprobs: list[SampledLogprobs] | None) -> EngineCoreOutput:
+        """Apply a verification: `run` is the accepted drafts then the token the target sampled. The
+        rejected drafts' positions are given back first (their K/V is garbage: computed again next step,
+        their slots reused), then the tokens are appended one by one with every stop check, and the ones
+        after a stop are dropped. One output carries them all."""
+        num_accepted = len(run) - 1
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        request.spec_token_ids = []
+        self.spec_stats.observe(len(drafts), num_accepted)
+        output = self._on_sampled(request, run[0], logprobs[0] if logprobs else None)
+        for i in range(1, len(run)):
+            if request.is_finished:
+                break
+            more = self._on_sampled(request, run[i], logprobs[i] if logprobs else None)
+            output.new_token_ids.extend(more.new_token_ids)
+            if more.new_logprobs:
+                output.new_logprobs.extend(more.new_logprobs)
+            output.finish_reason, output.stop_token_id = more.finish_reason, more.stop_token_id
+            if more.events:
+                output.events = [*output.events, *more.events]
+        self._verified_extra += len(output.new_token_ids) - 1
+        if not request.is_finished and self.kv.enable_prefix_caching:
+            self.kv.cache_late_blocks(request)  # blocks the accepted tokens filled (allocated with drafts)
+        return output
+
+    def _propose_drafts(self) -> None:
+        """Drafts for each running request that may speculate and decodes next step (its known tokens
+        all computed but the last), capped so that its run cannot pass max_total_tokens. None in a step
+        with `disable_by_batch_size` or more requests running."""
+        spec, proposer = self.speculative, self._proposer
+        assert spec is not None and proposer is not None
+        if spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size:
+            for request in self.running:
+                request.spec_token_ids = []
+            return
+        for request in self.running:
+            tokens = request.all_token_ids
+            k = min(spec.num_speculative_tokens, request.max_total_tokens - len(tokens) - 1)
+            if (k <= 0 or request.num_computed_tokens != len(tokens) - 1
+                    or not may_speculate(request.sampling_params, len(request.output_token_ids))):
+                request.spec_token_ids = []
+                continue
+            request.spec_token_ids = proposer.propose(tokens, k)
 
     def _grammar_violated(self, request: Request, token: int) -> EngineCoreOutput:
         """The sampled token is outside the grammar: only possible when another setting masked every
@@ -642,6 +715,10 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_stats.accepted_per_pos),
             num_scheduled_tokens=num_scheduled,
             num_prompt_tokens=num_prompt,
             num_generation_tokens=num_generated,

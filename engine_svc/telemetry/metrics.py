@@ -4,7 +4,9 @@ Two sources, so nothing is counted twice:
 - Read at scrape time from the latest `SchedulerStats` (the busy loop publishes it after each step):
   the gauges `tandem_num_requests_running`, `tandem_num_requests_waiting`, `tandem_kv_cache_usage_perc`
   and the counters the scheduler already keeps cumulatively — `tandem_num_preemptions_total`,
-  `tandem_prefix_cache_queries_total`, `tandem_prefix_cache_hits_total` (in tokens) — exported as is.
+  `tandem_prefix_cache_queries_total`, `tandem_prefix_cache_hits_total` (in tokens) and speculative
+  decoding's `tandem_spec_decode_num_drafts_total`, `_num_draft_tokens_total`, `_num_accepted_tokens_total`
+  and `_num_accepted_tokens_per_pos_total{position}` (vLLM's `vllm:spec_decode_*`) — exported as is.
 - Read at scrape time from the KV event publisher (engine_svc/api/kv_events.py), when events are on:
   `tandem_kv_cache_events_sent_total` (blocks stored or removed, and clears, written to subscribers,
   snapshots included), `tandem_kv_cache_events_dropped_total` (events dropped subscribers never got),
@@ -83,7 +85,28 @@ class _StatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=names)
             counter.add_metric(self._labels, float(value))
             out.append(counter)
+        out.extend(_spec_decode_counters(self._labels, s))
         return out
+
+
+def _spec_decode_counters(labels: list[str], s: SchedulerStats) -> list[Metric]:
+    """vLLM's `vllm:spec_decode_*` counters under tandem's prefix (zero without --speculative-config)."""
+    out: list[Metric] = []
+    for name, doc, value in (
+        ("tandem_spec_decode_num_drafts", "Speculative verifications (one request's drafts in one step)",
+         s.spec_decode_num_drafts),
+        ("tandem_spec_decode_num_draft_tokens", "Draft tokens verified", s.spec_decode_num_draft_tokens),
+        ("tandem_spec_decode_num_accepted_tokens", "Draft tokens accepted", s.spec_decode_num_accepted_tokens),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=["model_name"])
+        counter.add_metric(labels, float(value))
+        out.append(counter)
+    per_pos = CounterMetricFamily("tandem_spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft", labels=["model_name", "position"])
+    for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+        per_pos.add_metric([*labels, str(position)], float(value))
+    out.append(per_pos)
+    return out
 
 
 class _KvEventsCollector(Collector):

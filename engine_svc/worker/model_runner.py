@@ -42,6 +42,7 @@ from engine_svc.structured.bitmask import apply_bitmask
 from engine_svc.worker.cuda_graphs import DecodeCudaGraphs
 from engine_svc.worker.input_batch import InputBatch, StepInputs
 from engine_svc.worker.sampled_feed import Fill, PendingOutput, PlaceholderFeed
+from engine_svc.worker.spec_step import put_drafts, verified_output
 from engine_svc.worker.staging import StepStaging
 
 
@@ -179,6 +180,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
         """Run one step. Returns its output, or under async scheduling a `PendingOutput` (no host sync)."""
         self._update_states(so)
+        if so.scheduled_spec_decode_tokens:
+            put_drafts(self.batch, so.scheduled_spec_decode_tokens)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.batch.prepare(so.num_scheduled_tokens)
@@ -198,6 +201,8 @@ class ModelRunner:
                 feed.record(torch.empty(0, dtype=torch.int64, device=self.device), sample_idx, None)
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[-1] * len(req_ids),
                                      prompt_logprobs=prompt_logprobs)
+        if so.scheduled_spec_decode_tokens:  # speculative decoding: verify the drafts (spec_step.py)
+            return verified_output(self, so, inputs, sample_idx, hidden, prompt_logprobs)
         # Python ints, not numpy scalars, index the per-request lists and dicts below; when every row
         # samples (a decode step), the sampling rows are the batch order itself.
         every_row = len(sample_idx) == len(req_ids)

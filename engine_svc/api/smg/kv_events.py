@@ -57,6 +57,10 @@ def to_smg_batch(batch: pb.KvEventBatch, block_size: int, max_running: int) -> c
         out.load.running_requests, out.load.waiting_requests = stats.num_running, stats.num_waiting
         out.load.token_usage = stats.kv_cache_usage
         out.load.max_running_requests = max_running
+        if stats.spec_decode_num_drafts:  # speculative decoding: tokens per verification, drafts accepted
+            out.load.speculative.accept_length = 1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts
+            out.load.speculative.accept_rate = (stats.spec_decode_num_accepted_tokens
+                                                / max(1, stats.spec_decode_num_draft_tokens))
     return out
 
 

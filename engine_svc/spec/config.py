@@ -1,0 +1,106 @@
+"""`--speculative-config`: vLLM's JSON keys, checked at start with errors that name the key.
+
+Accepted: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b,
+"disable_by_batch_size": n}. As in vLLM, a missing bound of the lookup takes the other's value, and both
+default to 5 when neither is given. `disable_by_batch_size`: no request speculates in a step while that
+many requests (or more) are running, where verification no longer pays.
+
+Which requests speculate (`may_speculate`): those whose next-token distribution does not depend on the
+tokens sampled before it in the same step, so that verifying k drafts in one forward pass samples what
+k + 1 plain steps would. Requests with presence/frequency/repetition penalties, bad words, a structured
+output constraint or a seed (whose stream is defined per plain step), and requests still under their
+min_tokens, decode one token a step. logit_bias, allowed_token_ids, temperature, top-k/p, min-p and
+logprobs are honoured by verification.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shared_runtime import limits
+from shared_runtime.contract import EngineSamplingParams
+
+METHODS = ("ngram",)
+NOT_YET = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "suffix")
+MAX_SPECULATIVE_TOKENS = 8
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+
+
+class SpeculativeConfigError(ValueError):
+    """A --speculative-config value is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From the flag's JSON text, a dict (the offline API), or an already parsed config."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise SpeculativeConfigError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise SpeculativeConfigError("--speculative-config must be a JSON object")
+        unknown = sorted(set(value) - set(_KEYS))
+        if unknown:
+            raise SpeculativeConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
+                                         f"known: {', '.join(_KEYS)}")
+        method = value.get("method")
+        if method in NOT_YET:
+            raise SpeculativeConfigError(f"--speculative-config method {method!r} is not implemented in tandem "
+                                         f"yet; available: {', '.join(METHODS)}")
+        if method not in METHODS:
+            raise SpeculativeConfigError(f"--speculative-config method {method!r} is not supported; "
+                                         f"choose one of {', '.join(METHODS)}")
+        k = _int(value, "num_speculative_tokens", None)
+        if k is None or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise SpeculativeConfigError(f"--speculative-config num_speculative_tokens must be an integer in "
+                                         f"[1, {MAX_SPECULATIVE_TOKENS}], got {value.get('num_speculative_tokens')!r}")
+        low, high = _int(value, "prompt_lookup_min", None), _int(value, "prompt_lookup_max", None)
+        if low is None and high is None:
+            low = high = 5
+        low = high if low is None else low
+        high = low if high is None else high
+        assert low is not None and high is not None
+        if low < 1:
+            raise SpeculativeConfigError(f"--speculative-config prompt_lookup_min must be >= 1, got {low}")
+        if high < low:
+            raise SpeculativeConfigError(f"--speculative-config prompt_lookup_max ({high}) must be >= "
+                                         f"prompt_lookup_min ({low})")
+        disable = _int(value, "disable_by_batch_size", None)
+        if disable is not None and disable < 1:
+            raise SpeculativeConfigError(f"--speculative-config disable_by_batch_size must be >= 1, got {disable}")
+        return cls(method, k, low, high, disable)
+
+
+def _int(value: dict[str, Any], key: str, default: int | None) -> int | None:
+    raw = value.get(key, default)
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise SpeculativeConfigError(f"--speculative-config {key} must be an integer, got {raw!r}")
+    return raw
+
+
+def may_speculate(params: EngineSamplingParams, num_output_tokens: int) -> bool:
+    """True when verification samples exactly what plain decoding would for this request now (see the
+    module docstring for the features that decode one token a step)."""
+    return (
+        params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
+        and not params.bad_words_token_ids
+        and params.structured_outputs is None
+        and (params.seed is None or params.temperature < limits.GREEDY_TEMPERATURE)
+        and num_output_tokens >= params.min_tokens
+    )
+

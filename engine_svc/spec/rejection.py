@@ -1,0 +1,91 @@
+"""Verification of one step's drafts against the target model's logits (the worker's rejection sampler).
+
+Input: the logits of every verifying request's 1 + k positions (position j scores the token after
+draft j; position 0 the token after the last known one), the sampling metadata of those rows (each
+request's state repeated on its rows), and the drafts. Output per request: its accepted drafts followed
+by one token the target samples, 1 to k + 1 tokens.
+
+- Greedy rows: the target token at each position is the argmax of the processed logits (what the plain
+  sampler takes). Drafts are accepted while they equal it; the run ends with the target token at the
+  first mismatch, or after the last draft with the bonus token. Token for token what plain greedy
+  decoding produces.
+- Random rows (Leviathan et al., vLLM's rejection sampler): with p the target distribution at a position
+  (temperature, min-p, top-k, top-p applied as the plain sampler does) and q the proposer's, draft d is
+  accepted with probability min(1, p(d) / q(d)); on rejection the position's token is drawn from
+  norm(max(0, p - q)) and the run ends; after k acceptances a bonus token is drawn from p at the last
+  position. Prompt lookup proposes d with certainty (q = one-hot at d), so the acceptance probability is
+  p(d) and the recovered distribution is p with d removed, renormalised. Each output token is then
+  distributed exactly as p given the tokens before it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_svc.sample.metadata import SamplingMetadata
+from engine_svc.sample.sampler import processed_logits, scale_and_filter
+
+
+def verify(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]) -> list[list[int]]:
+    """The run of output tokens of each request (see the module docstring). `logits` has
+    sum(len(d) + 1 for d in drafts) rows, request after request; `meta` has one row per logits row."""
+    processed = logits if meta.is_plain_greedy else processed_logits(logits, meta)
+    targets = processed.argmax(dim=-1)
+    if meta.all_greedy:
+        return _greedy_runs(targets.tolist(), drafts)
+    probs = _target_probs(processed, targets, meta)
+    draft_ids = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64, device=logits.device)
+    is_draft = draft_ids >= 0
+    index = draft_ids.clamp_min(0).unsqueeze(1)
+    p_draft = probs.gather(1, index).squeeze(1)
+    uniform = torch.rand(p_draft.shape, dtype=torch.float64, device=probs.device)
+    accepted = (uniform < p_draft.to(torch.float64)) & is_draft
+    residual = torch.where(is_draft.unsqueeze(1), probs.scatter(1, index, 0.0), probs)
+    recovered = _inverse_transform(residual, fallback=index.squeeze(1))
+    return _random_runs(accepted.tolist(), recovered.tolist(), drafts)
+
+
+def _greedy_runs(targets: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    start = 0
+    for d in drafts:
+        a = 0
+        while a < len(d) and d[a] == targets[start + a]:
+            a += 1
+        runs.append([*d[:a], targets[start + a]])
+        start += len(d) + 1
+    return runs
+
+
+def _random_runs(accepted: list[bool], recovered: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    start = 0
+    for d in drafts:
+        a = 0
+        while a < len(d) and accepted[start + a]:
+            a += 1
+        runs.append([*d[:a], recovered[start + a]])
+        start += len(d) + 1
+    return runs
+
+
+def _target_probs(processed: torch.Tensor, targets: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The target distribution per row: softmax of the scaled, filtered logits; greedy rows (in a batch
+    that mixes them with random ones) one-hot at their argmax, so the rule above accepts exactly the
+    matching draft and otherwise yields the argmax."""
+    probs = torch.softmax(scale_and_filter(processed, meta), dim=-1)
+    if meta.greedy_rows is not None:
+        one_hot = torch.zeros_like(probs).scatter_(1, targets.unsqueeze(1), 1.0)
+        probs = torch.where(meta.greedy_rows.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def _inverse_transform(probs: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """One token per row with probability proportional to the row (unnormalised rows are fine). A row
+    with no mass left (its draft held all of p, to rounding) yields `fallback`."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    point = torch.rand(total.shape, dtype=torch.float64, device=probs.device).mul_(total)
+    point = torch.minimum(point, torch.nextafter(total, torch.zeros_like(total)))
+    picked = torch.searchsorted(cdf, point, right=True).squeeze_(1).clamp_(max=probs.shape[1] - 1)
+    return torch.where(total.squeeze(1) > 0, picked, fallback)

@@ -1,0 +1,113 @@
+"""The model runner's side of speculative decoding: drafts into the batch, verification after the forward.
+
+A verifying request is scheduled 1 + k tokens: its last known token and its k drafts
+(`SchedulerOutput.scheduled_spec_decode_tokens`). `put_drafts` writes the drafts past the request's
+known tokens in the persistent batch (its `num_tokens` stays: they are not its tokens; the scheduler's
+next diff overwrites them with the tokens it accepts). After the forward, `verified_output` turns the
+hidden states of all 1 + k positions of each verifying request into logits and runs the rejection sampler
+(engine_svc/spec/rejection.py) on them; the other sampling requests of the step sample as in a plain step,
+through the runner's own sampler. Verification steps have queries longer than one token, so they never
+replay a decode CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from engine_svc.sample.logprobs import sampled_logprobs
+from engine_svc.sample.metadata import RequestSamplingState, SamplingMetadata, build_sampling_metadata
+from engine_svc.sample.sampler import Sampler
+from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.spec.rejection import verify
+from engine_svc.structured.bitmask import apply_bitmask
+from engine_svc.worker.input_batch import InputBatch, StepInputs
+from engine_svc.worker.staging import StepStaging
+
+
+class Runner(Protocol):
+    """What verification uses of the model runner (engine_svc/worker/model_runner.py `ModelRunner`)."""
+
+    model: Any
+    sampler: Sampler
+    sampling_states: dict[str, RequestSamplingState]
+    device: torch.device
+    staging: StepStaging
+
+    def _sampling_metadata(self, sample_ids: list[str], batch_rows: np.ndarray) -> SamplingMetadata: ...
+
+
+def put_drafts(batch: InputBatch, drafts: dict[str, list[int]]) -> None:
+    """Write each request's drafts right after its known tokens (positions the step computes)."""
+    for req_id, tokens in drafts.items():
+        row = batch.row_of[req_id]
+        end = int(batch.num_tokens[row])
+        batch.token_ids[row, end : end + len(tokens)] = tokens
+
+
+def verified_output(runner: Runner, so: SchedulerOutput, inputs: StepInputs, sample_idx: np.ndarray,
+                    hidden: torch.Tensor, prompt_logprobs: dict[str, list]) -> ModelRunnerOutput:
+    """The step's output when some requests verify drafts (see the module docstring). Must run between
+    the runner's `staging.begin_step()` and `end_step()`; ends the staging step itself."""
+    drafts_of = so.scheduled_spec_decode_tokens
+    req_ids, ends = inputs.req_ids, inputs.query_start_loc[1:]
+    plain = [i for i in sample_idx.tolist() if req_ids[i] not in drafts_of]
+    verifying = [i for i in sample_idx.tolist() if req_ids[i] in drafts_of]
+    drafts = [drafts_of[req_ids[i]] for i in verifying]
+    # Hidden rows: each plain request's last position, then each verifying request's 1 + k positions.
+    index = [int(ends[i]) - 1 for i in plain]
+    for i, d in zip(verifying, drafts):
+        index.extend(range(int(ends[i]) - 1 - len(d), int(ends[i])))
+    plain_ids = [req_ids[i] for i in plain]
+    plain_meta = runner._sampling_metadata(plain_ids, inputs.rows[plain]) if plain else None
+    runner.staging.end_step()
+    logits = runner.model.compute_logits(hidden.index_select(0, torch.tensor(index, device=hidden.device)))
+
+    sampled = [-1] * len(req_ids)
+    logprobs: list | None = None
+    if plain_meta is not None:
+        plain_logits = logits[: len(plain)]
+        if so.grammar is not None:
+            apply_bitmask(plain_logits, so.grammar, {r: j for j, r in enumerate(plain_ids)})
+        out = runner.sampler(plain_logits, plain_meta)
+        rows = out.logprobs_lists()
+        for j, (i, token) in enumerate(zip(plain, out.sampled_token_ids.tolist())):
+            sampled[i] = token
+            if rows is not None:
+                logprobs = logprobs or [None] * len(req_ids)
+                logprobs[i] = rows[j]
+
+    states = runner.sampling_states
+    expanded = [states[req_ids[i]] for i, d in zip(verifying, drafts) for _ in range(len(d) + 1)]
+    meta = build_sampling_metadata(expanded, runner.device)
+    spec_logits = logits[len(plain):]
+    runs = verify(spec_logits, meta, drafts)
+    spec_tokens: dict[str, list[int]] = {}
+    for i, run in zip(verifying, runs):
+        sampled[i] = run[0]
+        spec_tokens[req_ids[i]] = run
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs, spec_token_ids=spec_tokens,
+                             spec_logprobs=_run_logprobs(spec_logits, meta, drafts, runs, req_ids, verifying))
+
+
+def _run_logprobs(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]], runs: list[list[int]],
+                  req_ids: list[str], verifying: list[int]) -> dict[str, list]:
+    """Logprobs (from the raw logits, as the plain sampler takes them) of every token of each run, for
+    the verifying requests that ask for them."""
+    num_logprobs = meta.num_logprobs
+    if num_logprobs is None:
+        return {}
+    chosen: list[int] = []
+    for d, run in zip(drafts, runs):
+        chosen.extend(run + [0] * (len(d) + 1 - len(run)))
+    rows = sampled_logprobs(logits, torch.tensor(chosen, device=logits.device), num_logprobs).to_lists()
+    result: dict[str, list] = {}
+    start = 0
+    for i, d, run in zip(verifying, drafts, runs):
+        if num_logprobs[start] is not None:
+            result[req_ids[i]] = rows[start : start + len(run)]
+        start += len(d) + 1
+    return result
