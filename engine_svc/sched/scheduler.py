@@ -408,7 +408,7 @@ class Scheduler:
             if start < len(request.prompt_token_ids):
                 prompt_tokens[request_id] = min(len(request.prompt_token_ids) - start, n)
             request.num_computed_tokens = start + n
-            if start + n > num_tokens:  # drafts scheduled past the known tokens (never under async scheduling)
+            if request.spec_token_ids and start + n > num_tokens:  # drafts scheduled past the known tokens
                 spec_tokens[request_id] = request.spec_token_ids[: start + n - num_tokens]
             if in_flight:
                 request.last_scheduled_step = step_id
