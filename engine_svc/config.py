@@ -159,6 +159,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
+    # Pipeline parallelism: the layers split into this many stages (engine_svc/distributed/pipeline.py).
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None  # layers per stage, "12,10,10" (vLLM's VLLM_PP_LAYER_PARTITION)
     enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of sharded ones
     block_size: int = 16
     max_num_seqs: int = 256
@@ -200,6 +203,13 @@ class EngineConfig:
             raise ConfigError(f"--block-size {self.block_size} must be a power of two (e.g. 16)")
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be >= 1")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError("--pipeline-parallel-size must be >= 1")
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ConfigError("--async-scheduling cannot be combined with --pipeline-parallel-size > 1: the "
+                              "pipeline's batch queue already overlaps steps (drop --async-scheduling)")
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
+            raise ConfigError("--pp-layer-partition needs --pipeline-parallel-size > 1")
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
@@ -242,6 +252,7 @@ class EngineConfig:
                                   f"up to {window} tokens: lower --max-model-len to {window} or less")
             max_model_len = window
         kwargs["max_model_len"] = max_model_len
+        _check_pipeline(hf_config, kwargs)
         if kwargs.get("device", "auto") == "auto":
             kwargs["device"] = _auto_device()
         _fill_step_defaults(kwargs, max_model_len)
@@ -280,6 +291,8 @@ class EngineConfig:
         """`--async-scheduling`, or when not given the default of the device (ASYNC_SCHEDULING_DEFAULT)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
+        if self.pipeline_parallel_size > 1:
+            return False  # the pipeline's batch queue overlaps steps instead
         return ASYNC_SCHEDULING_DEFAULT.get(self.device, False)
 
     @property
@@ -341,6 +354,18 @@ def _auto_device() -> str:
         return "cpu"
 
 
+def _check_pipeline(hf_config: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """The layer partition must fit the model: every stage at least one layer (ConfigError otherwise)."""
+    from engine_svc.distributed.pipeline import partition_layers
+
+    stages = int(kwargs.get("pipeline_parallel_size") or 1)
+    if stages > 1:
+        try:
+            partition_layers(int(hf_config.get("num_hidden_layers") or 0), stages, kwargs.get("pp_layer_partition"))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's CLI flags, named as vLLM names them."""
     a = parser.add_argument
@@ -351,6 +376,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
            "bfloat16 on CUDA and on CPUs with bfloat16 dot-product instructions (AVX512-BF16, AMX)")
     a("--device", default="auto", choices=DEVICES)
     a("--tensor-parallel-size", "-tp", type=int, default=1)
+    a("--pipeline-parallel-size", "-pp", type=int, default=1,
+      help="split the model's layers into this many stages, one group of --tensor-parallel-size workers "
+           "each (embedding on the first, norm, head and sampling on the last); as many batches stay in "
+           "flight, so every stage works")
+    a("--pp-layer-partition", default=None,
+      help="layers per pipeline stage, comma-separated (e.g. 12,10,10; vLLM's VLLM_PP_LAYER_PARTITION); "
+           "default: even, the remainder on the stages before the last")
     a("--enable-expert-parallel", action="store_true",
       help="mixture-of-experts models: place whole experts on the tensor-parallel ranks (num_experts / "
            "tp each) instead of sharding every expert's intermediate dim")

@@ -1,8 +1,13 @@
-"""TP > 1: one worker process per rank, fed through a shared-memory broadcast queue.
+"""TP or PP > 1: one worker process per rank, fed through a shared-memory broadcast queue.
 
     engine process                                  worker processes (spawn), rank 0 .. N-1
-    MultiprocExecutor --commands (shm, N readers)--> busy loop: decode -> Worker -> (rank 0) answer
-                      <--------answers (pipe)-------- rank 0 only
+    MultiprocExecutor --commands (shm, N readers)--> busy loop: decode -> Worker -> (answer rank) answer
+                      <--------answers (pipe)-------- the answer rank only
+
+N = tensor_parallel_size x pipeline_parallel_size; the answer rank is TP rank 0 of the last stage
+(worker_proc.answer_rank). With P stages every rank still reads every step, in order; stage s works on
+step n while stage s+1 works on step n-1 (activations go stage to stage over torch.distributed), so the
+executor asks the engine core for P batches in flight (`max_concurrent_batches`).
 
 Answers take a pipe rather than a second shm queue: the engine then blocks in
 `multiprocessing.connection.wait` on the pipe and every worker's sentinel, so it wakes the moment the
@@ -53,7 +58,7 @@ from engine_svc.executor.codec import (
     encode_command,
 )
 from engine_svc.executor.shm_queue import PeerDiedError, ShmBroadcastQueue
-from engine_svc.executor.worker_proc import DEFAULT_WORKER_CLS, WorkerArgs, worker_main
+from engine_svc.executor.worker_proc import DEFAULT_WORKER_CLS, WorkerArgs, answer_rank, worker_main
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -100,7 +105,7 @@ class MultiprocExecutor(Executor):
         self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, liveness_interval: float = 0.05
     ) -> None:
         super().__init__(config)
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         _check_devices(config)
         self._info: WorkerInfo | None = None
         self._failure: str | None = None
@@ -129,7 +134,7 @@ class MultiprocExecutor(Executor):
                 rank=rank,
                 dist_init_method=init_method,
                 commands=self._commands.reader_handle(rank),
-                responses=answer_send if rank == 0 else None,
+                responses=answer_send if rank == answer_rank(self.config) else None,
                 status=status_send,
                 parent_pid=os.getpid(),
                 worker_cls=worker_cls,
@@ -144,6 +149,11 @@ class MultiprocExecutor(Executor):
         self._commands.release_peer_ends()
 
     # ---- the Executor interface --------------------------------------------------------------------
+    @property
+    def max_concurrent_batches(self) -> int:
+        """With P pipeline stages, P batches in flight: each stage works on a different one."""
+        return max(self.config.pipeline_parallel_size, super().max_concurrent_batches)
+
     def determine_num_blocks(self) -> int:
         self._call(encode_command(Op.LOAD_MODEL))
         self._info = self._call_and_wait(decode_worker_info)  # type: ignore[assignment]
@@ -272,10 +282,12 @@ def _check_devices(config: EngineConfig) -> None:
     import torch
 
     available = torch.cuda.device_count()
-    if available < config.tensor_parallel_size:
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    if available < world:
         raise ConfigError(
-            f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs, but "
-            f"only {available} are visible; lower it or use --device cpu"
+            f"--tensor-parallel-size {config.tensor_parallel_size} x --pipeline-parallel-size "
+            f"{config.pipeline_parallel_size} needs {world} GPUs, but only {available} are visible; "
+            "lower them or use --device cpu"
         )
 
 
