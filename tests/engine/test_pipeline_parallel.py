@@ -293,3 +293,22 @@ def test_sigkill_of_a_stage_fails_generate_and_cleans_up(make_model, stage: int)
         llm.generate(make_prompts(10, 2, 500), GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 10
     assert_cleaned_up(pids, segments)
+
+
+def test_the_kv_cache_is_sized_per_stage_and_the_engine_takes_the_smallest(make_model) -> None:
+    """Stages split 2 + 1 layers: with the same memory the 2-layer stage fits half the blocks the other
+    does, and every stage gets that count."""
+    model_dir = make_model("llama", num_layers=3)
+    one_layer_block = Worker(EngineConfig.create(model=str(model_dir), device="cpu", dtype="float32",
+                                                 block_size=4))
+    one_layer_block.load_model()
+    per_layer = one_layer_block.kv_block_bytes // 3
+    budget = 100 * per_layer
+    config = EngineConfig.create(model=str(model_dir), device="cpu", dtype="float32", block_size=4,
+                                 pipeline_parallel_size=2, kv_cache_memory_bytes=budget)
+    ex = MultiprocExecutor(config)
+    try:
+        assert ex.initialize() == 50  # stage 0: 2 layers (stage 1 alone would fit 100)
+        assert ex.kv_block_bytes == per_layer  # the answering (last) stage's block: its one layer
+    finally:
+        ex.shutdown()
