@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_svc.worker.worker import Worker  # noqa: E402
+from engine_svc.worker.worker import Worker
 
 TIMING_ENV = "TANDEM_BENCH_STAGE_TIMING"
 CONFIGS: dict[str, dict[str, Any]] = {
