@@ -162,6 +162,12 @@ class EngineConfig:
     # Pipeline parallelism: the layers split into this many stages (engine_svc/distributed/pipeline.py).
     pipeline_parallel_size: int = 1
     pp_layer_partition: str | None = None  # layers per stage, "12,10,10" (vLLM's VLLM_PP_LAYER_PARTITION)
+    # One engine over several nodes (engine_svc/executor/nodes.py): node 0 serves, the others run
+    # `tandem-engine --headless`; every node holds world_size / nnodes ranks.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of sharded ones
     block_size: int = 16
     max_num_seqs: int = 256
@@ -208,6 +214,13 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1 and self.async_scheduling:
             raise ConfigError("--async-scheduling cannot be combined with --pipeline-parallel-size > 1: the "
                               "pipeline's batch queue already overlaps steps (drop --async-scheduling)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"--tensor-parallel-size x --pipeline-parallel-size ({self.world_size}) must be "
+                              f"divisible by --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address)")
         if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
             raise ConfigError("--pp-layer-partition needs --pipeline-parallel-size > 1")
         if self.max_num_seqs < 1:
@@ -285,6 +298,11 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return default_dtype(self.model_dtype, self.device)
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes over all nodes: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def resolved_async_scheduling(self) -> bool:
@@ -386,6 +404,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--enable-expert-parallel", action="store_true",
       help="mixture-of-experts models: place whole experts on the tensor-parallel ranks (num_experts / "
            "tp each) instead of sharding every expert's intermediate dim")
+    a("--nnodes", type=int, default=1,
+      help="nodes one engine spans: node 0 runs the engine and its share of the workers, the others "
+           "`tandem-engine --headless` (workers only); TP x PP must divide by it")
+    a("--node-rank", type=int, default=0)
+    a("--master-addr", default="127.0.0.1", help="node 0's address (torch.distributed and the node link)")
+    a("--master-port", type=int, default=None,
+      help="torch.distributed's port on node 0; the node link listens on the next port")
     a("--block-size", type=int, default=16)
     a("--max-num-seqs", type=int, default=256)
     a("--max-num-batched-tokens", type=int, default=None,

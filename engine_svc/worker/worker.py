@@ -47,9 +47,10 @@ class Worker:
             if not torch.cuda.is_available():
                 raise RuntimeError("--device cuda was asked for but CUDA is not available on this machine; "
                                    "use --device cpu")
-            torch.cuda.set_device(self.rank)
-            return torch.device("cuda", self.rank)
-        world = self.config.tensor_parallel_size * self.config.pipeline_parallel_size
+            local = self.rank % (self.config.world_size // self.config.nnodes)  # this node's GPU index
+            torch.cuda.set_device(local)
+            return torch.device("cuda", local)
+        world = self.config.world_size // self.config.nnodes  # the ranks sharing this node's cores
         self.cpu_threads = threads = set_cpu_threads(world)
         self._lending = False
         self.governor = ThreadGovernor(threads, world) if governor_enabled() else None
