@@ -284,10 +284,10 @@ class MultiprocExecutor(Executor):
                 dead = self._collect_deaths()
                 self.shutdown()
                 reasons = []
-                for rank in sorted(dead, key=lambda r: dead[r][0]):  # in the order they died
-                    proc, message = self._procs[rank], dead[rank][1]
+                for index in sorted(dead, key=lambda r: dead[r][0]):  # in the order they died
+                    proc, message = self._procs[index], dead[index][1]
                     reasons.append(
-                        f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                        f"rank {self.ranks[index]} (pid {proc.pid}) exited with code {proc.exitcode}"
                         + (f": {message}" if message else "")
                     )
                 reasons += [n.failure for n in self._nodes if n.failure]
@@ -298,7 +298,7 @@ class MultiprocExecutor(Executor):
     def _collect_deaths(
         self, first_wait_s: float = 1.0, grace_s: float = 0.2
     ) -> dict[int, tuple[float, str]]:
-        """rank -> (when its death was seen, its traceback or ""), for ranks whose status pipe reports
+        """local index -> (when its death was seen, its traceback or ""), for this node's ranks whose status pipe reports
         a failure or closes (the process is gone) within `first_wait_s`, plus `grace_s` after the first
         (a peer failing in a collective a moment later is reported too, after the root cause)."""
         pending = {conn: rank for rank, conn in enumerate(self._status)}

@@ -206,7 +206,10 @@ def run_headless(config: EngineConfig) -> int:
                 waitables.append(executor._answers)
             ready = wait(waitables)
             if executor._answers is not None and executor._answers in ready:
-                data = executor._answers.recv_bytes()
+                try:
+                    data = executor._answers.recv_bytes()
+                except (EOFError, OSError):
+                    executor._fail()  # the answering worker is gone: report why
                 send_frame(sock, ANSWER, data)
                 continue
             if sock in ready:
