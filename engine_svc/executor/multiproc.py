@@ -127,7 +127,9 @@ class MultiprocExecutor(Executor):
         self._procs: list[BaseProcess] = []
         self._owed: deque[AnswerFuture] = deque()  # EXECUTE commands sent, answers not read yet, in order
         self._conns: list[Connection] = []  # answer pipe, then each rank's status pipe
-        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._conns, self._commands, self._nodes)
+        self._failing: list[bool] = []  # non-empty once failing: headless nodes then get no SHUTDOWN
+        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._conns, self._commands, self._nodes,
+                                           self._failing)
         self._spawn(worker_cls)
         _live_executors.add(self)
         _install_sigterm_cleanup()
@@ -140,6 +142,7 @@ class MultiprocExecutor(Executor):
         try:
             self._nodes.extend(accept_nodes(self.config))
         except RuntimeError as exc:
+            self._failing.append(True)
             self.shutdown()
             raise WorkerDiedError(str(exc)) from None
         answering = answer_rank(self.config)
@@ -282,6 +285,7 @@ class MultiprocExecutor(Executor):
         with self._fail_lock:
             if self._failure is None and self._finalizer.alive:
                 dead = self._collect_deaths()
+                self._failing.append(True)
                 self.shutdown()
                 reasons = []
                 for index in sorted(dead, key=lambda r: dead[r][0]):  # in the order they died
@@ -337,15 +341,17 @@ def _check_devices(config: EngineConfig) -> None:
 
 
 def _teardown(procs: list[BaseProcess], conns: list[Connection], commands: ShmBroadcastQueue,
-              nodes: list[RemoteNode]) -> None:
+              nodes: list[RemoteNode], failing: list[bool]) -> None:
     """Stop the workers (politely, then SIGTERM, then SIGKILL) and unlink the shared memory; tell
-    headless nodes to shut down and close their links.
+    headless nodes to shut down (unless the executor is failing: then their links just close, and they
+    exit non-zero) and close their links.
 
     Holds no reference to the executor so it can run as its weakref finalizer.
     """
     for node in nodes:
-        with contextlib.suppress(LinkClosed):
-            node.send_command(encode_command(Op.SHUTDOWN))
+        if not failing:
+            with contextlib.suppress(LinkClosed):
+                node.send_command(encode_command(Op.SHUTDOWN))
         node.close()
     if procs and all(p.is_alive() for p in procs):
         try:

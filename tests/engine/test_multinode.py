@@ -100,8 +100,10 @@ def test_two_nodes_equal_one_process_and_transformers(make_model, headless, para
             [e.logprob for e in r.outputs[0].logprobs], abs=1e-4)
 
 
-@pytest.mark.parametrize("victim", ["node", "worker"])
-def test_a_dead_headless_node_or_worker_fails_the_engine_within_seconds(make_model, headless, victim: str) -> None:
+@pytest.mark.parametrize("victim", ["node", "worker", "local"])
+def test_a_dead_node_or_worker_fails_the_whole_group_within_seconds(make_model, headless, victim: str) -> None:
+    """kill -9 of the headless node, of its worker, or of a worker on node 0: the engine fails within
+    seconds naming the cause, and a surviving headless node exits non-zero (it gets no SHUTDOWN)."""
     model = make_model("llama")
     port = two_free_ports()
     headless.append(start_headless(model, port, "--pipeline-parallel-size", "2"))
@@ -109,15 +111,18 @@ def test_a_dead_headless_node_or_worker_fails_the_engine_within_seconds(make_mod
     try:
         llm.generate(make_prompts(9, 2, 500), GREEDY, use_tqdm=False)  # healthy first
         relay = headless[0].pid
-        os.kill(relay if victim == "node" else children(relay)[0], signal.SIGKILL)
+        pid = {"node": relay, "worker": children(relay)[0] if victim == "worker" else 0,
+               "local": llm.engine.executor.worker_pids[0]}[victim]  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(WorkerDiedError, match=r"node 1" if victim == "node" else r"(?s)node 1: .*rank 1 .*code -9"):
+        cause = {"node": r"node 1", "worker": r"(?s)node 1: .*rank 1 .*code -9", "local": r"rank 0 .*code -9"}
+        with pytest.raises(WorkerDiedError, match=cause[victim]):
             llm.generate(make_prompts(10, 2, 500), GREEDY, use_tqdm=False)
         assert time.monotonic() - start < 10
     finally:
         llm.engine.shutdown()
-    if victim == "worker":
-        assert headless[0].wait(30) == 1, "a headless node whose worker died exits non-zero"
+    if victim != "node":
+        assert headless[0].wait(30) == 1, "a headless node of a failed engine exits non-zero"
 
 
 def test_a_node_that_never_joins_fails_start_up_naming_its_ranks(make_model, monkeypatch) -> None:
