@@ -104,7 +104,7 @@ def _main(argv: list[str] | None) -> int:
               "(drop --headless there)", file=sys.stderr)
         return 2
     if args.headless:
-        from engine_svc.executor.nodes import run_headless
+        from engine_svc.executor.headless import run_headless
 
         return run_headless(config)
     from engine_svc.executor import make_executor

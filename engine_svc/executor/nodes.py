@@ -28,7 +28,6 @@ import socket
 import struct
 import time
 from multiprocessing.connection import wait
-from typing import Any
 
 from engine_svc.config import EngineConfig
 
@@ -189,48 +188,3 @@ def connect_to_engine(config: EngineConfig, timeout_s: float | None = None) -> s
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     send_frame(sock, HELLO, str(config.node_rank).encode())
     return sock
-
-
-def run_headless(config: EngineConfig) -> int:
-    """A worker node: spawn this node's ranks, relay commands in and answers out until the engine says
-    SHUTDOWN (exit 0) or anything fails (exit 1). Never serves an API."""
-    from engine_svc.executor.codec import Op, decode_command
-    from engine_svc.executor.multiproc import MultiprocExecutor, WorkerDiedError
-
-    sock = connect_to_engine(config)
-    executor = MultiprocExecutor(config)
-    try:
-        while True:
-            waitables: list[Any] = [sock, *(p.sentinel for p in executor._procs)]
-            if executor._answers is not None:
-                waitables.append(executor._answers)
-            ready = wait(waitables)
-            if executor._answers is not None and executor._answers in ready:
-                try:
-                    data = executor._answers.recv_bytes()
-                except (EOFError, OSError):
-                    executor._fail()  # the answering worker is gone: report why
-                send_frame(sock, ANSWER, data)
-                continue
-            if sock in ready:
-                try:
-                    kind, payload = recv_frame(sock)
-                except LinkClosed:
-                    return 1  # the engine is gone without a SHUTDOWN
-                if kind != COMMAND:
-                    continue
-                shutting_down = decode_command(memoryview(payload))[0] is Op.SHUTDOWN
-                executor._call(payload)
-                if shutting_down:
-                    return 0
-                continue
-            executor._fail()  # a local worker died: raises WorkerDiedError with the reasons
-    except WorkerDiedError as exc:
-        with contextlib.suppress(OSError):
-            send_frame(sock, FAILURE, str(exc).encode())
-        return 1
-    except (OSError, EOFError):
-        return 1
-    finally:
-        executor.shutdown()
-        sock.close()
