@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "RESOURCE_EXHAUSTED")
     parser.add_argument("--max-tokenizer-downloads", type=int, default=DEFAULT_MAX_TOKENIZER_DOWNLOADS,
                         help="GetTokenizer calls served at once (both protocols); more are refused RESOURCE_EXHAUSTED")
+    parser.add_argument("--headless", action="store_true",
+                        help="a worker node of an engine spanning --nnodes nodes: run this node's workers "
+                             "(--node-rank > 0) for node 0's engine, serve no API")
     parser.add_argument("--log-level", default="INFO")
     security = parser.add_argument_group("security (docs/security.md)")
     add_tls_args(security, side=SERVER, peer="frontends")
@@ -96,9 +99,17 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, TlsConfigError, ValueError) as exc:
         print(f"tandem-engine: {exc}", file=sys.stderr)
         return 2
+    if args.headless != (config.node_rank > 0):
+        print("tandem-engine: --headless runs the workers of a node with --node-rank > 0; node 0 serves "
+              "(drop --headless there)", file=sys.stderr)
+        return 2
+    if args.headless:
+        from engine_svc.executor.headless import run_headless
+
+        return run_headless(config)
     from engine_svc.executor import make_executor
 
-    executor = make_executor(config)  # spawns TP workers now, before gRPC exists
+    executor = make_executor(config)  # spawns TP workers now (and waits for headless nodes), before gRPC exists
     try:
         return asyncio.run(_serve(config, args, executor, security))
     except BindError as exc:

@@ -161,6 +161,15 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
+    # Pipeline parallelism: the layers split into this many stages (engine_svc/distributed/pipeline.py).
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None  # layers per stage, "12,10,10" (vLLM's VLLM_PP_LAYER_PARTITION)
+    # One engine over several nodes (engine_svc/executor/nodes.py): node 0 serves, the others run
+    # `tandem-engine --headless`; every node holds world_size / nnodes ranks.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of sharded ones
     block_size: int = 16
     max_num_seqs: int = 256
@@ -224,6 +233,20 @@ class EngineConfig:
             raise ConfigError(f"--block-size {self.block_size} must be a power of two (e.g. 16)")
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be >= 1")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError("--pipeline-parallel-size must be >= 1")
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ConfigError("--async-scheduling cannot be combined with --pipeline-parallel-size > 1: the "
+                              "pipeline's batch queue already overlaps steps (drop --async-scheduling)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"--tensor-parallel-size x --pipeline-parallel-size ({self.world_size}) must be "
+                              f"divisible by --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address)")
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
+            raise ConfigError("--pp-layer-partition needs --pipeline-parallel-size > 1")
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
@@ -266,6 +289,7 @@ class EngineConfig:
                                   f"up to {window} tokens: lower --max-model-len to {window} or less")
             max_model_len = window
         kwargs["max_model_len"] = max_model_len
+        _check_pipeline(hf_config, kwargs)
         if kwargs.get("device", "auto") == "auto":
             kwargs["device"] = _auto_device()
         _fill_step_defaults(kwargs, max_model_len)
@@ -300,10 +324,17 @@ class EngineConfig:
         return default_dtype(self.model_dtype, self.device)
 
     @property
+    def world_size(self) -> int:
+        """Worker processes over all nodes: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def resolved_async_scheduling(self) -> bool:
         """`--async-scheduling`, or when not given the default of the device (ASYNC_SCHEDULING_DEFAULT)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
+        if self.pipeline_parallel_size > 1:
+            return False  # the pipeline's batch queue overlaps steps instead
         return ASYNC_SCHEDULING_DEFAULT.get(self.device, False)
 
     @property
@@ -365,6 +396,18 @@ def _auto_device() -> str:
         return "cpu"
 
 
+def _check_pipeline(hf_config: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """The layer partition must fit the model: every stage at least one layer (ConfigError otherwise)."""
+    from engine_svc.distributed.pipeline import partition_layers
+
+    stages = int(kwargs.get("pipeline_parallel_size") or 1)
+    if stages > 1:
+        try:
+            partition_layers(int(hf_config.get("num_hidden_layers") or 0), stages, kwargs.get("pp_layer_partition"))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's CLI flags, named as vLLM names them."""
     a = parser.add_argument
@@ -375,9 +418,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
            "bfloat16 on CUDA and on CPUs with bfloat16 dot-product instructions (AVX512-BF16, AMX)")
     a("--device", default="auto", choices=DEVICES)
     a("--tensor-parallel-size", "-tp", type=int, default=1)
+    a("--pipeline-parallel-size", "-pp", type=int, default=1,
+      help="split the model's layers into this many stages, one group of --tensor-parallel-size workers "
+           "each (embedding on the first, norm, head and sampling on the last); as many batches stay in "
+           "flight, so every stage works")
+    a("--pp-layer-partition", default=None,
+      help="layers per pipeline stage, comma-separated (e.g. 12,10,10; vLLM's VLLM_PP_LAYER_PARTITION); "
+           "default: even, the remainder on the stages before the last")
     a("--enable-expert-parallel", action="store_true",
       help="mixture-of-experts models: place whole experts on the tensor-parallel ranks (num_experts / "
            "tp each) instead of sharding every expert's intermediate dim")
+    a("--nnodes", type=int, default=1,
+      help="nodes one engine spans: node 0 runs the engine and its share of the workers, the others "
+           "`tandem-engine --headless` (workers only); TP x PP must divide by it")
+    a("--node-rank", type=int, default=0)
+    a("--master-addr", default="127.0.0.1", help="node 0's address (torch.distributed and the node link)")
+    a("--master-port", type=int, default=None,
+      help="torch.distributed's port on node 0; the node link listens on the next port")
     a("--block-size", type=int, default=16)
     a("--max-num-seqs", type=int, default=256)
     a("--max-num-batched-tokens", type=int, default=None,

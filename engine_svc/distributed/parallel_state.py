@@ -1,7 +1,11 @@
-"""The tensor-parallel group of this process.
+"""The tensor-parallel group and the pipeline stage of this process.
 
-Invariant: until `init_tp_group` is called the process is rank 0 of a group of size 1 and every
-collective is the identity, so single-process code never touches torch.distributed.
+Ranks: a world of `tp * pp` processes; global rank `r` is TP rank `r % tp` of pipeline stage `r // tp`.
+Each stage's TP ranks form one group (its collectives); a rank hands activations to the same TP rank
+of the next stage (engine_svc/distributed/pipeline.py).
+
+Invariant: until `init_tp_group` is called the process is rank 0 of a group of size 1, the only stage,
+and every collective is the identity, so single-process code never touches torch.distributed.
 """
 
 from __future__ import annotations
@@ -9,29 +13,51 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from engine_svc.distributed.pipeline import StageLinks, stage_layer_range
+
 _TP_RANK = 0
 _TP_SIZE = 1
 _TP_GROUP: dist.ProcessGroup | None = None
+_TP_SRC = 0  # global rank of this group's TP rank 0
+_PP_RANK = 0
+_PP_SIZE = 1
+_LINKS = StageLinks(prev_rank=None, next_rank=None)
+_PARTITION: str | None = None
 
 
-def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str | None = None) -> None:
-    """Join a TP group of `size` processes as `rank` (initialises torch.distributed if needed)."""
-    global _TP_RANK, _TP_SIZE, _TP_GROUP
-    if not 0 <= rank < size:
-        raise ValueError(f"tp rank {rank} is outside [0, {size})")
+def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str | None = None,
+                  pipeline_stages: int = 1, layer_partition: str | None = None) -> None:
+    """Join a world of `size * pipeline_stages` processes as global rank `rank`: TP rank `rank % size`
+    of stage `rank // size` (initialises torch.distributed if the world has more than one process).
+    `layer_partition`: --pp-layer-partition, read by `pp_layer_range` when the model is built."""
+    global _TP_RANK, _TP_SIZE, _TP_GROUP, _TP_SRC, _PP_RANK, _PP_SIZE, _LINKS, _PARTITION
+    world = size * pipeline_stages
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside [0, {world})")
+    stage, tp_rank = divmod(rank, size)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     if size > 1:
-        if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-        _TP_GROUP = dist.group.WORLD
-    _TP_RANK, _TP_SIZE = rank, size
+        if pipeline_stages == 1:
+            _TP_GROUP = dist.group.WORLD
+        else:
+            for s in range(pipeline_stages):  # every rank creates every group, in the same order
+                group = dist.new_group(list(range(s * size, (s + 1) * size)))
+                if s == stage:
+                    _TP_GROUP = group
+    _TP_RANK, _TP_SIZE, _TP_SRC = tp_rank, size, stage * size
+    _PP_RANK, _PP_SIZE, _PARTITION = stage, pipeline_stages, layer_partition
+    _LINKS = StageLinks(prev_rank=rank - size if stage > 0 else None,
+                        next_rank=rank + size if stage < pipeline_stages - 1 else None)
 
 
 def destroy_tp_group() -> None:
-    """Leave the TP group and return to the single-process state."""
-    global _TP_RANK, _TP_SIZE, _TP_GROUP
-    if _TP_GROUP is not None and dist.is_initialized():
+    """Leave the groups and return to the single-process state."""
+    global _TP_RANK, _TP_SIZE, _TP_GROUP, _TP_SRC, _PP_RANK, _PP_SIZE, _LINKS, _PARTITION
+    if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_RANK, _TP_SIZE, _TP_GROUP = 0, 1, None
+    _TP_RANK, _TP_SIZE, _TP_GROUP, _TP_SRC = 0, 1, None, 0
+    _PP_RANK, _PP_SIZE, _LINKS, _PARTITION = 0, 1, StageLinks(prev_rank=None, next_rank=None), None
 
 
 def get_tp_rank() -> int:
@@ -40,6 +66,25 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _TP_SIZE
+
+
+def get_pp_rank() -> int:
+    """This process's pipeline stage (0 = the first, with the embedding)."""
+    return _PP_RANK
+
+
+def get_pp_size() -> int:
+    return _PP_SIZE
+
+
+def pp_layer_range(num_layers: int) -> tuple[int, int]:
+    """[start, end) of the model layers this process's stage owns (all of them with one stage)."""
+    return stage_layer_range(num_layers, _PP_RANK, _PP_SIZE, _PARTITION)
+
+
+def stage_links() -> StageLinks:
+    """Send/receive to the neighbouring stages (both ends None with one stage)."""
+    return _LINKS
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -60,8 +105,8 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 
 
 def tensor_model_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Overwrite `x` on every rank with rank `src`'s (in place); identity without a group."""
+    """Overwrite `x` on every rank of the TP group with TP rank `src`'s (in place); identity without a group."""
     if _TP_GROUP is None:
         return x
-    dist.broadcast(x, src=src, group=_TP_GROUP)
+    dist.broadcast(x, src=_TP_SRC + src, group=_TP_GROUP)
     return x

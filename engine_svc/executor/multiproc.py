@@ -1,8 +1,13 @@
-"""TP > 1: one worker process per rank, fed through a shared-memory broadcast queue.
+"""TP or PP > 1: one worker process per rank, fed through a shared-memory broadcast queue.
 
     engine process                                  worker processes (spawn), rank 0 .. N-1
-    MultiprocExecutor --commands (shm, N readers)--> busy loop: decode -> Worker -> (rank 0) answer
-                      <--------answers (pipe)-------- rank 0 only
+    MultiprocExecutor --commands (shm, N readers)--> busy loop: decode -> Worker -> (answer rank) answer
+                      <--------answers (pipe)-------- the answer rank only
+
+N = tensor_parallel_size x pipeline_parallel_size; the answer rank is TP rank 0 of the last stage
+(worker_proc.answer_rank). With P stages every rank still reads every step, in order; stage s works on
+step n while stage s+1 works on step n-1 (activations go stage to stage over torch.distributed), so the
+executor asks the engine core for P batches in flight (`max_concurrent_batches`).
 
 Answers take a pipe rather than a second shm queue: the engine then blocks in
 `multiprocessing.connection.wait` on the pipe and every worker's sentinel, so it wakes the moment the
@@ -28,6 +33,7 @@ which chains to the previous handler or re-raises the default action).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -52,8 +58,16 @@ from engine_svc.executor.codec import (
     decode_worker_info,
     encode_command,
 )
+from engine_svc.executor.nodes import (
+    AnswerLink,
+    LinkClosed,
+    RemoteNode,
+    accept_nodes,
+    dist_init_method,
+    local_ranks,
+)
 from engine_svc.executor.shm_queue import PeerDiedError, ShmBroadcastQueue
-from engine_svc.executor.worker_proc import DEFAULT_WORKER_CLS, WorkerArgs, worker_main
+from engine_svc.executor.worker_proc import DEFAULT_WORKER_CLS, WorkerArgs, answer_rank, worker_main
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -100,36 +114,61 @@ class MultiprocExecutor(Executor):
         self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, liveness_interval: float = 0.05
     ) -> None:
         super().__init__(config)
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.world_size
+        self.ranks = local_ranks(config)  # the ranks on this node (all of them on one node)
+        self._nodes: list[RemoteNode] = []  # node 0 of several: the headless nodes' links
         _check_devices(config)
         self._info: WorkerInfo | None = None
         self._failure: str | None = None
         self._fail_lock = threading.Lock()
         self._commands = ShmBroadcastQueue.create(
-            self.world_size, COMMAND_CHUNKS, COMMAND_CHUNK_BYTES, liveness_interval=liveness_interval
+            len(self.ranks), COMMAND_CHUNKS, COMMAND_CHUNK_BYTES, liveness_interval=liveness_interval
         )
         self._procs: list[BaseProcess] = []
         self._owed: deque[AnswerFuture] = deque()  # EXECUTE commands sent, answers not read yet, in order
         self._conns: list[Connection] = []  # answer pipe, then each rank's status pipe
-        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._conns, self._commands)
+        self._failing: list[bool] = []  # non-empty once failing: headless nodes then get no SHUTDOWN
+        self._finalizer = weakref.finalize(self, _teardown, self._procs, self._conns, self._commands, self._nodes,
+                                           self._failing)
         self._spawn(worker_cls)
         _live_executors.add(self)
         _install_sigterm_cleanup()
+        if config.nnodes > 1 and config.node_rank == 0:
+            self._join_nodes()
+
+    def _join_nodes(self) -> None:
+        """Wait for every headless node (nodes.accept_nodes); read the answers from the node holding the
+        answer rank if it is not here. A node that never joins fails start-up, naming its ranks."""
+        try:
+            self._nodes.extend(accept_nodes(self.config))
+        except RuntimeError as exc:
+            self._failing.append(True)
+            self.shutdown()
+            raise WorkerDiedError(str(exc)) from None
+        answering = answer_rank(self.config)
+        if answering not in self.ranks:
+            node = next(n for n in self._nodes if answering in n.ranks)
+            self._answers = AnswerLink(node)  # type: ignore[assignment]
 
     def _spawn(self, worker_cls: str) -> None:
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-        self._answers, answer_send = ctx.Pipe(duplex=False)
-        self._conns.append(self._answers)
+        multinode = self.config.nnodes > 1
+        init_method = dist_init_method(self.config) if multinode else f"tcp://127.0.0.1:{free_tcp_port()}"
+        answering = answer_rank(self.config)
+        answer_send: Connection | None = None
+        self._answers: Connection | None = None  # None: the answer rank is on another node
+        if answering in self.ranks:
+            self._answers, answer_send = ctx.Pipe(duplex=False)
+            self._conns.append(self._answers)
         self._status: list[Connection] = []
-        for rank in range(self.world_size):
+        for index, rank in enumerate(self.ranks):
             status_recv, status_send = ctx.Pipe(duplex=False)
             args = WorkerArgs(
                 config=self.config,
                 rank=rank,
                 dist_init_method=init_method,
-                commands=self._commands.reader_handle(rank),
-                responses=answer_send if rank == 0 else None,
+                commands=self._commands.reader_handle(index),
+                responses=answer_send if rank == answering else None,
                 status=status_send,
                 parent_pid=os.getpid(),
                 worker_cls=worker_cls,
@@ -140,10 +179,16 @@ class MultiprocExecutor(Executor):
             self._procs.append(proc)
             self._status.append(status_recv)
         self._conns.extend(self._status)
-        answer_send.close()
+        if answer_send is not None:
+            answer_send.close()
         self._commands.release_peer_ends()
 
     # ---- the Executor interface --------------------------------------------------------------------
+    @property
+    def max_concurrent_batches(self) -> int:
+        """With P pipeline stages, P batches in flight: each stage works on a different one."""
+        return max(self.config.pipeline_parallel_size, super().max_concurrent_batches)
+
     def determine_num_blocks(self) -> int:
         self._call(encode_command(Op.LOAD_MODEL))
         self._info = self._call_and_wait(decode_worker_info)  # type: ignore[assignment]
@@ -168,7 +213,7 @@ class MultiprocExecutor(Executor):
 
     def _answer_waiting(self, future: AnswerFuture) -> bool:
         """Whether `future` is next in line and its answer can be read without blocking."""
-        return bool(self._owed) and self._owed[0] is future and self._answers.poll()
+        return bool(self._owed) and self._owed[0] is future and self._answers is not None and self._answers.poll()
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if a worker is dead (cheap: one waitpid per worker) or after shutdown."""
@@ -206,13 +251,25 @@ class MultiprocExecutor(Executor):
     def _call(self, message: bytes | bytearray) -> None:
         self.check_health()
         try:
+            for node in self._nodes:  # other nodes first: their relay re-broadcasts while ours read
+                node.send_command(message)
             self._commands.enqueue(message, is_alive=self._all_alive)
-        except (PeerDiedError, BrokenPipeError):
+        except (PeerDiedError, BrokenPipeError, LinkClosed):
             self._fail()
 
     def _call_and_wait(self, decode: Callable[[bytes], Any] | None) -> object:
-        """Block until rank 0 answers (returned, decoded) or any worker dies (WorkerDiedError)."""
-        ready = wait([self._answers, *(p.sentinel for p in self._procs)])
+        """Block until the answer rank answers (returned, decoded) or any worker or node dies
+        (WorkerDiedError). A headless node's link only carries answers when it holds the answer rank;
+        anything else on it (a failure report, the link closing) fails the engine."""
+        assert self._answers is not None, "a headless node's executor relays; it is never asked to answer"
+        others = [n for n in self._nodes if not (isinstance(self._answers, AnswerLink) and self._answers.node is n)]
+        ready = wait([self._answers, *(p.sentinel for p in self._procs), *others])
+        for node in others:
+            if node in ready:
+                with contextlib.suppress(LinkClosed):
+                    node.read()
+                node.failure = node.failure or f"node {node.node_rank} sent an unexpected frame"
+                self._fail()
         if self._answers in ready:
             try:
                 data = self._answers.recv_bytes()
@@ -228,14 +285,16 @@ class MultiprocExecutor(Executor):
         with self._fail_lock:
             if self._failure is None and self._finalizer.alive:
                 dead = self._collect_deaths()
+                self._failing.append(True)
                 self.shutdown()
                 reasons = []
-                for rank in sorted(dead, key=lambda r: dead[r][0]):  # in the order they died
-                    proc, message = self._procs[rank], dead[rank][1]
+                for index in sorted(dead, key=lambda r: dead[r][0]):  # in the order they died
+                    proc, message = self._procs[index], dead[index][1]
                     reasons.append(
-                        f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                        f"rank {self.ranks[index]} (pid {proc.pid}) exited with code {proc.exitcode}"
                         + (f": {message}" if message else "")
                     )
+                reasons += [n.failure for n in self._nodes if n.failure]
                 self._failure = "TP worker died: " + ("; ".join(reasons) or "unknown")
                 logger.error("%s", self._failure)
         raise WorkerDiedError(self._failure or "the TP executor is shut down")
@@ -243,7 +302,7 @@ class MultiprocExecutor(Executor):
     def _collect_deaths(
         self, first_wait_s: float = 1.0, grace_s: float = 0.2
     ) -> dict[int, tuple[float, str]]:
-        """rank -> (when its death was seen, its traceback or ""), for ranks whose status pipe reports
+        """local index -> (when its death was seen, its traceback or ""), for this node's ranks whose status pipe reports
         a failure or closes (the process is gone) within `first_wait_s`, plus `grace_s` after the first
         (a peer failing in a collective a moment later is reported too, after the root cause)."""
         pending = {conn: rank for rank, conn in enumerate(self._status)}
@@ -272,18 +331,28 @@ def _check_devices(config: EngineConfig) -> None:
     import torch
 
     available = torch.cuda.device_count()
-    if available < config.tensor_parallel_size:
+    world = config.world_size // config.nnodes  # the ranks on this node
+    if available < world:
         raise ConfigError(
-            f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs, but "
-            f"only {available} are visible; lower it or use --device cpu"
+            f"--tensor-parallel-size {config.tensor_parallel_size} x --pipeline-parallel-size "
+            f"{config.pipeline_parallel_size} needs {world} GPUs, but only {available} are visible; "
+            "lower them or use --device cpu"
         )
 
 
-def _teardown(procs: list[BaseProcess], conns: list[Connection], commands: ShmBroadcastQueue) -> None:
-    """Stop the workers (politely, then SIGTERM, then SIGKILL) and unlink the shared memory.
+def _teardown(procs: list[BaseProcess], conns: list[Connection], commands: ShmBroadcastQueue,
+              nodes: list[RemoteNode], failing: list[bool]) -> None:
+    """Stop the workers (politely, then SIGTERM, then SIGKILL) and unlink the shared memory; tell
+    headless nodes to shut down (unless the executor is failing: then their links just close, and they
+    exit non-zero) and close their links.
 
     Holds no reference to the executor so it can run as its weakref finalizer.
     """
+    for node in nodes:
+        if not failing:
+            with contextlib.suppress(LinkClosed):
+                node.send_command(encode_command(Op.SHUTDOWN))
+        node.close()
     if procs and all(p.is_alive() for p in procs):
         try:
             commands.enqueue(

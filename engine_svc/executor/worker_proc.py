@@ -7,7 +7,8 @@ the busy loop until SHUTDOWN. Rank 0 answers through a pipe to the engine (see m
 Invariants:
   * Every rank executes every command in the same order (they all read the same broadcast queue), so
     the collectives inside the forward pass line up.
-  * Only rank 0 answers; every answer is for the command just read.
+  * Only one rank answers (`answer_rank`: TP rank 0 of the last pipeline stage, rank 0 without
+    pipeline stages); every answer is for the command just read.
   * Any exception ends the process with exit code 1 after sending its traceback on the status pipe;
     the executor notices the death (process sentinel) and fails the engine. The process also exits
     (code 0) when its parent dies, so no worker outlives the engine.
@@ -50,7 +51,7 @@ class WorkerArgs:
     rank: int
     dist_init_method: str
     commands: ReaderHandle
-    responses: Connection | None  # rank 0 only: send end of the answer pipe
+    responses: Connection | None  # the answering rank only (answer_rank): send end of the answer pipe
     status: Connection  # send end: the traceback of a fatal error
     parent_pid: int
     worker_cls: str = DEFAULT_WORKER_CLS  # "module:Class" taking (config, rank)
@@ -68,6 +69,11 @@ def parse_fault(spec: str | None, rank: int) -> int | None:
     if int(fields.get("rank", -1)) != rank:
         return None
     return int(fields["step"])
+
+
+def answer_rank(config: EngineConfig) -> int:
+    """The rank that answers the engine: TP rank 0 of the last pipeline stage (the one that samples)."""
+    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
 
 
 def worker_main(args: WorkerArgs) -> None:
@@ -100,7 +106,9 @@ def _run(args: WorkerArgs) -> int:
 
     worker = _make_worker(args)  # a CPU worker takes its share of the cores (worker/cpu_threads.py)
     backend = "nccl" if args.config.device == "cuda" else "gloo"
-    init_tp_group(args.rank, args.config.tensor_parallel_size, backend, args.dist_init_method)
+    cfg = args.config
+    init_tp_group(args.rank, cfg.tensor_parallel_size, backend, args.dist_init_method,
+                  pipeline_stages=cfg.pipeline_parallel_size, layer_partition=cfg.pp_layer_partition)
     commands = ShmBroadcastQueue.attach_reader(args.commands)
     try:
         _busy_loop(worker, args, commands, args.responses, parent_alive)
@@ -146,7 +154,7 @@ def _busy_loop(
 
 
 def _min_over_ranks(value: int, worker: Any) -> int:
-    """The minimum of `value` over the TP group (every rank must size its cache alike)."""
+    """The minimum of `value` over all ranks, every stage's included (every rank must size its cache alike)."""
     import torch
     import torch.distributed as dist
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from engine_svc.attention import cpu_paged
 from engine_svc.attention.backend import AttentionBackend, AttentionMetadata
+from engine_svc.distributed.parallel_state import get_pp_rank, get_pp_size, pp_layer_range
 from engine_svc.model.layers.activation import GatedActivation
 from engine_svc.model.layers.attention import Attention
 from engine_svc.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -182,18 +183,38 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage owns: no parameters, never called (it keeps layer indices, and so
+    parameter names, as in the checkpoint)."""
+
+
+# A stage that is not the last returns its hidden states and residual stream for the next stage.
+Intermediate = tuple[torch.Tensor, torch.Tensor]
+
+
 class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage (the whole stack with one stage): the embedding on the
+    first stage (and on the last when the LM head is tied to it), layers [start_layer, end_layer), the
+    final norm on the last stage."""
+
     def __init__(
         self, config: Any, variant: DecoderVariant, backend: AttentionBackend, dtype: torch.dtype,
         fused: bool = False,
     ) -> None:
         super().__init__()
         self.fused = fused
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers)
+        self.is_first_stage = get_pp_rank() == 0
+        self.is_last_stage = get_pp_rank() == get_pp_size() - 1
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+                             if self.is_first_stage or (self.is_last_stage and tied) else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, backend, dtype, fused, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, variant, backend, dtype, fused, i)
+            if self.start_layer <= i < self.end_layer else MissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused) if self.is_last_stage else None
         theta, rope_params = read_rope_config(config)
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, theta, rope_params, dtype
@@ -205,12 +226,23 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        intermediate: Intermediate | None = None,
+    ) -> torch.Tensor | Intermediate:
+        """The normed hidden states on the last stage, else (hidden, residual) for the next stage. A stage
+        after the first starts from the previous stage's `intermediate`; `kv_caches` holds this stage's
+        layers' caches only."""
+        residual: torch.Tensor | None
+        if intermediate is None:
+            assert self.embed_tokens is not None, "a stage after the first needs the previous stage's output"
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         rope = self.rotary_emb.inputs(positions, gather=not self.fused)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_meta)
+        if self.norm is None:
+            assert residual is not None
+            return hidden, residual
         normed: torch.Tensor = self.norm(hidden, residual)[0]
         return normed
 
@@ -218,7 +250,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head.
 
-    `forward(input_ids [T], positions [T], kv_caches (one per layer), attn_meta) -> hidden [T, hidden]`;
+    `forward(input_ids [T], positions [T], kv_caches (one per layer), attn_meta) -> hidden [T, hidden]`
+    (with pipeline stages: one cache per layer of this stage; a stage before the last returns
+    (hidden, residual) and a later one takes them as `intermediate`);
     `compute_logits(hidden [N, hidden]) -> float32 [N, vocab]`.
     """
 
@@ -238,11 +272,14 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = backend  # its kv_cache_shape lays out the caches this model reads
         self.fused_kernels = fused_kernels_wanted(backend) if fused is None else fused
         self.model = LlamaModel(config, variant, backend, dtype, self.fused_kernels)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        if getattr(config, "tie_word_embeddings", False):
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+                        if self.model.is_last_stage else None)
+        if getattr(config, "tie_word_embeddings", False) and self.lm_head is not None:
             self.tie_lm_head()
-        attn = cast(LlamaDecoderLayer, self.model.layers[0]).self_attn
-        self.num_layers = config.num_hidden_layers
+        attn = cast(LlamaDecoderLayer, self.model.layers[self.model.start_layer]).self_attn
+        self.is_first_stage, self.is_last_stage = self.model.is_first_stage, self.model.is_last_stage
+        self.hidden_size = int(config.hidden_size)
+        self.num_layers = self.model.end_layer - self.model.start_layer  # this stage's: one KV cache each
         self.num_kv_heads = attn.num_kv_heads  # per TP rank
         self.head_dim = attn.head_dim
         self.vocab_size = config.vocab_size
@@ -254,11 +291,26 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def is_tied(self) -> bool:
-        return self.lm_head.weight is self.model.embed_tokens.weight
+        embed = self.model.embed_tokens
+        return self.lm_head is not None and embed is not None and self.lm_head.weight is embed.weight
 
     def tie_lm_head(self) -> None:
         """Use the input embedding as the output projection (both are sharded the same way)."""
+        assert self.lm_head is not None and self.model.embed_tokens is not None
         self.lm_head.weight = self.model.embed_tokens.weight
+
+    def owns_checkpoint_tensor(self, name: str) -> bool:
+        """Whether this pipeline stage loads checkpoint tensor `name` (always true with one stage)."""
+        if name.startswith("model.layers."):
+            index = name.split(".", 3)[2]
+            return not index.isdigit() or self.model.start_layer <= int(index) < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        if name.startswith("model.norm."):
+            return self.model.norm is not None
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        return True
 
     def forward(
         self,
@@ -266,9 +318,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, attn_meta)
-        return hidden
+        intermediate: Intermediate | None = None,
+    ) -> torch.Tensor | Intermediate:
+        """Hidden states [T, hidden] on the last stage, else (hidden, residual) for the next stage."""
+        out: torch.Tensor | Intermediate = self.model(input_ids, positions, kv_caches, attn_meta, intermediate)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head.compute_logits(hidden)

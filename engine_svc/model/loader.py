@@ -141,7 +141,9 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tens
         raise ValueError(
             f"checkpoint in {source} lacks {len(missing)} weight(s): {', '.join(missing[:10])}"
         )
-    unexpected = [n for n in ignored if not n.endswith(_SKIPPED_SUFFIXES) and n != "lm_head.weight"]
+    owned = getattr(model, "owns_checkpoint_tensor", None)  # other pipeline stages' tensors are expected
+    unexpected = [n for n in ignored if not n.endswith(_SKIPPED_SUFFIXES) and n != "lm_head.weight"
+                  and (owned is None or owned(n))]
     if unexpected:
         logger.warning(
             "ignored %d unexpected checkpoint tensor(s): %s", len(unexpected), ", ".join(unexpected[:10])

@@ -105,7 +105,8 @@ def graph_batch_size(num_reqs: int, num_decodes: int, sizes: Sequence[int]) -> i
 
 
 def graphs_off_reason(
-    *, device_type: str, attention_backend: str, enforce_eager: bool, tensor_parallel_size: int
+    *, device_type: str, attention_backend: str, enforce_eager: bool, tensor_parallel_size: int,
+    pipeline_parallel_size: int = 1,
 ) -> str | None:
     """Why decode CUDA graphs cannot be used with these settings, or None when they can."""
     if device_type != "cuda":
@@ -117,6 +118,8 @@ def graphs_off_reason(
                 "graph cannot capture; use --attention-backend triton")
     if tensor_parallel_size > 1:
         return "tensor parallelism > 1 (collectives inside captured graphs are not supported yet)"
+    if pipeline_parallel_size > 1:
+        return "pipeline parallelism > 1 (stage hand-offs inside captured graphs are not supported yet)"
     return None
 
 
@@ -221,6 +224,7 @@ def maybe_capture_decode_graphs(
         attention_backend=config.resolved_attention_backend,
         enforce_eager=config.enforce_eager,
         tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
     )
     if reason is not None:
         if device.type == "cuda":

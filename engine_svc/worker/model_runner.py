@@ -15,6 +15,10 @@ sampled in its previous step; `PlaceholderFeed` (sampled_feed.py) writes those i
 inputs, and `execute_model` returns a `PendingOutput` without reading the sampled ids back: the step has
 no host sync at all, and the host reads them while the next step runs. With TP every rank then feeds
 rank 0's ids (broadcast after sampling), as the scheduler's diffs do without async scheduling.
+Pipeline parallelism: a stage after the first receives the previous stage's hidden states and
+residual instead of embedding the input ids; a stage before the last sends its output on and returns
+an empty output (only the last stage samples, answers, and computes prompt logprobs). Every stage keeps
+the same persistent batch, updated from the same diffs.
 Positions never reach max_position (the rotary cache's rows): max_model_len is checked against it here,
 and the persistent batch cannot hold a token past max_model_len.
 """
@@ -27,7 +31,7 @@ import numpy as np
 import torch
 
 from engine_svc.attention.backend import AttentionMetadata
-from engine_svc.distributed.parallel_state import get_tp_size, tensor_model_parallel_broadcast
+from engine_svc.distributed.parallel_state import get_tp_size, stage_links, tensor_model_parallel_broadcast
 from engine_svc.sample.columns import SamplingColumns
 from engine_svc.sample.logprobs import compute_prompt_logprobs
 from engine_svc.sample.metadata import (
@@ -81,7 +85,8 @@ class ModelRunner:
         self._plain = PlainRows()
         self.num_prompt_tokens: dict[str, int] = {}
         self.prompt_logprobs_wanted: dict[str, int] = {}
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # one per layer of this pipeline stage
+        self.stage = stage_links()  # the neighbouring pipeline stages (none with one stage)
         # Set by Worker.initialize_cache when decode steps may replay CUDA graphs (CUDA + triton only).
         self.cuda_graphs: DecodeCudaGraphs | None = None
 
@@ -191,6 +196,9 @@ class ModelRunner:
         feed = self.feed
         fill = feed.fill_for(inputs, self.staging) if feed is not None else None
         hidden, sample_rows = self._forward(inputs, last_token, fill)
+        if hidden is None:  # a pipeline stage before the last: its output went to the next stage
+            self.staging.end_step()
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if feed is not None:
             feed.resolve(self.batch, self.sampling_states)  # the previous step's ids, before sampling reads them
         req_ids = inputs.req_ids
@@ -248,10 +256,11 @@ class ModelRunner:
 
     # -- CUDA graphs hook (engine_svc/worker/cuda_graphs.py) --
     def _forward(self, inputs: StepInputs, last_token: np.ndarray,
-                 fill: Fill | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 fill: Fill | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(hidden states [T, hidden], device indices of the rows to sample, or None when they are the
         first len(last_token) rows): a CUDA graph replay for a decode-only step that fits a captured
-        size, else the eager model call. `fill` rewrites the staged input ids (async scheduling)."""
+        size, else the eager model call. `fill` rewrites the staged input ids (async scheduling).
+        A pipeline stage before the last sends its output to the next stage and returns no hidden states."""
         # Every request decodes one token and samples (the steady step): the rows are 0..n-1 by construction.
         first_rows = (inputs.num_decodes == len(last_token) == len(inputs.req_ids)
                       or bool(np.array_equal(last_token, np.arange(len(last_token)))))
@@ -272,8 +281,16 @@ class ModelRunner:
             seq_lens_cpu=inputs.seq_lens.tolist(),
             num_decodes=inputs.num_decodes,
         )
-        hidden = self.model(staged.input_ids, staged.positions, self.kv_caches, meta)
-        return hidden, rows
+        stage, model = self.stage, self.model
+        if stage.prev_rank is None:
+            out = model(staged.input_ids, staged.positions, self.kv_caches, meta)
+        else:
+            intermediate = stage.recv(staged.input_ids.shape[0], model.hidden_size, model.dtype, self.device)
+            out = model(staged.input_ids, staged.positions, self.kv_caches, meta, intermediate)
+        if stage.next_rank is not None:
+            stage.send(*out)
+            return None, rows
+        return out, rows
 
     @staticmethod
     def _scatter_logprobs(out: object, sample_idx: np.ndarray, batch_size: int) -> list | None:
@@ -334,13 +351,19 @@ class ModelRunner:
             max_query_len=lens[0], max_seq_len=lens[0], query_lens_cpu=lens, seq_lens_cpu=lens, num_decodes=0,
         )
         total = int(qsl[-1])
-        hidden = m(torch.zeros(total, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev), caches,
-                   meta)
-        rows = torch.arange(self.max_num_seqs, device=dev) % total
-        logits = m.compute_logits(hidden.index_select(0, rows))
-        self.sampler(logits, _profile_sampling_metadata(self.max_num_seqs, dev))
+        ids, pos = torch.zeros(total, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev)
+        if getattr(m, "is_first_stage", True):
+            hidden = m(ids, pos, caches, meta)
+        else:  # a later pipeline stage: stand-in activations of the previous stage's shape
+            zeros = torch.zeros((total, m.hidden_size), dtype=dtype, device=dev)
+            hidden = m(ids, pos, caches, meta, (zeros, zeros.clone()))
         cache_bytes = sum(c.numel() * c.element_size() for c in caches)
-        del caches, hidden, logits
+        if getattr(m, "is_last_stage", True):
+            rows = torch.arange(self.max_num_seqs, device=dev) % total
+            logits = m.compute_logits(hidden.index_select(0, rows))
+            self.sampler(logits, _profile_sampling_metadata(self.max_num_seqs, dev))
+            del logits
+        del caches, hidden
         return cache_bytes
 
 

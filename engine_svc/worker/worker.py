@@ -47,11 +47,13 @@ class Worker:
             if not torch.cuda.is_available():
                 raise RuntimeError("--device cuda was asked for but CUDA is not available on this machine; "
                                    "use --device cpu")
-            torch.cuda.set_device(self.rank)
-            return torch.device("cuda", self.rank)
-        self.cpu_threads = threads = set_cpu_threads(self.config.tensor_parallel_size)
+            local = self.rank % (self.config.world_size // self.config.nnodes)  # this node's GPU index
+            torch.cuda.set_device(local)
+            return torch.device("cuda", local)
+        world = self.config.world_size // self.config.nnodes  # the ranks sharing this node's cores
+        self.cpu_threads = threads = set_cpu_threads(world)
         self._lending = False
-        self.governor = ThreadGovernor(threads, self.config.tensor_parallel_size) if governor_enabled() else None
+        self.governor = ThreadGovernor(threads, world) if governor_enabled() else None
         logger.info("CPU worker rank %d: %d intra-op threads%s", self.rank, threads,
                     " (fewer while other processes hold cores)" if self.governor is not None else "")
         return torch.device("cpu")
@@ -82,7 +84,7 @@ class Worker:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block across all layers on this rank (K and V)."""
+        """Bytes of one KV block across this rank's layers (K and V; a pipeline stage holds only its own)."""
         m = self.model
         assert m is not None
         per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.dtype.itemsize

@@ -335,12 +335,15 @@ def test_a_request_moves_at_most_max_migrations_times(make_model: Any, tmp_path:
         fleet.close()
 
 
-def test_a_tp_engine_whose_worker_dies_exits_non_zero_and_its_streams_move(make_model: Any, tmp_path: Path) -> None:
-    """kill -9 of a TP worker: the engine fails its requests with UNAVAILABLE (never RESOURCE_EXHAUSTED),
-    which the frontend continues on the other engine, and exits non-zero (so Kubernetes or systemd restart
-    it); the outputs equal an undisturbed run."""
+@pytest.mark.parametrize("parallel", [("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2")],
+                         ids=["tp2", "pp2"])
+def test_a_tp_engine_whose_worker_dies_exits_non_zero_and_its_streams_move(make_model: Any, tmp_path: Path,
+                                                                           parallel: tuple[str, str]) -> None:
+    """kill -9 of a TP worker (of the last pipeline stage with PP): the engine fails its requests with
+    UNAVAILABLE (never RESOURCE_EXHAUSTED), which the frontend continues on the other engine, and exits
+    non-zero (so Kubernetes or systemd restart it); the outputs equal an undisturbed run."""
     model = make_model("qwen2")  # one KV head: replicated across the two ranks
-    tp = engine(model, free_port(), tmp_path, "--tensor-parallel-size", "2").start()
+    tp = engine(model, free_port(), tmp_path, *parallel).start()
     other = engine(model, free_port(), tmp_path).start()
     front, _ = frontend(model, [tp.port, other.port], tmp_path)
     front.start()

@@ -1,4 +1,4 @@
-"""`tandem-engine --tensor-parallel-size 2` end to end: two gloo worker processes behind the engine
+"""`tandem-engine --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`) end to end: two gloo worker processes behind the engine
 service, a frontend in front, greedy output equal to transformers; SIGTERM drains and leaves no worker
 process and no shared-memory segment behind."""
 
@@ -37,10 +37,12 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
-def test_tp2_engine_serves_exact_tokens_and_exits_cleanly(make_model, tmp_path) -> None:
-    model = make_model("qwen2")  # one KV head: replicated across the two ranks
+@pytest.mark.parametrize("parallel", [("--tensor-parallel-size", "2"), ("--pipeline-parallel-size", "2")],
+                         ids=["tp2", "pp2"])
+def test_tp2_engine_serves_exact_tokens_and_exits_cleanly(make_model, tmp_path, parallel: tuple[str, str]) -> None:
+    model = make_model("qwen2")  # one KV head: replicated across the two ranks; two layers: one per stage
     shm_before = set(os.listdir("/dev/shm"))
-    engine = engine_service(model, free_port(), tmp_path, "--tensor-parallel-size", "2").start().wait_serving()
+    engine = engine_service(model, free_port(), tmp_path, *parallel).start().wait_serving()
     frontend = frontend_service(model, engine.port, free_port(), tmp_path).start().wait_serving()
     workers = _children(engine.proc.pid)
     try:
