@@ -210,6 +210,9 @@ class EngineConfig:
         if self.resolved_async_scheduling:
             raise ConfigError("--speculative-config cannot be combined with --async-scheduling (yet): drop one "
                               "of them (drafts are proposed from the tokens each step samples)")
+        if self.pipeline_parallel_size > 1:
+            raise ConfigError("--speculative-config cannot be combined with --pipeline-parallel-size > 1 (yet): "
+                              "drafts are proposed from each step's tokens, which the pipeline has in flight")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

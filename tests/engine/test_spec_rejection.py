@@ -146,6 +146,12 @@ def test_speculative_config_parsing() -> None:
             SpeculativeConfig.parse(bad)
 
 
+def test_speculation_with_pipeline_parallelism_is_refused_naming_both_flags(llama_dir) -> None:
+    with pytest.raises(ConfigError, match=r"--speculative-config.*--pipeline-parallel-size"):
+        EngineConfig.create(model=str(llama_dir), pipeline_parallel_size=2, device="cpu",
+                            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
 def test_speculation_with_async_scheduling_is_refused_naming_both_flags(llama_dir) -> None:
     with pytest.raises(ConfigError, match=r"--speculative-config.*--async-scheduling"):
         EngineConfig.create(model=str(llama_dir), async_scheduling=True,
