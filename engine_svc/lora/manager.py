@@ -52,7 +52,7 @@ class LoRAManager:
         self.targets = self._attach(model)
         self.num_layers = len(model.model.layers)  # type: ignore[union-attr, arg-type]
         present = {m for t in self.targets for m, _ in t.modules}
-        self.shapes = {m: s for m, s in module_shapes(model.config).items()  # type: ignore[union-attr]
+        self.shapes = {m: s for m, s in module_shapes(model.config).items()
                        if m in present}
         self.host: dict[int, HostLayout] = {}
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident adapter id -> slot, LRU first

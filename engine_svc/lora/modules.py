@@ -4,8 +4,9 @@
 
 - `max_loras`: distinct adapters in one step, = adapter slots on the device (vLLM: default 1);
 - `max_lora_rank`: the largest adapter rank served (vLLM: default 16; one of vLLM's allowed ranks);
-- `max_cpu_loras`: adapters held on the host (vLLM: default max_loras, at least max_loras). Every adapter
-  of `--lora-modules` is read at start and kept, so their count may not exceed it.
+- `max_cpu_loras`: adapters held on the host (at least max_loras). Every adapter of `--lora-modules` is
+  read at start and kept, so their count may not exceed it; unset, it is max(max_loras, their count)
+  (vLLM's default is max_loras: it reads --lora-modules lazily).
 
 Adapter ids are the 1-based positions in `lora_modules` (0 = the base model), the same in every process.
 """
@@ -62,7 +63,7 @@ def check_lora_args(*, enable_lora: bool, lora_modules: tuple[tuple[str, str], .
     if max_lora_rank not in MAX_LORA_RANKS:
         raise LoRAArgumentError(f"--max-lora-rank {max_lora_rank} must be one of "
                                 f"{', '.join(map(str, MAX_LORA_RANKS))}")
-    cpu = resolved_max_cpu_loras(max_loras, max_cpu_loras)
+    cpu = resolved_max_cpu_loras(max_loras, max_cpu_loras, len(lora_modules))
     if not max_loras <= cpu <= MAX_CPU_LORAS_LIMIT:
         raise LoRAArgumentError(f"--max-cpu-loras {cpu} must be in [--max-loras ({max_loras}), "
                                 f"{MAX_CPU_LORAS_LIMIT}]")
@@ -72,8 +73,8 @@ def check_lora_args(*, enable_lora: bool, lora_modules: tuple[tuple[str, str], .
                                 f"({cpu}) holds: raise --max-cpu-loras")
 
 
-def resolved_max_cpu_loras(max_loras: int, max_cpu_loras: int | None) -> int:
-    return max_loras if max_cpu_loras is None else max_cpu_loras
+def resolved_max_cpu_loras(max_loras: int, max_cpu_loras: int | None, num_modules: int = 0) -> int:
+    return max(max_loras, num_modules) if max_cpu_loras is None else max_cpu_loras
 
 
 def lora_ids(lora_modules: tuple[tuple[str, str], ...]) -> dict[str, int]:

@@ -70,5 +70,5 @@ def test_fewer_slots_than_adapters_chunked_and_prefix_cached(lora_setup) -> None
     shared = make_prompts(7, 1, 500, lo=40, hi=40)[0]
     assignment = [None, "all7", "qv-rs", "mlp16", "ku2", None, "ku2", "all7"]
     prompts = [shared] * 5 + make_prompts(8, 3, 500)
-    run_mixed(model_dir, dirs, assignment, prompts, max_loras=2, max_cpu_loras=4, max_num_batched_tokens=16,
+    run_mixed(model_dir, dirs, assignment, prompts, max_loras=2, max_num_batched_tokens=16,
               long_prefill_token_threshold=0)
