@@ -19,7 +19,7 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def lora_split(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, dict[str, Path]]]:
+def lora_split(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, dict[str, Path], str]]:
     model = make_model("llama")
     root = tmp_path_factory.mktemp("split-adapters")
     dirs = {"sql": make_adapter(model, root / "sql", rank=8, alpha=16, targets=ALL_MODULES, seed=21),
@@ -37,7 +37,7 @@ def lora_split(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         frontend.wait_serving()
         url = f"http://127.0.0.1:{http_port}"
         wait_until(lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, 30, "/health 200")
-        yield url, model, dirs
+        yield url, model, dirs, frontend.address
     finally:
         frontend.stop()
         engine.stop()
@@ -52,7 +52,7 @@ def _complete(url: str, model: str, prompt: list[int]) -> dict:
 
 
 def test_adapters_by_model_name_equal_peft_in_one_batch(lora_split) -> None:
-    url, model_dir, dirs = lora_split
+    url, model_dir, dirs, _ = lora_split
     names = [model_dir.name, "sql", "chat-rs", "sql", model_dir.name, "chat-rs"]
     prompts = make_prompts(11, len(names), 500)
     with ThreadPoolExecutor(len(names)) as pool:
@@ -66,7 +66,7 @@ def test_adapters_by_model_name_equal_peft_in_one_batch(lora_split) -> None:
 
 
 def test_models_lists_adapters_and_unknown_names_are_404(lora_split) -> None:
-    url, model_dir, _ = lora_split
+    url, model_dir, _, _ = lora_split
     cards = httpx2.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert [(c["id"], c.get("parent")) for c in cards] == [(model_dir.name, None), ("sql", model_dir.name),
                                                            ("chat-rs", model_dir.name)]
@@ -76,3 +76,21 @@ def test_models_lists_adapters_and_unknown_names_are_404(lora_split) -> None:
     assert response.status_code == 404
     error = response.json()["error"]
     assert error["code"] == "model_not_found" and "`nope`" in error["message"] and error["param"] == "model"
+
+
+def test_grpc_api_lora_name_selects_the_adapter_and_unknown_is_not_found(lora_split) -> None:
+    import grpc
+
+    from frontend_svc.client import TandemClient, collect
+
+    _, model_dir, dirs, address = lora_split
+    prompt = make_prompts(12, 1, 500)[0]
+    tokens, _ = peft_greedy(model_dir, dirs["chat-rs"], prompt, MAX_TOKENS)
+    with TandemClient(address) as client:
+        response = collect(client.generate(token_ids=prompt, lora_name="chat-rs", max_tokens=MAX_TOKENS,
+                                           temperature=0.0, ignore_eos=True, timeout=60))
+        assert response[0]["token_ids"] == tokens
+        with pytest.raises(grpc.RpcError) as info:
+            collect(client.generate(token_ids=prompt, lora_name="nope", max_tokens=1, timeout=60))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "lora_name" in info.value.details() and "'nope'" in info.value.details()
