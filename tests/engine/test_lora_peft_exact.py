@@ -44,6 +44,7 @@ def run_mixed(model_dir: Path, dirs: dict[str, Path], assignment: list[str | Non
         assert [e.logprob for e in got.logprobs] == pytest.approx(expected_lp, abs=1e-4), name
     stats = llm.engine.get_stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == llm.engine.num_blocks
+    llm.engine.shutdown()
     return llm
 
 
@@ -72,3 +73,34 @@ def test_fewer_slots_than_adapters_chunked_and_prefix_cached(lora_setup) -> None
     prompts = [shared] * 5 + make_prompts(8, 3, 500)
     run_mixed(model_dir, dirs, assignment, prompts, max_loras=2, max_num_batched_tokens=16,
               long_prefill_token_threshold=0)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_parallel_two_ranks_equal_peft(make_model, tmp_path_factory: pytest.TempPathFactory,
+                                              arch: str) -> None:
+    """TP=2 over gloo: column layers hold B's output-row shards, row layers A's input-column shards (qwen2:
+    one KV head replicated on both ranks, qkv bias); the mixed batch still equals PEFT."""
+    model_dir = make_model(arch)
+    root = tmp_path_factory.mktemp(f"tp-adapters-{arch}")
+    dirs = {name: make_adapter(model_dir, root / name, rank=r, alpha=a, targets=t, rslora=rs, seed=30 + i)
+            for i, (name, (r, a, t, rs)) in enumerate(ADAPTERS.items()) if name in ("all7", "qv-rs")}
+    assignment = ["all7", None, "qv-rs", "all7"]
+    run_mixed(model_dir, dirs, assignment, make_prompts(9, len(assignment), 500), max_loras=2,
+              tensor_parallel_size=2, device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+def test_other_architectures_equal_peft(make_model, tmp_path_factory: pytest.TempPathFactory, arch: str) -> None:
+    """qwen3 (q/k norms, head_dim != hidden / heads) on all seven projections; mixtral (a mixture of
+    experts: no dense MLP, so attention projections only). Mixtral's adapters are smaller (scale 0.15): at
+    0.3 its router amplifies float32 rounding to 1.05e-4 on one logprob (tokens still equal)."""
+    model_dir = make_model(arch)
+    root = tmp_path_factory.mktemp(f"adapters-{arch}")
+    targets = ALL_MODULES if arch == "qwen3" else ("q_proj", "k_proj", "v_proj", "o_proj")
+    scale = 0.3 if arch == "qwen3" else 0.15
+    dirs = {"x": make_adapter(model_dir, root / "x", rank=8, alpha=16, targets=targets, seed=40, scale=scale),
+            "y": make_adapter(model_dir, root / "y", rank=2, alpha=8, targets=targets[:2], seed=41, rslora=True,
+                              scale=scale)}
+    assignment = ["x", None, "y", "x"]
+    run_mixed(model_dir, dirs, assignment, make_prompts(13, len(assignment), 500), max_loras=2)
