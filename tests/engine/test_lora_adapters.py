@@ -71,6 +71,9 @@ def test_slots_swap_lru_among_adapters_the_step_does_not_use(adapters) -> None:
     assert layout is not None and torch.equal(qkv.a[0], layout[0]) and torch.equal(qkv.b[0], layout[1])
     manager.prepare(np.array([1, 3]))  # 2 is not used by this step: it goes, 3 stays
     assert dict(manager.slot_of) == {3: 0, 1: 1}
+    manager.prepare(np.array([1]))  # 3 is now the least recently used
+    manager.prepare(np.array([3, 2]))  # ... but this step needs it: 1 goes
+    assert dict(manager.slot_of) == {3: 0, 2: 1}
     with pytest.raises(RuntimeError, match="more than --max-loras 2"):
         manager.prepare(np.array([1, 2, 3]))
     manager.prepare(np.array([0, 0]))
@@ -209,3 +212,14 @@ def test_lora_arguments_are_bounded(make_model, args: dict, error: str) -> None:
     with pytest.raises(ConfigError) as info:
         EngineConfig.create(model=str(make_model("llama")), **args)
     assert error in str(info.value)
+
+
+def test_make_demo_lora_writes_a_servable_adapter(make_model, tmp_path: Path) -> None:
+    from entrypoints.demo_lora import main
+
+    model_dir = make_model("llama")
+    assert main([str(model_dir), str(tmp_path / "demo"), "--rank", "4", "--targets", "q_proj", "down_proj"]) == 0
+    adapter = load_peft_adapter("demo", str(tmp_path / "demo"), max_rank=8, num_layers=2,
+                                shapes=module_shapes(_model(model_dir).config))
+    assert adapter.rank == 4 and adapter.scaling == 4.0
+    assert sorted(adapter.weights) == [(0, "down_proj"), (0, "q_proj"), (1, "down_proj"), (1, "q_proj")]
