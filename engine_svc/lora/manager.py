@@ -21,7 +21,12 @@ import torch
 
 from engine_svc.lora.peft_dir import PeftAdapter, module_shapes
 from engine_svc.lora.slots import LoRASlots, StepLoRA
-from engine_svc.model.layers.linear import RowParallelLinear, _TPLinear
+from engine_svc.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    _TPLinear,
+)
 
 # fused layer attribute path -> the PEFT modules in it and each one's shard id for the layer's weight_loader
 _TARGETS: dict[tuple[str, str], tuple[tuple[str, Any], ...]] = {
@@ -65,8 +70,7 @@ class LoRAManager:
                 linear = getattr(getattr(layer, block_name), linear_name, None)
                 if not isinstance(linear, _TPLinear):
                     continue  # e.g. a mixture-of-experts feed-forward block: no dense MLP to adapt
-                width = len(modules) * self.rank
-                slots = LoRASlots(self.step, self.max_loras, width, linear.in_features, linear.out_features,
+                slots = LoRASlots(self.step, self.max_loras, self.rank, linear.in_features, _sub_sizes(linear),
                                   self.dtype, self.device)
                 linear.lora = slots
                 targets.append(_Target(i, linear, modules, slots))
@@ -118,10 +122,7 @@ class LoRAManager:
             raise RuntimeError(f"a step uses {len(ids)} LoRA adapters, more than --max-loras {self.max_loras}")
         for lora_id in ids:
             self._make_resident(lora_id, ids)
-        token_slots = self._slot_table[token_lora_ids]
-        n = int(token_slots.max()) + 1
-        onehot = torch.from_numpy(token_slots[:, None] == np.arange(n)[None, :])
-        self.step.set(onehot.to(device=self.device, dtype=self.dtype, non_blocking=True))
+        self.step.plan(self._slot_table[token_lora_ids], self.dtype, self.device)
 
     def _make_resident(self, lora_id: int, needed: Sequence[int]) -> None:
         if lora_id in self.slot_of:
@@ -142,6 +143,15 @@ class LoRAManager:
             target.slots.load(slot, *(weights or (None, None)))
         self.slot_of[lora_id] = slot
         self._slot_table[lora_id] = slot
+
+
+def _sub_sizes(linear: _TPLinear) -> list[int]:
+    """This rank's output width of each sub-projection of a fused layer (q, k, v; gate, up; or the whole)."""
+    if isinstance(linear, QKVParallelLinear):
+        return [linear.q_size, linear.kv_size, linear.kv_size]
+    if isinstance(linear, MergedColumnParallelLinear):
+        return list(linear.shard_sizes)
+    return [linear.out_features]
 
 
 def load_adapters(manager: LoRAManager, lora_modules: Sequence[tuple[str, str]], max_lora_rank: int) -> None:

@@ -21,20 +21,31 @@ from engine_svc.worker.worker import make_attention_backend
 from tests.engine.lora_support import ALL_MODULES, make_adapter
 
 
-def test_batched_delta_equals_the_token_loop() -> None:
+@pytest.mark.parametrize("layout", ["grouped", "onehot"])
+@pytest.mark.parametrize("sub_sizes", [[10], [6, 4], [4, 3, 3]])
+def test_batched_delta_equals_the_token_loop(sub_sizes: list[int], layout: str) -> None:
+    """One projection or a fused one (P sub-projections, each with its own rank block of B), with the
+    tokens spread evenly over the slots (the grouped layout) or not (the one-hot layout)."""
     g = torch.Generator().manual_seed(0)
-    slots_n, width, d_in, d_out, tokens = 3, 8, 12, 10, 9
+    slots_n, rank, d_in, tokens = 3, 4, 12, 9
+    d_out, width = sum(sub_sizes), rank * len(sub_sizes)
     step = StepLoRA()
-    slots = LoRASlots(step, slots_n, width, d_in, d_out, torch.float32, torch.device("cpu"))
+    slots = LoRASlots(step, slots_n, rank, d_in, sub_sizes, torch.float32, torch.device("cpu"))
+    block = torch.zeros(width, d_out)  # B^T's block structure: sub-projection p's ranks -> its columns
+    col = 0
+    for p, size in enumerate(sub_sizes):
+        block[p * rank : (p + 1) * rank, col : col + size] = 1
+        col += size
+    bs = torch.randn(slots_n, width, d_out, generator=g) * block
     for s in range(slots_n):
-        slots.load(s, torch.randn(width, d_in, generator=g), torch.randn(width, d_out, generator=g))
+        slots.load(s, torch.randn(width, d_in, generator=g), bs[s])
     x = torch.randn(tokens, d_in, generator=g)
-    token_slots = torch.tensor([-1, 0, 2, 2, -1, 1, 0, 2, -1])
-    n = int(token_slots.max()) + 1
-    step.set((token_slots[:, None] == torch.arange(n)[None, :]).float())
+    token_slots = torch.tensor([-1, 0, 2, 2, -1, 1, 0, 1, -1] if layout == "grouped" else [0, 0, 0, 0, -1, 0, 0, 1, 2])
+    step.plan(token_slots.numpy(), torch.float32, torch.device("cpu"))
+    assert (step.group_rows is not None) == (layout == "grouped")
     base = torch.randn(tokens, d_out, generator=g)
     got = slots(x, base.clone())
-    want = base + lora_delta_reference(x, token_slots, slots.a, slots.b)
+    want = base + lora_delta_reference(x, token_slots, slots.a, bs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[token_slots < 0], base[token_slots < 0])  # base tokens: exactly the base output
     step.set(None)
@@ -64,11 +75,11 @@ def test_slots_swap_lru_among_adapters_the_step_does_not_use(adapters) -> None:
     manager.prepare(np.array([2, 2]))  # 2 is now the most recently used
     manager.prepare(np.array([3, 0, 3]))  # evicts 1, the least recently used
     assert dict(manager.slot_of) == {2: 1, 3: 0}
-    assert manager.step.num_slots == 1
-    assert manager.step.onehot.tolist() == [[1.0], [0.0], [1.0]]
+    assert manager.step.num_slots == 1 and manager.step.group_rows.tolist() == [0, 2]
     qkv = manager.targets[0].slots
     layout = manager.host[3][0]
-    assert layout is not None and torch.equal(qkv.a[0], layout[0]) and torch.equal(qkv.b[0], layout[1])
+    assert layout is not None and torch.equal(qkv.a[0], layout[0])
+    assert torch.equal(qkv.b[1][0], layout[1][8:16, 64:96])  # k_proj: the second rank block, the k columns
     manager.prepare(np.array([1, 3]))  # 2 is not used by this step: it goes, 3 stays
     assert dict(manager.slot_of) == {3: 0, 1: 1}
     manager.prepare(np.array([1]))  # 3 is now the least recently used
@@ -99,7 +110,8 @@ def test_tp_shards_of_the_slots_sum_to_the_whole(adapters) -> None:
         target = manager_mod._Target(0, qkv, manager_mod._TARGETS[("self_attn", "qkv_proj")], None)  # type: ignore[arg-type]
         m = manager_mod.LoRAManager.__new__(manager_mod.LoRAManager)
         m.rank, m.device, m.dtype = 8, torch.device("cpu"), torch.float32
-        target.slots = LoRASlots(StepLoRA(), 1, 24, qkv.in_features, qkv.out_features, torch.float32, m.device)
+        target.slots = LoRASlots(StepLoRA(), 1, 8, qkv.in_features, [qkv.q_size, qkv.kv_size, qkv.kv_size],
+                                 torch.float32, m.device)
         a, b = m._lay_out(target, adapter)
         q_rows.append(((x @ a.t()) @ b)[:, : qkv.q_size])
     torch.testing.assert_close(torch.cat(q_rows, 1), want_q, rtol=1e-5, atol=1e-5)
@@ -110,7 +122,7 @@ def test_tp_shards_of_the_slots_sum_to_the_whole(adapters) -> None:
     for rank in range(2):
         o = RowParallelLinear(64, 64, params_dtype=torch.float32, tp_rank=rank, tp_size=2)
         target = manager_mod._Target(1, o, manager_mod._TARGETS[("self_attn", "o_proj")], None)  # type: ignore[arg-type]
-        target.slots = LoRASlots(StepLoRA(), 1, 8, o.in_features, o.out_features, torch.float32, m.device)
+        target.slots = LoRASlots(StepLoRA(), 1, 8, o.in_features, [o.out_features], torch.float32, m.device)
         a, b = m._lay_out(target, adapter)
         parts.append((x_o[:, rank * 32 : (rank + 1) * 32] @ a.t()) @ b)
     torch.testing.assert_close(parts[0] + parts[1], want_o, rtol=1e-5, atol=1e-5)
