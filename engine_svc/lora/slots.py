@@ -7,11 +7,14 @@ adapter's q_proj A sits in rank rows 0..r of the first rank block of `a`, its k_
 a smaller rank or an untargeted projection is zero padding, which adds exact zeros. Shapes never change,
 so swapping an adapter in is a copy into its slot.
 
-The delta for a step whose tokens use slots < n (`StepLoRA`, set once per step for all layers):
+The delta for a step whose tokens use slots < n (`StepLoRA`, set once per step for all layers), one-hot:
     shrink: xa = x @ a[:n].view(n*P*R, in)^T                    [T, n, P, R]
     select: xa *= onehot(token slot)                            (a token keeps only its own slot's ranks)
     expand: out[:, cols of p] += xa[:, :, p].view(T, n*R) @ b[p][:n].view(n*R, out_p)   for each p
-A base-model token has an all-zero one-hot row, so its output is exactly the base output. Under tensor
+or grouped (the adapter tokens gathered into an [n, L] grid, slot by slot):
+    xa = bmm(grid [n, L, in], a[:n]^T);  out[rows, cols of p] += bmm(xa[..., p], b[p][:n]) scattered back
+A base-model token has an all-zero one-hot row (and no grid place), so its output is exactly the base
+output. Under tensor
 parallelism the slots hold this rank's shards (column layers: B's output rows; row layers: A's input
 columns), and a row layer adds its delta before the all-reduce, which sums the partial products.
 """
@@ -29,12 +32,13 @@ class StepLoRA:
 
     `num_slots` = 1 + the highest slot any token of the step uses (0: no token has an adapter, the layers
     add nothing). Two layouts of the same selection:
-    - grouped (`group_rows` set), when the adapter tokens split evenly enough over the slots (a decode
-      batch): row s*L + k of the [n, L] grid is the k-th token on slot s (`group_rows[i]` = token index
+    - grouped (`group_rows` set), when the adapter tokens split evenly enough over two or more slots (a
+      decode batch): row s*L + k of the [n, L] grid is the k-th token on slot s (`group_rows[i]` = token index
       for grid position `group_pos[i]`; unused positions gather token 0 and are never scattered back);
       each token is multiplied by its own slot's A and B only (batched matmuls over the grid);
     - one-hot (`onehot[t, s]` = 1 iff token t uses slot s), otherwise (e.g. a long prefill on one adapter
-      beside decodes on others): every token meets every slot in use, the other slots' columns zeroed."""
+      beside decodes on others) and for one slot (where it is two plain GEMMs): every token meets every
+      slot in use, the other slots' columns zeroed."""
 
     GROUPED_MAX_PADDING = 2  # grouped while n * L <= this many times the adapter tokens
 
@@ -61,7 +65,7 @@ class StepLoRA:
         n = int(slots.max()) + 1
         counts = np.bincount(slots, minlength=n)
         length = int(counts.max())
-        if n * length > self.GROUPED_MAX_PADDING * len(adapter_tokens):
+        if n == 1 or n * length > self.GROUPED_MAX_PADDING * len(adapter_tokens):
             onehot = torch.from_numpy(token_slots[:, None] == np.arange(n)[None, :])
             self.set(onehot.to(device=device, dtype=dtype, non_blocking=True))
             return

@@ -75,7 +75,7 @@ def test_slots_swap_lru_among_adapters_the_step_does_not_use(adapters) -> None:
     manager.prepare(np.array([2, 2]))  # 2 is now the most recently used
     manager.prepare(np.array([3, 0, 3]))  # evicts 1, the least recently used
     assert dict(manager.slot_of) == {2: 1, 3: 0}
-    assert manager.step.num_slots == 1 and manager.step.group_rows.tolist() == [0, 2]
+    assert manager.step.num_slots == 1 and manager.step.onehot.tolist() == [[1.0], [0.0], [1.0]]
     qkv = manager.targets[0].slots
     layout = manager.host[3][0]
     assert layout is not None and torch.equal(qkv.a[0], layout[0])
