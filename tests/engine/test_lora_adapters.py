@@ -40,7 +40,7 @@ def test_batched_delta_equals_the_token_loop(sub_sizes: list[int], layout: str) 
     for s in range(slots_n):
         slots.load(s, torch.randn(width, d_in, generator=g), bs[s])
     x = torch.randn(tokens, d_in, generator=g)
-    token_slots = torch.tensor([-1, 0, 2, 2, -1, 1, 0, 1, -1] if layout == "grouped" else [0, 0, 0, 0, -1, 0, 0, 1, 2])
+    token_slots = torch.tensor([-1, 0, 2, 2, -1, 1, 0, 2, -1] if layout == "grouped" else [0, 0, 0, 0, -1, 0, 0, 1, 2])
     step.plan(token_slots.numpy(), torch.float32, torch.device("cpu"))
     assert (step.group_rows is not None) == (layout == "grouped")
     base = torch.randn(tokens, d_out, generator=g)
