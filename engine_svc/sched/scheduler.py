@@ -602,7 +602,7 @@ class Scheduler:
             return problem
         if request.lora_name and (self.lora_ids is None or request.lora_name not in self.lora_ids):
             served = ", ".join(self.lora_ids or ()) or "none: the engine runs without --enable-lora"
-            return f"lora_name: unknown LoRA adapter {request.lora_name!r} (this engine serves {served})"
+            return f"lora_name: unknown LoRA adapter {request.lora_name[:128]!r} (this engine serves {served})"
         if request.sampling_params.structured_outputs is not None and self.grammars is None:
             return "structured outputs are not available on this engine (it has no grammar compiler)"
         n = request.num_prompt_tokens

@@ -145,7 +145,7 @@ def served_lora(f: GenerationBackend, name: str) -> str:
     """`name` when it is "" (the base model) or an adapter the engines serve; else ServiceError NOT_FOUND."""
     if name and name not in f.lora_adapters:
         served = ", ".join(f.lora_adapters) or "none"
-        raise ServiceError(NOT_FOUND, f"lora_name: unknown LoRA adapter {name!r} (served: {served})",
+        raise ServiceError(NOT_FOUND, f"lora_name: unknown LoRA adapter {name[:128]!r} (served: {served})",
                            "LORA_NOT_FOUND")
     return name
 
