@@ -1,4 +1,5 @@
-"""What LoRA adapters cost a decode step: engine step times on CPU, in process, base vs 1 vs 8 adapters.
+"""What LoRA adapters cost a decode step: engine step times in process (CPU, or --device cuda), base vs
+1 vs 8 adapters. On CUDA the base engine replays CUDA graphs and the LoRA engine runs eagerly.
 
 `--batch` requests decode together (short prompts, greedy). Four cases, alternated round by round in one
 process so that a shared machine's noise hits them alike:
@@ -71,6 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8)
@@ -79,8 +81,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(args.model, Path(tmp), args.adapters, args.rank)
-        common = dict(model=args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.batch, max_model_len=256,
-                      kv_cache_memory_bytes=256 << 20)
+        common = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch,
+                      max_model_len=256, kv_cache_memory_bytes=256 << 20)
         base = EngineCore(EngineConfig.create(**common))
         lora = EngineCore(EngineConfig.create(**common, enable_lora=True, lora_modules=paths,
                                               max_loras=args.adapters, max_lora_rank=args.rank))
@@ -96,7 +98,8 @@ def main() -> None:
             for case, (core, loras) in cases.items():
                 results[case].append(decode_steps(core, loras, args.steps, f"r{r}-{case}"))
         ref = statistics.median(results["base"])
-        print(f"batch {args.batch}, rank {args.rank} on all 7 projections, {args.dtype}, {args.rounds} rounds")
+        print(f"{args.device}, batch {args.batch}, rank {args.rank} on all 7 projections, {args.dtype}, "
+              f"{args.rounds} rounds")
         for case, values in results.items():
             med = statistics.median(values)
             print(f"{case:>12}: {1000 * med:7.1f} ms  (rounds {1000 * min(values):.1f}-{1000 * max(values):.1f})"
