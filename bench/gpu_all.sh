@@ -15,7 +15,7 @@
 # an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially);
 # kernels 18 s, profile 60 + 49 s, e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host
 # greedy 61 s.
-# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe spec): pass stage names to run a subset. Each
+# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe spec lora): pass stage names to run a subset. Each
 # stage has its own timeout, so one hang still leaves every other log. The device tool caps a call at 10
 # minutes and lends a session 15 minutes of device time in all: pick the stages that the session needs.
 set -uo pipefail
@@ -94,7 +94,13 @@ for s in "${stages[@]}"; do
                tests/engine/test_spec_decode.py tests/realmodel/test_spec_decode_real.py
              stage spec_decode_b1 120 python bench/spec_decode.py --rounds 3 --dtype bfloat16
              stage spec_decode_b32 120 python bench/spec_decode.py --rounds 3 --dtype bfloat16 --batch-size 32 ;;
-    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe spec)"; exit 2 ;;
+    # LoRA (~2 min): the PEFT oracle on CUDA, then a decode step with 0 / 1 / 8 adapters (bench/lora_step.py).
+    lora)    stage tests_lora 150 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE -m "slow or not slow" \
+               tests/gpu/test_lora_gpu.py
+             stage lora_step 150 bash -c "python -m entrypoints.cli make-demo-model /tmp/smollm2 --dtype float32 && \
+               python bench/lora_step.py --model /tmp/smollm2 --device cuda --dtype bfloat16 --batch 32 --rank 16 \
+               --adapters 8 --rounds 5" ;;
+    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe spec lora)"; exit 2 ;;
   esac
 done
 echo; cat "$OUT/summary.txt"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine_svc.lora.modules import LoRAArgumentError, check_lora_args, parse_lora_modules
 from engine_svc.spec.config import SpeculativeConfig, SpeculativeConfigError
 
 SUPPORTED_ARCHITECTURES = (
@@ -189,6 +190,12 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Speculative decoding (engine_svc/spec/): vLLM's --speculative-config JSON, or a dict / parsed config.
     speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
+    # Multi-LoRA (engine_svc/lora/modules.py says what each means; vLLM's names and defaults).
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT directory); adapter ids 1, 2, ... in order
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Resolved by create(); not user arguments.
     architecture: str = field(default="", compare=False)
     model_dtype: str | None = field(default=None, compare=False)  # the checkpoint's own dtype
@@ -196,6 +203,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self._check_choices()
         self._check_sizes()
+        try:
+            check_lora_args(enable_lora=self.enable_lora, lora_modules=self.lora_modules, max_loras=self.max_loras,
+                            max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
+        except LoRAArgumentError as e:
+            raise ConfigError(str(e)) from None
         self._check_speculative()
 
     def _check_speculative(self) -> None:
@@ -293,6 +305,8 @@ class EngineConfig:
             max_model_len = window
         kwargs["max_model_len"] = max_model_len
         _check_pipeline(hf_config, kwargs)
+        if "lora_modules" in kwargs:
+            kwargs["lora_modules"] = _lora_modules_arg(kwargs["lora_modules"])
         if kwargs.get("device", "auto") == "auto":
             kwargs["device"] = _auto_device()
         _fill_step_defaults(kwargs, max_model_len)
@@ -461,6 +475,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--speculative-config", default=None,
       help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (docs/speculative.md)')
+    lora = parser.add_argument_group("LoRA adapters (docs/lora.md)").add_argument
+    lora("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories) on the base model")
+    lora("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+         help="adapters read at start: a request selects one by name (OpenAI: model=NAME)")
+    lora("--max-loras", type=int, default=1, help="distinct adapters in one step (device slots)")
+    lora("--max-lora-rank", type=int, default=16, help="the largest adapter rank served")
+    lora("--max-cpu-loras", type=int, default=None, help="adapters held on the host (default: --max-loras)")
+
+
+def _lora_modules_arg(value: Any) -> tuple[tuple[str, str], ...]:
+    """--lora-modules as `name=path` strings (the CLI), a {name: path} dict or (name, path) pairs."""
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        return parse_lora_modules(item if isinstance(item, str) else "=".join(map(str, item)) for item in items)
+    except LoRAArgumentError as e:
+        raise ConfigError(str(e)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

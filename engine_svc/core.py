@@ -38,6 +38,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.executor import make_executor
 from engine_svc.executor.base import Executor, StepFuture
 from engine_svc.kv.events import KVEventLog
+from engine_svc.lora.modules import lora_ids
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.sched.scheduler import Scheduler
@@ -84,6 +85,8 @@ class EngineCore:
             grammars=self.grammars,
             async_scheduling=config.resolved_async_scheduling,
             speculative=config.speculative,
+            lora_ids=lora_ids(config.lora_modules) if config.enable_lora else None,
+            max_loras=config.max_loras,
         )
         # Batches in flight, newest first: (future of its output, what was scheduled).
         self.max_concurrent_batches = self.executor.max_concurrent_batches

@@ -67,6 +67,11 @@ class Request:
         self.arrival_time: float = req.arrival_time or time.time()
         self.priority: int = req.priority
         self.trace_headers: dict[str, str] = dict(req.trace_headers)
+        # LoRA: the adapter's name ("" = base model) and its id (set by the scheduler on admission; 0 = base).
+        # The name keys every block hash, so KV computed under one adapter never serves another.
+        self.lora_name: str = req.lora_name
+        self.lora_id: int = 0
+        self.block_hash_extra_keys: tuple[str, ...] = (req.lora_name,) if req.lora_name else ()
 
         # A continuation (`output_token_ids`: generated on another engine) starts with its outputs so far,
         # exactly as a request resumed after preemption: they count as output everywhere.

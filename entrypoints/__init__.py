@@ -8,7 +8,7 @@ torch or the tokenizer. This is the only package that imports both `engine_svc` 
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from shared_runtime.contract import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from shared_runtime.contract import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

@@ -21,7 +21,7 @@ from frontend_svc.output_processor import OutputProcessor
 from frontend_svc.outputs import RequestOutput, RequestOutputAccumulator
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor
 from frontend_svc.tokenizer import Tokenizer
-from shared_runtime.contract import SamplingParams
+from shared_runtime.contract import LoRARequest, SamplingParams
 from shared_runtime.to_pb import outputs_to_pb
 
 Prompt = str | list[int] | ChatPrompt
@@ -45,18 +45,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
         `priority` (one per prompt, lower runs first) matters under scheduling_policy="priority".
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model).
         """
         prompt_list = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        loras = self._lora_names(lora_request, len(prompt_list))
         # Validate every prompt before submitting any, so a bad one leaves nothing behind in the engine.
         prepared = [self._prepare(prompt, p, prio) for prompt, p, prio in zip(prompt_list, params, priorities)]
+        for request, lora_name in zip(prepared, loras):
+            request.lora_name = lora_name
         acc = RequestOutputAccumulator()
         for prompt, request in zip(prompt_list, prepared):
             self._submit(request)
@@ -97,6 +102,24 @@ class LLM:
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts; pass one, or one per prompt")
         return list(sp)
+
+    def _lora_names(self, lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[str]:
+        """Each prompt's adapter name ("" = base), checked against the adapters the engine serves."""
+        loras = [lora] * n if lora is None or isinstance(lora, LoRARequest) else list(lora)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora requests for {n} prompts; pass one, or one per prompt")
+        served = {name: (i + 1, path) for i, (name, path) in enumerate(self.config.lora_modules)}
+        for item in loras:
+            if item is None:
+                continue
+            if item.lora_name not in served:
+                raise ValueError(f"lora_request: unknown LoRA adapter {item.lora_name!r}; this engine serves "
+                                 f"{', '.join(served) or 'none (start it with enable_lora and lora_modules)'}")
+            lora_id, path = served[item.lora_name]
+            if item.lora_int_id not in (0, lora_id) or item.lora_path not in ("", path):
+                raise ValueError(f"lora_request {item.lora_name!r}: lora_int_id / lora_path differ from the "
+                                 f"served adapter's ({lora_id}, {path!r})")
+        return [item.lora_name if item is not None else "" for item in loras]
 
     def _prepare(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> PreparedRequest:
         request_id = str(self._counter)

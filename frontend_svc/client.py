@@ -69,13 +69,15 @@ def generate_request(
     chat: ChatMessages | None = None,
     request_id: str = "",
     priority: int = 0,
+    lora_name: str = "",
     **sampling: Any,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest; exactly one of `prompt`, `token_ids`, `chat` must be given."""
+    """A GenerateRequest; exactly one of `prompt`, `token_ids`, `chat` must be given; `lora_name`: the
+    LoRA adapter to run under ("" = the base model)."""
     given = [x is not None for x in (prompt, token_ids, chat)]
     if sum(given) != 1:
         raise ValueError("pass exactly one of prompt, token_ids or chat")
-    request = pb.GenerateRequest(request_id=request_id, priority=priority,
+    request = pb.GenerateRequest(request_id=request_id, priority=priority, lora_name=lora_name,
                                  sampling_params=sampling_params(**sampling))
     if prompt is not None:
         request.text = prompt

@@ -90,6 +90,10 @@ class GenerationBackend(Protocol):
     def ready_engine_infos(self) -> list[tuple[str, epb.EngineInfo]]:
         """(address, what it reported in GetEngineInfo) of each ready engine."""
 
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters the ready engines serve (EngineInfo.lora_adapters), first engine's order first."""
+
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
                    attributes: dict[str, str] | None) -> GenerateCall:
         """One generation call's telemetry (trace context from `headers`; `attributes`: the transport's,

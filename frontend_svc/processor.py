@@ -87,6 +87,7 @@ class PreparedRequest:
     # The stop strings' automaton, built by `process` (on the tokenizer pool, off the event loop); the
     # output processor's checkers share it.
     stop_automaton: StopAutomaton | None = None
+    lora_name: str = ""  # the LoRA adapter its engine requests run under ("" = the base model)
 
 
 class PromptTokenizer(Protocol):
@@ -166,6 +167,7 @@ class Processor:
                 arrival_time=prepared.arrival_time,
                 priority=prepared.priority,
                 trace_headers=dict(trace_headers or {}),
+                lora_name=prepared.lora_name,
             )
             for index, engine_id in enumerate(prepared.engine_request_ids)
         ]

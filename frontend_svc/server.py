@@ -261,6 +261,11 @@ class FrontendServer:
     def ready_engine_infos(self) -> list[tuple[str, epb.EngineInfo]]:
         return [(c.address, c.info) for c in self.engines.ready_engines() if c.info is not None]
 
+    @property
+    def lora_adapters(self) -> tuple[str, ...]:
+        names = (name for _, info in self.ready_engine_infos() for name in info.lora_adapters)
+        return tuple(dict.fromkeys(names))
+
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
                    attributes: dict[str, str] | None) -> GenerateCall:
         return self.telemetry.begin_call(headers, method, attributes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # gRPC status code numbers (grpc.StatusCode values), spelled out so this module needs no grpc.
 INTERNAL = 13
+NOT_FOUND = 5
 RESOURCE_EXHAUSTED = 8
 UNAVAILABLE = 14
 

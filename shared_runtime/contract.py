@@ -372,6 +372,16 @@ def _is_finite(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+class LoRARequest(msgspec.Struct, frozen=True):
+    """vLLM's `LoRARequest`: which adapter a request runs under. tandem serves the adapters its engine
+    was started with (--lora-modules), so the name selects one; `lora_int_id` and `lora_path` are accepted
+    for vLLM compatibility and, when given, must match the served adapter's id and path."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
 class EngineCoreRequest(msgspec.Struct, kw_only=True):
     """One request to the engine: token ids in, token ids out. n is always 1 here."""
 
@@ -384,6 +394,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     trace_headers: dict[str, str] = msgspec.field(default_factory=dict)
     # A continuation's tokens generated so far (elsewhere): output, not prompt (the proto says how).
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    # The LoRA adapter (a name of the engine's --lora-modules) to run under; "" = the base model.
+    lora_name: str = ""
 
 
 # ---- outputs -----------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ def request_from_pb(msg: pb.EngineCoreRequest) -> c.EngineCoreRequest:
         priority=msg.priority,
         trace_headers=dict(msg.trace_headers),
         output_token_ids=list(msg.output_token_ids),
+        lora_name=msg.lora_name,
     )
 
 

@@ -42,6 +42,7 @@ def request_to_pb(request: c.EngineCoreRequest) -> pb.EngineCoreRequest:
         priority=request.priority,
         trace_headers=request.trace_headers,
         output_token_ids=request.output_token_ids,
+        lora_name=request.lora_name,
     )
 
 

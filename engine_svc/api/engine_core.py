@@ -212,6 +212,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             scheduling_policy=cfg.scheduling_policy, device=cfg.device, engine_id=self.engine_id,
             tokenizer_sha256=archive.sha256 if (archive := await self._tokenizer_archive()) else "",
             kv_cache_events=self.kv_events is not None,
+            lora_adapters=[name for name, _ in cfg.lora_modules],
         )
 
     async def _tokenizer_archive(self) -> TokenizerArchive | None:

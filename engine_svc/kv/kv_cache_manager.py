@@ -73,7 +73,7 @@ class KVCacheManager:
     def hash_blocks(self, request: Request) -> None:
         """Bring `request.block_hashes` up to date with its tokens (no-op when prefix caching is off)."""
         if self.enable_prefix_caching:
-            extend_block_hashes(request, self.block_size)
+            extend_block_hashes(request, self.block_size, request.block_hash_extra_keys)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, as (blocks, num_tokens). Pure lookup: takes no

@@ -36,6 +36,7 @@ class NewRequestData(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # tokens already in the cache (prefix hits) before this step
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    lora_id: int = 0  # the LoRA adapter to run it under (engine_svc/lora/modules.py ids); 0 = the base model
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True, gc=False):

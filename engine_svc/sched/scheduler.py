@@ -50,12 +50,13 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from itertools import repeat
 
 from engine_svc.kv.events import KVEventLog
 from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.request import Request, RequestStatus
+from engine_svc.sched.lora_budget import LoRABudget
 from engine_svc.sched.output import (
     PLACEHOLDER_TOKEN,
     CachedRequestData,
@@ -102,6 +103,8 @@ class Scheduler:
         grammars: GrammarCompilers | None = None,
         async_scheduling: bool = False,
         speculative: SpeculativeConfig | None = None,
+        lora_ids: Mapping[str, int] | None = None,
+        max_loras: int = 1,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -153,6 +156,9 @@ class Scheduler:
                           if speculative is not None else None)
         self._verified_extra = 0  # tokens beyond the first in this step's verified outputs
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
+        # LoRA (--enable-lora): adapter name -> id, and the per-step adapter budget; None when LoRA is off.
+        self.lora_ids = dict(lora_ids) if lora_ids is not None else None
+        self.lora_budget = LoRABudget(max_loras) if lora_ids is not None else None
 
     # ---- inputs ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -165,6 +171,8 @@ class Scheduler:
             return
         request.max_total_tokens = min(request.max_total_tokens, self.kv.num_blocks * self.block_size)
         request.set_stop_tokens()
+        if request.lora_name and self.lora_ids is not None:
+            request.lora_id = self.lora_ids[request.lora_name]
         self.kv.hash_blocks(request)
         self.requests[request.request_id] = request
         constraint = request.sampling_params.structured_outputs
@@ -306,10 +314,17 @@ class Scheduler:
         return budget, preempted
 
     def _schedule_waiting(self, scheduled: dict[str, int], budget: int, cap: int) -> None:
+        loras = self.lora_budget
+        if loras is not None:
+            loras.begin_step(self.running)
+        skipped: list[Request] = []  # adapter requests over the step's LoRA budget, back in line afterwards
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.last_scheduled_step > self._last_updated_step:
                 break  # preempted while a step that holds it is in flight: its output comes first
+            if loras is not None and not loras.admits(request):
+                skipped.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_hit_tokens, budget, cap)
             if self.kv.allocate_slots(request, n, hit_blocks) is None:
@@ -323,6 +338,10 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = n
             budget -= n
+            if loras is not None:
+                loras.admitted(request)
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
 
     def _pick_victim(self) -> Request:
         if self.policy != "priority":
@@ -440,6 +459,7 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             eos_token_ids=sorted(request.eos_token_ids),
+            lora_id=request.lora_id,
         )
 
     # ---- results -------------------------------------------------------------------------------------
@@ -653,6 +673,9 @@ class Scheduler:
         problem = request_problem(request, self.vocab_size)  # ids, sampling values, sizes (validation.py)
         if problem is not None:
             return problem
+        if request.lora_name and (self.lora_ids is None or request.lora_name not in self.lora_ids):
+            served = ", ".join(self.lora_ids or ()) or "none: the engine runs without --enable-lora"
+            return f"lora_name: unknown LoRA adapter {request.lora_name[:128]!r} (this engine serves {served})"
         if request.sampling_params.structured_outputs is not None and self.grammars is None:
             return "structured outputs are not available on this engine (it has no grammar compiler)"
         n = request.num_prompt_tokens

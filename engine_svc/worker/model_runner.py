@@ -32,6 +32,7 @@ import torch
 
 from engine_svc.attention.backend import AttentionMetadata
 from engine_svc.distributed.parallel_state import get_tp_size, stage_links, tensor_model_parallel_broadcast
+from engine_svc.lora.manager import LoRAManager
 from engine_svc.sample.columns import SamplingColumns
 from engine_svc.sample.logprobs import compute_prompt_logprobs
 from engine_svc.sample.metadata import (
@@ -89,6 +90,9 @@ class ModelRunner:
         self.stage = stage_links()  # the neighbouring pipeline stages (none with one stage)
         # Set by Worker.initialize_cache when decode steps may replay CUDA graphs (CUDA + triton only).
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        # Multi-LoRA (set by Worker.load_model with --enable-lora): the adapter slots, and each row's adapter.
+        self.lora: LoRAManager | None = None
+        self.row_lora = np.zeros(max_num_seqs, dtype=np.int64)
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """Size the persistent batch (and what CUDA graphs read) for the max_model_len the engine serves,
@@ -161,6 +165,7 @@ class ModelRunner:
         if new.req_id in self.batch:  # resumed after preemption without an explicit drop
             self._drop(new.req_id)
         row = self.batch.add(new.req_id, new.token_ids, new.block_ids, new.num_computed_tokens)
+        self.row_lora[row] = new.lora_id
         prompt = new.token_ids[: new.num_prompt_tokens]
         state = self.sampling_states[new.req_id] = RequestSamplingState(
             new.sampling_params, prompt, new.eos_token_ids, self.vocab_size,
@@ -270,6 +275,8 @@ class ModelRunner:
             if size is not None:
                 return self.cuda_graphs.replay(inputs, size, fill), rows
         staged = self.staging.stage_inputs(inputs, fill=fill)
+        if self.lora is not None:  # this step's adapters into device slots, and each token's slot
+            self.lora.prepare(np.repeat(self.row_lora[inputs.rows], inputs.query_lens))
         meta = AttentionMetadata(
             slot_mapping=staged.slot_mapping,
             query_start_loc=staged.query_start_loc,

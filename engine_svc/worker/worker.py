@@ -12,6 +12,7 @@ import logging
 import torch
 
 from engine_svc.config import EngineConfig
+from engine_svc.lora.manager import LoRAManager
 from engine_svc.model.layers.cpu_gemm import prepack_linears, prepack_wanted
 from engine_svc.model.registry import resolve_dtype
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -67,6 +68,7 @@ class Worker:
                                 expert_parallel=self.config.enable_expert_parallel)
         if prepack_wanted(self.dtype, self.device):
             prepack_linears(self.model)
+        lora = self._load_lora() if self.config.enable_lora else None
         if self.device.type == "cpu" and self.config.resolved_attention_backend == "torch":
             from engine_svc.attention import cpu_paged
 
@@ -81,6 +83,17 @@ class Worker:
             max_num_batched_tokens=int(self.config.max_num_batched_tokens or self.config.max_model_len or 0),
             async_scheduling=self.config.resolved_async_scheduling,
         )
+        self.runner.lora = lora
+
+    def _load_lora(self) -> LoRAManager:
+        """Adapter slots on the model, and every --lora-modules adapter read, validated and kept on the host."""
+        from engine_svc.lora.manager import load_adapters
+
+        cfg = self.config
+        manager = LoRAManager(self.model, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,  # type: ignore[arg-type]
+                              device=self.device, dtype=self.dtype)
+        load_adapters(manager, cfg.lora_modules, cfg.max_lora_rank)
+        return manager
 
     @property
     def kv_block_bytes(self) -> int:
@@ -141,9 +154,10 @@ class Worker:
         runner.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                             for _ in range(m.num_layers)]
         # -- CUDA graphs hook: capture decode graphs now that the cache exists (None when off) --
-        runner.cuda_graphs = maybe_capture_decode_graphs(
-            self.config, m, runner.kv_caches, device=self.device, staging=runner.staging,
-        )
+        if runner.lora is None:  # LoRA steps run eagerly: the adapter selection is not captured
+            runner.cuda_graphs = maybe_capture_decode_graphs(
+                self.config, m, runner.kv_caches, device=self.device, staging=runner.staging,
+            )
 
     def lend_core(self, lend: bool) -> None:
         """CPU: one intra-op thread fewer while `lend` holds. A grammar compile on its own thread beside a

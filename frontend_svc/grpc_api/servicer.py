@@ -32,7 +32,7 @@ from frontend_svc.grpc_api.wire import (
     sampling_params_from_pb,
 )
 from frontend_svc.processor import PreparedRequest, Prompt
-from frontend_svc.service_error import ServiceError
+from frontend_svc.service_error import NOT_FOUND, ServiceError
 from frontend_svc.telemetry.call import GenerateCall, grpc_failure
 from frontend_svc.telemetry.service import GENERATE_METHOD
 from shared_runtime import limits
@@ -135,7 +135,19 @@ def prepare(f: GenerationBackend, request: pb.GenerateRequest) -> PreparedReques
         bad_id = limits.request_id_violation(request.request_id)
         id_error = ValidationError([bad_id]) if bad_id is not None else None
         raise merge_violations(id_error, prompt_error, params_error)  # type: ignore[misc]
-    return f.process(prompt, params, request_id=request.request_id or None, priority=request.priority)
+    lora_name = served_lora(f, request.lora_name)
+    prepared = f.process(prompt, params, request_id=request.request_id or None, priority=request.priority)
+    prepared.lora_name = lora_name
+    return prepared
+
+
+def served_lora(f: GenerationBackend, name: str) -> str:
+    """`name` when it is "" (the base model) or an adapter the engines serve; else ServiceError NOT_FOUND."""
+    if name and name not in f.lora_adapters:
+        served = ", ".join(f.lora_adapters) or "none"
+        raise ServiceError(NOT_FOUND, f"lora_name: unknown LoRA adapter {name[:128]!r} (served: {served})",
+                           "LORA_NOT_FOUND")
+    return name
 
 
 def tokenize(f: GenerationBackend, request: pb.TokenizeRequest) -> list[int]:

@@ -150,19 +150,29 @@ class OpenAIApi:
         return JSONResponse({"status": "draining" if f.draining else "no ready engine"}, status_code=503)
 
     async def models(self, request: Request) -> Response:
-        return Response(p.ModelList(data=[self._card()]).model_dump_json(exclude_none=True), media_type=JSON)
+        """The served model, then each LoRA adapter with `parent` = the base model (vLLM's list)."""
+        cards = [self._card(), *(self._card(name) for name in self.frontend.lora_adapters)]
+        return Response(p.ModelList(data=cards).model_dump_json(exclude_none=True), media_type=JSON)
 
     async def model(self, request: Request) -> Response:
-        """OpenAI's GET /v1/models/{model}: the served model's card, 404 model_not_found for any other id."""
+        """OpenAI's GET /v1/models/{model}: the served model's or an adapter's card, 404 model_not_found for
+        any other id."""
         try:
-            bodies.served_model(request.path_params["model_id"], self.frontend.model_name)
+            lora = self._lora_of(request.path_params["model_id"])
         except ApiError as exc:
             return error_response(exc)
-        return Response(self._card().model_dump_json(exclude_none=True), media_type=JSON)
+        return Response(self._card(lora).model_dump_json(exclude_none=True), media_type=JSON)
 
-    def _card(self) -> p.ModelCard:
+    def _card(self, lora: str = "") -> p.ModelCard:
         f = self.frontend
+        if lora:
+            return p.ModelCard(id=lora, created=self.created, root=lora, parent=f.model_name,
+                               max_model_len=f.max_model_len)
         return p.ModelCard(id=f.model_name, created=self.created, max_model_len=f.max_model_len)
+
+    def _lora_of(self, model: str | None) -> str:
+        """The LoRA adapter a body's `model` names ("" = the base); 404 model_not_found for an unknown one."""
+        return bodies.served_model(model, self.frontend.model_name, self.frontend.lora_adapters)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})
@@ -196,7 +206,7 @@ class OpenAIApi:
                 body = p.TokenizeCompletionRequest.model_validate(data)
         except pydantic.ValidationError as exc:
             raise from_pydantic(exc) from None
-        bodies.served_model(body.model, f.model_name)
+        self._lora_of(body.model)
         if isinstance(body, p.TokenizeChatRequest):
             self._check_chat_template(body.chat_template)
             chat = bodies.tokenize_chat_prompt(body)
@@ -211,7 +221,7 @@ class OpenAIApi:
 
     async def _detokenize(self, request: Request) -> Response:
         body = await parse_body(request, self.body_limits(), p.DetokenizeRequest)
-        bodies.served_model(body.model, self.frontend.model_name)
+        self._lora_of(body.model)
         text = await self._blocking(lambda ids: self.frontend.detokenize_ids(ids, skip_special_tokens=False),
                                     body.tokens, {"token_ids": "tokens"})
         return Response(p.DetokenizeResponse(prompt=text).model_dump_json(), media_type=JSON)
@@ -234,21 +244,21 @@ class OpenAIApi:
     # ---- generation ----------------------------------------------------------------------------------
     async def _completions(self, request: Request) -> Response:
         body = await parse_body(request, self.body_limits(), p.CompletionRequest)
-        self._check(body)
+        lora = self._check(body)
         prompts = bodies.completion_prompts(body.prompt)
         names = bodies.field_names(body)
         params = self._params(body, names, len(prompts))
         request_id = pick_request_id(request, body.request_id)
-        builder = bodies.CompletionBuilder(f"cmpl-{request_id}", self.frontend.model_name, body.n,
+        builder = bodies.CompletionBuilder(f"cmpl-{request_id}", lora or self.frontend.model_name, body.n,
                                             len(prompts), self.texts, params.logprobs,
                                             bodies.extras(body, self.fingerprint))
         run = Run(self.frontend, header_pairs(request), "/v1/completions", prompts, params, request_id,
-                  body.priority, names, bodies.prompt_options(body))
+                  body.priority, names, bodies.prompt_options(body), lora_name=lora)
         return await self._respond(request, run, builder, body, request_id)
 
     async def _chat(self, request: Request) -> Response:
         body = await parse_body(request, self.body_limits(), p.ChatCompletionRequest)
-        self._check(body)
+        lora = self._check(body)
         names = bodies.field_names(body)
         try:
             tools.check(body, self.tool_call_parser)
@@ -258,12 +268,12 @@ class OpenAIApi:
         prompt = bodies.chat_prompt(body)
         params = self._params(body, names, 1)
         request_id = pick_request_id(request, body.request_id)
-        builder = bodies.ChatBuilder(f"chatcmpl-{request_id}", self.frontend.model_name, body.n, 1,
+        builder = bodies.ChatBuilder(f"chatcmpl-{request_id}", lora or self.frontend.model_name, body.n, 1,
                                       self.texts, params.logprobs, echo=bodies.chat_echo(body, prompt.messages),
                                       extras=bodies.extras(body, self.fingerprint))
         builder.with_tool_calls(tools.tool_calls_factory(body, self.tool_call_parser))
         run = Run(self.frontend, header_pairs(request), "/v1/chat/completions", [prompt], params, request_id,
-                  body.priority, names, bodies.prompt_options(body))
+                  body.priority, names, bodies.prompt_options(body), lora_name=lora)
         return await self._respond(request, run, builder, body, request_id)
 
     def _check_chat_template(self, template: str | None) -> None:
@@ -272,11 +282,13 @@ class OpenAIApi:
             raise bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
                               "set. Refused request with untrusted chat template.", "chat_template")
 
-    def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
-        bodies.served_model(body.model, self.frontend.model_name)
+    def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> str:
+        """The body's LoRA adapter ("" = the base model) once the body passes the checks every route makes."""
+        lora = self._lora_of(body.model)
         raise_if(bodies.unsupported(body))
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        return lora
 
     def _params(self, body: p.CompletionRequest | p.ChatCompletionRequest, names: FieldNames,
                 num_prompts: int) -> SamplingParams:

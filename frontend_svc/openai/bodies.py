@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
@@ -48,10 +48,14 @@ LogprobsT = TypeVar("LogprobsT")  # logprobs in some form: dicts (`_logprobs`) o
 # ---- requests ---------------------------------------------------------------------------------------
 
 
-def served_model(requested: str | None, served: str) -> None:
-    """404 model_not_found unless `requested` is the served model's name (or absent, as vLLM allows)."""
-    if requested is not None and requested != served:
-        raise model_not_found(requested)
+def served_model(requested: str | None, served: str, lora_adapters: Sequence[str] = ()) -> str:
+    """The LoRA adapter `requested` names ("" = the base model); 404 model_not_found unless it is the served
+    model's name (or absent, as vLLM allows) or one of the served adapters' (vLLM: model = the adapter)."""
+    if requested is None or requested == served:
+        return ""
+    if requested in lora_adapters:
+        return requested
+    raise model_not_found(requested)
 
 
 def unsupported(request: p.CompletionRequest | p.ChatCompletionRequest) -> ApiError | None:

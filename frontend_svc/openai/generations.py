@@ -44,8 +44,9 @@ class Run:
 
     def __init__(self, frontend: GenerationBackend, headers: Sequence[tuple[str, str]], route: str,
                  prompts: Sequence[Prompt], params: SamplingParams, request_id: str, priority: int,
-                 names: FieldNames, options: PromptOptions | None = None) -> None:
+                 names: FieldNames, options: PromptOptions | None = None, lora_name: str = "") -> None:
         self._frontend = frontend
+        self._lora_name = lora_name  # the LoRA adapter every prompt runs under ("" = the base model)
         self._headers = list(headers)
         self._route = route
         self._prompts = list(prompts)
@@ -89,7 +90,13 @@ class Run:
     def _prepare(self, prompt: Prompt) -> Callable[[], PreparedRequest]:
         process, params, request_id, priority, options = self._frontend.process, self._params, \
             self._request_id, self._priority, self._options
-        return lambda: process(prompt, params, request_id=request_id, priority=priority, options=options)
+        lora_name = self._lora_name
+
+        def prepare() -> PreparedRequest:
+            prepared = process(prompt, params, request_id=request_id, priority=priority, options=options)
+            prepared.lora_name = lora_name
+            return prepared
+        return prepare
 
     async def batches(self) -> AsyncIterator[tuple[int, list[CompletionDelta]]]:
         """(prompt index, deltas) until every completion finished; raises ServiceError from the engine."""

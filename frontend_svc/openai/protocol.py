@@ -453,6 +453,7 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "tandem"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM)
     max_model_len: int | None = None
 
 

@@ -3,10 +3,10 @@
 | RPC | answer |
 |---|---|
 | GetServerInfo | tandem's version, this process's instance id, and the ready engines' shape: the smallest max_model_len, the first engine's block size and TP size, KV blocks / seats / batch tokens summed over the ready engines; no LoRA, no RL |
-| GetModelInfo | the served model's name; text and token-id prompts; no LoRA, no multimodal; the server's --tool-call-parser |
+| GetModelInfo | the served model's name; text and token-id prompts; LoRA when the engines serve adapters; no multimodal; the server's --tool-call-parser |
 | Abort | ends the `vllm.Inference` calls in flight with those request ids (inflight.py); unknown ids are ignored |
-| ListLoras | none (tandem serves no LoRA adapters) |
-| LoadLora, UnloadLora | FAILED_PRECONDITION, as vLLM answers when LoRA is not enabled |
+| ListLoras | the adapters the ready engines serve (their --lora-modules: ids 1, 2, ... in order; no source path, which only the engine knows) |
+| LoadLora, UnloadLora | FAILED_PRECONDITION: adapters are loaded at engine start (--lora-modules); vLLM answers so when LoRA is not enabled |
 | GetKvEventSources | one source per ready engine: tandem's `SubscribeKvEvents` gRPC stream at the engine's address (transport "grpc", encoding "protobuf", docs/architecture.md "KV-cache events") |
 | IsPaused | paused while the frontend drains (it takes no new requests, as a paused vLLM server) |
 | IsSleeping | never: a frontend does not put engines to sleep |
@@ -66,7 +66,8 @@ class ControlServicer(cpb_grpc.ControlServicer):
                            context: grpc.aio.ServicerContext) -> cpb.ModelInfo:
         name = self._f.model_name
         return cpb.ModelInfo(model_id=name, served_model_name=name, supports_text_input=True,
-                             supports_token_ids_input=True, supports_lora=False, supports_multimodal=False,
+                             supports_token_ids_input=True, supports_lora=bool(self._f.lora_adapters),
+                             supports_multimodal=False,
                              tool_call_parser=self._tool_call_parser)
 
     async def Abort(self, request: cpb.AbortRequest, context: grpc.aio.ServicerContext) -> cpb.AbortResponse:
@@ -82,7 +83,8 @@ class ControlServicer(cpb_grpc.ControlServicer):
 
     async def ListLoras(self, request: cpb.ListLorasRequest,
                         context: grpc.aio.ServicerContext) -> cpb.ListLorasResponse:
-        return cpb.ListLorasResponse()
+        return cpb.ListLorasResponse(adapters=[cpb.LoraAdapter(lora_id=i + 1, lora_name=name)
+                                               for i, name in enumerate(self._f.lora_adapters)])
 
     async def LoadLora(self, request: cpb.LoadLoraRequest, context: grpc.aio.ServicerContext) -> NoReturn:
         await _no_lora(context)
@@ -99,7 +101,8 @@ class ControlServicer(cpb_grpc.ControlServicer):
 
 
 async def _no_lora(context: grpc.aio.ServicerContext) -> NoReturn:
-    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server was not started with LoRA enabled")
+    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "adapters are loaded when the engine starts "
+                        "(--enable-lora --lora-modules); this server does not load or unload them at run time")
     raise AssertionError("abort returned")
 
 

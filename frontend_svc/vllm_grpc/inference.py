@@ -80,7 +80,8 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
         """The call's responses; raises _Failed with the status of bad input or a failure."""
         f = self._f
         try:
-            mapped = plan(request, f.model_name, unary=unary, defaults=f.tokenizer.sampling_defaults)
+            mapped = plan(request, f.model_name, unary=unary, defaults=f.tokenizer.sampling_defaults,
+                          lora_adapters=f.lora_adapters)
             generation = f.open_generation(mapped.params.n, call)
         except ModelNotFound as exc:
             raise _Failed(status.error_status(grpc.StatusCode.NOT_FOUND, str(exc))) from None
@@ -140,10 +141,12 @@ async def _responses(generation: Generation, prepared: PreparedRequest,
 def _prepare(f: GenerationBackend, mapped: InferencePlan) -> PreparedRequest:
     """Tokenize and validate (blocking: on the pool); ValidationError named by vLLM's request paths."""
     try:
-        return f.process(mapped.prompt, mapped.params, request_id=mapped.request_id, priority=mapped.priority,
-                         options=mapped.options)
+        prepared = f.process(mapped.prompt, mapped.params, request_id=mapped.request_id, priority=mapped.priority,
+                             options=mapped.options)
     except ValidationError as exc:
         raise renamed(exc) from None
+    prepared.lora_name = mapped.lora_name
+    return prepared
 
 
 def _named(exc: ValidationError | ServiceError) -> ValidationError | ServiceError:

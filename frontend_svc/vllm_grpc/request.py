@@ -12,7 +12,8 @@ vLLM's gRPC defaults, where they differ from tandem's own API (its Rust server's
   generation_config.json value when it has one, else no top-k, 1, 0 and 1; `num_sequences` 0 -> 1;
 - `response.output_text` and `response.skip_special_tokens` unset -> true;
 - `truncate_prompt_tokens` N > 0 keeps the last N prompt tokens;
-- `model` empty -> the served model; another name -> NOT_FOUND (`ModelNotFound`).
+- `model` empty -> the served model; a served LoRA adapter's name -> that adapter; another name -> NOT_FOUND
+  (`ModelNotFound`); `lora_name` (when set, it wins over `model`) must name a served adapter, else NOT_FOUND.
 
 Where tandem goes beyond vLLM: `sampling.num_sequences` > 1 streams every sequence with its `index`
 (vLLM's server refuses it); the unary `Generate` answers one sequence, so it refuses n > 1 by name.
@@ -20,7 +21,7 @@ Where tandem goes beyond vLLM: `sampling.num_sequences` > 1 streams every sequen
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.vendor.vllm import inference_pb2 as ipb
@@ -36,7 +37,7 @@ DEFAULT_MAX_NEW_TOKENS = 20  # vLLM's gRPC default for stopping.max_new_tokens =
 HONOURED: dict[str, frozenset[str]] = {
     "GenerateRequest": frozenset({
         "request_id", "model", "text", "token_ids", "temperature", "sampling", "decoding", "stopping",
-        "response", "truncate_prompt_tokens", "priority", "kv"}),
+        "response", "truncate_prompt_tokens", "priority", "kv", "lora_name"}),
     "RandomSampling": frozenset({"num_sequences", "top_k", "top_p", "min_p", "seed"}),
     "DecodingParameters": frozenset({
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
@@ -56,7 +57,6 @@ REFUSED: dict[str, dict[str, str]] = {
     "GenerateRequest": {
         "session_id": "sessions (streaming input) are not supported by this server",
         "media": "multimodal inputs are not supported by this server",
-        "lora_name": "LoRA adapters are not supported by this server (Control.ListLoras lists none)",
     },
     "KVCacheParameters": {
         "bypass_prefix_cache": "bypassing the prefix cache is not supported by this server",
@@ -113,6 +113,7 @@ class InferencePlan:
     options: PromptOptions
     priority: int
     shape: ResponseShape
+    lora_name: str = ""  # the LoRA adapter to run under ("" = the base model)
 
 
 def field_path(name: str) -> str:
@@ -127,11 +128,15 @@ def renamed(error: ValidationError) -> ValidationError:
 
 
 def plan(request: ipb.GenerateRequest, served_model: str, *, unary: bool = False,
-         defaults: Mapping[str, float] | None = None) -> InferencePlan:
+         defaults: Mapping[str, float] | None = None, lora_adapters: Sequence[str] = ()) -> InferencePlan:
     """Map a request (ValidationError listing every bad or refused field, by its vLLM path;
-    ModelNotFound for another model's name); `defaults`: the model's sampling defaults (generation_config)."""
-    if request.model and request.model != served_model:
+    ModelNotFound for another model's or adapter's name); `defaults`: the model's sampling defaults
+    (generation_config); `lora_adapters`: the LoRA adapters the engines serve."""
+    if request.model and request.model != served_model and request.model not in lora_adapters:
         raise ModelNotFound(f"model `{request.model}` not found")
+    if request.lora_name and request.lora_name not in lora_adapters:
+        raise ModelNotFound(f"LoRA adapter `{request.lora_name}` not found")
+    lora_name = request.lora_name or (request.model if request.model in lora_adapters else "")
     bad = refused_fields(request)
     if unary and request.sampling.num_sequences > 1:
         bad.append(FieldViolation("sampling.num_sequences", "Generate answers one sequence; use "
@@ -156,14 +161,14 @@ def plan(request: ipb.GenerateRequest, served_model: str, *, unary: bool = False
         raise ValidationError(bad)
     options = PromptOptions(truncate_prompt_tokens=request.truncate_prompt_tokens or None, truncation_side="left")
     return InferencePlan(request.request_id or None, prompt, params, options, request.priority,
-                         response_shape(request.response))
+                         response_shape(request.response), lora_name)
 
 
 def refused_fields(request: ipb.GenerateRequest) -> list[FieldViolation]:
     """A violation for each refused field the request sets to something vLLM would act on (empty strings
     and lists, false flags and an empty token-id selector are vLLM's "unset")."""
     why = REFUSED["GenerateRequest"]
-    bad = [FieldViolation(name, why[name]) for name in ("session_id", "media", "lora_name") if getattr(request, name)]
+    bad = [FieldViolation(name, why[name]) for name in ("session_id", "media") if getattr(request, name)]
     kv, why = request.kv, REFUSED["KVCacheParameters"]
     bad += [FieldViolation(f"kv.{name}", why[name]) for name in ("bypass_prefix_cache", "cache_salt")
             if getattr(kv, name)]

@@ -223,9 +223,11 @@ def test_bad_input_is_named_and_does_not_stall_a_stream(api: Api, stack: Stack) 
     victim = long_stream(api, "victim")
     victim.wait_started()
     start = time.monotonic()
-    error = rpc_error(lambda: api.stream(text=PROMPT, lora_name="x", sampling=ipb.RandomSampling(top_p=3.0)))
+    error = rpc_error(lambda: api.stream(text=PROMPT, session_id="s", sampling=ipb.RandomSampling(top_p=3.0)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert sorted(bad_fields(error)) == ["lora_name", "sampling.top_p"]
+    assert sorted(bad_fields(error)) == ["sampling.top_p", "session_id"]
+    error = rpc_error(lambda: api.stream(text=PROMPT, lora_name="x"))
+    assert error.code() == grpc.StatusCode.NOT_FOUND and "LoRA adapter `x` not found" in error.details()
     error = rpc_error(lambda: api.stream(token_ids=ipb.TokenIds(ids=[1, 10**6])))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_fields(error) == ["token_ids.ids"]
     error = rpc_error(lambda: api.stream(text="x" * 3_000_000))

@@ -31,7 +31,7 @@ MODEL = "served-model"
 
 def mapped(**fields: Any) -> InferencePlan:
     fields.setdefault("text", "hello")
-    return plan(ipb.GenerateRequest(**fields), MODEL)
+    return plan(ipb.GenerateRequest(**fields), MODEL, lora_adapters=("adapter",))
 
 
 def refused(**fields: Any) -> list[str]:
@@ -74,7 +74,6 @@ def test_every_field_of_every_request_message_is_honoured_or_refused(descriptor:
 REFUSED_VALUES: dict[str, dict[str, Any]] = {
     "session_id": {"session_id": "s1"},
     "media": {"media": [ipb.MediaItem(url="http://example.invalid/a.png")]},
-    "lora_name": {"lora_name": "adapter"},
     "kv.bypass_prefix_cache": {"kv": ipb.KVCacheParameters(bypass_prefix_cache=True)},
     "kv.cache_salt": {"kv": ipb.KVCacheParameters(cache_salt="salt")},
     "kv.kv_transfer_params": {"kv": ipb.KVCacheParameters(kv_transfer_params=struct_pb2.Struct())},
@@ -159,6 +158,7 @@ HONOURED_CASES: dict[str, tuple[dict[str, Any], Any]] = {
     "truncate_prompt_tokens": ({"truncate_prompt_tokens": 3},
                                lambda p: p.options.truncate_prompt_tokens == 3 and p.options.truncation_side == "left"),
     "priority": ({"priority": -2}, lambda p: p.priority == -2),
+    "lora_name": ({"lora_name": "adapter"}, lambda p: p.lora_name == "adapter"),
     "sampling.num_sequences": ({"sampling": ipb.RandomSampling(num_sequences=3), "temperature": 1.0},
                                lambda p: p.params.n == 3),
     "sampling.top_k": ({"sampling": ipb.RandomSampling(top_k=5)}, lambda p: p.params.top_k == 5),
@@ -254,8 +254,21 @@ def test_bad_values_are_refused_by_their_vllm_path(fields: dict[str, Any], path:
 
 
 def test_bad_fields_are_listed_together() -> None:
-    got = refused(lora_name="a", sampling=ipb.RandomSampling(top_p=2.0), kv=ipb.KVCacheParameters(cache_salt="s"))
-    assert set(got) == {"lora_name", "sampling.top_p", "kv.cache_salt"}
+    got = refused(sampling=ipb.RandomSampling(top_p=2.0), kv=ipb.KVCacheParameters(cache_salt="s"))
+    assert set(got) == {"sampling.top_p", "kv.cache_salt"}
+
+
+def test_lora_adapters_by_lora_name_or_model_and_unknown_ones_not_found() -> None:
+    adapters = ("sql", "chat")
+    assert plan(ipb.GenerateRequest(text="hi", lora_name="chat"), MODEL, lora_adapters=adapters).lora_name == "chat"
+    assert plan(ipb.GenerateRequest(text="hi", model="sql"), MODEL, lora_adapters=adapters).lora_name == "sql"
+    assert plan(ipb.GenerateRequest(text="hi", model=MODEL), MODEL, lora_adapters=adapters).lora_name == ""
+    for fields, served, message in (({"lora_name": "nope"}, adapters, "LoRA adapter `nope` not found"),
+                                    ({"model": "nope"}, adapters, "model `nope` not found"),
+                                    ({"lora_name": "sql"}, (), "LoRA adapter `sql` not found"),
+                                    ({"model": "sql"}, (), "model `sql` not found")):
+        with pytest.raises(ModelNotFound, match=message):
+            plan(ipb.GenerateRequest(text="hi", **fields), MODEL, lora_adapters=served)
 
 
 def test_a_prompt_is_required() -> None:

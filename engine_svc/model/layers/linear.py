@@ -62,7 +62,10 @@ def _copy_rows(dst: torch.Tensor, loaded: torch.Tensor, start: int) -> None:
 class _TPLinear(PackedWeight):
     """Shared plumbing: rank/size resolution and a [out, in] weight plus optional bias.
 
-    After `cpu_gemm.prepack_linears` the weight lives packed for oneDNN in `packed` (see cpu_gemm.py)."""
+    After `cpu_gemm.prepack_linears` the weight lives packed for oneDNN in `packed` (see cpu_gemm.py).
+    `lora` (engine_svc/lora/slots.py), when set, adds each token's adapter delta to the matmul's output."""
+
+    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -93,7 +96,8 @@ class _TPLinear(PackedWeight):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class ReplicatedLinear(_TPLinear):
@@ -232,7 +236,10 @@ class RowParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.bias)
-        # Only rank 0 adds the bias, so the sum over ranks contains it exactly once.
+            return super().forward(x)
+        # Only rank 0 adds the bias, so the sum over ranks contains it exactly once; a LoRA delta of this
+        # rank's input columns is a partial sum too.
         out = self.matmul(x, self.bias if self.tp_rank == 0 else None)
+        if self.lora is not None:
+            out = self.lora(x, out)
         return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
