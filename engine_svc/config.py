@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine_svc.kv_transfer.config import KVTransferConfig, KVTransferConfigError
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -176,6 +178,8 @@ class EngineConfig:
     served_model_name: str | None = None
     # Plan step N+1 while step N runs (engine_svc/core.py); None: the device's default (ASYNC_SCHEDULING_DEFAULT).
     async_scheduling: bool | None = None
+    # Prefill/decode disaggregation (--kv-transfer-config, engine_svc/kv_transfer/); None: no K/V moves.
+    kv_transfer_config: KVTransferConfig | None = None
     # Resolved by create(); not user arguments.
     architecture: str = field(default="", compare=False)
     model_dtype: str | None = field(default=None, compare=False)  # the checkpoint's own dtype
@@ -215,6 +219,9 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory-bytes must be positive")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError("--num-gpu-blocks-override must be >= 1")
+        if self.kv_transfer_config is not None and self.tensor_parallel_size != 1:
+            raise ConfigError("--kv-transfer-config needs --tensor-parallel-size 1: K/V blocks move between "
+                              "single-device engines only")
 
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
@@ -374,6 +381,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
       help="schedule step N+1 while step N runs on the device: the host's scheduling and output work "
            "overlaps the forward pass (vLLM's option; default: off on CPU and on CUDA)")
+    a("--kv-transfer-config", type=_kv_transfer_config, default=None,
+      help='prefill/decode disaggregation, as vLLM\'s JSON: {"kv_connector": "GrpcConnector", "kv_role": '
+           '"kv_producer" | "kv_consumer" | "kv_both", "kv_lease_duration_s": 60, "kv_load_failure_policy": '
+           '"recompute" | "fail"} (docs/deploy.md)')
+
+
+def _kv_transfer_config(text: str) -> KVTransferConfig:
+    try:
+        return KVTransferConfig.from_json(text)
+    except KVTransferConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

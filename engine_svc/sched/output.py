@@ -53,6 +53,14 @@ class GrammarBitmask(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     words: bytes
 
 
+class KVBlockLoad(msgspec.Struct, array_like=True, gc=False):
+    """Pulled K/V (P/D disaggregation, engine_svc/kv_transfer/) that a step writes into the cache before
+    its forward pass: `data` holds `len(block_ids)` blocks in engine_svc/kv_transfer/blocks.py's format."""
+
+    block_ids: list[int]
+    data: bytes
+
+
 class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -74,6 +82,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     decode_num_computed_tokens: list[int] = msgspec.field(default_factory=list)
     # The scheduler's count of schedule() calls when it made this output (its own bookkeeping; workers ignore it).
     step_id: int = 0
+    # Pulled blocks of the requests this step admits (written before the step runs); usually empty.
+    kv_loads: list[KVBlockLoad] = msgspec.field(default_factory=list)
 
     def cached_diffs(self) -> list[CachedRequestData]:
         """Every cached request's diff as a `CachedRequestData` (the columnar decodes expanded), in

@@ -1,0 +1,286 @@
+"""Prefill/decode disaggregation between engines (engine_svc/kv_transfer/), over real gRPC on loopback.
+
+The producer is a served engine (`kv_producer`, driven through Connect); consumers are in-process engine
+cores (`kv_consumer`) whose pulls are real `PullKvBlocks` calls to it. The oracle is one unified engine
+alone: a request prefilled on the producer (max_tokens=1, `do_remote_decode`) and continued on a consumer
+(its first token as output, `do_remote_prefill` naming the producer's blocks) gives exactly the unified
+engine's tokens and logprobs - greedy and seeded - while the consumer computes only what it did not pull.
+Every KV block comes back on both sides: after the pull, after an abort, after the lease expires.
+Failures (a producer that holds nothing, a refused layout, a dead producer) are recomputed by the consumer
+(still exact), or end the request with UNAVAILABLE under `kv_load_failure_policy: fail`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from tandem.engine.v1 import engine_core_pb2 as epb
+from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
+
+from engine_svc.api.server import EngineServer
+from engine_svc.config import EngineConfig
+from engine_svc.core import EngineCore
+from engine_svc.kv_transfer.config import KVTransferConfig
+from engine_svc.kv_transfer.puller import layout_to_pb
+from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams, KvTransferParams
+from shared_runtime.from_pb import kv_transfer_params_from_pb
+from tests.engine.test_engine_server import ServerThread
+from tests.engine_stream import EngineStream, engine_idle, engine_load
+from tests.support import wait_until
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 64
+PROMPT = [5, 9, 14, 22, 31, 40, 47, 51, 60, 66, 71, 80, 85, 90, 97, 101, 3, 7]  # 18 tokens: 4 full blocks + 2
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "logprobs": 2}
+SEEDED = {"temperature": 0.9, "top_p": 0.9, "seed": 1234, "max_tokens": 12, "ignore_eos": True, "logprobs": 1}
+
+
+def _config(model: Path, kv: KVTransferConfig | None = None, block_size: int = BLOCK_SIZE) -> EngineConfig:
+    return EngineConfig.create(model=str(model), dtype="float32", device="cpu", max_model_len=256,
+                               block_size=block_size, num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=4,
+                               kv_transfer_config=kv)
+
+
+@pytest.fixture(scope="module")
+def producer(llama_dir: Path) -> Iterator[ServerThread]:
+    config = _config(llama_dir, KVTransferConfig(kv_role="kv_producer", kv_lease_duration_s=60))
+    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
+    wait_until(lambda: engine_idle(running.address), 60, "producer up", retry_on=(grpc.RpcError,))
+    yield running
+    running.begin_drain()
+    assert running.join(15) == 0
+
+
+@pytest.fixture(scope="module")
+def unified(llama_dir: Path) -> EngineCore:
+    return EngineCore(_config(llama_dir))
+
+
+def _consumer(model: Path, **kv: Any) -> EngineCore:
+    return EngineCore(_config(model, KVTransferConfig(kv_role="kv_consumer", kv_pull_timeout_s=10, **kv)))
+
+
+def _run(core: EngineCore, request: EngineCoreRequest, timeout: float = 30.0) -> tuple[list[int], list[Any], Any]:
+    """(tokens, logprob entries, last output) of `request` alone on `core` (stepping while it pulls)."""
+    core.add_request(request)
+    tokens: list[int] = []
+    logprobs: list[Any] = []
+    last = None
+    deadline = time.monotonic() + timeout
+    while core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the request did not finish"
+        if not core.has_work():
+            time.sleep(0.005)  # its K/V is being pulled
+            continue
+        for out in core.step().outputs:
+            tokens += out.new_token_ids
+            logprobs += out.new_logprobs
+            last = out
+    return tokens, logprobs, last
+
+
+def _prefill(producer: ServerThread, request_id: str, prompt: list[int], params: dict[str, Any]) -> epb.EngineCoreOutput:
+    """Prefill `prompt` on the producer (max_tokens=1, keep the blocks): its one output."""
+    with producer.channel() as channel:
+        stream = EngineStream(channel)
+        sampling = epb.EngineSamplingParams(**{**params, "max_tokens": 1})
+        stream.send(epb.EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling,
+                                          kv_transfer_params=epb.KvTransferParams(do_remote_decode=True)))
+        stream.wait_finished(request_id, timeout=30)
+        out = stream.last(request_id)
+        stream.close()
+    assert out is not None and out.error.message == "" and len(out.new_token_ids) == 1
+    return out
+
+
+def _decode_request(request_id: str, prompt: list[int], params: dict[str, Any], first: epb.EngineCoreOutput,
+                    **remote: Any) -> EngineCoreRequest:
+    """The continuation a frontend sends to the decode engine after `first` (the producer's output)."""
+    kv = kv_transfer_params_from_pb(first.kv_transfer_params)
+    kv = KvTransferParams(do_remote_prefill=True, **{**{f: getattr(kv, f) for f in kv.__struct_fields__
+                                                       if f.startswith("remote_")}, **remote})
+    return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt,
+                             sampling_params=EngineSamplingParams(**params),
+                             output_token_ids=list(first.new_token_ids), kv_transfer_params=kv)
+
+
+def _all_free(core: EngineCore) -> bool:
+    kv = core.scheduler.kv
+    return kv.num_free_blocks == kv.num_blocks and kv.usage == 0
+
+
+def _logprob_rows(entries: list[Any]) -> list[tuple[Any, ...]]:
+    return [(e.token_id, e.logprob, e.rank, list(e.top_token_ids), list(e.top_logprobs)) for e in entries]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_prefill_there_decode_here_equals_one_engine(producer: ServerThread, unified: EngineCore,
+                                                     llama_dir: Path, params: dict[str, Any]) -> None:
+    want, want_logprobs, want_end = _run(unified, EngineCoreRequest(
+        request_id=f"u-{params['temperature']}", prompt_token_ids=PROMPT, sampling_params=EngineSamplingParams(**params)))
+    first = _prefill(producer, f"p-{params['temperature']}", PROMPT, params)
+    kv = first.kv_transfer_params
+    assert first.finish_reason == epb.FINISH_REASON_LENGTH and first.new_token_ids == want[:1]
+    assert (kv.remote_num_tokens, len(kv.remote_block_ids), kv.remote_port) == (len(PROMPT), 5, producer.server.bound_port)
+    assert engine_load(producer.address).num_free_blocks == NUM_BLOCKS - 5  # held for the pull
+
+    consumer = _consumer(llama_dir)
+    rest, rest_logprobs, end = _run(consumer, _decode_request("d", PROMPT, params, first))
+    assert first.new_token_ids[:] + rest == want
+    assert _logprob_rows(list(first.new_logprobs) + rest_logprobs) == _logprob_rows(want_logprobs)  # bit-exact
+    assert end.finish_reason == want_end.finish_reason
+    connector = consumer.kv_connector
+    assert connector is not None and (connector.num_blocks_pulled, connector.num_pull_failures) == (5, 0)
+    assert consumer.scheduler.get_stats().prefix_cache_hits == 0
+    wait_until(lambda: engine_idle(producer.address), 5, "the producer's blocks freed after the pull")
+    assert _all_free(consumer)
+    consumer.shutdown()
+
+
+def test_the_consumer_pulls_only_what_its_prefix_cache_lacks(producer: ServerThread, unified: EngineCore,
+                                                            llama_dir: Path) -> None:
+    consumer = _consumer(llama_dir)
+    connector = consumer.kv_connector
+    assert connector is not None
+    _run(consumer, _decode_request("d1", PROMPT, GREEDY, _prefill(producer, "p1", PROMPT, GREEDY)))
+    assert connector.num_blocks_pulled == 5
+    longer = PROMPT + [11, 12, 13, 14, 15, 16, 17, 18, 19]  # 27 tokens: 7 blocks, 4 of them cached here
+    want, want_logprobs, _ = _run(unified, EngineCoreRequest(
+        request_id="u2", prompt_token_ids=longer, sampling_params=EngineSamplingParams(**GREEDY)))
+    first = _prefill(producer, "p2", longer, GREEDY)
+    rest, rest_logprobs, _ = _run(consumer, _decode_request("d2", longer, GREEDY, first))
+    assert list(first.new_token_ids) + rest == want
+    assert _logprob_rows(list(first.new_logprobs) + rest_logprobs) == _logprob_rows(want_logprobs)
+    assert connector.num_blocks_pulled == 5 + 3  # blocks 4, 5 and 6 only
+    assert consumer.scheduler.get_stats().prefix_cache_hits == 4 * BLOCK_SIZE
+    wait_until(lambda: engine_idle(producer.address), 5, "the producer's blocks freed after the pull")
+    assert _all_free(consumer)
+    consumer.shutdown()
+
+
+@pytest.mark.parametrize("failure", ["nothing_kept", "dead_producer", "layout"])
+def test_a_failed_pull_is_recomputed_exactly(producer: ServerThread, unified: EngineCore, llama_dir: Path,
+                                             failure: str) -> None:
+    want, want_logprobs, _ = _run(unified, EngineCoreRequest(
+        request_id=f"u-{failure}", prompt_token_ids=PROMPT, sampling_params=EngineSamplingParams(**GREEDY)))
+    first = _prefill(producer, f"p-{failure}", PROMPT, GREEDY)
+    remote: dict[str, Any] = {}
+    consumer = _consumer(llama_dir)
+    if failure == "nothing_kept":
+        remote = {"remote_request_id": "never-kept"}
+    elif failure == "dead_producer":
+        remote = {"remote_port": _unused_port()}
+    else:
+        consumer.shutdown()
+        consumer = EngineCore(_config(llama_dir, KVTransferConfig(kv_role="kv_consumer"), block_size=8))
+    rest, rest_logprobs, _ = _run(consumer, _decode_request(f"d-{failure}", PROMPT, GREEDY, first, **remote))
+    assert list(first.new_token_ids) + rest == want
+    assert [e.token_id for e in rest_logprobs] == [e.token_id for e in want_logprobs[1:]]
+    for got, expected in zip(rest_logprobs, want_logprobs[1:], strict=True):
+        assert abs(got.logprob - expected.logprob) < 1e-4  # recomputed: a prefill of its own
+    connector = consumer.kv_connector
+    assert connector is not None and (connector.num_pull_failures, connector.num_blocks_pulled) == (1, 0)
+    assert _all_free(consumer)
+    consumer.shutdown()
+    if failure != "layout":  # a refused layout ends the lease too; the others leave it to be pulled: pull it
+        _pull(producer, f"p-{failure}")
+    wait_until(lambda: engine_idle(producer.address), 5, "the producer's blocks freed")
+
+
+def test_fail_policy_ends_the_request_with_unavailable(producer: ServerThread, llama_dir: Path) -> None:
+    first = _prefill(producer, "p-fail", PROMPT, GREEDY)
+    consumer = _consumer(llama_dir, kv_load_failure_policy="fail")
+    rest, _, end = _run(consumer, _decode_request("d-fail", PROMPT, GREEDY, first, remote_request_id="gone"))
+    assert rest == [] and end.error is not None and end.error.code == 14  # UNAVAILABLE
+    assert "NOT_FOUND" in end.error.message and "kv_load_failure_policy" in end.error.message
+    assert _all_free(consumer)
+    consumer.shutdown()
+    _pull(producer, "p-fail")
+    wait_until(lambda: engine_idle(producer.address), 5, "the producer's blocks freed")
+
+
+def test_a_layout_mismatch_is_refused_by_name(producer: ServerThread) -> None:
+    _prefill(producer, "p-layout", PROMPT, GREEDY)
+    layout = producer.server.servicer.core.kv_connector.layout  # type: ignore[union-attr]
+    wrong = layout_to_pb(layout)
+    wrong.dtype = "bfloat16"
+    with pytest.raises(grpc.RpcError) as refused:
+        _pull(producer, "p-layout", wrong)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "dtype is 'float32' here and 'bfloat16'" in (refused.value.details() or "")
+    wait_until(lambda: engine_idle(producer.address), 5, "a refused pull frees the blocks")
+    with pytest.raises(grpc.RpcError) as gone:
+        _pull(producer, "p-layout")
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_abort_frees_kept_blocks_and_a_pull_in_flight(producer: ServerThread, llama_dir: Path) -> None:
+    _prefill(producer, "p-abort", PROMPT, GREEDY)
+    assert engine_load(producer.address).num_free_blocks == NUM_BLOCKS - 5
+    with producer.channel() as channel:
+        stream = EngineStream(channel)
+        stream.abort("p-abort")  # the frontend gave up on the request after its prefill
+        wait_until(lambda: engine_idle(producer.address), 5, "an abort frees kept blocks")
+        stream.close()
+    # A consumer's abort while it pulls: nothing stays allocated there, and the producer's lease ends.
+    first = _prefill(producer, "p-abort2", PROMPT, GREEDY)
+    consumer = _consumer(llama_dir)
+    consumer.add_request(_decode_request("d-abort", PROMPT, GREEDY, first))
+    consumer.abort_requests(["d-abort"])
+    outputs = [o for _ in range(3) for o in consumer.step().outputs]
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("d-abort", 3)]  # ABORT, exactly once
+    assert not consumer.has_unfinished_requests() and _all_free(consumer)
+    consumer.shutdown()
+    if engine_load(producer.address).num_free_blocks != NUM_BLOCKS:  # the cancelled pull never reached it
+        _pull(producer, "p-abort2")
+    wait_until(lambda: engine_idle(producer.address), 5, "the producer's blocks freed")
+
+
+def test_an_unpulled_lease_expires(llama_dir: Path) -> None:
+    core = EngineCore(_config(llama_dir, KVTransferConfig(kv_role="kv_producer", kv_lease_duration_s=0.3)))
+    _, _, end = _run(core, EngineCoreRequest(
+        request_id="p", prompt_token_ids=PROMPT, sampling_params=EngineSamplingParams(max_tokens=1, temperature=0),
+        kv_transfer_params=KvTransferParams(do_remote_decode=True)))
+    assert end.kv_transfer_params is not None and core.scheduler.kv.num_free_blocks == NUM_BLOCKS - 5
+    assert not core.has_work()
+    time.sleep(0.35)
+    assert core.has_work()  # the busy loop steps once the lease has expired
+    core.step()
+    assert _all_free(core)
+    leases = core.kv_connector.leases  # type: ignore[union-attr]
+    assert leases is not None and (leases.num_expired, len(leases)) == (1, 0)
+    core.shutdown()
+
+
+def test_a_request_that_stops_keeps_nothing(llama_dir: Path, unified: EngineCore) -> None:
+    want, _, _ = _run(unified, EngineCoreRequest(request_id="u-stop", prompt_token_ids=PROMPT,
+                                                 sampling_params=EngineSamplingParams(**GREEDY)))
+    core = EngineCore(_config(llama_dir, KVTransferConfig(kv_role="kv_producer")))
+    _, _, end = _run(core, EngineCoreRequest(
+        request_id="p", prompt_token_ids=PROMPT, eos_token_ids=[want[0]],
+        sampling_params=EngineSamplingParams(max_tokens=1, temperature=0),
+        kv_transfer_params=KvTransferParams(do_remote_decode=True)))
+    assert end.finish_reason == 1 and end.kv_transfer_params is None and _all_free(core)  # STOP: no decode follows
+    core.shutdown()
+
+
+def _pull(producer: ServerThread, request_id: str, layout: epb.KvCacheLayout | None = None) -> int:
+    """Pull (and drop) what the producer keeps for `request_id`; the bytes received."""
+    if layout is None:
+        layout = layout_to_pb(producer.server.servicer.core.kv_connector.layout)  # type: ignore[union-attr]
+    with producer.channel() as channel:
+        chunks = epb_grpc.EngineCoreServiceStub(channel).PullKvBlocks(
+            epb.PullKvBlocksRequest(request_id=request_id, layout=layout), timeout=10)
+        return sum(len(c.data) for c in chunks)
+
+
+def _unused_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
