@@ -44,6 +44,7 @@ from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.kv_transfer.setup import advertise
 from engine_svc.telemetry import EngineTelemetry
+from engine_svc.telemetry.kv_transfer_metrics import KvTransferCollector
 from shared_runtime.heap import settle_heap
 from shared_runtime.link import (
     KEEPALIVE_OPTIONS,
@@ -228,6 +229,9 @@ class EngineServer:
 
     def _on_ready(self, core: EngineCore) -> None:
         self.servicer.core = core
+        if core.kv_connector is not None and self.telemetry.metrics is not None:
+            self.telemetry.metrics.registry.register(
+                KvTransferCollector(self.config.model_name, core.kv_connector))
         logger.info("engine ready: %d KV blocks", core.num_blocks)
         if self.settle_heap_when_ready:  # else a full collection of start-up's ~10^5-10^6 objects pauses a step
             settle_heap()

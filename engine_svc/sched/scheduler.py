@@ -174,6 +174,10 @@ class Scheduler:
             request.grammar_ticket = self.grammars.submit(constraint)
             self._compiling[request.request_id] = request
             return
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Into `waiting` - or, when its prompt's K/V is to be pulled first, into `_loading`."""
         if self.kv_connector is not None and self.kv_connector.wants_load(request):
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             self.kv_connector.start_load(request, self.kv.get_computed_blocks(request)[1])
@@ -260,7 +264,7 @@ class Scheduler:
             self.grammars.release(ticket)
             request.grammar_ticket = None
             request.status = RequestStatus.WAITING
-            self.waiting.add(request)
+            self._enqueue(request)
 
     def _kv_transfer_turn(self, connector: KVConnector) -> None:
         """Free the blocks of leases that ended; move requests whose pull ended into `waiting` (a failed

@@ -148,7 +148,7 @@ def test_the_consumer_pulls_only_what_its_prefix_cache_lacks(producer: ServerThr
     assert connector is not None
     _run(consumer, _decode_request("d1", PROMPT, GREEDY, _prefill(producer, "p1", PROMPT, GREEDY)))
     assert connector.num_blocks_pulled == 5
-    longer = PROMPT + [11, 12, 13, 14, 15, 16, 17, 18, 19]  # 27 tokens: 7 blocks, 4 of them cached here
+    longer = [*PROMPT, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # 27 tokens: 7 blocks, 4 of them cached here
     want, want_logprobs, _ = _run(unified, EngineCoreRequest(
         request_id="u2", prompt_token_ids=longer, sampling_params=EngineSamplingParams(**GREEDY)))
     first = _prefill(producer, "p2", longer, GREEDY)
