@@ -69,7 +69,7 @@ class PD:
 
     def pulled_blocks(self) -> float:
         text = httpx2.get(f"http://127.0.0.1:{self.consumer_metrics}/metrics", timeout=5).text
-        line = next(l for l in text.splitlines() if l.startswith("tandem_kv_transfer_blocks_pulled_total"))
+        line = next(x for x in text.splitlines() if x.startswith("tandem_kv_transfer_blocks_pulled_total"))
         return float(line.split()[-1])
 
     def close(self) -> None:
