@@ -11,8 +11,8 @@ last carrying the SHA-256 of all the bytes.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncIterator
+from hashlib import sha256
 
 import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
@@ -44,7 +44,7 @@ async def stream_kv_blocks(connector: KVConnector | None, request: pb.PullKvBloc
         num_blocks = -(-lease.num_tokens // connector.block_size)
         block_ids = lease.block_ids[request.first_block:num_blocks]
         data = await asyncio.to_thread(read_blocks, connector.kv_caches, block_ids) if block_ids else b""
-        digest = hashlib.sha256(data).hexdigest()
+        digest = sha256(data).hexdigest()
         size = connector.config.kv_chunk_bytes
         starts = range(0, max(len(data), 1), size)
         for start in starts:

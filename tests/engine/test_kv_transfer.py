@@ -284,3 +284,45 @@ def _unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_corrupted_transfer_is_refused_and_recomputed(producer: ServerThread, unified: EngineCore,
+                                                        llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer checks the SHA-256 the producer sends against the bytes it got: a flipped byte in
+    transit (here: in the producer's bytes after it hashed them) is a failed pull, recomputed."""
+    import engine_svc.api.kv_pull as kv_pull
+
+    real = kv_pull.read_blocks
+    monkeypatch.setattr(kv_pull, "sha256", _HashOfOriginal)
+    monkeypatch.setattr(kv_pull, "read_blocks", lambda caches, ids: _flip_first_byte(real(caches, ids)))
+    want, _, _ = _run(unified, EngineCoreRequest(request_id="u-corrupt", prompt_token_ids=PROMPT,
+                                                 sampling_params=EngineSamplingParams(**GREEDY)))
+    first = _prefill(producer, "p-corrupt", PROMPT, GREEDY)
+    consumer = _consumer(llama_dir)
+    rest, _, _ = _run(consumer, _decode_request("d-corrupt", PROMPT, GREEDY, first))
+    assert list(first.new_token_ids) + rest == want
+    connector = consumer.kv_connector
+    assert connector is not None and (connector.num_pull_failures, connector.num_blocks_pulled) == (1, 0)
+    consumer.shutdown()
+    wait_until(lambda: engine_idle(producer.address), 5, "the producer's blocks freed")
+
+
+_ORIGINALS: dict[bytes, bytes] = {}
+
+
+def _flip_first_byte(data: bytes) -> bytes:
+    corrupted = bytes([data[0] ^ 0xFF]) + data[1:]
+    _ORIGINALS[corrupted] = data
+    return corrupted
+
+
+class _HashOfOriginal:
+    """hashlib.sha256 as the producer sees it here: the digest of the bytes before they were corrupted."""
+
+    def __init__(self, data: bytes = b"") -> None:
+        import hashlib
+
+        self._hash = hashlib.sha256(_ORIGINALS.get(data, data))
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
