@@ -52,22 +52,24 @@ def layout_of(kv_caches: list[torch.Tensor], model_name: str, block_size: int, t
 
 
 def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> bytes:
-    """The bytes of `block_ids`, block by block (module docstring)."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
-    stacked = torch.stack([cache.index_select(1, index) for cache in kv_caches])  # [L, 2, n, ...]
-    per_block = stacked.transpose(0, 2).transpose(1, 2).contiguous().cpu()  # [n, L, 2, ...]
-    return per_block.view(-1).view(torch.uint8).numpy().tobytes()
+    """The bytes of `block_ids`, block by block (module docstring): one gather per layer into a host
+    buffer in wire order, then one copy into bytes."""
+    first = kv_caches[0]
+    index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
+    out = torch.empty((len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:]), dtype=first.dtype)
+    for layer, cache in enumerate(kv_caches):
+        out[:, layer] = cache.index_select(1, index).transpose(0, 1)  # on CUDA: the copy to host
+    return bytes(memoryview(out.view(-1).view(torch.uint8).numpy()))
 
 
 def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes) -> None:
     """Write `data` (as `read_blocks` returns it, for as many blocks) into `block_ids`."""
     first = kv_caches[0]
-    n = len(block_ids)
-    shape = (n, len(kv_caches), first.shape[0], *first.shape[2:])
+    shape = (len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:])
     host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(first.dtype).view(shape)
     index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
     for layer, cache in enumerate(kv_caches):
-        cache.index_copy_(1, index, host[:, layer].transpose(0, 1).to(first.device))
+        cache[:, index] = host[:, layer].transpose(0, 1).to(first.device)
 
 
 def apply_loads(kv_caches: list[torch.Tensor], loads: list[KVBlockLoad]) -> None:

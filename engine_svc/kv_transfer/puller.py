@@ -58,7 +58,7 @@ class KVPuller:
 
     def start(self, request_id: str, params: KvTransferParams, first_block: int) -> None:
         with self._lock:
-            self._calls[request_id] = None
+            self._calls[request_id] = None  # before the thread: a cancel from now on is seen
         threading.Thread(target=self._pull, args=(request_id, params, first_block), daemon=True,
                          name=f"kv-pull {request_id}").start()
 
@@ -83,15 +83,29 @@ class KVPuller:
         with self._lock:
             return len(self._calls)
 
-    def _pull(self, request_id: str, params: KvTransferParams, first_block: int) -> None:
+    def pull_now(self, request_id: str, params: KvTransferParams, first_block: int) -> PullResult:
+        """One pull on the calling thread, outside the scheduler's bookkeeping (tools, benchmarks)."""
+        with self._lock:
+            self._calls[request_id] = None
         try:
-            result = self._fetch(request_id, params, first_block)
+            return self._guarded(request_id, params, first_block)
+        finally:
+            with self._lock:
+                self._calls.pop(request_id, None)
+
+    def _guarded(self, request_id: str, params: KvTransferParams, first_block: int) -> PullResult:
+        """`_fetch`, its failures turned into a result: never raises."""
+        try:
+            return self._fetch(request_id, params, first_block)
         except grpc.RpcError as exc:
-            result = PullResult(request_id, first_block, 0, None,
-                                f"pull from {params.remote_host}:{params.remote_port} failed: "
-                                f"{exc.code().name}: {exc.details()}")
+            return PullResult(request_id, first_block, 0, None,
+                              f"pull from {params.remote_host}:{params.remote_port} failed: "
+                              f"{exc.code().name}: {exc.details()}")
         except Exception as exc:  # any failure of a pull is the request's, never the engine's
-            result = PullResult(request_id, first_block, 0, None, f"pull failed: {type(exc).__name__}: {exc}")
+            return PullResult(request_id, first_block, 0, None, f"pull failed: {type(exc).__name__}: {exc}")
+
+    def _pull(self, request_id: str, params: KvTransferParams, first_block: int) -> None:
+        result = self._guarded(request_id, params, first_block)
         with self._lock:
             if self._calls.pop(request_id, "cancelled") == "cancelled":
                 return
