@@ -241,9 +241,8 @@ class Dispatcher:
         kept = self._end_prefill(request)
         if not kept or self._engine_of.get(request) is not prefill:
             return  # ended, or moved away, meanwhile
-        pending = [i for i in kept if i not in request.unfinished]
-        if pending:
-            prefill.send(abort_to_pb(pending))  # ended on their first token: release their blocks
+        # A completion that ended on its first token (a stop string) was aborted there, which released its
+        # kept blocks; one that ended in the engine (EOS, an error) kept none.
         if request.done:
             return
         try:
