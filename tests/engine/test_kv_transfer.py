@@ -12,6 +12,7 @@ Failures (a producer that holds nothing, a refused layout, a dead producer) are 
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,9 +84,11 @@ def _run(core: EngineCore, request: EngineCoreRequest, timeout: float = 30.0) ->
     return tokens, logprobs, last
 
 
-def _prefill(producer: ServerThread, request_id: str, prompt: list[int], params: dict[str, Any]) -> epb.EngineCoreOutput:
+def _prefill(producer: ServerThread, request_id: str, prompt: list[int], params: dict[str, Any],
+             token: str | None = None) -> epb.EngineCoreOutput:
     """Prefill `prompt` on the producer (max_tokens=1, keep the blocks): its one output."""
-    with producer.channel() as channel:
+    with producer.channel() as plain:
+        channel = grpc.intercept_channel(plain, _BearerToken(token)) if token else plain
         stream = EngineStream(channel)
         sampling = epb.EngineSamplingParams(**{**params, "max_tokens": 1})
         stream.send(epb.EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling,
@@ -326,3 +329,55 @@ class _HashOfOriginal:
 
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
+
+
+def test_pulls_present_the_engine_token(llama_dir: Path, unified: EngineCore, tmp_path: Path) -> None:
+    """A producer started with an engine token answers a pull without it UNAUTHENTICATED (the consumer
+    recomputes); a consumer given the same token file (what the server passes it) pulls."""
+    from engine_svc.kv_transfer.setup import advertise
+    from shared_runtime.security.auth import KeySet
+
+    token_file = tmp_path / "engine-token"
+    token_file.write_text("s3cret-engine-token\n")
+    config = _config(llama_dir, KVTransferConfig(kv_role="kv_producer"))
+    server = ServerThread(EngineServer(config, host="127.0.0.1", port=0,
+                                       tokens=KeySet(files=[str(token_file)], name="engine token"))).start()
+    try:
+        wait_until(lambda: server.server.servicer is not None and server.server.servicer.core is not None, 60,
+                   "producer up")
+        want, _, _ = _run(unified, EngineCoreRequest(request_id="u-auth", prompt_token_ids=PROMPT,
+                                                     sampling_params=EngineSamplingParams(**GREEDY)))
+        for rid, token in (("anonymous", None), ("with-token", str(token_file))):
+            core = server.server.servicer.core  # type: ignore[union-attr]
+            first_out = _prefill(server, f"p-{rid}", PROMPT, GREEDY, token="s3cret-engine-token")
+            consumer = _consumer(llama_dir)
+            assert consumer.kv_connector is not None
+            advertise(consumer.kv_connector, "consumer", "127.0.0.1", 0, token)
+            rest, _, _ = _run(consumer, _decode_request(f"d-{rid}", PROMPT, GREEDY, first_out))
+            assert list(first_out.new_token_ids) + rest == want
+            pulled = (consumer.kv_connector.num_pull_failures, consumer.kv_connector.num_blocks_pulled)
+            assert pulled == ((1, 0) if token is None else (0, 5)), rid
+            consumer.shutdown()
+            if token is None:  # the refused pull never reached the lease: abort it
+                core.kv_connector.release([f"p-{rid}"])  # type: ignore[union-attr]
+    finally:
+        server.begin_drain()
+        server.join(15)
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                            "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class _BearerToken(grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
+    """Adds `authorization: Bearer <token>` to a sync channel's Connect calls."""
+
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        metadata = [*(details.metadata or ()), self.header]
+        return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials,
+                                         details.wait_for_ready, details.compression), request_iterator)
