@@ -32,7 +32,7 @@ from frontend_svc.openai.generations import Run, code_name, from_service
 from frontend_svc.openai.http_io import (
     DISCONNECTED,
     BodyLimits,
-    Disconnected,
+    collected_answer,
     header_pairs,
     parse_body,
     pick_request_id,
@@ -122,13 +122,7 @@ class MessagesHandler:
         headers = {"X-Request-Id": request_id, "request-id": request_id}
         if body.stream:
             return sse.EventStream(_stream(run, builder), on_close=run.close, headers=headers)
-        try:
-            answer = await unless_disconnected(request, _collect(run, builder))
-            if isinstance(answer, Disconnected):
-                return Response(status_code=499)
-            return Response(answer, media_type=JSON, headers=headers)
-        finally:
-            run.close()
+        return await collected_answer(request, _collect(run, builder), run.close, headers)
 
     def _params(self, chat: p.ChatCompletionRequest) -> SamplingParams:
         try:

@@ -61,7 +61,7 @@ from frontend_svc.openai.http_io import (
     DISCONNECTED,
     JSON,
     BodyLimits,
-    Disconnected,
+    collected_answer,
     error_response,
     guarded,
     header_pairs,
@@ -297,13 +297,7 @@ class OpenAIApi:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse.EventStream(_stream(run, builder, include_usage), on_close=run.close, headers=headers)
-        try:
-            answer = await unless_disconnected(request, _collect(run, builder))
-            if isinstance(answer, Disconnected):
-                return Response(status_code=499)
-            return Response(answer, media_type=JSON, headers=headers)
-        finally:
-            run.close()
+        return await collected_answer(request, _collect(run, builder), run.close, headers)
 
     def _prompt_info(self, prepared: PreparedRequest, echo: bool) -> bodies.PromptInfo:
         """A prompt's ids, and its text when echoed (a token prompt's decoded with its special tokens, as

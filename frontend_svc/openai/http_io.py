@@ -171,6 +171,19 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
         del task, watch
 
 
+async def collected_answer(request: Request, answer: Coroutine[Any, Any, str], close: Callable[[], None],
+                           headers: dict[str, str]) -> Response:
+    """A non-streamed answer: `answer`'s JSON body, or 499 when the client leaves first; `close` (the
+    request's end) runs either way."""
+    try:
+        body = await unless_disconnected(request, answer)
+        if isinstance(body, Disconnected):
+            return Response(status_code=499)
+        return Response(body, media_type=JSON, headers=headers)
+    finally:
+        close()
+
+
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -42,9 +42,8 @@ from frontend_svc.openai.errors import ApiError, FieldNames, bad_request, echo, 
 from frontend_svc.openai.generations import Run, code_name, from_service
 from frontend_svc.openai.http_io import (
     DISCONNECTED,
-    JSON,
     BodyLimits,
-    Disconnected,
+    collected_answer,
     error_response,
     guarded,
     header_pairs,
@@ -352,13 +351,7 @@ class ResponsesHandler:
         headers = {"X-Request-Id": response_id}
         if body.stream:
             return sse.EventStream(_stream(run, builder), on_close=run.close, headers=headers)
-        try:
-            answer = await unless_disconnected(request, _collect(run, builder))
-            if isinstance(answer, Disconnected):
-                return Response(status_code=499)
-            return Response(answer, media_type=JSON, headers=headers)
-        finally:
-            run.close()
+        return await collected_answer(request, _collect(run, builder), run.close, headers)
 
 
 async def _collect(run: Run, builder: ResponseBuilder) -> str:
