@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine_svc.kv_transfer.config import KVTransferConfig, KVTransferConfigError
+from engine_svc.kv_transfer.config import KV_ROLE_ALIASES, KVTransferConfig, KVTransferConfigError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -385,6 +385,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
       help='prefill/decode disaggregation, as vLLM\'s JSON: {"kv_connector": "GrpcConnector", "kv_role": '
            '"kv_producer" | "kv_consumer" | "kv_both", "kv_lease_duration_s": 60, "kv_load_failure_policy": '
            '"recompute" | "fail"} (docs/deploy.md)')
+    a("--kv-role", choices=tuple(KV_ROLE_ALIASES), default=None,
+      help="shorthand for --kv-transfer-config's kv_role (prefill = kv_producer, decode = kv_consumer, "
+           "both = kv_both), the other settings at their defaults")
 
 
 def _kv_transfer_config(text: str) -> KVTransferConfig:
@@ -396,4 +399,11 @@ def _kv_transfer_config(text: str) -> KVTransferConfig:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)} - _RESOLVED_FIELDS
-    return EngineConfig.create(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    role = getattr(args, "kv_role", None)
+    if role is not None:
+        kv = values.get("kv_transfer_config")
+        if kv is not None and kv.kv_role != KV_ROLE_ALIASES[role]:
+            raise ConfigError(f"--kv-role {role} contradicts --kv-transfer-config's kv_role {kv.kv_role!r}")
+        values["kv_transfer_config"] = kv or KVTransferConfig(kv_role=KV_ROLE_ALIASES[role])
+    return EngineConfig.create(**values)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_ROLE_ALIASES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}  # --kv-role
 KV_CONNECTORS = ("GrpcConnector",)
 FAILURE_POLICIES = ("recompute", "fail")
 DEFAULT_CHUNK_BYTES = 1 << 20  # PullKvBlocks chunk size: well under every gRPC message limit

@@ -13,6 +13,7 @@ Failures (a producer that holds nothing, a refused layout, a dead producer) are 
 from __future__ import annotations
 
 import collections
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -381,3 +382,32 @@ class _BearerToken(grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
         metadata = [*(details.metadata or ()), self.header]
         return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials,
                                          details.wait_for_ready, details.compression), request_iterator)
+
+
+def test_the_engine_flags_parse_and_refuse_by_name(llama_dir: Path) -> None:
+    import argparse
+
+    from engine_svc.config import ConfigError, add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(parser)
+
+    def config(*flags: str) -> EngineConfig:
+        return config_from_args(parser.parse_args(["--model", str(llama_dir), "--device", "cpu", *flags]))
+
+    kv = config("--kv-transfer-config", '{"kv_connector": "GrpcConnector", "kv_role": "kv_consumer", '
+                                        '"kv_load_failure_policy": "fail"}').kv_transfer_config
+    assert kv is not None and (kv.kv_role, kv.kv_load_failure_policy, kv.is_producer) == ("kv_consumer", "fail", False)
+    short = config("--kv-role", "prefill").kv_transfer_config
+    assert short is not None and short.kv_role == "kv_producer" and short.kv_lease_duration_s == 60
+    assert config().kv_transfer_config is None
+    for bad, says in (('{"kv_role": "kv_sideways"}', "kv_transfer_config.kv_role: 'kv_sideways' is not one of"),
+                      ('{"kv_lease": 5}', "unknown key(s) kv_lease"),
+                      ('{"kv_lease_duration_s": "long"}', 'kv_transfer_config.kv_lease_duration_s: expected float'),
+                      ("[1]", "must be a JSON object")):
+        with pytest.raises(argparse.ArgumentError, match=re.escape(says)):
+            parser.parse_args(["--model", "m", "--kv-transfer-config", bad])
+    with pytest.raises(ConfigError, match="contradicts"):
+        config("--kv-role", "decode", "--kv-transfer-config", '{"kv_role": "kv_producer"}')
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
+        config("--kv-role", "both", "--tensor-parallel-size", "2")
