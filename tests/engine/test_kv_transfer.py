@@ -41,10 +41,11 @@ GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "logprobs": 
 SEEDED = {"temperature": 0.9, "top_p": 0.9, "seed": 1234, "max_tokens": 12, "ignore_eos": True, "logprobs": 1}
 
 
-def _config(model: Path, kv: KVTransferConfig | None = None, block_size: int = BLOCK_SIZE) -> EngineConfig:
+def _config(model: Path, kv: KVTransferConfig | None = None, block_size: int = BLOCK_SIZE,
+            **more: Any) -> EngineConfig:
     return EngineConfig.create(model=str(model), dtype="float32", device="cpu", max_model_len=256,
                                block_size=block_size, num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=4,
-                               kv_transfer_config=kv)
+                               kv_transfer_config=kv, **more)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,9 @@ def unified(llama_dir: Path) -> EngineCore:
     return EngineCore(_config(llama_dir))
 
 
-def _consumer(model: Path, **kv: Any) -> EngineCore:
-    return EngineCore(_config(model, KVTransferConfig(kv_role="kv_consumer", kv_pull_timeout_s=10, **kv)))
+def _consumer(model: Path, async_scheduling: bool = False, **kv: Any) -> EngineCore:
+    return EngineCore(_config(model, KVTransferConfig(kv_role="kv_consumer", kv_pull_timeout_s=10, **kv),
+                              async_scheduling=async_scheduling))
 
 
 def _run(core: EngineCore, request: EngineCoreRequest, timeout: float = 30.0) -> tuple[list[int], list[Any], Any]:
@@ -121,18 +123,20 @@ def _logprob_rows(entries: list[Any]) -> list[tuple[Any, ...]]:
     return [(e.token_id, e.logprob, e.rank, list(e.top_token_ids), list(e.top_logprobs)) for e in entries]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_prefill_there_decode_here_equals_one_engine(producer: ServerThread, unified: EngineCore,
-                                                     llama_dir: Path, params: dict[str, Any]) -> None:
+def test_prefill_there_decode_here_equals_one_engine(producer: ServerThread, unified: EngineCore, llama_dir: Path,
+                                                     params: dict[str, Any], async_scheduling: bool) -> None:
+    tag = f"{params['temperature']}-{async_scheduling}"
     want, want_logprobs, want_end = _run(unified, EngineCoreRequest(
-        request_id=f"u-{params['temperature']}", prompt_token_ids=PROMPT, sampling_params=EngineSamplingParams(**params)))
-    first = _prefill(producer, f"p-{params['temperature']}", PROMPT, params)
+        request_id=f"u-{tag}", prompt_token_ids=PROMPT, sampling_params=EngineSamplingParams(**params)))
+    first = _prefill(producer, f"p-{tag}", PROMPT, params)
     kv = first.kv_transfer_params
     assert first.finish_reason == epb.FINISH_REASON_LENGTH and first.new_token_ids == want[:1]
     assert (kv.remote_num_tokens, len(kv.remote_block_ids), kv.remote_port) == (len(PROMPT), 5, producer.server.bound_port)
     assert engine_load(producer.address).num_free_blocks == NUM_BLOCKS - 5  # held for the pull
 
-    consumer = _consumer(llama_dir)
+    consumer = _consumer(llama_dir, async_scheduling=async_scheduling)
     rest, rest_logprobs, end = _run(consumer, _decode_request("d", PROMPT, params, first))
     assert first.new_token_ids[:] + rest == want
     assert _logprob_rows(list(first.new_logprobs) + rest_logprobs) == _logprob_rows(want_logprobs)  # bit-exact
