@@ -415,3 +415,34 @@ def test_the_engine_flags_parse_and_refuse_by_name(llama_dir: Path) -> None:
         config("--kv-role", "decode", "--kv-transfer-config", '{"kv_role": "kv_producer"}')
     with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
         config("--kv-role", "both", "--tensor-parallel-size", "2")
+
+
+def test_a_lease_ends_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease table alone, on a fake clock: pulled, released (also while pulling) or expired (never while
+    pulling), each lease's request comes back from `take_ended` exactly once."""
+    from engine_svc.kv_transfer import leases as leases_module
+    from engine_svc.kv_transfer.leases import LeaseTable
+    from engine_svc.request import Request
+
+    now = [100.0]
+    monkeypatch.setattr(leases_module.time, "monotonic", lambda: now[0])
+    woken: list[int] = []
+    table = LeaseTable(10.0, on_ended=lambda: woken.append(1))
+    requests = {rid: Request(EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
+                                               sampling_params=EngineSamplingParams()), 64) for rid in "abcde"}
+    for rid in "abcde":
+        table.hold(requests[rid], [ord(rid)], 3)
+        now[0] += 1.0  # a at 110, b at 111, ...
+    assert table.begin_pull("a") is not None and table.begin_pull("a") is None  # pulled at most once
+    assert table.begin_pull("b") is not None
+    assert table.release("b") and table.release("c") and not table.release("zz")
+    assert [r.request_id for r in table.take_ended()] == ["c"]  # b ends when its pull does
+    now[0] = 113.5  # a (pulling), b (pulling), d (112) past their end
+    assert table.has_ended()
+    assert [r.request_id for r in table.take_ended()] == ["d"]
+    assert table.begin_pull("e") is not None and table.begin_pull("d") is None
+    for rid in "abe":
+        table.end_pull(rid)
+    assert [r.request_id for r in table.take_ended()] == ["a", "b", "e"] and len(woken) == 3
+    assert not table.has_ended() and table.take_ended() == [] and len(table) == 0
+    assert (table.num_pulled, table.num_released, table.num_expired) == (3, 1, 1)
