@@ -82,17 +82,27 @@ class LeaseTable:
         """Requests whose leases ended (pulled, released or expired now): the caller frees their blocks."""
         now = time.monotonic()
         with self._lock:
-            for request_id in [r for r, lease in self._leases.items() if lease.expires_at <= now and not lease.pulling]:
+            for request_id in [r for r, lease in self._expired(now) if not lease.pulling]:
                 self._ended.append(self._leases.pop(request_id).request)
                 self.num_expired += 1
             ended, self._ended = self._ended, []
             return ended
 
+    def _expired(self, now: float) -> list[tuple[str, Lease]]:
+        """The leases past their end (held with the lock). Every lease lasts `duration_s` and the table keeps
+        insertion order, so they are a prefix of it: the scan stops at the first lease still running."""
+        expired = []
+        for request_id, lease in self._leases.items():
+            if lease.expires_at > now:
+                break
+            expired.append((request_id, lease))
+        return expired
+
     def has_ended(self) -> bool:
         """Whether `take_ended` would return something now."""
         now = time.monotonic()
         with self._lock:
-            return bool(self._ended) or any(x.expires_at <= now and not x.pulling for x in self._leases.values())
+            return bool(self._ended) or any(not lease.pulling for _, lease in self._expired(now))
 
     def holds(self, request_id: str) -> bool:
         with self._lock:
