@@ -36,11 +36,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LoadPlan:
     """What an admission takes from a pull: `num_tokens` computed tokens beyond the prefix-cache hit,
-    written into the request's blocks `first_block`.. (`data`: those blocks' bytes)."""
+    written into the request's `num_blocks` blocks from `first_block` on (`data`: those blocks' bytes)."""
 
     num_tokens: int
     first_block: int
     data: bytes
+    num_blocks: int = 0
 
 
 def plan_load(load: PullResult, num_hit_tokens: int, num_tokens: int, block_size: int) -> LoadPlan:
@@ -57,7 +58,7 @@ def plan_load(load: PullResult, num_hit_tokens: int, num_tokens: int, block_size
     block_bytes = len(load.data) // load.num_blocks
     last = -(-target // block_size)
     data = load.data[(hit_blocks - load.first_block) * block_bytes:(last - load.first_block) * block_bytes]
-    return LoadPlan(target - num_hit_tokens, hit_blocks, data)
+    return LoadPlan(target - num_hit_tokens, hit_blocks, data, last - hit_blocks)
 
 
 class KVConnector:

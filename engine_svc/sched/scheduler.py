@@ -49,7 +49,8 @@ Invariants:
 - Every request given to `add_request` appears exactly once in an output with a finish reason (stopped,
   length, aborted, or rejected with an error); its blocks are back in the pool by then.
 - `running` holds only RUNNING requests and `len(running) <= max_num_seqs`; `waiting` holds WAITING and
-  PREEMPTED ones; `_compiling` WAITING_FOR_FSM ones, `_loading` WAITING_FOR_REMOTE_KVS ones. Requests in none of them are unknown to the scheduler.
+  PREEMPTED ones; `_compiling` WAITING_FOR_FSM ones, `_loading` WAITING_FOR_REMOTE_KVS ones. Requests in
+  none of them are unknown to the scheduler.
 - A live request never has more than `min(max_model_len, num_blocks * block_size)` tokens: on add its
   `max_total_tokens` is capped by the KV capacity too, so a request alone in the engine always fits.
 """
@@ -358,8 +359,7 @@ class Scheduler:
             if load is not None:
                 request.kv_load = None
                 if num_pulled:
-                    num_write = len(plan.data) // (len(load.data or b"") // load.num_blocks)
-                    block_ids = self.kv.get_block_ids(request.request_id, plan.first_block)[:num_write]
+                    block_ids = self.kv.get_block_ids(request.request_id, plan.first_block)[:plan.num_blocks]
                     self._kv_loads.append(KVBlockLoad(block_ids, plan.data))
             request.num_computed_tokens = num_hit_tokens + num_pulled
             if request.num_cached_tokens < 0:
