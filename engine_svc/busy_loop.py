@@ -169,6 +169,8 @@ class BusyLoop(threading.Thread):
             self._on_fatal(exc)
             return
         self.core.grammars.on_done = self._wake
+        if self.core.kv_connector is not None:
+            self.core.kv_connector.set_wake(self._wake)  # a pull or a lease ended
         self.core.grammars.prewarm()
         self._on_ready(self.core)
         try:
@@ -233,6 +235,8 @@ class BusyLoop(threading.Thread):
                     for rid in ids:
                         del self._owner[rid]
                 core.abort_requests(ids)
+                if core.kv_connector is not None:  # a finished prefill's kept K/V: no owner any more
+                    core.kv_connector.release([r for r in request_ids if r not in self._owner])
             case CloseStream(stream_id):
                 core.abort_requests([r for r, s in self._owner.items() if s == stream_id])
             case Drain(grace_s):
@@ -242,7 +246,7 @@ class BusyLoop(threading.Thread):
             case Stop():
                 self.state = LoopState.STOPPED
             case Wake():
-                pass  # the next has_work() sees the compiled grammar
+                pass  # the next has_work() sees the compiled grammar, the ended pull or lease
             case _:
                 raise UnknownMessageError(f"busy loop inbox: not a message: {message!r}")
 

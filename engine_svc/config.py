@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from engine_svc.kv_transfer.config import KV_ROLE_ALIASES, KVTransferConfig, KVTransferConfigError
 from engine_svc.lora.modules import LoRAArgumentError, check_lora_args, parse_lora_modules
 from engine_svc.spec.config import SpeculativeConfig, SpeculativeConfigError
 
@@ -196,6 +197,8 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Prefill/decode disaggregation (--kv-transfer-config, engine_svc/kv_transfer/); None: no K/V moves.
+    kv_transfer_config: KVTransferConfig | None = None
     # Resolved by create(); not user arguments.
     architecture: str = field(default="", compare=False)
     model_dtype: str | None = field(default=None, compare=False)  # the checkpoint's own dtype
@@ -277,6 +280,12 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory-bytes must be positive")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError("--num-gpu-blocks-override must be >= 1")
+        if self.kv_transfer_config is not None and self.world_size != 1:
+            raise ConfigError("--kv-transfer-config needs --tensor-parallel-size 1 and --pipeline-parallel-size 1: "
+                              "K/V blocks move between single-device engines only")
+        if self.kv_transfer_config is not None and self.enable_lora:
+            raise ConfigError("--kv-transfer-config cannot be combined with --enable-lora (yet): K/V moved "
+                              "between engines is not keyed by adapter")
 
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
@@ -475,6 +484,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--speculative-config", default=None,
       help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (docs/speculative.md)')
+    a("--kv-transfer-config", type=_kv_transfer_config, default=None,
+      help='prefill/decode disaggregation, as vLLM\'s JSON: {"kv_connector": "GrpcConnector", "kv_role": '
+           '"kv_producer" | "kv_consumer" | "kv_both", "kv_lease_duration_s": 60, "kv_load_failure_policy": '
+           '"recompute" | "fail"} (docs/deploy.md)')
+    a("--kv-role", choices=tuple(KV_ROLE_ALIASES), default=None,
+      help="shorthand for --kv-transfer-config's kv_role (prefill = kv_producer, decode = kv_consumer, "
+           "both = kv_both), the other settings at their defaults")
     lora = parser.add_argument_group("LoRA adapters (docs/lora.md)").add_argument
     lora("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories) on the base model")
     lora("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -495,6 +511,20 @@ def _lora_modules_arg(value: Any) -> tuple[tuple[str, str], ...]:
         raise ConfigError(str(e)) from None
 
 
+def _kv_transfer_config(text: str) -> KVTransferConfig:
+    try:
+        return KVTransferConfig.from_json(text)
+    except KVTransferConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)} - _RESOLVED_FIELDS
-    return EngineConfig.create(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    role = getattr(args, "kv_role", None)
+    if role is not None:
+        kv = values.get("kv_transfer_config")
+        if kv is not None and kv.kv_role != KV_ROLE_ALIASES[role]:
+            raise ConfigError(f"--kv-role {role} contradicts --kv-transfer-config's kv_role {kv.kv_role!r}")
+        values["kv_transfer_config"] = kv or KVTransferConfig(kv_role=KV_ROLE_ALIASES[role])
+    return EngineConfig.create(**values)

@@ -38,6 +38,8 @@ from engine_svc.config import EngineConfig
 from engine_svc.executor import make_executor
 from engine_svc.executor.base import Executor, StepFuture
 from engine_svc.kv.events import KVEventLog
+from engine_svc.kv_transfer.connector import KVConnector
+from engine_svc.kv_transfer.setup import make_connector
 from engine_svc.lora.modules import lora_ids
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -67,6 +69,9 @@ class EngineCore:
         self.vocab_size = self.executor.vocab_size
         self.max_model_len = max_model_len = self.executor.max_model_len  # what the workers were sized for
         self.config = config = dataclasses.replace(config, max_model_len=max_model_len)
+        # P/D disaggregation: K/V blocks kept for, and pulled from, other engines (engine_svc/kv_transfer/).
+        self.kv_connector: KVConnector | None = (
+            make_connector(config, self.executor) if config.kv_transfer_config else None)
         # Structured outputs: constraints compile off the busy loop (a serving engine prewarms the vocabulary).
         self._compiled = threading.Event()
         self.grammars = GrammarCompilers(config.model, self.vocab_size, on_done=self._compiled.set,
@@ -87,6 +92,7 @@ class EngineCore:
             speculative=config.speculative,
             lora_ids=lora_ids(config.lora_modules) if config.enable_lora else None,
             max_loras=config.max_loras,
+            kv_connector=self.kv_connector,
         )
         # Batches in flight, newest first: (future of its output, what was scheduled).
         self.max_concurrent_batches = self.executor.max_concurrent_batches

@@ -24,11 +24,13 @@ from shared_runtime.contract import (
     EngineSamplingParams,
     EventType,
     FinishReason,
+    KvTransferParams,
     RequestEvent,
     TokenLogprobs,
 )
 
 if TYPE_CHECKING:
+    from engine_svc.kv_transfer.puller import PullResult
     from engine_svc.structured.compiler import Ticket
     from engine_svc.structured.grammar import RequestGrammar
 
@@ -42,6 +44,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
     WAITING_FOR_FSM = 7  # waiting for its grammar to compile (structured outputs); not yet queued
+    WAITING_FOR_REMOTE_KVS = 8  # pulling its prompt's K/V from a producer engine (kv_transfer/); not yet queued
 
     @property
     def is_finished(self) -> bool:
@@ -103,6 +106,11 @@ class Request:
         # The tokens that stop it once it has min_tokens outputs: its EOS ids (unless ignore_eos) and its
         # stop_token_ids. Set by `set_stop_tokens` once the request is validated; checked per sampled token.
         self.stop_token_set: frozenset[int] = frozenset()
+        # Prefill/decode disaggregation (engine_svc/kv_transfer/): what was asked, the pulled K/V waiting
+        # for admission, and (producer) where the kept blocks are, for the last output.
+        self.kv_transfer_params: KvTransferParams | None = req.kv_transfer_params
+        self.kv_load: PullResult | None = None
+        self.kv_transfer_out: KvTransferParams | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,13 @@ sampled but never delivered are sampled again, the same ones. A request moves at
 `MigrationPolicy.max_migrations` times and waits at most `timeout_s` for a ready engine; otherwise it ends
 with UNAVAILABLE (the client may retry), as every request did before migration existed.
 
+Prefill/decode disaggregation (`--routing pd`, pd_flow.py): a request starts on a prefill engine for
+its first token; the prefill's last output (LENGTH, with the kept blocks' kv_transfer_params) reaches the
+output processor as an ordinary token, and once every completion's has come the request continues on a
+decode engine - the same continuation as a migration (`<first id>.d`), pulling the prompt's K/V. With no
+decode engine ready by then it continues on the prefill engine itself (its prefix cache holds the prompt),
+and the kept blocks are released by an abort.
+
 Invariants:
 - Every request handed out by `submit` ends exactly once: each completion's finished delta, or one
   `ServiceError` in its collector (UNAVAILABLE when it could not be continued, or what `fail_all` says).
@@ -49,9 +56,17 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.engines.client import EngineClient, EngineConnection, EngineUnavailable
 from frontend_svc.output_processor import OutputProcessor, ProcessedOutputs, RequestState
+from frontend_svc.pd_flow import (
+    DECODE,
+    PREFILL,
+    decode_request,
+    kept_blocks,
+    prefill_request,
+    wants_disaggregation,
+)
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.service_error import UNAVAILABLE, ServiceError
-from shared_runtime.contract import EngineCoreRequest
+from shared_runtime.contract import EngineCoreRequest, KvTransferParams
 from shared_runtime.to_pb import abort_to_pb, add_to_pb
 
 logger = logging.getLogger(__name__)
@@ -106,16 +121,24 @@ class Dispatcher:
         self._moves: dict[RequestState, int] = {}  # how many times it moved
         self._moving: dict[RequestState, asyncio.Task[None]] = {}  # waiting for an engine to continue on
         self._listeners: dict[RequestState, OnMigration] = {}
+        # P/D: requests on their prefill engine, and the kept blocks of each completion as they come.
+        self._prefilling: dict[RequestState, dict[str, KvTransferParams | None]] = {}
+        self._prefill_of: dict[str, RequestState] = {}  # engine id of a prefill -> its request
         engines.listener = self
 
     def submit(self, prepared: PreparedRequest, engine_requests: Sequence[EngineCoreRequest],
                collector: DeltaCollector, on_migration: OnMigration | None = None) -> RequestState:
         """Send the request's n engine requests to one ready engine (EngineUnavailable if none). Its
         deltas, or one ServiceError, arrive in `collector`; `on_migration` hears of each of its moves."""
-        connection = self.engines.choose(prepared.prompt_token_ids)
-        messages = [add_to_pb(request) for request in engine_requests]  # may raise: before any state
+        prefill_on = self._prefill_engine(prepared, engine_requests)
+        connection = prefill_on or self.engines.choose(prepared.prompt_token_ids)
+        to_send = [prefill_request(r) for r in engine_requests] if prefill_on else engine_requests
+        messages = [add_to_pb(request) for request in to_send]  # may raise: before any state
         request = self.output_processor.add_request(prepared, collector)
         self._sent[request] = {r.request_id: r for r in engine_requests}
+        if prefill_on is not None:
+            self._prefilling[request] = {r.request_id: None for r in engine_requests}
+            self._prefill_of.update((r.request_id, request) for r in engine_requests)
         if on_migration is not None:
             self._listeners[request] = on_migration
         self._attach(request, connection, messages)
@@ -147,11 +170,14 @@ class Dispatcher:
         """Consecutive engine messages of one stream: deltas to their collectors, stop-string aborts out,
         in slices with the event loop free between them (module docstring)."""
         process, first = self.output_processor.process_keyed, True
+        prefilled = self._note_prefills(messages) if self._prefill_of else ()
         for outputs in _slices(messages):
             if not first:
                 await asyncio.sleep(0)
             first = False
             self._deliver(connection, process(outputs))
+        for request in prefilled:
+            self._after_prefill(request, connection)
 
     def on_stream_down(self, connection: EngineConnection, message: str) -> None:
         """The stream broke: the engine aborted its requests; each moves to another engine, or ends with
@@ -171,6 +197,76 @@ class Dispatcher:
         for request in processed.finished:
             self._release(request)
 
+    # ---- prefill/decode disaggregation ---------------------------------------------------------------
+    def _prefill_engine(self, prepared: PreparedRequest, engine_requests: Sequence[EngineCoreRequest]
+                        ) -> EngineConnection | None:
+        """The prefill engine for a request under `--routing pd` when P/D applies (pd_flow), else None."""
+        if self.engines.router.policy != "pd" or not self.engines.ready_in(DECODE):
+            return None
+        try:
+            connection = self.engines.choose(prepared.prompt_token_ids, pool=PREFILL)
+        except EngineUnavailable:
+            return None
+        info = connection.info
+        if info is None or not wants_disaggregation(engine_requests, int(info.max_model_len)):
+            return None
+        return connection
+
+    def _note_prefills(self, messages: Sequence[epb.EngineCoreOutputs]) -> list[RequestState]:
+        """Record the kept blocks of prefills that ended, and turn their LENGTH finish into an ordinary
+        token for the output processor; the requests whose every completion is now prefilled."""
+        ready: list[RequestState] = []
+        for message in messages:
+            for output in message.outputs:
+                request = self._prefill_of.get(output.request_id)
+                kept = kept_blocks(output) if request is not None else None
+                if request is None or kept is None:
+                    continue
+                output.finish_reason = epb.FINISH_REASON_UNSPECIFIED
+                slots = self._prefilling[request]
+                slots[output.request_id] = kept
+                if all(v is not None for v in slots.values()) and request not in ready:
+                    ready.append(request)
+        return ready
+
+    def _end_prefill(self, request: RequestState) -> dict[str, KvTransferParams | None]:
+        slots = self._prefilling.pop(request, {})
+        for engine_id in slots:
+            self._prefill_of.pop(engine_id, None)
+        return slots
+
+    def _after_prefill(self, request: RequestState, prefill: EngineConnection) -> None:
+        """Continue the prefilled request's unfinished completions on a decode engine, pulling the kept
+        blocks (or, with none ready, on the prefill engine itself, releasing them)."""
+        kept = self._end_prefill(request)
+        if not kept or self._engine_of.get(request) is not prefill:
+            return  # ended, or moved away, meanwhile
+        # A completion that ended on its first token (a stop string) was aborted there, which released its
+        # kept blocks; one that ended in the engine (EOS, an error) kept none.
+        if request.done:
+            return
+        try:
+            target = self.engines.choose(request.prepared.prompt_token_ids, pool=DECODE)
+        except EngineUnavailable:
+            target = prefill
+        sent = self._sent[request]
+        continued: dict[str, EngineCoreRequest] = {}
+        for engine_id, completion in list(request.unfinished.items()):
+            new_id = f"{request.prepared.engine_request_ids[completion.index]}.d"
+            blocks = kept.get(engine_id)
+            if target is prefill or blocks is None:
+                continued[new_id] = msgspec.structs.replace(
+                    sent[engine_id], request_id=new_id, output_token_ids=list(completion.generated))
+            else:
+                continued[new_id] = decode_request(sent[engine_id], new_id, completion.generated, blocks,
+                                                   drop_prompt_logprobs=completion.sent_first)
+            self.output_processor.rekey(request, engine_id, new_id)
+        if target is prefill:
+            prefill.send(abort_to_pb(list(kept)))
+        self._detach(request)
+        self._sent[request] = continued
+        self._attach(request, target, [add_to_pb(r) for r in continued.values()])
+
     # ---- migration -----------------------------------------------------------------------------------
     def _take_back(self, connection: EngineConnection, engine_ids: list[str]) -> None:
         """The engine gave these completions back: their requests move, all completions together (those
@@ -188,6 +284,7 @@ class Dispatcher:
 
     def _move(self, request: RequestState, connection: EngineConnection, reason: str, message: str) -> None:
         """Continue `request` on another engine, or end it with UNAVAILABLE when it may not move again."""
+        self._end_prefill(request)  # a request moved off its prefill engine goes on as a plain one
         self._detach(request)
         moves = self._moves.get(request, 0)
         if moves >= self.migration.max_migrations or request.done:
@@ -231,7 +328,8 @@ class Dispatcher:
             if completion.sent_first and params.prompt_logprobs is not None:  # the client has them already
                 params = msgspec.structs.replace(params, prompt_logprobs=None)
             continued[new_id] = msgspec.structs.replace(
-                original, request_id=new_id, sampling_params=params, output_token_ids=list(completion.generated))
+                original, request_id=new_id, sampling_params=params, output_token_ids=list(completion.generated),
+                kv_transfer_params=None)  # a moved decode recomputes: its producer's blocks are pulled or gone
             self.output_processor.rekey(request, engine_id, new_id)
         self._sent[request] = continued
         self._attach(request, connection, [add_to_pb(r) for r in continued.values()])
@@ -278,6 +376,7 @@ class Dispatcher:
 
     def _release(self, request: RequestState) -> None:
         """A request that ended leaves every table (a move in progress is cancelled)."""
+        self._end_prefill(request)
         self._detach(request)
         self._sent.pop(request, None)
         self._moves.pop(request, None)

@@ -380,6 +380,19 @@ class LoRARequest(msgspec.Struct, frozen=True):
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
+class KvTransferParams(msgspec.Struct, kw_only=True, gc=False):
+    """Prefill/decode disaggregation (vLLM's kv_transfer_params): on a request, what its engine does with
+    its K/V (keep it for a consumer: `do_remote_decode`; pull it: `do_remote_prefill` from `remote_*`); on a
+    producer's last output, where the kept blocks are (tandem.engine.v1.KvTransferParams documents each)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str = ""
+    remote_host: str = ""
+    remote_port: int = 0
+    remote_request_id: str = ""
+    remote_block_ids: list[int] = msgspec.field(default_factory=list)
+    remote_num_tokens: int = 0
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True):
@@ -396,6 +409,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     # The LoRA adapter (a name of the engine's --lora-modules) to run under; "" = the base model.
     lora_name: str = ""
+    kv_transfer_params: KvTransferParams | None = None  # P/D disaggregation; None for an ordinary request
 
 
 # ---- outputs -----------------------------------------------------------------------------------------
@@ -469,6 +483,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, gc=False):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     events: list[RequestEvent] = msgspec.field(default_factory=list)
     error: EngineError | None = None
+    kv_transfer_params: KvTransferParams | None = None  # a producer's kept blocks (last output only)
 
     @property
     def finished(self) -> bool:

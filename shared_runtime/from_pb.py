@@ -64,6 +64,18 @@ def request_from_pb(msg: pb.EngineCoreRequest) -> c.EngineCoreRequest:
         trace_headers=dict(msg.trace_headers),
         output_token_ids=list(msg.output_token_ids),
         lora_name=msg.lora_name,
+        kv_transfer_params=(kv_transfer_params_from_pb(msg.kv_transfer_params)
+                            if msg.HasField("kv_transfer_params") else None),
+    )
+
+
+def kv_transfer_params_from_pb(msg: pb.KvTransferParams) -> c.KvTransferParams:
+    """The struct form of a pb KvTransferParams."""
+    return c.KvTransferParams(
+        do_remote_decode=msg.do_remote_decode, do_remote_prefill=msg.do_remote_prefill,
+        remote_engine_id=msg.remote_engine_id, remote_host=msg.remote_host, remote_port=msg.remote_port,
+        remote_request_id=msg.remote_request_id, remote_block_ids=list(msg.remote_block_ids),
+        remote_num_tokens=msg.remote_num_tokens,
     )
 
 
@@ -129,6 +141,8 @@ def _output_from_pb(msg: pb.EngineCoreOutput) -> c.EngineCoreOutput:
             if msg.HasField("error")
             else None
         ),
+        kv_transfer_params=(kv_transfer_params_from_pb(msg.kv_transfer_params)
+                            if msg.HasField("kv_transfer_params") else None),
     )
 
 

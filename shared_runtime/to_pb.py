@@ -43,7 +43,14 @@ def request_to_pb(request: c.EngineCoreRequest) -> pb.EngineCoreRequest:
         trace_headers=request.trace_headers,
         output_token_ids=request.output_token_ids,
         lora_name=request.lora_name,
+        kv_transfer_params=(None if request.kv_transfer_params is None
+                            else kv_transfer_params_to_pb(request.kv_transfer_params)),
     )
+
+
+def kv_transfer_params_to_pb(params: c.KvTransferParams) -> pb.KvTransferParams:
+    """The pb form of KvTransferParams (every field by name)."""
+    return pb.KvTransferParams(**msgspec.structs.asdict(params))
 
 
 def sampling_params_to_pb(params: c.EngineSamplingParams) -> pb.EngineSamplingParams:
@@ -119,6 +126,8 @@ def outputs_to_pb(outputs: c.EngineCoreOutputs) -> pb.EngineCoreOutputs:
         if out.error is not None:
             dst.error.code = out.error.code  # type: ignore[assignment]
             dst.error.message = out.error.message
+        if out.kv_transfer_params is not None:
+            dst.kv_transfer_params.CopyFrom(kv_transfer_params_to_pb(out.kv_transfer_params))
     if outputs.scheduler_stats is not None:
         msg.scheduler_stats.CopyFrom(stats_to_pb(outputs.scheduler_stats))
     return msg

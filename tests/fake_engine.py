@@ -54,12 +54,13 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
         self.aborted: list[str] = []
         self.running: dict[str, list[Any]] = {}  # request id -> [request, tokens produced]
         self.max_running = 0
+        self.kv_role = ""  # EngineInfo.kv_role; a producer's LENGTH finish of a do_remote_decode request names its blocks
 
     async def GetEngineInfo(self, request: Any, context: Any) -> epb.EngineInfo:
         sha256 = tokenizer_bundle.sha256_hex(self.archive) if self.archive is not None else ""
         return epb.EngineInfo(model_name=self.model_name, max_model_len=self.max_model_len,
                               vocab_size=self.vocab_size, block_size=16, engine_id="fake-engine",
-                              tokenizer_sha256=sha256)
+                              tokenizer_sha256=sha256, kv_role=self.kv_role)
 
     async def GetTokenizer(self, request: Any, context: Any) -> Any:
         archive = self.archive
@@ -172,6 +173,10 @@ class FakeEngine(epb_grpc.EngineCoreServiceServicer):
             out.finish_reason = epb.FINISH_REASON_STOP
         elif limit is not None and produced >= limit and seed != SEED_ENDLESS:
             out.finish_reason = epb.FINISH_REASON_LENGTH
+            if self.kv_role and request.kv_transfer_params.do_remote_decode:
+                out.kv_transfer_params.remote_request_id = rid
+                out.kv_transfer_params.remote_host = "fake-producer"
+                out.kv_transfer_params.remote_num_tokens = len(request.prompt_token_ids)
         return out
 
 

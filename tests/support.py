@@ -161,7 +161,9 @@ class Service:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> Service:
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'protos'}", "TOKENIZERS_PARALLELISM": "false"}
+        # The protos beside the code: a worktree's, not those of the checkout the venv was installed from.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos")]),
+               "TOKENIZERS_PARALLELISM": "false"}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self

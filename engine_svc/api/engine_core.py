@@ -27,6 +27,7 @@ from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 from engine_svc.api.kv_events import KvEventPublisher, stream_kv_events
+from engine_svc.api.kv_pull import stream_kv_blocks
 from engine_svc.api.output_packing import pack_outputs
 from engine_svc.api.stream_cap import DEFAULT_MAX_TOKENIZER_DOWNLOADS, StreamCap
 from engine_svc.api.tokenizer_archive import TokenizerArchive, stream_tokenizer
@@ -213,6 +214,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             tokenizer_sha256=archive.sha256 if (archive := await self._tokenizer_archive()) else "",
             kv_cache_events=self.kv_events is not None,
             lora_adapters=[name for name, _ in cfg.lora_modules],
+            kv_role=cfg.kv_transfer_config.kv_role if cfg.kv_transfer_config else "",
         )
 
     async def _tokenizer_archive(self) -> TokenizerArchive | None:
@@ -226,6 +228,11 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
     async def GetTokenizer(self, request: pb.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenizerChunk]:
         async for chunk in stream_tokenizer(self.tokenizer, self.config.model_name, context, self.tokenizer_downloads):
+            yield chunk
+
+    async def PullKvBlocks(self, request: pb.PullKvBlocksRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvBlocksChunk]:
+        async for chunk in stream_kv_blocks(self.core.kv_connector if self.core else None, request, context):
             yield chunk
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:

@@ -42,7 +42,9 @@ from engine_svc.api.tokenizer_archive import TokenizerArchive, read_tokenizer_ar
 from engine_svc.busy_loop import BusyLoop
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
+from engine_svc.kv_transfer.setup import advertise
 from engine_svc.telemetry import EngineTelemetry
+from engine_svc.telemetry.kv_transfer_metrics import KvTransferCollector
 from shared_runtime.heap import settle_heap
 from shared_runtime.link import (
     KEEPALIVE_OPTIONS,
@@ -204,8 +206,13 @@ class EngineServer:
             self.tokens.reload()
 
     def _make_core(self) -> EngineCore:
-        return EngineCore(self.config, executor=self.executor, kv_events=self.kv_events,  # type: ignore[arg-type]
+        core = EngineCore(self.config, executor=self.executor, kv_events=self.kv_events,  # type: ignore[arg-type]
                           compile_processes=True)
+        if core.kv_connector is not None:
+            assert self.servicer is not None
+            token_file = self.tokens.first_key_file() if self.tokens is not None else None
+            advertise(core.kv_connector, self.servicer.engine_id, self.host, self.bound_port, token_file)
+        return core
 
     def _set_serving(self, serving: bool) -> None:
         """Readiness ("" and the service name); `liveness` is left SERVING until exit."""
@@ -222,6 +229,9 @@ class EngineServer:
 
     def _on_ready(self, core: EngineCore) -> None:
         self.servicer.core = core
+        if core.kv_connector is not None and self.telemetry.metrics is not None:
+            self.telemetry.metrics.registry.register(
+                KvTransferCollector(self.config.model_name, core.kv_connector))
         logger.info("engine ready: %d KV blocks", core.num_blocks)
         if self.settle_heap_when_ready:  # else a full collection of start-up's ~10^5-10^6 objects pauses a step
             settle_heap()

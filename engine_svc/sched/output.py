@@ -54,6 +54,14 @@ class GrammarBitmask(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     words: bytes
 
 
+class KVBlockLoad(msgspec.Struct, array_like=True, gc=False):
+    """Pulled K/V (P/D disaggregation, engine_svc/kv_transfer/) that a step writes into the cache before
+    its forward pass: `data` holds `len(block_ids)` blocks in engine_svc/kv_transfer/blocks.py's format."""
+
+    block_ids: list[int]
+    data: bytes
+
+
 class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -79,6 +87,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     # (vLLM's name). Its num_scheduled_tokens count them: 1 + len(drafts) for a decode. The drafts are not
     # tokens of the request: the worker writes them past its known tokens for this step only.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # Pulled blocks of the requests this step admits (written before the step runs); usually empty.
+    kv_loads: list[KVBlockLoad] = msgspec.field(default_factory=list)
 
     def cached_diffs(self) -> list[CachedRequestData]:
         """Every cached request's diff as a `CachedRequestData` (the columnar decodes expanded), in

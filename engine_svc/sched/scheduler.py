@@ -39,11 +39,18 @@ Structured outputs (engine_svc/structured/): a request with a constraint waits i
 the compiled ones into `waiting` with their matcher (or ends them with INVALID_ARGUMENT), then fills the
 bitmask rows of the constrained requests that sample this step. `_on_sampled` advances the matcher.
 
+P/D disaggregation (engine_svc/kv_transfer/connector.py, with a `kv_connector`): a consumer's request
+that names a producer pulls its prompt's K/V in WAITING_FOR_REMOTE_KVS (in `_loading`, holding no block)
+and joins `waiting` when the pull ends; its admission counts the pulled tokens as computed beyond the
+prefix-cache hit and the step carries their bytes (`SchedulerOutput.kv_loads`). A producer's request that
+finishes by length keeps its blocks under a lease; each `schedule` first frees the leases that ended.
+
 Invariants:
 - Every request given to `add_request` appears exactly once in an output with a finish reason (stopped,
   length, aborted, or rejected with an error); its blocks are back in the pool by then.
 - `running` holds only RUNNING requests and `len(running) <= max_num_seqs`; `waiting` holds WAITING and
-  PREEMPTED ones; `_compiling` WAITING_FOR_FSM ones. Requests in none of them are unknown to the scheduler.
+  PREEMPTED ones; `_compiling` WAITING_FOR_FSM ones, `_loading` WAITING_FOR_REMOTE_KVS ones. Requests in
+  none of them are unknown to the scheduler.
 - A live request never has more than `min(max_model_len, num_blocks * block_size)` tokens: on add its
   `max_total_tokens` is capped by the KV capacity too, so a request alone in the engine always fits.
 """
@@ -55,12 +62,14 @@ from itertools import repeat
 
 from engine_svc.kv.events import KVEventLog
 from engine_svc.kv.kv_cache_manager import KVCacheManager
+from engine_svc.kv_transfer.connector import KVConnector, plan_load
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.lora_budget import LoRABudget
 from engine_svc.sched.output import (
     PLACEHOLDER_TOKEN,
     CachedRequestData,
     GrammarBitmask,
+    KVBlockLoad,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -105,6 +114,7 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         lora_ids: Mapping[str, int] | None = None,
         max_loras: int = 1,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -159,6 +169,11 @@ class Scheduler:
         # LoRA (--enable-lora): adapter name -> id, and the per-step adapter budget; None when LoRA is off.
         self.lora_ids = dict(lora_ids) if lora_ids is not None else None
         self.lora_budget = LoRABudget(max_loras) if lora_ids is not None else None
+        # P/D disaggregation: the connector (None: no K/V moves between engines), requests pulling K/V,
+        # and the pulled blocks the next SchedulerOutput carries.
+        self.kv_connector = kv_connector
+        self._loading: dict[str, Request] = {}
+        self._kv_loads: list[KVBlockLoad] = []
 
     # ---- inputs ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -181,6 +196,15 @@ class Scheduler:
             request.grammar_ticket = self.grammars.submit(constraint)
             self._compiling[request.request_id] = request
             return
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Into `waiting` - or, when its prompt's K/V is to be pulled first, into `_loading`."""
+        if self.kv_connector is not None and self.kv_connector.wants_load(request):
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.kv_connector.start_load(request, self.kv.get_computed_blocks(request)[1])
+            self._loading[request.request_id] = request
+            return
         self.waiting.add(request)
 
     def finish_requests(
@@ -190,7 +214,10 @@ class Scheduler:
         with the next `update_from_output`."""
         if not status.is_finished:
             raise ValueError(f"{status.name} is not a finished status")
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if self.kv_connector is not None:
+            self.kv_connector.release(ids)  # a finished prefill's kept blocks
+        for request_id in ids:
             request = self.requests.get(request_id)
             if request is None:
                 continue
@@ -198,6 +225,9 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_FSM:
                 del self._compiling[request_id]
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self._loading[request_id]
+                self.kv_connector.cancel_load(request_id)  # type: ignore[union-attr]
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -209,6 +239,8 @@ class Scheduler:
         """Pick this step's tokens (running first, then admissions); see the module docstring."""
         if self._compiling:
             self._admit_compiled()
+        if self.kv_connector is not None:
+            self._kv_transfer_turn(self.kv_connector)
         self._step_id += 1
         scheduled: dict[str, int] = {}  # request id -> tokens this step, in schedule order
         grown: set[str] = set()  # running requests whose block table grew this step
@@ -253,6 +285,25 @@ class Scheduler:
                 continue
             self.grammars.release(ticket)
             request.grammar_ticket = None
+            request.status = RequestStatus.WAITING
+            self._enqueue(request)
+
+    def _kv_transfer_turn(self, connector: KVConnector) -> None:
+        """Free the blocks of leases that ended; move requests whose pull ended into `waiting` (a failed
+        pull: without K/V under the `recompute` policy, else the request ends with UNAVAILABLE)."""
+        for ended in connector.take_ended():
+            self.kv.free(ended)
+        for result in connector.take_loaded():
+            request = self._loading.pop(result.request_id, None)
+            if request is None:
+                continue  # aborted meanwhile
+            if result.data is None and not connector.recompute_on_failure:
+                request.status = RequestStatus.FINISHED_ERROR
+                self._release(request)
+                self._emit_terminal(request, EngineError(code=ErrorCode.UNAVAILABLE, message=(
+                    f"kv_transfer_params: {result.error} (kv_load_failure_policy is 'fail')")))
+                continue
+            request.kv_load = result if result.data is not None else None
             request.status = RequestStatus.WAITING
             self.waiting.add(request)
 
@@ -326,11 +377,21 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - num_hit_tokens, budget, cap)
-            if self.kv.allocate_slots(request, n, hit_blocks) is None:
+            load = request.kv_load
+            num_pulled = 0
+            if load is not None:
+                plan = plan_load(load, num_hit_tokens, request.num_tokens, self.block_size)
+                num_pulled = plan.num_tokens
+            n = min(request.num_tokens - num_hit_tokens - num_pulled, budget, cap)
+            if self.kv.allocate_slots(request, num_pulled + n, hit_blocks) is None:
                 break
             self.waiting.pop()
-            request.num_computed_tokens = num_hit_tokens
+            if load is not None:
+                request.kv_load = None
+                if num_pulled:
+                    block_ids = self.kv.get_block_ids(request.request_id, plan.first_block)[:plan.num_blocks]
+                    self._kv_loads.append(KVBlockLoad(block_ids, plan.data))
+            request.num_computed_tokens = num_hit_tokens + num_pulled
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
@@ -448,6 +509,8 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
         )
         self._finished_ids, self._preempted_ids = [], []
+        if self._kv_loads:
+            output.kv_loads, self._kv_loads = self._kv_loads, []
         return output
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -552,6 +615,7 @@ class Scheduler:
             request.record_event(EventType.FINISHED)
             output.finish_reason = request.finish_reason
             output.stop_token_id = request.stop_token_id
+            output.kv_transfer_params = request.kv_transfer_out
         if request.pending_events:  # else the output keeps its own empty list
             output.events, request.pending_events = request.pending_events, []
         return output
@@ -636,8 +700,13 @@ class Scheduler:
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
     def _release(self, request: Request) -> None:
-        """Forget a request that has just finished (its status is already final) and free its blocks."""
-        self.kv.free(request)
+        """Forget a request that has just finished (its status is already final) and free its blocks - or,
+        a producer's prefill that asked for it, keep them under a lease (`kv_transfer_out` says where)."""
+        connector = self.kv_connector
+        if connector is not None and connector.wants_hold(request):
+            request.kv_transfer_out = connector.hold(request, self.kv.get_block_ids(request.request_id))
+        else:
+            self.kv.free(request)
         del self.requests[request.request_id]
         if request.grammar_ticket is not None:
             assert self.grammars is not None
@@ -681,6 +750,8 @@ class Scheduler:
         n = request.num_prompt_tokens
         if request.request_id in self.requests:
             return f"request id {request.request_id!r} is already in use"
+        if self.kv_connector is not None and self.kv_connector.holds(request.request_id):
+            return f"request id {request.request_id!r} is already in use (its K/V is kept for a pull)"
         if n == 0:
             return "the prompt is empty"
         if n > self.max_model_len:
@@ -709,13 +780,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """True while anything is waiting, running, or an abort / rejection output is still to be sent."""
         return (bool(self.running) or len(self.waiting) > 0 or bool(self._terminal_outputs)
-                or bool(self._compiling))
+                or bool(self._compiling) or bool(self._loading))
 
     def has_work(self) -> bool:
         """True when a step would do something now: `has_unfinished_requests`, except that requests whose
-        grammar is still compiling (and not past its timeout) give a step nothing to do."""
+        grammar is still compiling (and not past its timeout) or whose K/V is still being pulled give a step
+        nothing to do; a pull or a lease that ended does (the step admits / frees it)."""
         return (bool(self.running) or len(self.waiting) > 0 or bool(self._terminal_outputs)
-                or any(_compile_settled(r) for r in self._compiling.values()))
+                or any(_compile_settled(r) for r in self._compiling.values())
+                or (self.kv_connector is not None and self.kv_connector.has_ready()))
 
     @property
     def num_running(self) -> int:
@@ -723,7 +796,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._compiling)
+        return len(self.waiting) + len(self._compiling) + len(self._loading)
 
     def get_stats(self, with_step: bool = True) -> SchedulerStats:
         """Current load and cumulative counters; the per-step token counts are those of the step last

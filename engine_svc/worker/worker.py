@@ -12,6 +12,7 @@ import logging
 import torch
 
 from engine_svc.config import EngineConfig
+from engine_svc.kv_transfer.blocks import apply_loads
 from engine_svc.lora.manager import LoRAManager
 from engine_svc.model.layers.cpu_gemm import prepack_linears, prepack_wanted
 from engine_svc.model.registry import resolve_dtype
@@ -183,4 +184,6 @@ class Worker:
         assert self.runner is not None
         if self.governor is not None and self.governor.observe():
             self._apply_threads()
+        if so.kv_loads:  # P/D disaggregation: pulled K/V of the requests this step admits, before they run
+            apply_loads(self.runner.kv_caches, so.kv_loads)
         return self.runner.execute_model(so)

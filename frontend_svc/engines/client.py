@@ -50,6 +50,7 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from frontend_svc.engines.drain_gate import DrainGate
 from frontend_svc.engines.kv_index import KvBlockIndex, follow_kv_events
 from frontend_svc.engines.router import Router
+from frontend_svc.pd_flow import in_pool
 from shared_runtime.link import KEEPALIVE_OPTIONS, message_size_options
 from shared_runtime.security.auth import BearerToken, bearer_token_interceptors
 from shared_runtime.security.tls import ClientTls
@@ -413,13 +414,20 @@ class EngineClient:
     def ready_engines(self) -> list[EngineConnection]:
         return [c for c in self._connections.values() if c.ready]
 
+    def ready_in(self, pool: str | None, avoid: EngineConnection | None = None) -> list[EngineConnection]:
+        """The ready engines of `pool` (all of them for None), less `avoid`."""
+        return [c for c in self.ready_engines() if c is not avoid
+                and (pool is None or (c.info is not None and in_pool(c.info.kv_role, pool)))]
+
     def connections(self) -> list[EngineConnection]:
         return list(self._connections.values())
 
-    def choose(self, prompt_token_ids: Sequence[int], avoid: EngineConnection | None = None) -> EngineConnection:
+    def choose(self, prompt_token_ids: Sequence[int], avoid: EngineConnection | None = None,
+               pool: str | None = None) -> EngineConnection:
         """The ready engine a new request goes to (all n completions of a request go to one engine: they
-        share the prompt's KV blocks), never `avoid`; EngineUnavailable when there is none."""
-        connection = self.router.choose([c for c in self.ready_engines() if c is not avoid], prompt_token_ids)
+        share the prompt's KV blocks), never `avoid`, only from `pool` (pd_flow.PREFILL / DECODE: engines
+        whose kv_role serves it) when given; EngineUnavailable when there is none."""
+        connection = self.router.choose(self.ready_in(pool, avoid), prompt_token_ids)
         if connection is None:
             raise EngineUnavailable("no engine is ready to serve requests; retry shortly")
         return connection

@@ -12,6 +12,8 @@
   turn to the same engine without talking to each other. The absolute threshold defaults to a quarter of
   the engine's --max-num-seqs (SGLang's 64 for vLLM's default of 256 sequences), so it means the same
   on a small engine as on a large one.
+- `pd`: prefill/decode disaggregation (frontend_svc/pd_flow.py): `cache-aware` within the pool a step
+  of the request goes to (the dispatcher passes only that pool's engines).
 - `least-load`: the engine with the smallest load (its last reported running + waiting, plus the
   requests this frontend sent it since that report); ties rotate so equal engines share the work.
 - `prefix`: rendezvous (highest-random-weight) hashing of the prompt's first KV blocks picks the
@@ -36,7 +38,7 @@ from typing import Protocol, TypeVar
 
 from shared_runtime.kv_hash import iter_block_hashes
 
-POLICIES = ("cache-aware", "least-load", "prefix")
+POLICIES = ("cache-aware", "least-load", "prefix", "pd")  # pd: cache-aware within each P/D pool
 PREFIX_BLOCKS = 4
 IMBALANCE_FACTOR = 2
 IMBALANCE_SLACK = 8
@@ -109,13 +111,13 @@ class Router:
     @property
     def uses_kv_events(self) -> bool:
         """Whether engines' KV-cache events must be followed for this policy."""
-        return self.policy == "cache-aware"
+        return self.policy in ("cache-aware", "pd")
 
     def choose(self, engines: Sequence[E], prompt_token_ids: Sequence[int]) -> E | None:
         """The engine for this prompt, or None when `engines` is empty."""
         if not engines:
             return None
-        if self.policy == "cache-aware":
+        if self.policy in ("cache-aware", "pd"):
             return self._cache_aware(engines, prompt_token_ids)  # type: ignore[type-var]
         least = self.least_loaded(engines)
         if self.policy == "least-load":

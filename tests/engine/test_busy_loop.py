@@ -68,6 +68,7 @@ class FakeCore:
         self._aborted: list[str] = []
         self.kv_events: KVEventLog | None = None  # what the prefix cache recorded (None: events off)
         self.grammars = SimpleNamespace(on_done=None, prewarm=lambda: None)  # on_done: the loop's inbox
+        self.kv_connector = None  # no P/D disaggregation (engine_svc/kv_transfer/)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.requests[request.request_id] = FakeRequest(request)

@@ -46,7 +46,7 @@ def test_services_export_one_trace_to_an_otlp_receiver(make_model, tmp_path: Pat
     engine_port, frontend_port, engine_metrics, frontend_metrics = (free_port() for _ in range(4))
     with OtlpReceiver() as receiver:
         base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        env = {**base, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
+        env = {**base, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos")]), "TOKENIZERS_PARALLELISM": "false",
                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "parentbased_always_on",
                "OTEL_BSP_SCHEDULE_DELAY": "100"}

@@ -20,7 +20,7 @@ FILES: tuple[FileDescriptor, ...] = (generation_pb2.DESCRIPTOR, engine_core_pb2.
 DOCUMENTED = {
     "GenerateRequest", "SamplingParams", "GenerateResponse", "Usage",
     "EngineCoreInput", "EngineCoreRequest", "EngineSamplingParams", "EngineCoreOutputs", "EngineCoreOutput",
-    "EngineInfo", "EngineLoad",
+    "EngineInfo", "EngineLoad", "KvTransferParams", "KvCacheLayout", "PullKvBlocksRequest", "KvBlocksChunk",
 }
 SERVICES = {"tandem.v1.GenerationService", "tandem.engine.v1.EngineCoreService"}
 

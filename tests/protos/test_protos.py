@@ -217,6 +217,7 @@ def test_internal_service_methods() -> None:
         "GetLoad": ("GetLoadRequest", "EngineLoad", False, False),
         "SubscribeKvEvents": ("SubscribeKvEventsRequest", "KvEventBatch", False, True),
         "GetTokenizer": ("GetTokenizerRequest", "TokenizerChunk", False, True),
+        "PullKvBlocks": ("PullKvBlocksRequest", "KvBlocksChunk", False, True),
     }
     assert epb.DESCRIPTOR.package == "tandem.engine.v1"
 

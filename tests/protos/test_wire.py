@@ -78,7 +78,7 @@ def test_optional_fields_are_the_structs_nullable_ones() -> None:
     presence = {f.name for f in pb.EngineSamplingParams.DESCRIPTOR.fields if f.has_presence}
     assert presence == nullable | defaults_not_zero
     output_presence = {f.name for f in pb.EngineCoreOutput.DESCRIPTOR.fields if f.has_presence}
-    assert output_presence == {"stop_token_id", "error"}
+    assert output_presence == {"stop_token_id", "error", "kv_transfer_params"}
 
 
 # ---- requests ------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ class EngineCoreInput(_message.Message):
     def __init__(self, add: _Optional[_Union[EngineCoreRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ...) -> None: ...
 
 class EngineCoreRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "priority", "trace_headers", "output_token_ids", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "priority", "trace_headers", "output_token_ids", "lora_name", "kv_transfer_params")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class EngineCoreRequest(_message.Message):
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: EngineSamplingParams
@@ -83,7 +84,28 @@ class EngineCoreRequest(_message.Message):
     trace_headers: _containers.ScalarMap[str, str]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    kv_transfer_params: KvTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., kv_transfer_params: _Optional[_Union[KvTransferParams, _Mapping]] = ...) -> None: ...
+
+class KvTransferParams(_message.Message):
+    __slots__ = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids", "remote_num_tokens")
+    DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
+    DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HOST_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PORT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    remote_num_tokens: int
+    def __init__(self, do_remote_decode: _Optional[bool] = ..., do_remote_prefill: _Optional[bool] = ..., remote_engine_id: _Optional[str] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_num_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineSamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "logit_bias", "structured_outputs", "allowed_token_ids", "bad_words_token_ids")
@@ -177,7 +199,7 @@ class EngineCoreOutputs(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[EngineCoreOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class EngineCoreOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "events", "error")
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "events", "error", "kv_transfer_params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +209,7 @@ class EngineCoreOutput(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -196,7 +219,8 @@ class EngineCoreOutput(_message.Message):
     num_cached_tokens: int
     events: _containers.RepeatedCompositeFieldContainer[RequestEvent]
     error: EngineError
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., events: _Optional[_Iterable[_Union[RequestEvent, _Mapping]]] = ..., error: _Optional[_Union[EngineError, _Mapping]] = ...) -> None: ...
+    kv_transfer_params: KvTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., events: _Optional[_Iterable[_Union[RequestEvent, _Mapping]]] = ..., error: _Optional[_Union[EngineError, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KvTransferParams, _Mapping]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "top_token_ids", "top_logprobs")
@@ -267,7 +291,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "block_size", "num_blocks", "tensor_parallel_size", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "device", "engine_id", "eos_token_ids", "tokenizer_sha256", "kv_cache_events", "lora_adapters")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "block_size", "num_blocks", "tensor_parallel_size", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "device", "engine_id", "eos_token_ids", "tokenizer_sha256", "kv_cache_events", "lora_adapters", "kv_role")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +309,7 @@ class EngineInfo(_message.Message):
     TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    KV_ROLE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -302,7 +327,8 @@ class EngineInfo(_message.Message):
     tokenizer_sha256: str
     kv_cache_events: bool
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., device: _Optional[str] = ..., engine_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_sha256: _Optional[str] = ..., kv_cache_events: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_role: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., device: _Optional[str] = ..., engine_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_sha256: _Optional[str] = ..., kv_cache_events: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., kv_role: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
@@ -409,3 +435,41 @@ class TokenizerChunk(_message.Message):
     total_size: int
     model_name: str
     def __init__(self, data: _Optional[bytes] = ..., sha256: _Optional[str] = ..., total_size: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
+
+class KvCacheLayout(_message.Message):
+    __slots__ = ("model_name", "block_size", "dtype", "num_layers", "block_shape", "tensor_parallel_size")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    block_size: int
+    dtype: str
+    num_layers: int
+    block_shape: _containers.RepeatedScalarFieldContainer[int]
+    tensor_parallel_size: int
+    def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_shape: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
+class PullKvBlocksRequest(_message.Message):
+    __slots__ = ("request_id", "first_block", "layout")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_block: int
+    layout: KvCacheLayout
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., layout: _Optional[_Union[KvCacheLayout, _Mapping]] = ...) -> None: ...
+
+class KvBlocksChunk(_message.Message):
+    __slots__ = ("data", "num_blocks", "num_tokens", "sha256")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    num_blocks: int
+    num_tokens: int
+    sha256: str
+    def __init__(self, data: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...

@@ -60,6 +60,11 @@ class EngineCoreServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.TokenizerChunk.FromString,
                 _registered_method=True)
+        self.PullKvBlocks = channel.unary_stream(
+                '/tandem.engine.v1.EngineCoreService/PullKvBlocks',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.PullKvBlocksRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.KvBlocksChunk.FromString,
+                _registered_method=True)
 
 
 class EngineCoreServiceServicer:
@@ -113,6 +118,20 @@ class EngineCoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKvBlocks(self, request, context):
+        """Prefill/decode disaggregation: the K/V blocks a producer engine holds for a finished prefill (a request
+        added with kv_transfer_params.do_remote_decode, whose last output carried kv_transfer_params), from
+        block `first_block` of its table on, as a stream of chunks of at most the engine's chunk size. The
+        caller (a consumer engine) states its cache layout; a different model, block size, dtype, layer count
+        or block shape is refused with FAILED_PRECONDITION naming the difference. NOT_FOUND when the engine
+        holds no blocks for that request (never leased, already pulled, aborted, or its lease expired);
+        FAILED_PRECONDITION when the engine is no KV producer. The blocks are freed when the stream ends, however
+        it ends: each lease is pulled at most once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineCoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +159,11 @@ def add_EngineCoreServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.GetTokenizerRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.TokenizerChunk.SerializeToString,
+            ),
+            'PullKvBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullKvBlocks,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.PullKvBlocksRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.KvBlocksChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -278,6 +302,33 @@ class EngineCoreService:
             '/tandem.engine.v1.EngineCoreService/GetTokenizer',
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.GetTokenizerRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.TokenizerChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKvBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.engine.v1.EngineCoreService/PullKvBlocks',
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.PullKvBlocksRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.KvBlocksChunk.FromString,
             options,
             channel_credentials,
             insecure,

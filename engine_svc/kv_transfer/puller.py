@@ -1,0 +1,144 @@
+"""The consumer's pulls: one thread per pull, each a `PullKvBlocks` stream from the producer into host
+memory, checked (block count, byte count, SHA-256) before the scheduler may use it.
+
+Every `start` ends in exactly one `PullResult` in `take_done` (bytes, or an error saying why), unless it
+was cancelled first (then nothing comes). `on_done` is called from the pull's thread when a result is
+ready: a wake-up for the scheduler's thread. The call carries the engine token as a bearer token when
+one is given (engines in one deployment share it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from tandem.engine.v1 import engine_core_pb2 as pb
+from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
+
+from engine_svc.kv_transfer.blocks import CacheLayout
+from shared_runtime.contract import KvTransferParams
+
+
+@dataclass(frozen=True)
+class PullResult:
+    request_id: str
+    first_block: int  # the first block of the producer's table the data starts at
+    num_tokens: int  # tokens whose K/V the producer's whole table holds
+    data: bytes | None  # None when the pull failed
+    error: str | None = None
+    num_blocks: int = 0  # blocks in data
+
+
+def layout_to_pb(layout: CacheLayout) -> pb.KvCacheLayout:
+    return pb.KvCacheLayout(model_name=layout.model_name, block_size=layout.block_size, dtype=layout.dtype,
+                            num_layers=layout.num_layers, block_shape=list(layout.block_shape),
+                            tensor_parallel_size=layout.tensor_parallel_size)
+
+
+def layout_from_pb(msg: pb.KvCacheLayout) -> CacheLayout:
+    return CacheLayout(msg.model_name, msg.block_size, msg.dtype, msg.num_layers, tuple(msg.block_shape),
+                       msg.tensor_parallel_size)
+
+
+class KVPuller:
+    def __init__(self, layout: CacheLayout, *, timeout_s: float, max_message_bytes: int,
+                 authorization: Callable[[], str] | None = None, on_done: Callable[[], None] = lambda: None) -> None:
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
+        self.authorization = authorization
+        self.on_done = on_done
+        self._lock = threading.Lock()
+        self._calls: dict[str, Any] = {}  # request id -> its call (None until it started), while pulling
+        self._done: list[PullResult] = []
+
+    def start(self, request_id: str, params: KvTransferParams, first_block: int) -> None:
+        with self._lock:
+            self._calls[request_id] = None  # before the thread: a cancel from now on is seen
+        threading.Thread(target=self._pull, args=(request_id, params, first_block), daemon=True,
+                         name=f"kv-pull {request_id}").start()
+
+    def cancel(self, request_id: str) -> None:
+        """Drop the pull (its result never comes); the producer frees the blocks when the stream ends."""
+        with self._lock:
+            call = self._calls.pop(request_id, None)
+        if call is not None:
+            call.cancel()
+
+    def take_done(self) -> list[PullResult]:
+        with self._lock:
+            done, self._done = self._done, []
+            return done
+
+    def has_done(self) -> bool:
+        with self._lock:
+            return bool(self._done)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
+    def pull_now(self, request_id: str, params: KvTransferParams, first_block: int) -> PullResult:
+        """One pull on the calling thread, outside the scheduler's bookkeeping (tools, benchmarks)."""
+        with self._lock:
+            self._calls[request_id] = None
+        try:
+            return self._guarded(request_id, params, first_block)
+        finally:
+            with self._lock:
+                self._calls.pop(request_id, None)
+
+    def _guarded(self, request_id: str, params: KvTransferParams, first_block: int) -> PullResult:
+        """`_fetch`, its failures turned into a result: never raises."""
+        try:
+            return self._fetch(request_id, params, first_block)
+        except grpc.RpcError as exc:
+            return PullResult(request_id, first_block, 0, None,
+                              f"pull from {params.remote_host}:{params.remote_port} failed: "
+                              f"{exc.code().name}: {exc.details()}")
+        except Exception as exc:  # any failure of a pull is the request's, never the engine's
+            return PullResult(request_id, first_block, 0, None, f"pull failed: {type(exc).__name__}: {exc}")
+
+    def _pull(self, request_id: str, params: KvTransferParams, first_block: int) -> None:
+        result = self._guarded(request_id, params, first_block)
+        with self._lock:
+            if self._calls.pop(request_id, "cancelled") == "cancelled":
+                return
+            self._done.append(result)
+        self.on_done()
+
+    def _fetch(self, request_id: str, params: KvTransferParams, first_block: int) -> PullResult:
+        options = [("grpc.max_receive_message_length", self.max_message_bytes)]
+        metadata = [("authorization", self.authorization())] if self.authorization is not None else []
+        request = pb.PullKvBlocksRequest(request_id=params.remote_request_id, first_block=first_block,
+                                         layout=layout_to_pb(self.layout))
+        with grpc.insecure_channel(f"{params.remote_host}:{params.remote_port}", options=options) as channel:
+            call = pb_grpc.EngineCoreServiceStub(channel).PullKvBlocks(request, timeout=self.timeout_s,
+                                                                      metadata=metadata)
+            with self._lock:
+                if request_id not in self._calls:
+                    call.cancel()
+                    return PullResult(request_id, first_block, 0, None, "cancelled")
+                self._calls[request_id] = call
+            parts: list[bytes] = []
+            digest = hashlib.sha256()
+            num_blocks = num_tokens = -1
+            sent_digest = ""
+            for chunk in call:
+                if num_blocks < 0:
+                    num_blocks, num_tokens = chunk.num_blocks, chunk.num_tokens
+                digest.update(chunk.data)
+                parts.append(chunk.data)
+                sent_digest = chunk.sha256 or sent_digest
+        data = b"".join(parts)
+        expected = num_blocks * self.layout.block_bytes
+        if num_blocks < 0 or len(data) != expected:
+            raise ValueError(f"the producer sent {len(data)} bytes for {num_blocks} blocks, expected {expected}")
+        if sent_digest != digest.hexdigest():
+            raise ValueError("checksum mismatch: the blocks were corrupted in transit")
+        return PullResult(request_id, first_block, num_tokens, data, None, num_blocks)
