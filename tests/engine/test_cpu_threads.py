@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -159,6 +160,9 @@ def test_a_busy_neighbour_process_is_seen_on_this_machine() -> None:
     assert (after.own_s - before.own_s) / elapsed < 0.3  # this test process slept
 
 
+STEP = SimpleNamespace(kv_loads=[])  # a step with nothing for the worker to do before it runs
+
+
 def test_a_worker_runs_its_steps_with_the_governor_s_threads(llama_dir, monkeypatch, restore_threads) -> None:
     """The engine's worker asks its governor before every step and resizes torch's team when the free cores
     changed, a lent core taken off that (the governor is on by default; the suite turns it off elsewhere
@@ -177,14 +181,14 @@ def test_a_worker_runs_its_steps_with_the_governor_s_threads(llama_dir, monkeypa
             seen.append(torch.get_num_threads())
 
     worker.runner = Runner()  # type: ignore[assignment]
-    worker.execute_model(None)  # type: ignore[arg-type]
+    worker.execute_model(STEP)  # type: ignore[arg-type]
     proc.tick(1.0, others=1.0, ours=1.0)  # a neighbour took a core
-    worker.execute_model(None)  # type: ignore[arg-type]
+    worker.execute_model(STEP)  # type: ignore[arg-type]
     worker.lend_core(True)  # never below one
-    worker.execute_model(None)  # type: ignore[arg-type]
+    worker.execute_model(STEP)  # type: ignore[arg-type]
     worker.lend_core(False)
     proc.tick(1.0, others=0.0, ours=2.0)  # it left
-    worker.execute_model(None)  # type: ignore[arg-type]
+    worker.execute_model(STEP)  # type: ignore[arg-type]
     worker.lend_core(True)
-    worker.execute_model(None)  # type: ignore[arg-type]
+    worker.execute_model(STEP)  # type: ignore[arg-type]
     assert seen == [2, 1, 1, 2, 1]
