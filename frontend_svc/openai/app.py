@@ -319,14 +319,7 @@ class OpenAIApi:
         return bodies.PromptInfo(text or "", prepared.prompt_token_ids)
 
 async def _collect(run: Run, builder: Builder) -> str:
-    try:
-        async for prompt_index, batch in run.batches():
-            for delta in batch:
-                builder.add(prompt_index, delta)
-    except ServiceError as exc:
-        run.fail(code_name(exc.code), exc.message)
-        raise from_service(exc) from None
-    run.succeed()
+    await run.collect(builder.add)
     return str(builder.response())
 
 

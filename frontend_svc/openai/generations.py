@@ -134,6 +134,18 @@ class Run:
                 task.cancel()
             await asyncio.wait(tasks)  # their ends, without their exceptions
 
+    async def collect(self, add: Callable[[int, CompletionDelta], object]) -> None:
+        """Every delta, in order, into `add(prompt_index, delta)`; the run then succeeds. An engine failure
+        fails the run and is raised as the API's error (`from_service`)."""
+        try:
+            async for prompt_index, batch in self.batches():
+                for delta in batch:
+                    add(prompt_index, delta)
+        except ServiceError as exc:
+            self.fail(code_name(exc.code), exc.message)
+            raise from_service(exc) from None
+        self.succeed()
+
     def succeed(self) -> None:
         for call in self._calls:
             call.succeed()

@@ -355,14 +355,7 @@ class ResponsesHandler:
 
 
 async def _collect(run: Run, builder: ResponseBuilder) -> str:
-    try:
-        async for _, batch in run.batches():
-            for delta in batch:
-                builder.add(delta)
-    except ServiceError as exc:
-        run.fail(code_name(exc.code), exc.message)
-        raise from_service(exc) from None
-    run.succeed()
+    await run.collect(lambda _, delta: builder.add(delta))
     return json.dumps(builder.final(streamed=False), ensure_ascii=False)
 
 
