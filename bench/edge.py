@@ -92,24 +92,42 @@ class Pair:
 
 
 class Victim:
-    """A long greedy stream through the frontend; `gap(start, end)` is its longest silence in [start, end]."""
+    """A long greedy stream through the frontend; `gap(start, end)` is its longest silence in [start, end].
+
+    The stream is read in a process of its own (this script's `--victim PORT`), which stamps each
+    response with the system-wide monotonic clock as it arrives: the attack's client threads in this
+    process (building multi-MB bodies, 100 concurrent calls) share this process's GIL, and must not
+    delay the victim's reader, or the gap would measure the bench rather than the server.
+    """
 
     def __init__(self, port: int) -> None:
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 504, 3458, 282]),
-                                     sampling_params=pb.SamplingParams(temperature=0, max_tokens=4000,
-                                                                       ignore_eos=True))
-        self.call = pb_grpc.GenerationServiceStub(self.channel).Generate(request, timeout=900)
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, __file__, "--victim", str(port)], stdout=subprocess.PIPE,
+                                     text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         self.arrivals: list[float] = []
         threading.Thread(target=self._read, daemon=True).start()
         while len(self.arrivals) < 21:  # a pace to compare the attacks' gaps with
+            if self.proc.poll() is not None:
+                raise RuntimeError("the victim stream ended before it started")
             time.sleep(0.01)
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.arrivals.append(float(line))
+
+    @staticmethod
+    def stream(port: int) -> None:
+        """The victim process: stream and print each response's arrival time."""
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 504, 3458, 282]),
+                                     sampling_params=pb.SamplingParams(temperature=0, max_tokens=4000,
+                                                                       ignore_eos=True))
         try:
-            for _ in self.call:
-                self.arrivals.append(time.monotonic())
-        except grpc.RpcError:
+            for _ in pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=900):
+                print(time.monotonic(), flush=True)
+        except (grpc.RpcError, BrokenPipeError):
             pass
 
     def gap(self, start: float, end: float) -> float:
@@ -122,8 +140,8 @@ class Victim:
         return statistics.median(b - a for a, b in itertools.pairwise(times))
 
     def close(self) -> None:
-        self.call.cancel()
-        self.channel.close()
+        self.proc.terminate()
+        self.proc.wait(30)
 
 
 def http_get(sock: socket.socket) -> None:
@@ -312,6 +330,9 @@ def attack_prefill(pair: Pair, args: argparse.Namespace, victim: Victim) -> None
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--victim"]:
+        Victim.stream(int(sys.argv[2]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS))

@@ -188,9 +188,13 @@ def during(victim: Victim, label: str, action: Callable[[], Any]) -> Any:
     start = time.monotonic()
     result = action()
     end = time.monotonic()
-    time.sleep(0.1)
+    time.sleep(0.5)  # let what the attack queued drain
+    quiet_start = time.monotonic()
+    time.sleep(min(end - start, 10.0))
+    quiet = victim.gap(quiet_start, time.monotonic())
     print(f"  {label}: victim gap {1000 * victim.gap(start, end):.0f} ms over {end - start:.2f} s (its median "
-          f"before: {1000 * victim.median_gap_before(start):.0f} ms); slowest ping: {probes(start, end)}", flush=True)
+          f"before: {1000 * victim.median_gap_before(start):.0f} ms; longest in a window as long without the "
+          f"attack, after it: {1000 * quiet:.0f} ms); slowest ping: {probes(start, end)}", flush=True)
     return result
 
 
@@ -433,42 +437,46 @@ def fresh_stops(rng: random.Random) -> list[str]:
 
 
 def attack_stop_strings(pair: Pair, args: argparse.Namespace, victim: Victim) -> None:
+    """Each burst runs twice: first without stop strings (the control: what 100 concurrent small requests
+    cost the victim anyway, their prefill batched into its steps), then with 16 fresh 1,024-char stop
+    strings each; the difference is what the stop strings cost."""
     from tandem.v1 import generation_pb2 as pb
     from tandem.v1 import generation_pb2_grpc as pb_grpc
 
     rng = random.Random(2)
-    stops = [fresh_stops(rng) for _ in range(100)]
     with grpc.insecure_channel(f"127.0.0.1:{pair.port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
+        for label, stops in (("without stop strings (control)", [[] for _ in range(100)]),
+                             ("x 16 fresh 1,024-char stop strings", [fresh_stops(rng) for _ in range(100)])):
 
-        def frontend(i: int) -> str:
-            params = pb.SamplingParams(temperature=0, max_tokens=4, stop=stops[i])
-            try:
-                list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 504, 3458, 282]),
-                                                      sampling_params=params), timeout=120))
-                return "OK"
-            except grpc.RpcError as exc:
-                return exc.code().name
+            def frontend(i: int, stops: list[list[str]] = stops) -> str:
+                params = pb.SamplingParams(temperature=0, max_tokens=4, stop=stops[i])
+                try:
+                    list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 504, 3458, 282]),
+                                                          sampling_params=params), timeout=120))
+                    return "OK"
+                except grpc.RpcError as exc:
+                    return exc.code().name
 
-        codes = during(victim, "100 x 16 fresh 1,024-char stop strings through the frontend",
-                       lambda: concurrently(100, frontend))
-        print(f"    answered {sorted(set(codes))}")
-    stops = [fresh_stops(rng) for _ in range(100)]
+            codes = during(victim, f"100 requests {label} through the frontend", lambda: concurrently(100, frontend))
+            print(f"    answered {sorted(set(codes))}")
     with grpc.insecure_channel(f"127.0.0.1:{pair.engine_port}") as channel:
         generate = smg_call(channel, "Generate", vpb.GenerateResponse)
         metadata = engine_metadata(args)
+        for label, stops in (("without stop strings (control)", [[] for _ in range(100)]),
+                             ("x 16 fresh 1,024-char stop strings", [fresh_stops(rng) for _ in range(100)])):
 
-        def smg(i: int) -> str:
-            request = vpb.GenerateRequest(request_id=f"stop-{i}", tokenized=vpb.TokenizedInput(input_ids=[1, 504, 3458]),
-                                          sampling_params=vpb.SamplingParams(max_tokens=4, stop=stops[i]))
-            try:
-                list(generate(request, timeout=120, metadata=metadata))
-                return "OK"
-            except grpc.RpcError as exc:
-                return exc.code().name
+            def smg(i: int, stops: list[list[str]] = stops) -> str:
+                request = vpb.GenerateRequest(request_id=f"stop-{len(stops[i])}-{i}", tokenized=vpb.TokenizedInput(input_ids=[1, 504, 3458]),
+                                              sampling_params=vpb.SamplingParams(max_tokens=4, stop=stops[i]))
+                try:
+                    list(generate(request, timeout=120, metadata=metadata))
+                    return "OK"
+                except grpc.RpcError as exc:
+                    return exc.code().name
 
-        codes = during(victim, "100 x 16 fresh 1,024-char stop strings through SMG", lambda: concurrently(100, smg))
-        print(f"    answered {sorted(set(codes))}")
+            codes = during(victim, f"100 requests {label} through SMG", lambda: concurrently(100, smg))
+            print(f"    answered {sorted(set(codes))}")
 
 
 # ---- 8. the echoed response id ---------------------------------------------------------------------------

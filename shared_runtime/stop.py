@@ -13,91 +13,105 @@ if one did. Invariants:
   min_tokens) never matches, but its tail is held back like any other.
 - `flush()` releases the held-back tail when the request ends for another reason.
 
-Cost: the stop strings are compiled once into an Aho-Corasick automaton (`StopAutomaton`, one state per
-distinct prefix, so memory is linear in their total length) that every checker with the same stop
-strings shares (the n completions of a request, and concurrent requests with the same list). Building
-it is pure Python, linear in the strings' total length but not free (16 strings of 1,024 characters are
-16k states): servers build it off their event loop (`compile_stops` on a worker thread) and hand it to
-the checkers, which then cost nothing to create. Feeding
-a delta costs amortized O(len(delta)) plus copying the held tail, which is shorter than the longest
-stop string; nothing is quadratic in a stop string's length.
+Cost: the stop strings make one Aho-Corasick automaton (`StopAutomaton`) that every checker with the
+same stop strings shares (the n completions of a request, and concurrent requests with the same list).
+It is materialized lazily, state by state as text reaches it, with C-level string operations: creating
+it sorts the strings and nothing more, so a fresh set of long stop strings costs no per-character
+Python work up front (servers still create it on a worker thread, with the tokenizer's work). Feeding a
+delta costs amortized O(len(delta)) plus copying the held tail, which is shorter than the longest stop
+string; nothing is quadratic in a stop string's length, and an automaton never holds more states than
+the characters fed to it.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import weakref
 from collections.abc import Sequence
 
 
 class StopAutomaton:
-    """Aho-Corasick automaton over a set of stop strings (characters, not bytes).
+    """Aho-Corasick automaton over a set of stop strings (characters, not bytes), built lazily.
 
-    State 0 is the root (the empty prefix); state s stands for one distinct prefix of some stop string.
-    Per state: `goto` (trie edges), `fail` (the state of the longest proper suffix that is also a
-    prefix), `match_len` (length of the longest stop string ending here, 0 if none) and `hold_len`
-    (length of the longest suffix that is a *proper* prefix of some stop string: the tail to hold back).
+    A state stands for one distinct prefix u of some stop string: after reading a text, the longest
+    suffix of it that is such a prefix. State 0 is the empty prefix. Per state: `match_len` (length of
+    the longest stop string that is a suffix of u, 0 if none) and `hold_len` (length of the longest
+    suffix of u that is a *proper* prefix of some stop string: the tail to hold back).
+
+    States and transitions are materialized on first use, with C-level string operations (a bisection
+    over the sorted stop strings, `startswith`/`endswith`), and memoized. So building the automaton does
+    no per-character work at all, and a state is identified by (index of the first sorted stop string
+    it prefixes, its length): a state holds O(1) memory, and there are never more states than characters
+    fed plus one, nor more than the stop strings' distinct prefixes. A transition that misses costs
+    O(|u|) string operations, amortized O(1) per character fed (each character lengthens u by at most
+    one, each step of the search shortens it). Misses take a lock: checkers on several threads may share
+    one automaton.
     """
 
-    __slots__ = ("__weakref__", "_fail", "_goto", "hold_len", "match_len", "stops")
+    __slots__ = ("__weakref__", "_goto", "_ids", "_keys", "_lock", "_sorted", "hold_len", "match_len",
+                 "stops")
 
     def __init__(self, stops: Sequence[str]) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
+        self._sorted: list[str] = sorted(self.stops)
+        self._keys: list[tuple[int, int]] = [(0, 0)]  # state -> (index into _sorted, length)
+        self._ids: dict[tuple[int, int], int] = {(0, 0): 0}
         self._goto: list[dict[str, int]] = [{}]
-        depth = [0]
-        ends = [0]  # length of the stop string that ends exactly at this state (0 if none)
-        for stop in self.stops:
-            state = 0
-            for char in stop:
-                nxt = self._goto[state].get(char)
-                if nxt is None:
-                    nxt = len(self._goto)
-                    self._goto[state][char] = nxt
-                    self._goto.append({})
-                    depth.append(depth[state] + 1)
-                    ends.append(0)
-                state = nxt
-            ends[state] = len(stop)
-        self._fail = [0] * len(self._goto)
-        self.match_len = list(ends)
-        self.hold_len = [0] * len(self._goto)
-        self._link(depth)
-
-    def _link(self, depth: list[int]) -> None:
-        """Failure links, breadth first; then match and hold lengths, which follow them."""
-        goto, fail = self._goto, self._fail
-        order: list[int] = []
-        frontier = list(goto[0].values())
-        while frontier:
-            order.extend(frontier)
-            nxt: list[int] = []
-            for state in frontier:
-                for char, child in goto[state].items():
-                    f = fail[state]
-                    while f and char not in goto[f]:
-                        f = fail[f]
-                    candidate = goto[f].get(char, 0)
-                    fail[child] = candidate if candidate != child else 0
-                    nxt.append(child)
-            frontier = nxt
-        for state in order:  # parents' (shorter) failure targets are final before their children's
-            if not self.match_len[state]:
-                self.match_len[state] = self.match_len[fail[state]]
-            # A state with trie edges is a proper prefix of some stop string: hold all of it.
-            self.hold_len[state] = depth[state] if goto[state] else self.hold_len[fail[state]]
+        self.match_len: list[int] = [0]
+        self.hold_len: list[int] = [0]
+        self._lock = threading.Lock()
 
     @property
     def num_states(self) -> int:
+        """States materialized so far."""
         return len(self._goto)
 
     def step(self, state: int, char: str) -> int:
         """The state after reading `char` in `state`."""
-        goto, fail = self._goto, self._fail
-        while state and char not in goto[state]:
-            state = fail[state]
-        return goto[state].get(char, 0)
+        nxt = self._goto[state].get(char)
+        return nxt if nxt is not None else self._miss(state, char)
+
+    def _miss(self, state: int, char: str) -> int:
+        with self._lock:
+            nxt = self._goto[state].get(char)
+            if nxt is None:
+                index, length = self._keys[state]
+                text = self._sorted[index][:length] + char
+                while text and self._first_with_prefix(text) is None:
+                    text = text[1:]
+                nxt = self._state_of(text)
+                self._goto[state][char] = nxt
+            return nxt
+
+    def _first_with_prefix(self, text: str) -> int | None:
+        """Index in `_sorted` of the first stop string that starts with `text`, or None."""
+        i = bisect.bisect_left(self._sorted, text)
+        return i if i < len(self._sorted) and self._sorted[i].startswith(text) else None
+
+    def _is_proper_prefix(self, text: str) -> bool:
+        # Strings that start with `text` are contiguous in sorted order, `text` itself first.
+        i = bisect.bisect_right(self._sorted, text)
+        return i < len(self._sorted) and self._sorted[i].startswith(text)
+
+    def _state_of(self, text: str) -> int:
+        """The state for `text`, a prefix of some stop string (materialized if new; lock held)."""
+        index = self._first_with_prefix(text) or 0
+        key = (index, len(text))
+        state = self._ids.get(key)
+        if state is None:
+            state = len(self._goto)
+            self._ids[key] = state
+            self._keys.append(key)
+            self._goto.append({})
+            self.match_len.append(max((len(s) for s in self.stops if text.endswith(s)), default=0))
+            hold = text
+            while hold and not self._is_proper_prefix(hold):  # only when `text` is a whole stop string
+                hold = hold[1:]
+            self.hold_len.append(len(hold))
+        return state
 
 
 _compiled: weakref.WeakValueDictionary[tuple[str, ...], StopAutomaton] = weakref.WeakValueDictionary()
@@ -120,8 +134,7 @@ class StopChecker:
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False,
                  automaton: StopAutomaton | None = None) -> None:
-        """`automaton`: `compile_stops(stop)`, when the caller built it already (off an event loop: a
-        fresh set of 16 stop strings of 1,024 characters takes tens of milliseconds of pure Python)."""
+        """`automaton`: `compile_stops(stop)`, when the caller has it already."""
         self._automaton = automaton if automaton is not None else compile_stops(stop) if stop else None
         self._include = include_stop_str_in_output
         self._state = 0  # automaton state after everything fed so far

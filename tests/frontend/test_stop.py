@@ -188,11 +188,19 @@ def test_overlapping_stop_strings_earliest_end_then_longest():
     assert run(["ab", "c"], ["abd", "c"]) == ("ab", "c")
 
 
-def test_automaton_size_is_linear_in_the_stop_strings_total_length():
+def test_automaton_is_built_lazily_and_never_outgrows_the_text_fed():
     long_stop = "ab" * 8192  # a 16 KiB stop string
-    assert StopChecker([long_stop]).automaton.num_states == len(long_stop) + 1
+    checker = StopChecker([long_stop])
+    assert checker.automaton.num_states == 1  # creating it did no per-character work
+    checker.feed("x" * 100)
+    assert checker.automaton.num_states == 1
+    checker.feed("ab" * 100)
+    assert checker.automaton.num_states == 201  # one state per prefix reached, no more
     stops = [f"{i:02d}" + "x" * 1000 for i in range(16)]
-    assert StopChecker(stops).automaton.num_states <= sum(map(len, stops)) + 1
+    checker = StopChecker(stops)
+    fed = "".join(stops)[:5000] + "yyyy"
+    checker.feed(fed, allow_stop=False)
+    assert checker.automaton.num_states <= min(len(fed), sum(map(len, stops))) + 1
 
 
 def test_completions_with_the_same_stop_strings_share_one_automaton():
