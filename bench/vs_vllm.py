@@ -21,7 +21,9 @@ Two comparisons (each system runs in its own process; every round runs both, in 
 - served: `tandem serve` vs vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), both
   loaded by vLLM's own client (`vllm bench serve --backend openai --dataset-name random`, 256 in / 128
   out, 64 prompts, concurrency 16, ignore_eos); output throughput, median ITL / TTFT / TPOT. The client
-  sends no temperature, so both servers sample at 1.0 (unlike the offline run, which is greedy).
+  sends no temperature, so both servers sample at 1.0 (unlike the offline run, which is greedy). Also the
+  CPU time the process that speaks HTTP spent per output token during the client's run (tandem's
+  frontend; vLLM's API server process, whose engine core is another process).
 
       python bench/vs_vllm.py served --model .tiny-models/SmolLM2-135M-Instruct --dtype float32
 
@@ -179,6 +181,42 @@ _BENCH_CLIENT = (
 )
 
 
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _api_process(system: str, server_pid: int) -> int:
+    """The process that speaks HTTP: vLLM's API server (its engine core is a child), tandem's frontend."""
+    if system == "vllm":
+        return server_pid
+    for pid in _children(server_pid):
+        try:
+            if b"frontend_svc.cli" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise RuntimeError("no frontend process under `tandem serve`")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     """Start `system`'s server, run vLLM's benchmark client against it, stop the server."""
     port, name = _free_port(), Path(args.model).name
@@ -191,6 +229,8 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
             # (requests sent then fail, and a run would count them as failed), /health is 200 only once
             # an engine serves; vLLM's answers 200 once it is up.
             _wait_http(f"http://127.0.0.1:{port}/health", server, timeout=600)
+            api = _api_process(system, server.pid)
+            api_cpu = _cpu_seconds(api)
             client = subprocess.run(
                 [args.vllm_python, "-c", _BENCH_CLIENT, "--backend", "openai", "--base-url",
                  f"http://127.0.0.1:{port}", "--model", args.model, "--served-model-name", name,
@@ -198,6 +238,9 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
             if client.returncode != 0:
                 raise RuntimeError(f"vllm bench serve failed against {system}:\n{client.stderr[-4000:]}")
             result = _result(client.stdout)
+            # Output tokens = throughput x duration (ignore_eos: every request makes its 128).
+            tokens = result["output_throughput"] * result["duration"]
+            result["api_us_per_token"] = 1e6 * (_cpu_seconds(api) - api_cpu) / tokens
         except Exception:
             log.seek(0)
             sys.stderr.write(log.read()[-4000:].decode(errors="replace"))
@@ -283,11 +326,13 @@ def offline(args: argparse.Namespace) -> None:
 
 
 def served(args: argparse.Namespace) -> None:
-    columns = ["output tok/s", "median ITL ms", "p99 ITL ms", "median TTFT ms", "median TPOT ms"]
+    columns = ["output tok/s", "median ITL ms", "p99 ITL ms", "median TTFT ms", "median TPOT ms",
+               "API process CPU us/token"]
     results = _rounds(args, columns, lambda system, dtype: run_served(system, args, dtype), lambda r: [
         f"{r['output_throughput']:.1f}", f"{r['median_itl_ms']:.1f}", f"{r['p99_itl_ms']:.1f}",
-        f"{r['median_ttft_ms']:.0f}", f"{r['median_tpot_ms']:.1f}"])
-    _print_ratios(args, results, (("output_throughput", "served throughput"), ("median_itl_ms", "median ITL")))
+        f"{r['median_ttft_ms']:.0f}", f"{r['median_tpot_ms']:.1f}", f"{r['api_us_per_token']:.0f}"])
+    _print_ratios(args, results, (("output_throughput", "served throughput"), ("median_itl_ms", "median ITL"),
+                                  ("api_us_per_token", "API process CPU per output token")))
 
 
 def _print_ratios(args: argparse.Namespace, results: Results, metrics: tuple[tuple[str, str], ...]) -> None:

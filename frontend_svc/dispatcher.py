@@ -203,6 +203,8 @@ class Dispatcher:
         """The prefill engine for a request under `--routing pd` when P/D applies (pd_flow), else None."""
         if self.engines.router.policy != "pd" or not self.engines.ready_in(DECODE):
             return None
+        if any(r.kv_transfer_params is not None for r in engine_requests):
+            return None  # the client drives P/D itself (an OpenAI body's kv_transfer_params)
         try:
             connection = self.engines.choose(prepared.prompt_token_ids, pool=PREFILL)
         except EngineUnavailable:

@@ -61,6 +61,7 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 
 from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.outputs import CompletionDelta, CompletionError, TokenLogprob, Usage
+from frontend_svc.pd_flow import kept_kv_params
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.service_error import INTERNAL, ServiceError
 from shared_runtime.detokenizer import IncrementalDetokenizer
@@ -358,6 +359,7 @@ class OutputProcessor:
         if finish is not None:
             delta.finish_reason, delta.stop_reason, delta.error = finish, stop_reason, error
             delta.usage = Usage(len(c.request.prepared.prompt_token_ids), c.num_tokens, c.num_cached)
+            delta.kv_transfer_params = kept_kv_params(output)
             self._finish(c)
         return delta
 

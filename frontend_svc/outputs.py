@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from frontend_svc.processor import PreparedRequest
 
@@ -58,6 +59,8 @@ class CompletionDelta:
     usage: Usage | None = None
     error: CompletionError | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # positions 1..len(prompt)-1
+    # On a finished delta whose engine kept the prompt's K/V for a decode server (openai/kv_transfer.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,6 +81,7 @@ class CompletionDelta:
         if later.finish_reason is not None:
             self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
             self.usage, self.error = later.usage, later.error
+            self.kv_transfer_params = later.kv_transfer_params
 
 
 @dataclass

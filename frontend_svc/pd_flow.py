@@ -18,6 +18,7 @@ abort the dispatcher sends for it, or expire.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 from tandem.engine.v1 import engine_core_pb2 as epb
@@ -62,6 +63,19 @@ def kept_blocks(output: epb.EngineCoreOutput) -> KvTransferParams | None:
     if output.finish_reason != epb.FINISH_REASON_LENGTH or not output.HasField("kv_transfer_params"):
         return None
     return kv_transfer_params_from_pb(output.kv_transfer_params)
+
+
+def kept_kv_params(output: epb.EngineCoreOutput) -> dict[str, Any] | None:
+    """For a client that drives P/D itself (an OpenAI body's kv_transfer_params): the params to send the
+    decode server, as vLLM's responses report them (its keys), from a last output whose engine kept the
+    prompt's blocks; None when it kept none."""
+    if not output.HasField("kv_transfer_params"):
+        return None
+    kept = output.kv_transfer_params
+    return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": kept.remote_engine_id,
+            "remote_host": kept.remote_host, "remote_port": kept.remote_port,
+            "remote_request_id": kept.remote_request_id, "remote_block_ids": list(kept.remote_block_ids),
+            "remote_num_tokens": kept.remote_num_tokens}
 
 
 def decode_request(original: EngineCoreRequest, request_id: str, generated: list[int], kept: KvTransferParams,

@@ -30,7 +30,7 @@ import msgspec
 
 from frontend_svc.chat_template import ChatOptions
 from shared_runtime import limits
-from shared_runtime.contract import EngineCoreRequest, SamplingParams
+from shared_runtime.contract import EngineCoreRequest, KvTransferParams, SamplingParams
 from shared_runtime.stop import StopAutomaton, compile_stops
 from shared_runtime.violations import FieldViolation, ValidationError
 
@@ -88,6 +88,8 @@ class PreparedRequest:
     # output processor's checkers share it.
     stop_automaton: StopAutomaton | None = None
     lora_name: str = ""  # the LoRA adapter its engine requests run under ("" = the base model)
+    # P/D driven by the client (an OpenAI body's kv_transfer_params): sent with its engine request as is.
+    kv_transfer_params: KvTransferParams | None = None
 
 
 class PromptTokenizer(Protocol):
@@ -168,6 +170,7 @@ class Processor:
                 priority=prepared.priority,
                 trace_headers=dict(trace_headers or {}),
                 lora_name=prepared.lora_name,
+                kv_transfer_params=prepared.kv_transfer_params,
             )
             for index, engine_id in enumerate(prepared.engine_request_ids)
         ]

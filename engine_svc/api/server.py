@@ -188,7 +188,9 @@ class EngineServer:
                         on_kv_events=threadsafe(publisher.publish) if publisher is not None else None)
         self.servicer.busy = busy
         if metrics is not None:
-            metrics.track(lambda: busy.stats)
+            metrics.track(lambda: busy.stats, {
+                "block_size": str(self.config.block_size), "cache_dtype": self.config.dtype,
+                "enable_prefix_caching": str(self.config.enable_prefix_caching)})
             if publisher is not None:
                 metrics.track_kv_events(publisher)
         busy.start()

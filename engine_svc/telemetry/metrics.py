@@ -19,7 +19,7 @@ Two sources, so nothing is counted twice:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -43,9 +43,11 @@ class EngineMetrics:
         self.iteration_tokens = Histogram("tandem_iteration_tokens", "Tokens scheduled per engine step", m,
                                           buckets=ITERATION_TOKEN_BUCKETS, registry=r).labels(model_name)
 
-    def track(self, latest_stats: Callable[[], SchedulerStats]) -> None:
-        """Export the gauges and cumulative counters of `latest_stats()` at every scrape."""
+    def track(self, latest_stats: Callable[[], SchedulerStats], cache_config: Mapping[str, str] | None = None) -> None:
+        """Export the gauges and cumulative counters of `latest_stats()` at every scrape, and vLLM's names
+        of the load gauges (with `cache_config`'s labels on `vllm:cache_config_info`)."""
         self.registry.register(_StatsCollector(self.model_name, latest_stats))
+        self.registry.register(_VllmGauges(self.model_name, latest_stats, dict(cache_config or {})))
 
     def track_kv_events(self, publisher: KvEventPublisher) -> None:
         """Export the KV event publisher's counters at every scrape."""
@@ -107,6 +109,40 @@ def _spec_decode_counters(labels: list[str], s: SchedulerStats) -> list[Metric]:
         per_pos.add_metric([*labels, str(position)], float(value))
     out.append(per_pos)
     return out
+
+
+class _VllmGauges(Collector):
+    """vLLM's names for the gauges an external scheduler reads from an engine (llm-d's endpoint picker:
+    queue depth, running batch, KV usage, and the cache's shape from `vllm:cache_config_info`'s labels),
+    with vLLM's labels (`model_name`, `engine`), beside tandem's own. `vllm:cache_config_info` appears once
+    the engine knows its block count (after its first step)."""
+
+    def __init__(self, model_name: str, latest_stats: Callable[[], SchedulerStats], cache_config: dict[str, str]) -> None:
+        self._labels = [model_name, "0"]
+        self._latest = latest_stats
+        self._cache_config = cache_config
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._latest()
+        names = ["model_name", "engine"]
+        out: list[Metric] = []
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch (tandem_num_requests_running)",
+             s.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled (tandem_num_requests_waiting)",
+             s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full (tandem_kv_cache_usage_perc)", s.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            gauge.add_metric(self._labels, float(value))
+            out.append(gauge)
+        if s.num_total_blocks:
+            info = {**self._cache_config, "num_gpu_blocks": str(s.num_total_blocks)}
+            gauge = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache (its labels)",
+                                      labels=[*names, *info])
+            gauge.add_metric([*self._labels, *info.values()], 1.0)
+            out.append(gauge)
+        return out
 
 
 class _KvEventsCollector(Collector):

@@ -45,7 +45,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from frontend_svc.anthropic import routes as messages_routes
 from frontend_svc.anthropic.errors import error_response as anthropic_error
 from frontend_svc.generation import GenerationBackend
-from frontend_svc.openai import bodies, sse, tools
+from frontend_svc.openai import bodies, kv_transfer, sse, tools
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import (
     ApiError,
@@ -248,12 +248,13 @@ class OpenAIApi:
         prompts = bodies.completion_prompts(body.prompt)
         names = bodies.field_names(body)
         params = self._params(body, names, len(prompts))
+        kv = kv_transfer.request_params(body.kv_transfer_params, params.n, len(prompts), self.frontend.max_model_len)
         request_id = pick_request_id(request, body.request_id)
         builder = bodies.CompletionBuilder(f"cmpl-{request_id}", lora or self.frontend.model_name, body.n,
                                             len(prompts), self.texts, params.logprobs,
                                             bodies.extras(body, self.fingerprint))
         run = Run(self.frontend, header_pairs(request), "/v1/completions", prompts, params, request_id,
-                  body.priority, names, bodies.prompt_options(body), lora_name=lora)
+                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv)
         return await self._respond(request, run, builder, body, request_id)
 
     async def _chat(self, request: Request) -> Response:
@@ -267,13 +268,14 @@ class OpenAIApi:
         self._check_chat_template(body.chat_template)
         prompt = bodies.chat_prompt(body)
         params = self._params(body, names, 1)
+        kv = kv_transfer.request_params(body.kv_transfer_params, params.n, 1, self.frontend.max_model_len)
         request_id = pick_request_id(request, body.request_id)
         builder = bodies.ChatBuilder(f"chatcmpl-{request_id}", lora or self.frontend.model_name, body.n, 1,
                                       self.texts, params.logprobs, echo=bodies.chat_echo(body, prompt.messages),
                                       extras=bodies.extras(body, self.fingerprint))
         builder.with_tool_calls(tools.tool_calls_factory(body, self.tool_call_parser))
         run = Run(self.frontend, header_pairs(request), "/v1/chat/completions", [prompt], params, request_id,
-                  body.priority, names, bodies.prompt_options(body), lora_name=lora)
+                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv)
         return await self._respond(request, run, builder, body, request_id)
 
     def _check_chat_template(self, template: str | None) -> None:

@@ -497,6 +497,7 @@ class _Builder:
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         self.usage = _Usage()
         self.tool_calls: list[tools.ToolCalls] = []  # chat: one per choice while tool calls are parsed
+        self.kv_transfer_params: dict[str, Any] | None = None  # the engine's kept K/V (openai/kv_transfer.py)
 
     def index(self, prompt_index: int, delta: CompletionDelta) -> int:
         return prompt_index * self.n + delta.index
@@ -509,6 +510,8 @@ class _Builder:
             choice.finish_reason = delta.finish_reason
             choice.stop_reason = delta.stop_reason
             self.usage.add(prompt_index, delta)
+            if delta.kv_transfer_params is not None:
+                self.kv_transfer_params = delta.kv_transfer_params
         return choice
 
     def _prompt_position(self, entry: TokenLogprob) -> dict[str, p.PromptLogprob]:
@@ -622,8 +625,8 @@ class CompletionBuilder(_Builder):
                                       if self.prompts else None)
                    for i, c in enumerate(self.choices)]
         return str(p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                        system_fingerprint=self.extras.fingerprint,
-                                        usage=self.usage.info()).model_dump_json())
+                                        system_fingerprint=self.extras.fingerprint, usage=self.usage.info(),
+                                        kv_transfer_params=self.kv_transfer_params).model_dump_json())
 
     def usage_chunk(self) -> str:
         return self._dump(p.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
@@ -795,7 +798,8 @@ class ChatBuilder(_Builder):
             id=self.id, created=self.created, model=self.model, choices=choices,
             system_fingerprint=self.extras.fingerprint, usage=self.usage.info(),
             prompt_logprobs=self.choices[0].prompt_logprobs if self.choices else None,
-            prompt_token_ids=self._ids(self.prompts[0].token_ids) if self.prompts else None).model_dump_json())
+            prompt_token_ids=self._ids(self.prompts[0].token_ids) if self.prompts else None,
+            kv_transfer_params=self.kv_transfer_params).model_dump_json())
 
     def usage_chunk(self) -> str:
         body = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],

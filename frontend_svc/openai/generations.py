@@ -22,7 +22,7 @@ from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import PreparedRequest, Prompt, PromptOptions
 from frontend_svc.service_error import ServiceError
 from frontend_svc.telemetry.call import GenerateCall
-from shared_runtime.contract import SamplingParams
+from shared_runtime.contract import KvTransferParams, SamplingParams
 from shared_runtime.violations import ValidationError
 
 
@@ -44,9 +44,11 @@ class Run:
 
     def __init__(self, frontend: GenerationBackend, headers: Sequence[tuple[str, str]], route: str,
                  prompts: Sequence[Prompt], params: SamplingParams, request_id: str, priority: int,
-                 names: FieldNames, options: PromptOptions | None = None, lora_name: str = "") -> None:
+                 names: FieldNames, options: PromptOptions | None = None, lora_name: str = "",
+                 kv_transfer_params: KvTransferParams | None = None) -> None:
         self._frontend = frontend
         self._lora_name = lora_name  # the LoRA adapter every prompt runs under ("" = the base model)
+        self._kv_transfer_params = kv_transfer_params  # P/D driven by the client (openai/kv_transfer.py)
         self._headers = list(headers)
         self._route = route
         self._prompts = list(prompts)
@@ -90,11 +92,12 @@ class Run:
     def _prepare(self, prompt: Prompt) -> Callable[[], PreparedRequest]:
         process, params, request_id, priority, options = self._frontend.process, self._params, \
             self._request_id, self._priority, self._options
-        lora_name = self._lora_name
+        lora_name, kv_transfer_params = self._lora_name, self._kv_transfer_params
 
         def prepare() -> PreparedRequest:
             prepared = process(prompt, params, request_id=request_id, priority=priority, options=options)
             prepared.lora_name = lora_name
+            prepared.kv_transfer_params = kv_transfer_params
             return prepared
         return prepare
 

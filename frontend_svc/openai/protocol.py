@@ -150,7 +150,7 @@ class _Sampling(_Request):
     mm_payload: Any = None
     return_mm_kwargs: Any = None
     cache_salt: Any = None
-    kv_transfer_params: Any = None
+    kv_transfer_params: Any = None  # P/D driven from outside (openai/kv_transfer.py)
     ec_transfer_params: Any = None
     vllm_xargs: Any = None
     repetition_detection: Any = None
@@ -167,7 +167,7 @@ REFUSED_COMMON: dict[str, object] = {
     "use_beam_search": False, "length_penalty": 1.0, "watermarking": False,
     "spaces_between_special_tokens": True, "logprob_token_ids": None,
     "session_id": None, "return_token_offsets": False, "routed_experts_prompt_start": 0, "mm_payload": "tensors",
-    "return_mm_kwargs": False, "cache_salt": None, "kv_transfer_params": None, "ec_transfer_params": None,
+    "return_mm_kwargs": False, "cache_salt": None, "ec_transfer_params": None,
     "vllm_xargs": None, "repetition_detection": None, "thinking_token_budget": None,
 }
 REFUSED_COMPLETION: dict[str, object] = {**REFUSED_COMMON, "suffix": None,
@@ -364,6 +364,7 @@ class CompletionResponse(_Response):
     choices: list[CompletionChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill's kept K/V (openai/kv_transfer.py)
 
 
 class TopLogprob(_Response):
@@ -408,6 +409,7 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM extras
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill's kept K/V (openai/kv_transfer.py)
 
 
 class DeltaMessage(_Response):

@@ -41,6 +41,8 @@ _COMMON = {
     "return_tokens_as_token_ids": "test_openai_e2e.py::test_prompt_logprobs_and_token_ids_on_both_apis",
     "structured_outputs": "test_structured_outputs_served.py::test_json_object_regex_and_choice",
     "stream_interval": "test_openai_stream_interval.py::test_chunks_hold_the_interval_and_add_up_to_interval_1",
+    "kv_transfer_params": "test_kv_transfer_params.py::"
+                          "test_the_sidecars_prefill_then_decode_reach_the_engine_and_the_response_names_the_blocks",
 }
 HONOURED = {
     "completions": {**_COMMON, "prompt": "test_openai_bodies.py::test_prompt_forms_and_strict_types",
