@@ -25,6 +25,7 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 
 from shared_runtime.contract import EngineCoreRequest, KvTransferParams
 from shared_runtime.from_pb import kv_transfer_params_from_pb
+from shared_runtime.kv_transfer_params import handoff
 
 PREFILL_ROLES = frozenset({"kv_producer", "kv_both"})
 DECODE_ROLES = frozenset({"kv_consumer", "kv_both"})
@@ -66,16 +67,12 @@ def kept_blocks(output: epb.EngineCoreOutput) -> KvTransferParams | None:
 
 
 def kept_kv_params(output: epb.EngineCoreOutput) -> dict[str, Any] | None:
-    """For a client that drives P/D itself (an OpenAI body's kv_transfer_params): the params to send the
-    decode server, as vLLM's responses report them (its keys), from a last output whose engine kept the
-    prompt's blocks; None when it kept none."""
+    """For a client that drives P/D itself (an OpenAI body's kv_transfer_params): the object to send the
+    decode server, as vLLM's responses report it, from a last output whose engine kept the prompt's
+    blocks; None when it kept none."""
     if not output.HasField("kv_transfer_params"):
         return None
-    kept = output.kv_transfer_params
-    return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": kept.remote_engine_id,
-            "remote_host": kept.remote_host, "remote_port": kept.remote_port,
-            "remote_request_id": kept.remote_request_id, "remote_block_ids": list(kept.remote_block_ids),
-            "remote_num_tokens": kept.remote_num_tokens}
+    return handoff(kv_transfer_params_from_pb(output.kv_transfer_params))
 
 
 def decode_request(original: EngineCoreRequest, request_id: str, generated: list[int], kept: KvTransferParams,

@@ -46,7 +46,6 @@ def test_every_field_of_the_request_is_honoured_or_refused(message: Any) -> None
 
 REFUSED_VALUES: dict[str, dict[str, Any]] = {
     "kv_transfer_params": {"kv_transfer_params": vpb.KvTransferParams(remote_host="h", remote_port=1)},
-    "kv_transfer_params_json": {"kv_transfer_params_json": "{}"},
     "mm_inputs": {"mm_inputs": vpb.MultimodalInputs(im_token_id=5)},
     "extra_mm_inputs": {"extra_mm_inputs": [vpb.MultimodalInputs(im_token_id=5)]},
     "media_refs": {"media_refs": vpb.MediaRefs(items=[vpb.MediaRef(url="http://x")])},
@@ -57,6 +56,35 @@ REFUSED_VALUES: dict[str, dict[str, Any]] = {
 def test_each_refused_field_is_refused_by_name(field: str) -> None:
     error = refusal(**REFUSED_VALUES[field])
     assert error.field == field and field in str(error)
+
+
+def test_kv_transfer_params_json_carries_smg_s_pd_legs() -> None:
+    """SMG's NIXL-mode prefill leg (its two keys) keeps the blocks; the relayed handoff pulls them."""
+    (prefill,) = plan(kv_transfer_params_json='{"do_remote_decode":true,"do_remote_prefill":false}').children
+    assert prefill.kv_transfer_params == c.KvTransferParams(do_remote_decode=True)
+    handoff = ('{"do_remote_decode":false,"do_remote_prefill":true,"remote_engine_id":"e1","remote_host":"10.0.0.2",'
+               '"remote_port":50051,"remote_request_id":"r1","remote_block_ids":[4,5],"remote_num_tokens":3}')
+    (decode,) = plan(kv_transfer_params_json=handoff).children
+    assert decode.kv_transfer_params == c.KvTransferParams(
+        do_remote_prefill=True, remote_engine_id="e1", remote_host="10.0.0.2", remote_port=50051,
+        remote_request_id="r1", remote_block_ids=[4, 5], remote_num_tokens=3)
+    assert plan(kv_transfer_params_json='{"do_remote_decode":false}').children[0].kv_transfer_params is None
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[1]", "must be an object"), ("{", "is not JSON"), ("[" * 4000, "is not JSON"),
+    ('{"do_remote_decode":true,"transfer_id":"x"}', "transfer_id"),
+    ('{"do_remote_prefill":true,"remote_host":"h","remote_port":1}', "remote_request_id"),
+    ('{"do_remote_decode":true,"remote_block_ids":' + str(list(range(20_000))) + "}", "longer than any handoff"),
+])
+def test_bad_kv_transfer_params_json_is_refused_naming_it(text: str, why: str) -> None:
+    error = refusal(kv_transfer_params_json=text)
+    assert error.field == "kv_transfer_params_json" and why in str(error), str(error)
+
+
+def test_a_handoff_serves_one_sample() -> None:
+    error = refusal(kv_transfer_params_json='{"do_remote_decode":true}', sampling_params=vpb.SamplingParams(n=2))
+    assert error.field == "kv_transfer_params_json" and "n is 2" in str(error)
 
 
 def test_text_input_is_refused() -> None:

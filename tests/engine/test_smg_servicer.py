@@ -186,7 +186,7 @@ def test_a_cancelled_call_is_aborted_in_the_engine(engine: ServerThread, stub: v
 def test_refusals_name_the_field(stub: vpb_grpc.VllmEngineStub) -> None:
     for bad, field in ((vpb.GenerateRequest(request_id="t", text="hello"), "text"),
                        (vpb.GenerateRequest(request_id="k", tokenized=vpb.TokenizedInput(input_ids=PROMPT),
-                                            kv_transfer_params_json="{}"), "kv_transfer_params_json"),
+                                            kv_transfer_params_json="[1]"), "kv_transfer_params_json"),
                        (request("tp", top_p=3.0), "sampling_params.top_p"),
                        (request("big", prompt=[1] * 100_000), "tokenized.input_ids")):
         with pytest.raises(grpc.RpcError) as caught:

@@ -8,7 +8,9 @@ The shape is that of SMG's own vLLM servicer, which the gateway is written again
   its tokens and logprobs;
 - `finish_reason` is "stop", "length" or "abort"; `matched_token_id` is set when a stop token id
   (not EOS) ended the sample, `matched_stop_str` when a stop string did (stops.py);
-- `index` is the sample's position among the n.
+- `index` is the sample's position among the n;
+- a prefill leg's `complete` carries `kv_transfer_params_json` (the handoff its engine kept, which SMG
+  relays to the decode leg) and its legacy typed mirror (host and port).
 An error output (a refused request, a full admission queue, a draining engine) raises `EngineFailure`;
 the servicer ends the call with its status.
 
@@ -18,6 +20,7 @@ step queued before the engine heard the stop-string abort) are dropped.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
@@ -25,6 +28,7 @@ from tandem.vendor.smg import vllm_engine_pb2 as vpb
 from engine_svc.api.smg.request import SmgPlan
 from engine_svc.api.smg.stops import SampleStops
 from shared_runtime.contract import EngineCoreOutput, ErrorCode, FinishReason, TokenLogprobs
+from shared_runtime.kv_transfer_params import handoff
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
@@ -129,6 +133,10 @@ class SmgAnswer:
             _output_logprobs(done.output_logprobs, logprobs, self.plan.logprobs)
         if self.plan.prompt_logprobs is not None:
             self._input_logprobs(done.input_logprobs)
+        if out.kv_transfer_params is not None:  # a prefill leg's kept blocks: the handoff SMG relays to decode
+            kept = out.kv_transfer_params
+            done.kv_transfer_params_json = json.dumps(handoff(kept), separators=(",", ":"))
+            done.kv_transfer_params.remote_host, done.kv_transfer_params.remote_port = kept.remote_host, kept.remote_port
         return vpb.GenerateResponse(complete=done)
 
     def _input_logprobs(self, into: vpb.InputLogProbs) -> None:

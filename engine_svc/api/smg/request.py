@@ -17,25 +17,29 @@ fails on a field in neither). Semantics are those of SMG's own vLLM servicer:
   are the same either way (as vLLM's servicer sends them; the gateway renders the text);
 - `grammar_from_first_token`: tandem runs no reasoning parser, so a constraint always starts at the
   first generated token, which is what both values ask of such an engine;
-- `data_parallel_rank`: this engine is rank 0 of 1; any other rank is refused.
+- `data_parallel_rank`: this engine is rank 0 of 1; any other rank is refused;
+- `kv_transfer_params_json`: P/D driven by SMG (vLLM's object, NIXL's keys: `_kv_transfer`); the typed
+  `kv_transfer_params` (Mooncake's host and port) is refused.
 Then the contract's own rules run (`SamplingParams` validates ranges, n, stops, logprobs, sizes), their
 field names prefixed with `sampling_params.`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
 
 from shared_runtime import contract as c
-from shared_runtime import limits
+from shared_runtime import kv_transfer_params, limits
 from shared_runtime.violations import ValidationError, describe
 
 # Field -> what tandem does with it (the table the descriptor test walks).
 HONOURED: dict[str, frozenset[str]] = {
-    "GenerateRequest": frozenset({"request_id", "tokenized", "sampling_params", "stream", "data_parallel_rank"}),
+    "GenerateRequest": frozenset({"request_id", "tokenized", "sampling_params", "stream", "data_parallel_rank",
+                                  "kv_transfer_params_json"}),
     "TokenizedInput": frozenset({"original_text", "input_ids"}),  # original_text: for reference only (proto)
     "SamplingParams": frozenset({
         "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
@@ -44,21 +48,21 @@ HONOURED: dict[str, frozenset[str]] = {
         "include_stop_str_in_output", "logit_bias", "truncate_prompt_tokens", "grammar_from_first_token",
         "json_schema", "regex", "grammar", "structural_tag", "json_object", "choice"}),
 }
-# Refused when set: tandem serves text models on one engine, without KV transfer.
+# Refused when set: tandem serves text models; its KV transfer speaks the JSON handoff, not Mooncake's.
 REFUSED: dict[str, frozenset[str]] = {
-    "GenerateRequest": frozenset({"text", "kv_transfer_params", "mm_inputs", "extra_mm_inputs",
-                                  "kv_transfer_params_json", "media_refs"}),
+    "GenerateRequest": frozenset({"text", "kv_transfer_params", "mm_inputs", "extra_mm_inputs", "media_refs"}),
     "TokenizedInput": frozenset(),
     "SamplingParams": frozenset(),
 }
 _REFUSALS = (
     ("text", "text input is not served: send token ids (`tokenized`); the gateway tokenizes"),
-    ("kv_transfer_params", "KV transfer (prefill/decode disaggregation) is not supported by tandem"),
-    ("kv_transfer_params_json", "KV transfer (prefill/decode disaggregation) is not supported by tandem"),
+    ("kv_transfer_params", "Mooncake's typed KV transfer is not supported: tandem's engines hand KV over with "
+                           "kv_transfer_params_json (NIXL's keys)"),
     ("mm_inputs", "multimodal inputs are not supported: tandem serves text models"),
     ("extra_mm_inputs", "multimodal inputs are not supported: tandem serves text models"),
     ("media_refs", "media references are not supported: tandem serves text models"),
 )
+_MAX_KV_JSON_CHARS_PER_TOKEN = 12  # a block id and its comma, per token (block_size 1 at worst)
 _CONSTRAINT_FIELD = {"json_schema": "json", "regex": "regex", "grammar": "grammar",
                      "structural_tag": "structural_tag", "json_object": "json_object", "choice": "choice"}
 
@@ -113,15 +117,40 @@ def plan_request(msg: vpb.GenerateRequest, *, max_model_len: int, eos_token_ids:
         raise Refused("tokenized.input_ids", f"the prompt has {len(prompt)} tokens, more than max_model_len "
                                              f"({max_model_len})")
     params = _sampling_params(p)
+    kv = _kv_transfer(msg, max_model_len, params.n)
     request_id = msg.request_id
     children = [c.EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt),
                                     sampling_params=params.engine_params(seed_offset=i),
-                                    eos_token_ids=list(eos_token_ids), arrival_time=arrival_time)
+                                    eos_token_ids=list(eos_token_ids), arrival_time=arrival_time,
+                                    kv_transfer_params=kv)
                 for i, rid in enumerate(child_ids(request_id, params.n))]
     return SmgPlan(request_id=request_id, children=children, stop=list(params.stop),
                    include_stop_str_in_output=params.include_stop_str_in_output,
                    skip_special_tokens=params.skip_special_tokens, stream=msg.stream,
                    logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
+
+
+def _kv_transfer(msg: vpb.GenerateRequest, max_model_len: int, n: int) -> c.KvTransferParams | None:
+    """P/D driven by SMG: `kv_transfer_params_json` is vLLM's object (NIXL's keys): the prefill leg's
+    `do_remote_decode`, the decode leg's handoff (shared_runtime/kv_transfer_params.py). One sample only:
+    SMG relays a handoff for n = 1 (the blocks are one consumer's)."""
+    if not msg.HasField("kv_transfer_params_json"):
+        return None
+    text = msg.kv_transfer_params_json
+    if len(text) > _MAX_KV_JSON_CHARS_PER_TOKEN * max_model_len + 4096:
+        raise Refused("kv_transfer_params_json", f"{len(text)} characters: longer than any handoff for a "
+                                                 f"{max_model_len}-token context")
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise Refused("kv_transfer_params_json", "is not JSON") from None
+    try:
+        params = kv_transfer_params.parse(value, max_model_len)
+    except ValidationError as exc:
+        raise Refused("kv_transfer_params_json", describe(exc.violations)) from None
+    if params is not None and n != 1:
+        raise Refused("kv_transfer_params_json", f"a disaggregated request makes one sample (n is {n})")
+    return params
 
 
 def _is_set(msg: vpb.GenerateRequest, name: str) -> bool:

@@ -42,6 +42,7 @@ from engine_svc.api.smg.stops import LazyStopTokenizer, NoTokenizer, SampleStops
 
 if TYPE_CHECKING:
     from engine_svc.api.engine_core import EngineCoreServicer
+    from engine_svc.kv_transfer.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             last_receive_timestamp=self.last_receive, uptime_seconds=time.monotonic() - self.started,
             server_type=SERVER_TYPE, data_parallel_size=1, block_size=cfg.block_size,
             model_dtype=cfg.torch_dtype_name, max_num_seqs=cfg.max_num_seqs,
-            constrained_decoding_start="first_token")
+            constrained_decoding_start="first_token", **_kv_fields(cfg.kv_transfer_config, self.engine.engine_id))
 
     async def GetLoads(self, request: vpb.GetLoadsRequest,
                        context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:
@@ -219,6 +220,19 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}  # ErrorCode values are grpc.StatusCode numbers
+
+
+# The connector name SMG keys its P/D flow on. tandem's GrpcConnector speaks NIXL's handoff (the prefill
+# leg tagged do_remote_decode, the kept blocks returned as NIXL's keys, relayed to the decode leg, which
+# pulls): that is SMG's "NixlConnector" mode; the bytes move over PullKvBlocks instead of NIXL.
+SMG_KV_CONNECTOR = "NixlConnector"
+
+
+def _kv_fields(config: KVTransferConfig | None, engine_id: str) -> dict[str, str]:
+    """GetServerInfo's KV-transfer fields: empty without --kv-transfer-config."""
+    if config is None:
+        return {}
+    return {"kv_connector": SMG_KV_CONNECTOR, "kv_role": config.kv_role, "kv_engine_id": engine_id}
 
 
 def _end(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
