@@ -213,7 +213,8 @@ class EngineServer:
         if core.kv_connector is not None:
             assert self.servicer is not None
             token_file = self.tokens.first_key_file() if self.tokens is not None else None
-            advertise(core.kv_connector, self.servicer.engine_id, self.host, self.bound_port, token_file)
+            advertise(core.kv_connector, self.servicer.engine_id, self.host, self.bound_port, token_file,
+                      self.tls.files if self.tls is not None else None)
         return core
 
     def _set_serving(self, serving: bool) -> None:

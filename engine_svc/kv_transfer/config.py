@@ -34,6 +34,9 @@ class KVTransferConfig:
     kv_pull_timeout_s: float = 30.0
     # Host a consumer reaches this engine at (put in kv_transfer_params.remote_host); default: the bind host.
     kv_advertise_host: str = ""
+    # Under TLS, the name producers' certificates carry (they are verified against it instead of the host
+    # pulled from: pod addresses come and go; e.g. the engines' Service name); default: that host.
+    kv_ssl_server_name: str = ""
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ memory, checked (block count, byte count, SHA-256) before the scheduler may use 
 Every `start` ends in exactly one `PullResult` in `take_done` (bytes, or an error saying why), unless it
 was cancelled first (then nothing comes). `on_done` is called from the pull's thread when a result is
 ready: a wake-up for the scheduler's thread. The call carries the engine token as a bearer token when
-one is given (engines in one deployment share it).
+one is given (engines in one deployment share it), over TLS when the engine serves TLS (`credentials`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class KVPuller:
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
         self.authorization = authorization
+        # TLS to the producer (an engine serving TLS pulls over TLS: `pull_credentials`), else plaintext
+        self.credentials: Callable[[], grpc.ChannelCredentials] | None = None
+        self.ssl_server_name = ""  # under TLS, the name the producer's certificate must carry ("": its host)
         self.on_done = on_done
         self._lock = threading.Lock()
         self._calls: dict[str, Any] = {}  # request id -> its call (None until it started), while pulling
@@ -117,7 +120,14 @@ class KVPuller:
         metadata = [("authorization", self.authorization())] if self.authorization is not None else []
         request = pb.PullKvBlocksRequest(request_id=params.remote_request_id, first_block=first_block,
                                          layout=layout_to_pb(self.layout))
-        with grpc.insecure_channel(f"{params.remote_host}:{params.remote_port}", options=options) as channel:
+        target = f"{params.remote_host}:{params.remote_port}"
+        if self.credentials is None:
+            channel = grpc.insecure_channel(target, options=options)
+        else:
+            if self.ssl_server_name:
+                options.append(("grpc.ssl_target_name_override", self.ssl_server_name))
+            channel = grpc.secure_channel(target, self.credentials(), options=options)
+        with channel:
             call = pb_grpc.EngineCoreServiceStub(channel).PullKvBlocks(request, timeout=self.timeout_s,
                                                                       metadata=metadata)
             with self._lock:

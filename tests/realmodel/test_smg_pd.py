@@ -14,9 +14,12 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx2
 import openai
 import pytest
+from tandem.vendor.smg import vllm_engine_pb2 as vpb
+from tandem.vendor.smg import vllm_engine_pb2_grpc as vpb_grpc
 
 from tests.engine_stream import engine_idle
 from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, Fleet
@@ -39,11 +42,19 @@ class PdDeployment:
         http_port = free_port()
         fleet.frontend(self.producer, "--model", str(model), "--http-port", str(http_port))
         fleet.wait_serving()
+        for engine in (self.producer, self.consumer):  # first steps are slow: not inside SMG's 3 s silence bound
+            with grpc.insecure_channel(engine.address) as channel:
+                warm = vpb.GenerateRequest(request_id="warm-up", tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]),
+                                           sampling_params=vpb.SamplingParams(max_tokens=2))
+                list(vpb_grpc.VllmEngineStub(channel).Generate(warm, timeout=120))
         port = free_port()
         gateway = Gateway("smg", [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port),
                                   "--pd-disaggregation", "--prefill", f"grpc://{self.producer.address}",
                                   "--decode", f"grpc://{self.consumer.address}", "--model-path", str(model),
                                   "--policy", "round_robin", "--prometheus-port", str(free_port()),
+                                  # a prefill leg is silent until it completes: SMG's default 3 s bound
+                                  # counts a CPU prefill on a busy machine as a wedged worker
+                                  "--worker-wedge-secs", "60",
                                   "--log-level", "warn"], port, fleet.logs)
         fleet.start(gateway)
         gateway.wait_ready(model.name, 60)
@@ -69,10 +80,10 @@ def test_smg_drives_prefill_and_decode_and_the_text_is_one_engine_s(pd: PdDeploy
     for question in CHAT_QUESTIONS:
         params = {"model": pd.model, "messages": [{"role": "user", "content": question}], "temperature": 0,
                   "max_tokens": MAX_TOKENS}
+        ours = pd.tandem.chat.completions.create(**params)  # type: ignore[call-overload]
         before = pd.pulled_blocks()
         theirs = pd.smg.chat.completions.create(**params)  # type: ignore[call-overload]
         assert pd.pulled_blocks() > before, "the decode engine recomputed the prompt instead of pulling it"
-        ours = pd.tandem.chat.completions.create(**params)  # type: ignore[call-overload]
         assert theirs.choices[0].message.content == ours.choices[0].message.content, question
         assert theirs.usage.completion_tokens == ours.usage.completion_tokens
         streamed = pd.smg.chat.completions.create(**params, stream=True)  # type: ignore[call-overload]

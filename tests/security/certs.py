@@ -61,8 +61,10 @@ class CertificateAuthority:
         return self.certificate.public_bytes(serialization.Encoding.PEM)
 
     def issue(self, common_name: str, *, dns_names: tuple[str, ...] = ("localhost",),
-              ips: tuple[str, ...] = ("127.0.0.1",), client: bool = False, stem: str | None = None) -> Issued:
-        """A leaf certificate for a server (SANs) or a client (clientAuth), signed by this CA."""
+              ips: tuple[str, ...] = ("127.0.0.1",), client: bool = False, stem: str | None = None,
+              server_and_client: bool = False) -> Issued:
+        """A leaf certificate for a server (SANs) or a client (clientAuth), or with `server_and_client` both
+        usages (an engine that serves and also pulls from other engines), signed by this CA."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
@@ -73,7 +75,9 @@ class CertificateAuthority:
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - _ONE_DAY).not_valid_after(now + _ONE_DAY)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server_and_client else [usage]),
+                critical=False)
         )
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
