@@ -30,6 +30,8 @@ KUSTOMIZATIONS = ["base", "overlays/gpu", "overlays/cpu-dev"]
 # Engines behind SMG run without the engine token (SMG sends no gRPC credentials), against the security rules
 # the KUSTOMIZATIONS are held to: validated on its own, and by its own test below.
 SMG_OVERLAY = "overlays/gpu-smg"
+# Two engine Deployments (the P/D pools): validated on its own, and by its own test below.
+PD_OVERLAY = "overlays/gpu-pd"
 OVERLAYS = ["overlays/gpu", "overlays/cpu-dev"]
 CRD_KINDS = {"ScaledObject", "ServiceMonitor"}  # third-party kinds kept out of validated sets
 
@@ -170,7 +172,7 @@ def test_bundled_schema_version_is_available_offline() -> None:
 
 
 @pytest.mark.parametrize("version", [K8S_VERSION, MIN_K8S_VERSION])
-@pytest.mark.parametrize("name", [*KUSTOMIZATIONS, SMG_OVERLAY, "extras"])
+@pytest.mark.parametrize("name", [*KUSTOMIZATIONS, SMG_OVERLAY, PD_OVERLAY, "extras"])
 def test_rendered_documents_validate_strictly(name: str, version: str) -> None:
     docs = render(name)
     assert docs
@@ -495,3 +497,49 @@ def test_smg_overlay_puts_the_gateway_in_front_of_the_engines_without_a_token() 
     policy = by_kind(docs, "NetworkPolicy")["tandem-engine-from-smg"]["spec"]
     assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "smg"
     assert "tandem-smg" in by_kind(docs, "Service") and "tandem-smg-discovery" in by_kind(docs, "Role")
+
+
+def test_pd_overlay_runs_two_engine_pools_that_differ_only_in_their_kv_role() -> None:
+    """The prefill pool is the gpu overlay's engine renamed (prefill/): same pod spec, flags and config but
+    the KV role; selectors (Deployments, PDBs) keep the pools apart while the headless engine Service, the
+    frontends' one target, selects both; frontends route `pd`; engines may reach engines (the pull)."""
+    from engine_svc.cli import build_parser
+    from engine_svc.kv_transfer.config import KVTransferConfig
+
+    docs = render(PD_OVERLAY)
+    deployments = by_kind(docs, "Deployment")
+    decode, prefill = deployments["tandem-engine"], deployments["tandem-engine-prefill"]
+    roles = {}
+    for pool, deploy in (("decode", decode), ("prefill", prefill)):
+        args = resolved_args(deploy, docs)
+        config = next(a.split("=", 1)[1] for a in args if a.startswith("--kv-transfer-config="))
+        roles[pool] = KVTransferConfig.from_json(config).kv_role
+        build_parser().parse_args(args)  # every flag is one the engine takes
+        assert deploy["spec"]["template"]["metadata"]["labels"]["tandem.dev/kv-pool"] == pool
+    assert roles == {"decode": "kv_consumer", "prefill": "kv_producer"}
+
+    def pod(deploy: dict[str, Any]) -> dict[str, Any]:
+        spec = copy.deepcopy(deploy["spec"]["template"]["spec"])
+        spec["containers"][0]["envFrom"][0]["configMapRef"]["name"] = "<engine config>"
+        return spec
+
+    assert pod(decode) == pod(prefill), "the prefill pool drifted from the engine it is made of"
+    configs = by_kind(docs, "ConfigMap")
+    assert {k: v for k, v in configs["tandem-engine-config"]["data"].items() if k != "ENGINE_ARG_KV_TRANSFER_CONFIG"} \
+        == {k: v for k, v in configs["tandem-engine-config-prefill"]["data"].items()
+            if k != "ENGINE_ARG_KV_TRANSFER_CONFIG"}
+    # Disjoint workloads, each with its own PDB; one Service over both pools.
+    for deploy, other in ((decode, prefill), (prefill, decode)):
+        assert not labels_match(deploy["spec"]["selector"], other["spec"]["template"]["metadata"]["labels"])
+    for pdb in by_kind(docs, "PodDisruptionBudget").values():
+        selected = [d for d in deployments.values()
+                    if labels_match(pdb["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+        assert len(selected) == 1, pdb["metadata"]["name"]
+    service = by_kind(docs, "Service")["tandem-engine"]
+    for deploy in (decode, prefill):
+        assert all(deploy["spec"]["template"]["metadata"]["labels"].get(k) == v
+                   for k, v in service["spec"]["selector"].items())
+    assert deployment_flags(docs, "frontend")["routing"] == "pd"
+    ingress = by_kind(docs, "NetworkPolicy")["tandem-engine"]["spec"]["ingress"]
+    assert any(rule["from"][0].get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
+               == "engine" and rule["ports"][0]["port"] == "grpc" for rule in ingress)
