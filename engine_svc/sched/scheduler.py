@@ -188,6 +188,8 @@ class Scheduler:
         request.set_stop_tokens()
         if request.lora_name and self.lora_ids is not None:
             request.lora_id = self.lora_ids[request.lora_name]
+            # the id, not only the name, keys its KV: a name loaded again (other weights) gets a new id
+            request.block_hash_extra_keys = (request.lora_name, str(request.lora_id))
         self.kv.hash_blocks(request)
         self.requests[request.request_id] = request
         constraint = request.sampling_params.structured_outputs
