@@ -68,15 +68,18 @@ class LoRARegistry:
             raise LoRARegistryError("exists", f"The lora adapter '{name}' has already been loaded. If you want "
                                               "to load the adapter in place, set 'load_inplace' to True.")
         self._release_unused()
-        if len(self._held) >= self.max_cpu_loras:
+        old = self._ids.get(name)  # replaced: its place is free unless a request still uses it
+        freed = old is not None and old not in self._ids_in_use()
+        if len(self._held) - freed >= self.max_cpu_loras:
             in_use = len(self._retired)
             raise LoRARegistryError("capacity", f"cannot load LoRA adapter '{name}': the engine holds "
                                     f"--max-cpu-loras ({self.max_cpu_loras}) adapters already"
                                     + (f" ({in_use} unloaded but still used by requests in flight)" if in_use
                                        else "") + "; unload one first, or start the engine with a larger "
                                     "--max-cpu-loras")
-        if name in self._ids:
+        if old is not None:
             self._retire(name)
+            self._release_unused()
         lora_id = self._next_id
         self._next_id += 1
         self._ids[name] = lora_id
