@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 import pydantic
@@ -33,11 +33,9 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from frontend_svc.engines.lora_admin import RUNTIME_UPDATES_ENV, LoraAdminError, runtime_updates_allowed
+from frontend_svc.generation import GenerationBackend
 from frontend_svc.openai.errors import ApiError
-from frontend_svc.openai.http_io import guarded, parse_body
-
-if TYPE_CHECKING:
-    from frontend_svc.openai.app import OpenAIApi
+from frontend_svc.openai.http_io import BodyLimits, guarded, parse_body
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +43,14 @@ LOAD_ROUTE, UNLOAD_ROUTE = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 _STATUS = {grpc.StatusCode.NOT_FOUND: (404, "NotFoundError"), grpc.StatusCode.ALREADY_EXISTS: (400, "InvalidUserInput"),
            grpc.StatusCode.INVALID_ARGUMENT: (400, "InvalidUserInput"),
            grpc.StatusCode.UNAVAILABLE: (503, "ServiceUnavailableError")}
+
+
+class OpenAIRoutes(Protocol):
+    """What these routes use of the OpenAI app they join (`app.OpenAIApi`)."""
+
+    frontend: GenerationBackend
+
+    def body_limits(self) -> BodyLimits: ...
 
 
 class LoadLoRAAdapterRequest(pydantic.BaseModel):
@@ -58,7 +64,7 @@ class UnloadLoRAAdapterRequest(pydantic.BaseModel):
     lora_int_id: int | None = None
 
 
-def routes(api: OpenAIApi, environ: Mapping[str, str] = os.environ) -> list[Route]:
+def routes(api: OpenAIRoutes, environ: Mapping[str, str] = os.environ) -> list[Route]:
     if not runtime_updates_allowed(environ):
         return []
     logger.warning("LoRA dynamic loading & unloading is enabled in the API server (%s): a caller can make the "
@@ -68,7 +74,7 @@ def routes(api: OpenAIApi, environ: Mapping[str, str] = os.environ) -> list[Rout
 
 
 class _Handler:
-    def __init__(self, api: OpenAIApi) -> None:
+    def __init__(self, api: OpenAIRoutes) -> None:
         self.api = api
 
     async def load(self, request: Request) -> Response:
