@@ -511,6 +511,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True, gc=False):
     num_scheduled_tokens: int = 0  # this step
     num_prompt_tokens: int = 0  # this step: prompt tokens computed
     num_generation_tokens: int = 0  # this step: tokens sampled
+    # With LoRA: requests running / waiting per adapter name (vLLM's; base-model requests not counted).
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, gc=False):

@@ -189,6 +189,8 @@ class EngineServer:
         self.servicer.busy = busy
         if metrics is not None:
             metrics.track(lambda: busy.stats)
+            if self.config.enable_lora:
+                metrics.track_lora(self.config.max_loras, lambda: busy.stats)
             if publisher is not None:
                 metrics.track_kv_events(publisher)
         busy.start()

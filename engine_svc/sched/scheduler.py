@@ -64,7 +64,7 @@ from engine_svc.kv.events import KVEventLog
 from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.kv_transfer.connector import KVConnector, plan_load
 from engine_svc.request import Request, RequestStatus
-from engine_svc.sched.lora_budget import LoRABudget
+from engine_svc.sched.lora_budget import LoRABudget, adapter_counts
 from engine_svc.sched.output import (
     PLACEHOLDER_TOKEN,
     CachedRequestData,
@@ -820,6 +820,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             num_prompt_tokens=num_prompt,
             num_generation_tokens=num_generated,
+            running_lora_adapters=adapter_counts(self.running) if self.lora_ids is not None else {},
+            waiting_lora_adapters=adapter_counts(self.waiting) if self.lora_ids is not None else {},
         )
 
 
