@@ -11,8 +11,8 @@ the call returns and an unloaded one is refused at once. One change runs at a ti
 
 Engines that join later, or come back after a restart, learn the adapters loaded through this frontend
 before they become routable: `replay` (the connection's session hook) loads each one the engine does not
-list; an engine that refuses one is not routed to (its session fails and is retried). Unloads need no
-replay: a restarted engine serves its --lora-modules plus what is replayed. Another frontend in front of the
+list; an engine that refuses one is not routed to (its session fails and is retried). Unloads are not
+replayed: a restarted engine serves its --lora-modules (an unloaded one included) plus what is replayed. Another frontend in front of the
 same engines learns of a change when it reconnects to them (its EngineInfo), not at once.
 """
 

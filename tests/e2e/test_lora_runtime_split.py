@@ -22,7 +22,7 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from tandem.vendor.vllm import control_pb2 as cpb
 from tandem.vendor.vllm import control_pb2_grpc as cpb_grpc
 
-from tests.e2e.conftest import engine_service, free_port, frontend_service, wait_until
+from tests.e2e.conftest import engine_service, free_port, frontend_service, serving_over_http, wait_until
 from tests.engine.lora_support import ALL_MODULES, make_adapter, make_prompts, peft_greedy
 from tests.support import rpc_error
 
@@ -64,19 +64,10 @@ def stack(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
     engine_port_2 = free_port()  # a second engine the frontend knows of, started by a test
     http_port = free_port()
     frontend = frontend_service(model, [engine.port, engine_port_2], free_port(), logs, "--http-port", str(http_port))
-    with pytest.MonkeyPatch.context() as env:
+    with pytest.MonkeyPatch.context() as env:  # the frontend's environment (its process copies it at start)
         env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
-        engine.start()
-        frontend.start()
-    try:
-        engine.wait_serving()
-        frontend.wait_serving()
-        url = f"http://127.0.0.1:{http_port}"
-        wait_until(lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, 30, "/health 200")
-        yield Stack(url, model, dirs, frontend.address, engine.address, engine_port_2, logs)
-    finally:
-        frontend.stop()
-        engine.stop()
+        with serving_over_http(engine, frontend, http_port) as url:
+            yield Stack(url, model, dirs, frontend.address, engine.address, engine_port_2, logs)
 
 
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> httpx2.Response:
