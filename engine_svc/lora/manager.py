@@ -97,8 +97,13 @@ class LoRAManager:
         """Read, validate and add the adapter at `path` under `lora_id`. Raises LoRAAdapterError."""
         from engine_svc.lora.peft_dir import load_peft_adapter
 
-        self.add(lora_id, load_peft_adapter(name, path, max_rank=self.rank, num_layers=self.num_layers,
-                                            shapes=self.shapes))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # hundreds of tiny host tensors: a thread team would only wait at barriers
+        try:
+            self.add(lora_id, load_peft_adapter(name, path, max_rank=self.rank, num_layers=self.num_layers,
+                                                shapes=self.shapes))
+        finally:
+            torch.set_num_threads(threads)
 
     def apply(self, loads: Sequence[LoRALoad], drops: Sequence[int]) -> None:
         """A step's run-time changes (engine_svc/lora/registry.py), before it runs: drops, then loads."""
