@@ -147,3 +147,53 @@ def test_max_cpu_loras_unknown_names_and_bad_directories_are_refused_and_change_
     outs = llm.generate([[5, 6, 7]], _greedy(), use_tqdm=False, lora_request=LoRARequest("z"))
     _assert_peft(model_dir, dirs["z"], [5, 6, 7], outs[0])
     llm.engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tensor_parallel_ranks_load_and_replace_through_the_step(adapters) -> None:
+    """TP=2 over gloo (worker processes): the load travels in the SchedulerOutput to both ranks, each lays
+    out its shard; replaced in place, the new weights run; all equal PEFT."""
+    model_dir, dirs = adapters
+    llm = _llm(model_dir, max_loras=2, tensor_parallel_size=2, device="cpu")
+    prompts = make_prompts(44, 3, 500)
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False,
+                        lora_request=[LoRARequest("d", lora_path=str(dirs["x"])), None, LoRARequest("d")])
+    for prompt, adapter, out in zip(prompts, [dirs["x"], None, dirs["x"]], outs):
+        _assert_peft(model_dir, adapter, prompt, out)
+    outs = llm.generate(prompts[:1], _greedy(), use_tqdm=False, lora_request=LoRARequest("d", lora_path=str(dirs["y"])))
+    _assert_peft(model_dir, dirs["y"], prompts[0], outs[0])
+    _all_blocks_back(llm)
+    llm.engine.shutdown()
+
+
+def test_a_mixture_of_experts_model_takes_attention_adapters_only(make_model, tmp_path) -> None:
+    """The engine process checks a run-time adapter against the model's config as the workers attach
+    slots: mixtral has no dense MLP, so an MLP target is refused before anything changes."""
+    model_dir = make_model("mixtral")
+    attn = make_adapter(model_dir, tmp_path / "attn", rank=4, alpha=8, targets=("q_proj", "v_proj"), seed=45,
+                        scale=0.15)
+    llm = _llm(model_dir)
+    cfg = llm.config
+    mlp_keys = {"base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"}
+    with pytest.raises(LoRAAdapterError, match="targets gate_proj, which this model lacks"):
+        _refuse_mlp(cfg, tmp_path, attn, mlp_keys)
+    prompt = make_prompts(45, 1, 500)[0]
+    outs = llm.generate([prompt], _greedy(), use_tqdm=False, lora_request=LoRARequest("a", lora_path=str(attn)))
+    _assert_peft(model_dir, attn, prompt, outs[0])
+    llm.engine.shutdown()
+
+
+def _refuse_mlp(cfg, tmp_path: Path, attn: Path, keys: set[str]) -> None:
+    """`attn`'s adapter plus an MLP tensor, checked for `cfg`'s model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "with-mlp"
+    shutil.copytree(attn, bad)
+    weights = load_file(str(bad / "adapter_model.safetensors"))
+    hidden = next(iter(weights.values())).shape[1]
+    weights.update({key: weights[next(iter(weights))].new_zeros(4, hidden) for key in keys})
+    save_file(weights, str(bad / "adapter_model.safetensors"))
+    validate_for_model(cfg.model, cfg.architecture, cfg.max_lora_rank, "with-mlp", str(bad))
