@@ -238,11 +238,11 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             yield chunk
 
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
-                              context: grpc.aio.ServicerContext) -> pb.LoraAdapters:
+                              context: grpc.aio.ServicerContext) -> pb.LoadLoraAdapterResponse:
         return await lora_admin.load(self.config, self.busy, self.core, request, context)
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
-                                context: grpc.aio.ServicerContext) -> pb.LoraAdapters:
+                                context: grpc.aio.ServicerContext) -> pb.LoadLoraAdapterResponse:
         return await lora_admin.unload(self.busy, self.core, request, context)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:

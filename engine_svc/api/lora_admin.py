@@ -36,7 +36,7 @@ _STATUS = {"exists": grpc.StatusCode.ALREADY_EXISTS, "not_found": grpc.StatusCod
 
 
 async def load(config: EngineConfig, busy: BusyLoop | None, core: EngineCore | None,
-               request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext) -> pb.LoraAdapters:
+               request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext) -> pb.LoadLoraAdapterResponse:
     registry = await _registry(busy, core, context)
     name, path = request.lora_name, request.lora_path
     try:
@@ -53,22 +53,30 @@ async def load(config: EngineConfig, busy: BusyLoop | None, core: EngineCore | N
                                                          config.architecture, config.max_lora_rank, name, path)
     except LoRAAdapterError as exc:
         await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    return await _on_loop(busy, lambda _: _answer(registry.add(name, path, replace=request.load_inplace),
-                                                  registry), context)
+    answer = await _on_loop(busy, lambda _: _answer(pb.LoadLoraAdapterResponse,
+                                                    registry.add(name, path, replace=request.load_inplace),
+                                                    registry), context)
+    assert isinstance(answer, pb.LoadLoraAdapterResponse)
+    return answer
 
 
 async def unload(busy: BusyLoop | None, core: EngineCore | None, request: pb.UnloadLoraAdapterRequest,
-                 context: grpc.aio.ServicerContext) -> pb.LoraAdapters:
+                 context: grpc.aio.ServicerContext) -> pb.UnloadLoraAdapterResponse:
     registry = await _registry(busy, core, context)
     if not request.lora_name:
         await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "lora_name: needed to unload a LoRA adapter")
-    return await _on_loop(busy, lambda _: _answer(registry.remove(request.lora_name), registry), context)
+    answer = await _on_loop(busy, lambda _: _answer(pb.UnloadLoraAdapterResponse, registry.remove(request.lora_name),
+                                                    registry), context)
+    assert isinstance(answer, pb.UnloadLoraAdapterResponse)
+    return answer
 
 
-def _answer(served: ServedAdapter, registry: LoRARegistry) -> pb.LoraAdapters:
+Answer = pb.LoadLoraAdapterResponse | pb.UnloadLoraAdapterResponse
+
+
+def _answer(kind: type[Answer], served: ServedAdapter, registry: LoRARegistry) -> Answer:
     """What a load or unload answers (built on the busy loop's thread, where the registry lives)."""
-    return pb.LoraAdapters(lora_name=served.name, lora_id=served.lora_id,
-                           lora_adapters=[a.name for a in registry.served()])
+    return kind(lora_name=served.name, lora_id=served.lora_id, lora_adapters=[a.name for a in registry.served()])
 
 
 async def _registry(busy: BusyLoop | None, core: EngineCore | None,
@@ -81,13 +89,13 @@ async def _registry(busy: BusyLoop | None, core: EngineCore | None,
     return core.loras  # type: ignore[union-attr, return-value]
 
 
-async def _on_loop(busy: BusyLoop | None, fn: Callable[[EngineCore], pb.LoraAdapters],
-                   context: grpc.aio.ServicerContext) -> pb.LoraAdapters:
+async def _on_loop(busy: BusyLoop | None, fn: Callable[[EngineCore], Answer],
+                   context: grpc.aio.ServicerContext) -> Answer:
     """`fn(core)` on the busy loop's thread; its LoRARegistryError as the matching status."""
     assert busy is not None
     try:
         answer = await asyncio.wait_for(asyncio.wrap_future(busy.call(fn)), CALL_TIMEOUT_S)
-        assert isinstance(answer, pb.LoraAdapters)
+        assert isinstance(answer, (pb.LoadLoraAdapterResponse, pb.UnloadLoraAdapterResponse))
         return answer
     except LoRARegistryError as exc:
         await _abort(context, _STATUS[exc.kind], str(exc))

@@ -128,14 +128,15 @@ class LoraAdmin:
             raise LoraAdminError(grpc.StatusCode.UNAVAILABLE, "no engine is ready; retry shortly")
         return connections
 
-    async def _call(self, connection: EngineConnection, method: str, request: Any) -> epb.LoraAdapters:
+    async def _call(self, connection: EngineConnection, method: str, request: Any) -> Any:
         answer = await getattr(connection.stub, method)(request, timeout=RPC_TIMEOUT_S)
         if connection.info is not None:
             _set_adapters(connection.info, answer)
-        return answer  # type: ignore[no-any-return]
+        return answer
 
 
-def _set_adapters(info: epb.EngineInfo, answer: epb.LoraAdapters) -> None:
+def _set_adapters(info: epb.EngineInfo,
+                  answer: epb.LoadLoraAdapterResponse | epb.UnloadLoraAdapterResponse) -> None:
     del info.lora_adapters[:]
     info.lora_adapters.extend(answer.lora_adapters)
 

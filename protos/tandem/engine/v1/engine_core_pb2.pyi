@@ -58,13 +58,23 @@ class LoadLoraAdapterRequest(_message.Message):
     load_inplace: bool
     def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load_inplace: _Optional[bool] = ...) -> None: ...
 
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_name", "lora_id", "lora_adapters")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_id: int
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class UnloadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name",)
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
-class LoraAdapters(_message.Message):
+class UnloadLoraAdapterResponse(_message.Message):
     __slots__ = ("lora_name", "lora_id", "lora_adapters")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]

@@ -68,12 +68,12 @@ class EngineCoreServiceStub:
         self.LoadLoraAdapter = channel.unary_unary(
                 '/tandem.engine.v1.EngineCoreService/LoadLoraAdapter',
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterRequest.SerializeToString,
-                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoraAdapters.FromString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterResponse.FromString,
                 _registered_method=True)
         self.UnloadLoraAdapter = channel.unary_unary(
                 '/tandem.engine.v1.EngineCoreService/UnloadLoraAdapter',
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterRequest.SerializeToString,
-                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoraAdapters.FromString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -197,12 +197,12 @@ def add_EngineCoreServiceServicer_to_server(servicer, server):
             'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoraAdapter,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterRequest.FromString,
-                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoraAdapters.SerializeToString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterResponse.SerializeToString,
             ),
             'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoraAdapter,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterRequest.FromString,
-                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoraAdapters.SerializeToString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,7 +394,7 @@ class EngineCoreService:
             target,
             '/tandem.engine.v1.EngineCoreService/LoadLoraAdapter',
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterRequest.SerializeToString,
-            tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoraAdapters.FromString,
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -421,7 +421,7 @@ class EngineCoreService:
             target,
             '/tandem.engine.v1.EngineCoreService/UnloadLoraAdapter',
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterRequest.SerializeToString,
-            tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoraAdapters.FromString,
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
