@@ -18,7 +18,7 @@ import asyncio
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
@@ -71,7 +71,8 @@ async def unload(busy: BusyLoop | None, core: EngineCore | None, request: pb.Unl
     return answer
 
 
-Answer = pb.LoadLoraAdapterResponse | pb.UnloadLoraAdapterResponse
+if TYPE_CHECKING:
+    Answer = pb.LoadLoraAdapterResponse | pb.UnloadLoraAdapterResponse
 
 
 def _answer(kind: type[Answer], served: ServedAdapter, registry: LoRARegistry) -> Answer:

@@ -240,9 +240,9 @@ class EngineConnection:
                 self.state = State.MISMATCH
                 await asyncio.sleep(BACKOFF_MAX_S * 5)
                 return
-            if self._client.prepare_session is not None:  # e.g. LoRA adapters loaded at run time (lora_admin.py)
-                await self._client.prepare_session(stub, info)
             serving = await _is_serving(channel)  # a draining engine must not be routable, even briefly
+            if self._client.prepare_session is not None:  # e.g. LoRA adapters loaded at run time (lora_admin.py);
+                await self._client.prepare_session(stub, info)  # nothing awaits between it and READY below
             outbox: asyncio.Queue[epb.EngineCoreInput] = asyncio.Queue()
             call = stub.Connect(_drain(outbox))
             self.info, self._outbox, self._call, self.stub = info, outbox, call, stub

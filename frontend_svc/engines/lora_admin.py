@@ -113,7 +113,13 @@ class LoraAdmin:
 
     async def replay(self, stub: Any, info: epb.EngineInfo) -> None:
         """Before a (re)connected engine becomes routable: load what this frontend loaded and it lacks.
-        Raises (an RpcError) when it refuses one: the session fails and is retried later."""
+        Raises (an RpcError) when it refuses one: the session fails and is retried later. It holds the lock
+        of loads and unloads, and the engine becomes ready without awaiting anything after it returns, so a
+        change either waits for it (and finds the engine ready) or was replayed by it."""
+        async with self._lock:
+            await self._replay(stub, info)
+
+    async def _replay(self, stub: Any, info: epb.EngineInfo) -> None:
         for name, path in list(self._loaded.items()):
             if name in info.lora_adapters:
                 continue
