@@ -1,7 +1,8 @@
 """The EngineCore busy loop: one thread that owns the core and talks to the gRPC side through queues.
 
 Inputs arrive on `inbox` (a thread-safe queue) as typed messages (`Add`, `Abort`, `CloseStream`, `Drain`,
-`Stop`, and `Wake` from the grammar compilers when a structured-output constraint is ready); outputs leave through `deliver(stream_id, EngineCoreOutputs)`, called once per step for every
+`Stop`, `Wake` from the grammar compilers when a structured-output constraint is ready, and `Call`: a
+function of the core run between steps); outputs leave through `deliver(stream_id, EngineCoreOutputs)`, called once per step for every
 stream that owns a request with something to report. Serialization to protobuf happens on the receiving
 (asyncio) side, not here. When the core records KV-cache events, the loop hands what was recorded to
 `on_kv_events(events, stats)` through a `KVEventHandOff` (engine_svc/kv/events.py): after each step, or
@@ -26,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import logging
 import queue
@@ -98,7 +100,16 @@ class Wake:
     """A grammar compile finished (engine_svc/structured/): a request may be ready to schedule."""
 
 
-Message = Add | Abort | CloseStream | Drain | Stop | Wake
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run `fn(core)` on the loop's thread between steps (run-time LoRA changes, engine_svc/api/lora_admin.py);
+    its result, or the exception it raised, goes to `future`. It must be quick: no file reads."""
+
+    fn: Callable[[EngineCore], object]
+    future: concurrent.futures.Future[object]
+
+
+Message = Add | Abort | CloseStream | Drain | Stop | Wake | Call
 
 
 class UnknownMessageError(TypeError):
@@ -157,6 +168,12 @@ class BusyLoop(threading.Thread):
 
     def stop(self) -> None:
         self.inbox.put(Stop())
+
+    def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future[object]:
+        """`fn(core)` run on the loop's thread; its future (never resolved if the loop has stopped)."""
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self.inbox.put(Call(fn, future))
+        return future
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -247,6 +264,11 @@ class BusyLoop(threading.Thread):
                 self.state = LoopState.STOPPED
             case Wake():
                 pass  # the next has_work() sees the compiled grammar, the ended pull or lease
+            case Call(fn, future):
+                try:
+                    future.set_result(fn(core))
+                except Exception as exc:  # the caller's to report; the loop goes on
+                    future.set_exception(exc)
             case _:
                 raise UnknownMessageError(f"busy loop inbox: not a message: {message!r}")
 

@@ -40,7 +40,8 @@ from engine_svc.executor.base import Executor, StepFuture
 from engine_svc.kv.events import KVEventLog
 from engine_svc.kv_transfer.connector import KVConnector
 from engine_svc.kv_transfer.setup import make_connector
-from engine_svc.lora.modules import lora_ids
+from engine_svc.lora.modules import lora_ids, resolved_max_cpu_loras
+from engine_svc.lora.registry import LoRARegistry
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.sched.scheduler import Scheduler
@@ -94,6 +95,14 @@ class EngineCore:
             max_loras=config.max_loras,
             kv_connector=self.kv_connector,
         )
+        # LoRA adapters by name, loaded and unloaded at run time too (None without --enable-lora).
+        self.loras: LoRARegistry | None = None
+        if config.enable_lora:
+            assert self.scheduler.lora_ids is not None
+            self.loras = LoRARegistry(
+                self.scheduler.lora_ids, config.lora_modules,
+                resolved_max_cpu_loras(config.max_loras, config.max_cpu_loras, len(config.lora_modules)),
+                lambda: {r.lora_id for r in self.scheduler.requests.values() if r.lora_id})
         # Batches in flight, newest first: (future of its output, what was scheduled).
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
@@ -123,6 +132,8 @@ class EngineCore:
         queue = self._batch_queue
         so = self.scheduler.schedule()
         if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
+            if self.loras is not None:
+                self.loras.attach(so)  # adapters loaded or dropped since the last step, before they are used
             self.executor.lend_core(self.grammars.num_waiting() > 0)
             queue.appendleft((self.executor.execute_model(so, non_block=True), so))
             if not so.is_empty and len(queue) < self.max_concurrent_batches and not queue[-1][0].done():

@@ -108,7 +108,11 @@ class LLM:
         loras = [lora] * n if lora is None or isinstance(lora, LoRARequest) else list(lora)
         if len(loras) != n:
             raise ValueError(f"got {len(loras)} lora requests for {n} prompts; pass one, or one per prompt")
-        served = {name: (i + 1, path) for i, (name, path) in enumerate(self.config.lora_modules)}
+        for item in loras:
+            if item is not None and item.lora_path:
+                self._load_lora(item)
+        registry = self.engine.loras
+        served = {a.name: (a.lora_id, a.path) for a in registry.served()} if registry is not None else {}
         for item in loras:
             if item is None:
                 continue
@@ -116,10 +120,23 @@ class LLM:
                 raise ValueError(f"lora_request: unknown LoRA adapter {item.lora_name!r}; this engine serves "
                                  f"{', '.join(served) or 'none (start it with enable_lora and lora_modules)'}")
             lora_id, path = served[item.lora_name]
-            if item.lora_int_id not in (0, lora_id) or item.lora_path not in ("", path):
+            if (not item.lora_path and item.lora_int_id not in (0, lora_id)) or item.lora_path not in ("", path):
                 raise ValueError(f"lora_request {item.lora_name!r}: lora_int_id / lora_path differ from the "
                                  f"served adapter's ({lora_id}, {path!r})")
         return [item.lora_name if item is not None else "" for item in loras]
+
+    def _load_lora(self, request: LoRARequest) -> None:
+        """vLLM's offline semantics: a LoRARequest with a path the engine does not serve under that name is
+        loaded (validated first: LoRAAdapterError names the problem and nothing changes)."""
+        from engine_svc.lora.peft_dir import validate_for_model
+
+        registry, cfg = self.engine.loras, self.config
+        if registry is None:
+            raise ValueError("lora_request: LoRA is not enabled (create the LLM with enable_lora=True)")
+        if any(a.name == request.lora_name and a.path == request.lora_path for a in registry.served()):
+            return
+        validate_for_model(cfg.model, cfg.architecture, cfg.max_lora_rank, request.lora_name, request.lora_path)
+        registry.add(request.lora_name, request.lora_path, replace=True)
 
     def _prepare(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> PreparedRequest:
         request_id = str(self._counter)

@@ -36,6 +36,7 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.dispatcher import Dispatcher
 from frontend_svc.engines.client import EngineUnavailable
+from frontend_svc.engines.lora_admin import LoraAdmin
 from frontend_svc.output_processor import RequestState
 from frontend_svc.outputs import CompletionDelta, Usage
 from frontend_svc.processor import ChatPrompt, PreparedRequest, Processor, Prompt, PromptOptions
@@ -93,6 +94,10 @@ class GenerationBackend(Protocol):
     @property
     def lora_adapters(self) -> tuple[str, ...]:
         """The LoRA adapters the ready engines serve (EngineInfo.lora_adapters), first engine's order first."""
+
+    @property
+    def lora_admin(self) -> LoraAdmin:
+        """Loads and unloads LoRA adapters on every engine at run time (engines/lora_admin.py)."""
 
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
                    attributes: dict[str, str] | None) -> GenerateCall:

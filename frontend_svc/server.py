@@ -40,6 +40,7 @@ from tandem.vendor.vllm import control_pb2_grpc, inference_pb2_grpc
 from frontend_svc.config import FrontendConfig
 from frontend_svc.dispatcher import Dispatcher, MigrationPolicy
 from frontend_svc.engines.client import ChannelFactory, EngineClient
+from frontend_svc.engines.lora_admin import LoraAdmin
 from frontend_svc.engines.router import Router
 from frontend_svc.generation import Admission, Generation
 from frontend_svc.grpc_api.servicer import GenerationServicer
@@ -127,6 +128,7 @@ class FrontendServer:
                                     dns_refresh_s=config.dns_refresh_s,
                                     channels=ChannelFactory(client_tls(config.engine_tls), token,
                                                             config.engine_ssl_server_name))
+        self.lora_admin = LoraAdmin(self.engines, config.model_name)  # run-time LoRA loads, replayed on engines that join
         self.dispatcher = Dispatcher(self.engines, self.output_processor,
                                      on_processed=self.telemetry.observe_step if self.telemetry.logs_stats else None,
                                      migration=MigrationPolicy(config.max_migrations, config.migration_timeout_s),
@@ -263,8 +265,7 @@ class FrontendServer:
 
     @property
     def lora_adapters(self) -> tuple[str, ...]:
-        names = (name for _, info in self.ready_engine_infos() for name in info.lora_adapters)
-        return tuple(dict.fromkeys(names))
+        return self.lora_admin.served()
 
     def begin_call(self, headers: Sequence[tuple[str, str]], method: str,
                    attributes: dict[str, str] | None) -> GenerateCall:

@@ -373,9 +373,10 @@ def _is_finite(value: object) -> bool:
 
 
 class LoRARequest(msgspec.Struct, frozen=True):
-    """vLLM's `LoRARequest`: which adapter a request runs under. tandem serves the adapters its engine
-    was started with (--lora-modules), so the name selects one; `lora_int_id` and `lora_path` are accepted
-    for vLLM compatibility and, when given, must match the served adapter's id and path."""
+    """vLLM's `LoRARequest`: which adapter a request runs under. The name selects a served adapter
+    (--lora-modules, or loaded at run time); offline, a `lora_path` the engine does not serve under that
+    name yet is loaded first, as vLLM does. `lora_int_id` is accepted for vLLM compatibility: without a
+    path it must match the served adapter's id when given (the engine numbers adapters itself)."""
 
     lora_name: str
     lora_int_id: int = 0
@@ -510,6 +511,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True, gc=False):
     num_scheduled_tokens: int = 0  # this step
     num_prompt_tokens: int = 0  # this step: prompt tokens computed
     num_generation_tokens: int = 0  # this step: tokens sampled
+    # With LoRA: requests running / waiting per adapter name (vLLM's; base-model requests not counted).
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, gc=False):

@@ -160,4 +160,6 @@ def stats_from_pb(msg: pb.SchedulerStats) -> c.SchedulerStats:
     """The struct form of a pb SchedulerStats."""
     stats = c.SchedulerStats(**{name: getattr(msg, name) for name in c.SchedulerStats.__struct_fields__})
     stats.spec_decode_num_accepted_tokens_per_pos = list(stats.spec_decode_num_accepted_tokens_per_pos)
+    stats.running_lora_adapters = dict(msg.running_lora_adapters)
+    stats.waiting_lora_adapters = dict(msg.waiting_lora_adapters)
     return stats

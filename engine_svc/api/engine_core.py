@@ -1,5 +1,6 @@
 """`tandem.engine.v1.EngineCoreService`: the RPCs a tandem frontend calls (Connect, GetEngineInfo, GetLoad,
-SubscribeKvEvents, GetTokenizer), in front of the busy-loop thread.
+SubscribeKvEvents, GetTokenizer, and LoadLoraAdapter / UnloadLoraAdapter: lora_admin.py), in front of the
+busy-loop thread.
 
 Each `Connect` stream gets an id and an asyncio queue. The busy loop delivers one `EngineCoreOutputs`
 per step per stream (thread-safe hand-off onto the event loop); the stream's writer converts it to
@@ -26,6 +27,7 @@ import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
+from engine_svc.api import lora_admin
 from engine_svc.api.kv_events import KvEventPublisher, stream_kv_events
 from engine_svc.api.kv_pull import stream_kv_blocks
 from engine_svc.api.output_packing import pack_outputs
@@ -213,7 +215,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             scheduling_policy=cfg.scheduling_policy, device=cfg.device, engine_id=self.engine_id,
             tokenizer_sha256=archive.sha256 if (archive := await self._tokenizer_archive()) else "",
             kv_cache_events=self.kv_events is not None,
-            lora_adapters=[name for name, _ in cfg.lora_modules],
+            lora_adapters=[a.name for a in core.loras.served()] if core.loras is not None else [],  # type: ignore[union-attr]
             kv_role=cfg.kv_transfer_config.kv_role if cfg.kv_transfer_config else "",
         )
 
@@ -234,6 +236,14 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KvBlocksChunk]:
         async for chunk in stream_kv_blocks(self.core.kv_connector if self.core else None, request, context):
             yield chunk
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> pb.LoadLoraAdapterResponse:
+        return await lora_admin.load(self.config, self.busy, self.core, request, context)
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> pb.LoadLoraAdapterResponse:
+        return await lora_admin.unload(self.busy, self.core, request, context)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:
         return stats_to_load_pb(self.busy.stats if self.busy else None)

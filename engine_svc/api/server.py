@@ -191,6 +191,8 @@ class EngineServer:
             metrics.track(lambda: busy.stats, {
                 "block_size": str(self.config.block_size), "cache_dtype": self.config.dtype,
                 "enable_prefix_caching": str(self.config.enable_prefix_caching)})
+            if self.config.enable_lora:
+                metrics.track_lora(self.config.max_loras, lambda: busy.stats)
             if publisher is not None:
                 metrics.track_kv_events(publisher)
         busy.start()

@@ -27,6 +27,7 @@ from engine_svc.model.layers.linear import (
     RowParallelLinear,
     _TPLinear,
 )
+from engine_svc.sched.output import LoRALoad
 
 # fused layer attribute path -> the PEFT modules in it and each one's shard id for the layer's weight_loader
 _TARGETS: dict[tuple[str, str], tuple[tuple[str, Any], ...]] = {
@@ -84,6 +85,32 @@ class LoRAManager:
             table = np.full(lora_id + 1, -1, dtype=np.int64)
             table[: len(self._slot_table)] = self._slot_table
             self._slot_table = table
+
+    def remove(self, lora_id: int) -> None:
+        """Forget adapter `lora_id` (no request uses it any more): its host copy, and its device slot,
+        which becomes free."""
+        self.host.pop(lora_id, None)
+        if self.slot_of.pop(lora_id, None) is not None:
+            self._slot_table[lora_id] = -1
+
+    def read(self, lora_id: int, name: str, path: str) -> None:
+        """Read, validate and add the adapter at `path` under `lora_id`. Raises LoRAAdapterError."""
+        from engine_svc.lora.peft_dir import load_peft_adapter
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # hundreds of tiny host tensors: a thread team would only wait at barriers
+        try:
+            self.add(lora_id, load_peft_adapter(name, path, max_rank=self.rank, num_layers=self.num_layers,
+                                                shapes=self.shapes))
+        finally:
+            torch.set_num_threads(threads)
+
+    def apply(self, loads: Sequence[LoRALoad], drops: Sequence[int]) -> None:
+        """A step's run-time changes (engine_svc/lora/registry.py), before it runs: drops, then loads."""
+        for lora_id in drops:
+            self.remove(lora_id)
+        for load in loads:
+            self.read(load.lora_id, load.name, load.path)
 
     def _lay_out(self, target: _Target, adapter: PeftAdapter) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's (a [W, in], b [W, out]) of the adapter for one fused layer, or None if untouched."""
@@ -154,11 +181,7 @@ def _sub_sizes(linear: _TPLinear) -> list[int]:
     return [linear.out_features]
 
 
-def load_adapters(manager: LoRAManager, lora_modules: Sequence[tuple[str, str]], max_lora_rank: int) -> None:
+def load_adapters(manager: LoRAManager, lora_modules: Sequence[tuple[str, str]]) -> None:
     """Read, validate and add every `(name, path)` of --lora-modules (ids 1, 2, ... in order)."""
-    from engine_svc.lora.peft_dir import load_peft_adapter
-
     for i, (name, path) in enumerate(lora_modules):
-        adapter = load_peft_adapter(name, path, max_rank=max_lora_rank, num_layers=manager.num_layers,
-                                    shapes=manager.shapes)
-        manager.add(i + 1, adapter)
+        manager.read(i + 1, name, path)

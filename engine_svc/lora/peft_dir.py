@@ -15,6 +15,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def load_peft_adapter(name: str, path: str, *, max_rank: int, num_layers: int,
     directory = Path(path)
     config = _read_config(name, directory)
     rank, scaling = _rank_and_scaling(name, config, max_rank)
-    raw = _read_weights(name, directory)
+    raw = _read_weights(name, directory, max_weights_bytes(rank, num_layers, shapes))
     weights: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in raw.items():
         match = _KEY.match(key)
@@ -94,6 +95,24 @@ def load_peft_adapter(name: str, path: str, *, max_rank: int, num_layers: int,
                                    "without its pair")
         pairs[(layer, module)] = (ab["A"], ab["B"] * scaling)
     return PeftAdapter(name=name, path=path, rank=rank, scaling=scaling, weights=pairs)
+
+
+def validate_for_model(model: str, architecture: str, max_rank: int, name: str, path: str) -> PeftAdapter:
+    """The adapter at `path` checked as the workers will check it, from the model's config alone (for the
+    engine process, which has no model: a run-time load, engine_svc/lora/registry.py). Blocking."""
+    num_layers, shapes = _model_shapes(model, architecture)
+    return load_peft_adapter(name, path, max_rank=max_rank, num_layers=num_layers, shapes=shapes)
+
+
+@cache
+def _model_shapes(model: str, architecture: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The decoder's layer count and its LoRA-targetable projections' shapes (attention only for MoE models,
+    as the workers attach them, engine_svc/lora/manager.py)."""
+    from engine_svc.model.loader import load_config
+    from engine_svc.model.moe_config import MOE_ARCHITECTURES
+
+    hf_config = load_config(model)
+    return int(hf_config.num_hidden_layers), module_shapes(hf_config, with_mlp=architecture not in MOE_ARCHITECTURES)
 
 
 def _read_config(name: str, directory: Path) -> dict[str, Any]:
@@ -134,13 +153,22 @@ def _rank_and_scaling(name: str, config: dict[str, Any], max_rank: int) -> tuple
     return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def _read_weights(name: str, directory: Path) -> dict[str, torch.Tensor]:
+def max_weights_bytes(rank: int, num_layers: int, shapes: dict[str, tuple[int, int]]) -> int:
+    """The largest adapter_model.safetensors a rank-`rank` adapter of this model can be (float64 A and B on
+    every targetable module of every layer, and the header); a larger file is refused before it is read."""
+    return 8 * rank * num_layers * sum(out + in_ for out, in_ in shapes.values()) + MAX_CONFIG_BYTES
+
+
+def _read_weights(name: str, directory: Path, max_bytes: int) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     file = directory / WEIGHTS_FILE
     if not file.is_file():
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {file} does not exist")
+    if file.stat().st_size > max_bytes:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {file} is {file.stat().st_size} bytes, more than an "
+                               f"adapter of rank {max_bytes and ''}r for this model can hold ({max_bytes} bytes)")
     try:
         return load_file(str(file))
     except (SafetensorError, OSError) as e:

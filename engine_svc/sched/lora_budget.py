@@ -40,3 +40,13 @@ class LoRABudget:
     def admitted(self, request: Request) -> None:
         if request.lora_id:
             self.active.add(request.lora_id)
+
+
+def adapter_counts(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per LoRA adapter name (base-model requests left out): vLLM's running_lora_adapters /
+    waiting_lora_adapters of its SchedulerStats."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_name:
+            counts[request.lora_name] = counts.get(request.lora_name, 0) + 1
+    return counts

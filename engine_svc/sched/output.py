@@ -62,6 +62,15 @@ class KVBlockLoad(msgspec.Struct, array_like=True, gc=False):
     data: bytes
 
 
+class LoRALoad(msgspec.Struct, array_like=True, gc=False):
+    """An adapter loaded at run time (engine_svc/lora/registry.py): every worker reads and keeps it under
+    `lora_id` before the step that carries it runs (the engine validated `path` already)."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
 class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -89,6 +98,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Pulled blocks of the requests this step admits (written before the step runs); usually empty.
     kv_loads: list[KVBlockLoad] = msgspec.field(default_factory=list)
+    # LoRA adapters loaded / dropped at run time, applied by every worker before the step runs (drops
+    # first); usually empty. A drop names an id no request uses any more.
+    lora_loads: list[LoRALoad] = msgspec.field(default_factory=list)
+    lora_drops: list[int] = msgspec.field(default_factory=list)
 
     def cached_diffs(self) -> list[CachedRequestData]:
         """Every cached request's diff as a `CachedRequestData` (the columnar decodes expanded), in

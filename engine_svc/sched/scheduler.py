@@ -64,7 +64,7 @@ from engine_svc.kv.events import KVEventLog
 from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.kv_transfer.connector import KVConnector, plan_load
 from engine_svc.request import Request, RequestStatus
-from engine_svc.sched.lora_budget import LoRABudget
+from engine_svc.sched.lora_budget import LoRABudget, adapter_counts
 from engine_svc.sched.output import (
     PLACEHOLDER_TOKEN,
     CachedRequestData,
@@ -188,6 +188,8 @@ class Scheduler:
         request.set_stop_tokens()
         if request.lora_name and self.lora_ids is not None:
             request.lora_id = self.lora_ids[request.lora_name]
+            # the id, not only the name, keys its KV: a name loaded again (other weights) gets a new id
+            request.block_hash_extra_keys = (request.lora_name, str(request.lora_id))
         self.kv.hash_blocks(request)
         self.requests[request.request_id] = request
         constraint = request.sampling_params.structured_outputs
@@ -818,6 +820,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             num_prompt_tokens=num_prompt,
             num_generation_tokens=num_generated,
+            running_lora_adapters=adapter_counts(self.running) if self.lora_ids is not None else {},
+            waiting_lora_adapters=adapter_counts(self.waiting) if self.lora_ids is not None else {},
         )
 
 

@@ -12,6 +12,9 @@ Two sources, so nothing is counted twice:
   snapshots included), `tandem_kv_cache_events_dropped_total` (events dropped subscribers never got),
   `tandem_kv_cache_event_subscribers_dropped_total` (subscribers dropped for falling too far behind) and
   the gauge `tandem_kv_cache_event_subscribers`.
+- With --enable-lora, read at scrape time from the latest `SchedulerStats` too: vLLM's LoRA info gauge as
+  `tandem_lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` (value: the scrape's
+  time; the adapters of the running / waiting requests, comma-separated).
 - Accumulated per step by `record_step` (called on the busy-loop thread; a few additions, no I/O):
   the per-step figures `tandem_prompt_tokens_total`, `tandem_generation_tokens_total` and the
   histogram `tandem_iteration_tokens` (tokens scheduled per step that ran something).
@@ -19,6 +22,7 @@ Two sources, so nothing is counted twice:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -48,6 +52,10 @@ class EngineMetrics:
         of the load gauges (with `cache_config`'s labels on `vllm:cache_config_info`)."""
         self.registry.register(_StatsCollector(self.model_name, latest_stats))
         self.registry.register(_VllmGauges(self.model_name, latest_stats, dict(cache_config or {})))
+
+    def track_lora(self, max_loras: int, latest_stats: Callable[[], SchedulerStats]) -> None:
+        """Export vLLM's LoRA info gauge (as `tandem_lora_requests_info`) at every scrape (--enable-lora)."""
+        self.registry.register(_LoRACollector(max_loras, latest_stats))
 
     def track_kv_events(self, publisher: KvEventPublisher) -> None:
         """Export the KV event publisher's counters at every scrape."""
@@ -143,6 +151,23 @@ class _VllmGauges(Collector):
             gauge.add_metric([*self._labels, *info.values()], 1.0)
             out.append(gauge)
         return out
+
+
+class _LoRACollector(Collector):
+    """vLLM's `vllm:lora_requests_info`: one series whose labels name the adapters of the running and the
+    waiting requests (comma-separated, sorted) and --max-loras; its value is the time of the scrape."""
+
+    def __init__(self, max_loras: int, latest_stats: Callable[[], SchedulerStats]) -> None:
+        self._max_lora = str(max_loras)
+        self._latest = latest_stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._latest()
+        gauge = GaugeMetricFamily("tandem_lora_requests_info", "Running stats on LoRA requests",
+                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        gauge.add_metric([self._max_lora, ",".join(sorted(s.running_lora_adapters)),
+                          ",".join(sorted(s.waiting_lora_adapters))], time.time())
+        return [gauge]
 
 
 class _KvEventsCollector(Collector):

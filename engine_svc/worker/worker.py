@@ -93,7 +93,7 @@ class Worker:
         cfg = self.config
         manager = LoRAManager(self.model, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,  # type: ignore[arg-type]
                               device=self.device, dtype=self.dtype)
-        load_adapters(manager, cfg.lora_modules, cfg.max_lora_rank)
+        load_adapters(manager, cfg.lora_modules)
         return manager
 
     @property
@@ -186,4 +186,7 @@ class Worker:
             self._apply_threads()
         if so.kv_loads:  # P/D disaggregation: pulled K/V of the requests this step admits, before they run
             apply_loads(self.runner.kv_caches, so.kv_loads)
+        if so.lora_loads or so.lora_drops:  # adapters loaded / unloaded at run time (lora/registry.py)
+            assert self.runner.lora is not None
+            self.runner.lora.apply(so.lora_loads, so.lora_drops)
         return self.runner.execute_model(so)

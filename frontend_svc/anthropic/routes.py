@@ -54,6 +54,9 @@ class OpenAIRoutes(Protocol):
 
     def body_limits(self) -> BodyLimits: ...
 
+    def lora_of(self, model: str | None) -> str:
+        """The LoRA adapter `model` names ("" = the base model); 404 model_not_found for an unknown name."""
+
 
 def routes(api: OpenAIRoutes) -> list[Route]:
     handler = MessagesHandler(api)
@@ -78,23 +81,24 @@ class MessagesHandler:
     async def count_tokens(self, request: Request) -> Response:
         return await guarded(request, self._count_tokens)
 
-    def _chat(self, body: ap.MessagesRequest | ap.CountTokensRequest) -> p.ChatCompletionRequest:
-        """The checked chat request of `body` (400 / 404 as `ApiError`)."""
+    def _chat(self, body: ap.MessagesRequest | ap.CountTokensRequest) -> tuple[p.ChatCompletionRequest, str]:
+        """The checked chat request of `body` and its LoRA adapter ("" = the base model; `model` = an
+        adapter's name selects it, as in chat completions) (400 / 404 as `ApiError`)."""
         error = convert.unsupported(body)
         if error is not None:
             raise error
-        bodies.served_model(body.model, self.api.frontend.model_name)
+        lora = self.api.lora_of(body.model)
         chat = convert.to_chat(body)
         try:
             tools.check(chat, self.api.tool_call_parser)
         except ValidationError as exc:
             raise convert.NAMES.error(exc) from None
-        return chat
+        return chat, lora
 
     async def _count_tokens(self, request: Request) -> Response:
         api, frontend = self.api, self.api.frontend
         body = await parse_body(request, api.body_limits(), ap.CountTokensRequest)
-        prompt = bodies.chat_prompt(self._chat(body))
+        prompt = bodies.chat_prompt(self._chat(body)[0])
         try:
             ids = await frontend.run_blocking(frontend.tokenize_chat, prompt)
         except ValidationError as exc:
@@ -108,14 +112,14 @@ class MessagesHandler:
     async def _create(self, request: Request) -> Response:
         api, frontend = self.api, self.api.frontend
         body = await parse_body(request, api.body_limits(), ap.MessagesRequest)
-        chat = self._chat(body)
+        chat, lora = self._chat(body)
         prompt = bodies.chat_prompt(chat)
         params = self._params(chat)
         request_id = pick_request_id(request)
-        builder = MessageBuilder(f"msg_{request_id}", frontend.model_name,
+        builder = MessageBuilder(f"msg_{request_id}", lora or frontend.model_name,
                                  tools.tool_calls_factory(chat, api.tool_call_parser))
         run = Run(frontend, header_pairs(request), ROUTE, [prompt], params, request_id, 0, convert.NAMES,
-                  bodies.prompt_options(chat))
+                  bodies.prompt_options(chat), lora_name=lora)
         if await unless_disconnected(request, run.start()) is DISCONNECTED:
             return Response(status_code=499)
         builder.prompt_tokens(len(run.prepared[0].prompt_token_ids))

@@ -135,6 +135,7 @@ class EngineConnection:
         self.server_name = server_name  # the name its TLS certificate must carry (None: the address's host)
         self.state = State.CONNECTING
         self.info: epb.EngineInfo | None = None
+        self.stub: epb_grpc.EngineCoreServiceStub | None = None  # while a session is open (LoRA admin calls)
         self.requests: set[Carried] = set()  # sent here and not done (kept by the dispatcher)
         self.gate = DrainGate()  # the next batch of engine messages waits for the readers of the last
         self.kv_index = KvBlockIndex()  # the engine's cached blocks (followed only for cache-aware routing)
@@ -240,9 +241,11 @@ class EngineConnection:
                 await asyncio.sleep(BACKOFF_MAX_S * 5)
                 return
             serving = await _is_serving(channel)  # a draining engine must not be routable, even briefly
+            if self._client.prepare_session is not None:  # e.g. LoRA adapters loaded at run time (lora_admin.py);
+                await self._client.prepare_session(stub, info)  # nothing awaits between it and READY below
             outbox: asyncio.Queue[epb.EngineCoreInput] = asyncio.Queue()
             call = stub.Connect(_drain(outbox))
-            self.info, self._outbox, self._call = info, outbox, call
+            self.info, self._outbox, self._call, self.stub = info, outbox, call, stub
             self.state, self._was_ready = State.READY, True
             self._reported_load = self._sent_since_report = 0
             self._health_ok = serving
@@ -309,7 +312,7 @@ class EngineConnection:
         if was_ready:
             self.state = State.CONNECTING
             logger.warning("engine %s went away: %s", self.address, reason)
-        self._outbox = None
+        self._outbox, self.stub = None, None
         self.kv_index.clear()
         if self._call is not None:
             self._call.cancel()
@@ -364,6 +367,8 @@ class EngineClient:
         self._background: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
         self._changed: asyncio.Event | None = None  # set (and replaced) at every readiness change
+        # Awaited with (stub, info) before an engine becomes ready; raising fails the session (retried).
+        self.prepare_session: Callable[[Any, epb.EngineInfo], Awaitable[None]] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:

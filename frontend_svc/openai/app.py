@@ -4,6 +4,7 @@
   GET /v1/models/{model_id}   POST /tokenize   POST /detokenize   GET /version   GET|POST /ping
   POST /v1/responses   GET /v1/responses/{id}   POST /v1/responses/{id}/cancel   (responses.py)   GET /metrics
   POST /v1/messages   POST /v1/messages/count_tokens   (Anthropic's Messages API, frontend_svc/anthropic/)
+  POST /v1/load_lora_adapter   POST /v1/unload_lora_adapter   (with VLLM_ALLOW_RUNTIME_LORA_UPDATING, lora_routes.py)
 
 Per generation request: read the body (at most `max_body_bytes`, checked from Content-Length before
 reading and while reading: 413) -> count its commas and braces against what a request within
@@ -126,7 +127,7 @@ class OpenAIApi:
         return BodyLimits.for_model(self.max_body_bytes, f.max_model_len, f.vocab_size)
 
     def asgi(self) -> ASGIApp:
-        from frontend_svc.openai import responses  # it builds on this module's helpers
+        from frontend_svc.openai import lora_routes, responses  # they build on this module's helpers
 
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -138,7 +139,7 @@ class OpenAIApi:
                   Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/metrics", self.metrics, methods=["GET"]),  # as vLLM's port; --metrics-port's too
-                  *responses.routes(self), *messages_routes.routes(self)]
+                  *responses.routes(self), *messages_routes.routes(self), *lora_routes.routes(self)]
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
         return ApiKeyAuth(app, self.frontend.api_keys)
 
@@ -158,7 +159,7 @@ class OpenAIApi:
         """OpenAI's GET /v1/models/{model}: the served model's or an adapter's card, 404 model_not_found for
         any other id."""
         try:
-            lora = self._lora_of(request.path_params["model_id"])
+            lora = self.lora_of(request.path_params["model_id"])
         except ApiError as exc:
             return error_response(exc)
         return Response(self._card(lora).model_dump_json(exclude_none=True), media_type=JSON)
@@ -170,7 +171,7 @@ class OpenAIApi:
                                max_model_len=f.max_model_len)
         return p.ModelCard(id=f.model_name, created=self.created, max_model_len=f.max_model_len)
 
-    def _lora_of(self, model: str | None) -> str:
+    def lora_of(self, model: str | None) -> str:
         """The LoRA adapter a body's `model` names ("" = the base); 404 model_not_found for an unknown one."""
         return bodies.served_model(model, self.frontend.model_name, self.frontend.lora_adapters)
 
@@ -206,7 +207,7 @@ class OpenAIApi:
                 body = p.TokenizeCompletionRequest.model_validate(data)
         except pydantic.ValidationError as exc:
             raise from_pydantic(exc) from None
-        self._lora_of(body.model)
+        self.lora_of(body.model)
         if isinstance(body, p.TokenizeChatRequest):
             self._check_chat_template(body.chat_template)
             chat = bodies.tokenize_chat_prompt(body)
@@ -221,7 +222,7 @@ class OpenAIApi:
 
     async def _detokenize(self, request: Request) -> Response:
         body = await parse_body(request, self.body_limits(), p.DetokenizeRequest)
-        self._lora_of(body.model)
+        self.lora_of(body.model)
         text = await self._blocking(lambda ids: self.frontend.detokenize_ids(ids, skip_special_tokens=False),
                                     body.tokens, {"token_ids": "tokens"})
         return Response(p.DetokenizeResponse(prompt=text).model_dump_json(), media_type=JSON)
@@ -286,7 +287,7 @@ class OpenAIApi:
 
     def _check(self, body: p.CompletionRequest | p.ChatCompletionRequest) -> str:
         """The body's LoRA adapter ("" = the base model) once the body passes the checks every route makes."""
-        lora = self._lora_of(body.model)
+        lora = self.lora_of(body.model)
         raise_if(bodies.unsupported(body))
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")

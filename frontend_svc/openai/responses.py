@@ -64,6 +64,9 @@ class OpenAIRoutes(Protocol):
 
     def body_limits(self) -> BodyLimits: ...
 
+    def lora_of(self, model: str | None) -> str:
+        """The LoRA adapter `model` names ("" = the base model); 404 model_not_found for an unknown name."""
+
 
 ROUTE = "/v1/responses"
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: below it sampling is greedy and top_p is reported as 1.0
@@ -329,7 +332,7 @@ class ResponsesHandler:
     async def _create(self, request: Request) -> Response:
         api, frontend = self.api, self.api.frontend
         body = await parse_body(request, api.body_limits(), rp.ResponsesRequest)
-        bodies.served_model(body.model, frontend.model_name)
+        lora = api.lora_of(body.model)  # `model` = a LoRA adapter's name selects it, as in chat completions
         raise_if(unsupported(body))
         if body.previous_response_id is not None:
             raise not_stored(body.previous_response_id)
@@ -342,9 +345,9 @@ class ResponsesHandler:
         except ValidationError as exc:
             raise names.error(exc) from None
         response_id = body.request_id or f"resp_{pick_request_id(request)}"
-        builder = ResponseBuilder(response_id, frontend.model_name, body, params)
+        builder = ResponseBuilder(response_id, lora or frontend.model_name, body, params)
         run = Run(frontend, header_pairs(request), ROUTE, [prompt], params, response_id,
-                  body.priority, names, bodies.prompt_options(chat))
+                  body.priority, names, bodies.prompt_options(chat), lora_name=lora)
         if await unless_disconnected(request, run.start()) is DISCONNECTED:
             return Response(status_code=499)
         builder.fitted(len(run.prepared[0].prompt_token_ids), frontend.max_model_len)

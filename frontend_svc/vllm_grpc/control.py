@@ -5,8 +5,8 @@
 | GetServerInfo | tandem's version, this process's instance id, and the ready engines' shape: the smallest max_model_len, the first engine's block size and TP size, KV blocks / seats / batch tokens summed over the ready engines; no LoRA, no RL |
 | GetModelInfo | the served model's name; text and token-id prompts; LoRA when the engines serve adapters; no multimodal; the server's --tool-call-parser |
 | Abort | ends the `vllm.Inference` calls in flight with those request ids (inflight.py); unknown ids are ignored |
-| ListLoras | the adapters the ready engines serve (their --lora-modules: ids 1, 2, ... in order; no source path, which only the engine knows) |
-| LoadLora, UnloadLora | FAILED_PRECONDITION: adapters are loaded at engine start (--lora-modules); vLLM answers so when LoRA is not enabled |
+| ListLoras | the adapters the ready engines serve (ids 1, 2, ... by place in that list; the source path of those loaded through this frontend) |
+| LoadLora, UnloadLora | with VLLM_ALLOW_RUNTIME_LORA_UPDATING, what /v1/load_lora_adapter and /v1/unload_lora_adapter do (frontend_svc/engines/lora_admin.py), with the engines' status codes; else FAILED_PRECONDITION |
 | GetKvEventSources | one source per ready engine: tandem's `SubscribeKvEvents` gRPC stream at the engine's address (transport "grpc", encoding "protobuf", docs/architecture.md "KV-cache events") |
 | IsPaused | paused while the frontend drains (it takes no new requests, as a paused vLLM server) |
 | IsSleeping | never: a frontend does not put engines to sleep |
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -24,6 +25,12 @@ from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.vendor.vllm import control_pb2 as cpb
 from tandem.vendor.vllm import control_pb2_grpc as cpb_grpc
 
+from frontend_svc.engines.lora_admin import (
+    RUNTIME_UPDATES_ENV,
+    LoraAdmin,
+    LoraAdminError,
+    runtime_updates_allowed,
+)
 from frontend_svc.generation import GenerationBackend
 from frontend_svc.vllm_grpc.inflight import InFlight
 
@@ -83,14 +90,33 @@ class ControlServicer(cpb_grpc.ControlServicer):
 
     async def ListLoras(self, request: cpb.ListLorasRequest,
                         context: grpc.aio.ServicerContext) -> cpb.ListLorasResponse:
-        return cpb.ListLorasResponse(adapters=[cpb.LoraAdapter(lora_id=i + 1, lora_name=name)
-                                               for i, name in enumerate(self._f.lora_adapters)])
+        return cpb.ListLorasResponse(adapters=[self._adapter(name) for name in self._f.lora_adapters])
 
-    async def LoadLora(self, request: cpb.LoadLoraRequest, context: grpc.aio.ServicerContext) -> NoReturn:
-        await _no_lora(context)
+    async def LoadLora(self, request: cpb.LoadLoraRequest, context: grpc.aio.ServicerContext) -> cpb.LoadLoraResponse:
+        await self._change(lambda admin: admin.load(request.lora_name, request.source_path), context)
+        return cpb.LoadLoraResponse(adapter=self._adapter(request.lora_name))
 
-    async def UnloadLora(self, request: cpb.UnloadLoraRequest, context: grpc.aio.ServicerContext) -> NoReturn:
-        await _no_lora(context)
+    async def UnloadLora(self, request: cpb.UnloadLoraRequest,
+                         context: grpc.aio.ServicerContext) -> cpb.UnloadLoraResponse:
+        adapter = self._adapter(request.lora_name)
+        await self._change(lambda admin: admin.unload(request.lora_name), context)
+        return cpb.UnloadLoraResponse(adapter=adapter)
+
+    def _adapter(self, name: str) -> cpb.LoraAdapter:
+        """`name` as ListLoras lists it: its 1-based place among the served adapters (0 when not served)."""
+        served = self._f.lora_adapters
+        return cpb.LoraAdapter(lora_id=served.index(name) + 1 if name in served else 0, lora_name=name,
+                               source_path=self._f.lora_admin.source_path(name))
+
+    async def _change(self, change: Callable[[LoraAdmin], Awaitable[None]], context: grpc.aio.ServicerContext) -> None:
+        """A run-time LoRA change (the HTTP API's, frontend_svc/engines/lora_admin.py), with the engines' status."""
+        if not runtime_updates_allowed():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"loading and unloading LoRA adapters at run "
+                                f"time is off: start the server with {RUNTIME_UPDATES_ENV}=true")
+        try:
+            await change(self._f.lora_admin)
+        except LoraAdminError as exc:
+            await context.abort(exc.code, exc.message)
 
     async def GetKvEventSources(self, request: cpb.GetKvEventSourcesRequest,
                                 context: grpc.aio.ServicerContext) -> cpb.GetKvEventSourcesResponse:
@@ -98,12 +124,6 @@ class ControlServicer(cpb_grpc.ControlServicer):
             cpb.KvEventSource(transport="grpc", endpoint=address, topic=KV_EVENTS_TOPIC, encoding="protobuf",
                               schema_version=1)
             for address, _ in self._f.ready_engine_infos()])
-
-
-async def _no_lora(context: grpc.aio.ServicerContext) -> NoReturn:
-    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "adapters are loaded when the engine starts "
-                        "(--enable-lora --lora-modules); this server does not load or unload them at run time")
-    raise AssertionError("abort returned")
 
 
 def _not_served(name: str) -> Any:

@@ -10,6 +10,7 @@ each list both engines; a test that stops an engine calls `cluster.heal()` (or r
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -45,6 +46,25 @@ def frontend_service(model: Path, engine_port: int | Sequence[int], port: int, l
             "--max-concurrent-requests", str(FRONTEND_MAX_CONCURRENT), "--drain-grace-period", "5",
             "--migration-timeout", "2", *flags]
     return Service("frontend", argv, port, log_dir)
+
+
+@contextlib.contextmanager
+def serving_over_http(engine: Service, frontend: Service, http_port: int) -> Iterator[str]:
+    """Start `engine` and `frontend` (an HTTP port `http_port`), wait until both serve and /health is 200;
+    the HTTP base URL; both are stopped afterwards."""
+    import httpx2
+
+    engine.start()
+    frontend.start()
+    try:
+        engine.wait_serving()
+        frontend.wait_serving()
+        url = f"http://127.0.0.1:{http_port}"
+        wait_until(lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, 30, "/health 200")
+        yield url
+    finally:
+        frontend.stop()
+        engine.stop()
 
 
 class Split:

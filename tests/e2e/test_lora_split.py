@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from tests.e2e.conftest import engine_service, free_port, frontend_service, wait_until
+from tests.e2e.conftest import engine_service, free_port, frontend_service, serving_over_http
 from tests.engine.lora_support import ALL_MODULES, make_adapter, make_prompts, peft_greedy
 
 pytestmark = pytest.mark.slow
@@ -30,17 +30,8 @@ def lora_split(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                             "--lora-modules", *(f"{name}={path}" for name, path in dirs.items()))
     http_port = free_port()
     frontend = frontend_service(model, engine.port, free_port(), logs, "--http-port", str(http_port))
-    engine.start()
-    frontend.start()
-    try:
-        engine.wait_serving()
-        frontend.wait_serving()
-        url = f"http://127.0.0.1:{http_port}"
-        wait_until(lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, 30, "/health 200")
+    with serving_over_http(engine, frontend, http_port) as url:
         yield url, model, dirs, frontend.address
-    finally:
-        frontend.stop()
-        engine.stop()
 
 
 def _complete(url: str, model: str, prompt: list[int]) -> dict:

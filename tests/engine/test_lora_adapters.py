@@ -69,7 +69,7 @@ def test_slots_swap_lru_among_adapters_the_step_does_not_use(adapters) -> None:
     model_dir, dirs = adapters
     manager = LoRAManager(_model(model_dir), max_loras=2, max_lora_rank=8, device=torch.device("cpu"),
                           dtype=torch.float32)
-    load_adapters(manager, [(f"a{i}", str(d)) for i, d in enumerate(dirs)], 8)
+    load_adapters(manager, [(f"a{i}", str(d)) for i, d in enumerate(dirs)])
     manager.prepare(np.array([1, 2, 0, 2]))
     assert dict(manager.slot_of) == {1: 0, 2: 1}
     manager.prepare(np.array([2, 2]))  # 2 is now the most recently used

@@ -80,7 +80,7 @@ def test_block_hashes_are_keyed_by_adapter() -> None:
     prompt = list(range(1, 10))  # two full blocks of 4
     base, under_a, under_a2 = add(s, "p0", "", prompt), add(s, "p1", "a", prompt), add(s, "p2", "a", prompt)
     assert base.block_hashes[0] == hash_block_tokens(None, prompt[:4])
-    assert under_a.block_hashes[0] == hash_block_tokens(None, prompt[:4], ("a",))
+    assert under_a.block_hashes[0] == hash_block_tokens(None, prompt[:4], ("a", "1"))  # name and id (lora/registry.py)
     assert len({base.block_hashes[1], under_a.block_hashes[1]}) == 2
     assert under_a.block_hashes == under_a2.block_hashes
     drain(s)

@@ -218,6 +218,8 @@ def test_internal_service_methods() -> None:
         "SubscribeKvEvents": ("SubscribeKvEventsRequest", "KvEventBatch", False, True),
         "GetTokenizer": ("GetTokenizerRequest", "TokenizerChunk", False, True),
         "PullKvBlocks": ("PullKvBlocksRequest", "KvBlocksChunk", False, True),
+        "LoadLoraAdapter": ("LoadLoraAdapterRequest", "LoadLoraAdapterResponse", False, False),
+        "UnloadLoraAdapter": ("UnloadLoraAdapterRequest", "UnloadLoraAdapterResponse", False, False),
     }
     assert epb.DESCRIPTOR.package == "tandem.engine.v1"
 

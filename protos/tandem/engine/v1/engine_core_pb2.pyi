@@ -48,6 +48,42 @@ ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "load_inplace")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_INPLACE_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    load_inplace: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load_inplace: _Optional[bool] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_name", "lora_id", "lora_adapters")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_id: int
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_name", "lora_id", "lora_adapters")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_id: int
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class EngineCoreInput(_message.Message):
     __slots__ = ("add", "abort")
     ADD_FIELD_NUMBER: _ClassVar[int]
@@ -253,7 +289,21 @@ class EngineError(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_scheduled_tokens", "num_prompt_tokens", "num_generation_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_scheduled_tokens", "num_prompt_tokens", "num_generation_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "running_lora_adapters", "waiting_lora_adapters")
+    class RunningLoraAdaptersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class WaitingLoraAdaptersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +319,8 @@ class SchedulerStats(_message.Message):
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -284,7 +336,9 @@ class SchedulerStats(_message.Message):
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
     spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    running_lora_adapters: _containers.ScalarMap[str, int]
+    waiting_lora_adapters: _containers.ScalarMap[str, int]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., running_lora_adapters: _Optional[_Mapping[str, int]] = ..., waiting_lora_adapters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetEngineInfoRequest(_message.Message):
     __slots__ = ()

@@ -65,6 +65,16 @@ class EngineCoreServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.PullKvBlocksRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.KvBlocksChunk.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/tandem.engine.v1.EngineCoreService/LoadLoraAdapter',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/tandem.engine.v1.EngineCoreService/UnloadLoraAdapter',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineCoreServiceServicer:
@@ -132,6 +142,25 @@ class EngineCoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Multi-LoRA at run time (vLLM's /v1/load_lora_adapter): serve the PEFT adapter directory at `lora_path`
+        (a path on the engine's host) as `lora_name`. The engine validates it as it does --lora-modules before
+        anything changes. FAILED_PRECONDITION without --enable-lora; ALREADY_EXISTS for a served name (unless
+        load_inplace); NOT_FOUND when the directory holds no adapter; INVALID_ARGUMENT for an adapter it cannot
+        serve; RESOURCE_EXHAUSTED past --max-cpu-loras. Each message names the adapter and the problem.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stop serving adapter `lora_name`: new requests naming it are refused at once, requests already admitted
+        finish under it, and its weights are dropped when the last of them ends. NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineCoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +193,16 @@ def add_EngineCoreServiceServicer_to_server(servicer, server):
                     servicer.PullKvBlocks,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.PullKvBlocksRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.KvBlocksChunk.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -329,6 +368,60 @@ class EngineCoreService:
             '/tandem.engine.v1.EngineCoreService/PullKvBlocks',
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.PullKvBlocksRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.KvBlocksChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineCoreService/LoadLoraAdapter',
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.engine.v1.EngineCoreService/UnloadLoraAdapter',
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
