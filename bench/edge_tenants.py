@@ -290,13 +290,17 @@ def rejected_prompts(pair: Pair, args: argparse.Namespace, victim: Victim, ids: 
     for _ in range(args.rejected - 1):
         times.append(post(pair.http_port, "/v1/completions", body)[2])
     end = time.monotonic()
-    time.sleep(2.0)
+    time.sleep(0.5)
+    quiet_start = time.monotonic()
+    time.sleep(max(2.0, min(end - start, 10.0)))
+    quiet = victim.gap(quiet_start, time.monotonic())
     after = rss_bytes(pair.frontend.pid)
     print(f"  {len(body) / 1e6:.1f} MB body -> {first[0]} ({json.loads(first[1])['error']['message'][:80]!r}), "
           f"median {1000 * sorted(times)[len(times) // 2]:.0f} ms each")
     print(f"  frontend RSS {before / MiB:.0f} MiB before, {after_one / MiB:.0f} after 1, {after / MiB:.0f} after "
           f"{args.rejected} (+{(after - after_one) / MiB:.0f} MiB over the first); victim gap "
-          f"{1000 * victim.gap(start, end):.0f} ms; slowest ping: {probes(start, end)}")
+          f"{1000 * victim.gap(start, end):.0f} ms over {end - start:.1f} s (in a window as long without the "
+          f"attack, after it: {1000 * quiet:.0f} ms); slowest ping: {probes(start, end)}")
 
 
 # ---- 3. big parseable bodies ------------------------------------------------------------------------------
