@@ -283,9 +283,6 @@ class EngineConfig:
         if self.kv_transfer_config is not None and self.world_size != 1:
             raise ConfigError("--kv-transfer-config needs --tensor-parallel-size 1 and --pipeline-parallel-size 1: "
                               "K/V blocks move between single-device engines only")
-        if self.kv_transfer_config is not None and self.enable_lora:
-            raise ConfigError("--kv-transfer-config cannot be combined with --enable-lora (yet): K/V moved "
-                              "between engines is not keyed by adapter")
 
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:

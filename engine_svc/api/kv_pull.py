@@ -38,6 +38,9 @@ async def stream_kv_blocks(connector: KVConnector | None, request: pb.PullKvBloc
         return
     try:
         problem = connector.layout.mismatch(layout_from_pb(request.layout))
+        if problem is None and request.lora_name != lease.request.lora_name:
+            problem = (f"lora_name: the K/V was computed under adapter {lease.request.lora_name or '(base model)'!r}, "
+                       f"the caller's request runs under {request.lora_name[:128] or '(base model)'!r}")
         if problem is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
             return

@@ -121,7 +121,8 @@ class KVConnector:
         """Pull the producer's blocks after the prefix-cache hit (`num_hit_tokens`, whole blocks)."""
         assert self.puller is not None and request.kv_transfer_params is not None
         self.num_pulls += 1
-        self.puller.start(request.request_id, request.kv_transfer_params, num_hit_tokens // self.block_size)
+        self.puller.start(request.request_id, request.kv_transfer_params, num_hit_tokens // self.block_size,
+                          request.lora_name)
 
     def cancel_load(self, request_id: str) -> None:
         if self.puller is not None:

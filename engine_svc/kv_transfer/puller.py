@@ -59,10 +59,12 @@ class KVPuller:
         self._calls: dict[str, Any] = {}  # request id -> its call (None until it started), while pulling
         self._done: list[PullResult] = []
 
-    def start(self, request_id: str, params: KvTransferParams, first_block: int) -> None:
+    def start(self, request_id: str, params: KvTransferParams, first_block: int, lora_name: str = "") -> None:
+        """Pull in a thread the producer's blocks from `first_block` on, for a request running under the
+        adapter `lora_name` (the producer refuses K/V computed under another)."""
         with self._lock:
             self._calls[request_id] = None  # before the thread: a cancel from now on is seen
-        threading.Thread(target=self._pull, args=(request_id, params, first_block), daemon=True,
+        threading.Thread(target=self._pull, args=(request_id, params, first_block, lora_name), daemon=True,
                          name=f"kv-pull {request_id}").start()
 
     def cancel(self, request_id: str) -> None:
@@ -86,20 +88,20 @@ class KVPuller:
         with self._lock:
             return len(self._calls)
 
-    def pull_now(self, request_id: str, params: KvTransferParams, first_block: int) -> PullResult:
+    def pull_now(self, request_id: str, params: KvTransferParams, first_block: int, lora_name: str = "") -> PullResult:
         """One pull on the calling thread, outside the scheduler's bookkeeping (tools, benchmarks)."""
         with self._lock:
             self._calls[request_id] = None
         try:
-            return self._guarded(request_id, params, first_block)
+            return self._guarded(request_id, params, first_block, lora_name)
         finally:
             with self._lock:
                 self._calls.pop(request_id, None)
 
-    def _guarded(self, request_id: str, params: KvTransferParams, first_block: int) -> PullResult:
+    def _guarded(self, request_id: str, params: KvTransferParams, first_block: int, lora_name: str) -> PullResult:
         """`_fetch`, its failures turned into a result: never raises."""
         try:
-            return self._fetch(request_id, params, first_block)
+            return self._fetch(request_id, params, first_block, lora_name)
         except grpc.RpcError as exc:
             return PullResult(request_id, first_block, 0, None,
                               f"pull from {params.remote_host}:{params.remote_port} failed: "
@@ -107,19 +109,19 @@ class KVPuller:
         except Exception as exc:  # any failure of a pull is the request's, never the engine's
             return PullResult(request_id, first_block, 0, None, f"pull failed: {type(exc).__name__}: {exc}")
 
-    def _pull(self, request_id: str, params: KvTransferParams, first_block: int) -> None:
-        result = self._guarded(request_id, params, first_block)
+    def _pull(self, request_id: str, params: KvTransferParams, first_block: int, lora_name: str) -> None:
+        result = self._guarded(request_id, params, first_block, lora_name)
         with self._lock:
             if self._calls.pop(request_id, "cancelled") == "cancelled":
                 return
             self._done.append(result)
         self.on_done()
 
-    def _fetch(self, request_id: str, params: KvTransferParams, first_block: int) -> PullResult:
+    def _fetch(self, request_id: str, params: KvTransferParams, first_block: int, lora_name: str) -> PullResult:
         options = [("grpc.max_receive_message_length", self.max_message_bytes)]
         metadata = [("authorization", self.authorization())] if self.authorization is not None else []
         request = pb.PullKvBlocksRequest(request_id=params.remote_request_id, first_block=first_block,
-                                         layout=layout_to_pb(self.layout))
+                                         layout=layout_to_pb(self.layout), lora_name=lora_name)
         target = f"{params.remote_host}:{params.remote_port}"
         if self.credentials is None:
             channel = grpc.insecure_channel(target, options=options)

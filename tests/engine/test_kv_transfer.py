@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
 import pytest
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
@@ -88,14 +89,15 @@ def _run(core: EngineCore, request: EngineCoreRequest, timeout: float = 30.0) ->
 
 
 def _prefill(producer: ServerThread, request_id: str, prompt: list[int], params: dict[str, Any],
-             token: str | None = None) -> epb.EngineCoreOutput:
+             token: str | None = None, lora_name: str = "") -> epb.EngineCoreOutput:
     """Prefill `prompt` on the producer (max_tokens=1, keep the blocks): its one output."""
     with producer.channel() as plain:
         channel = grpc.intercept_channel(plain, _BearerToken(token)) if token else plain
         stream = EngineStream(channel)
         sampling = epb.EngineSamplingParams(**{**params, "max_tokens": 1})
         stream.send(epb.EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling,
-                                          kv_transfer_params=epb.KvTransferParams(do_remote_decode=True)))
+                                          kv_transfer_params=epb.KvTransferParams(do_remote_decode=True),
+                                          lora_name=lora_name))
         stream.wait_finished(request_id, timeout=30)
         out = stream.last(request_id)
         stream.close()
@@ -426,8 +428,6 @@ def test_the_engine_flags_parse_and_refuse_by_name(llama_dir: Path) -> None:
         config("--kv-role", "both", "--tensor-parallel-size", "2")
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 1"):
         config("--kv-role", "both", "--pipeline-parallel-size", "2")
-    with pytest.raises(ConfigError, match="--kv-transfer-config cannot be combined with --enable-lora"):
-        config("--kv-role", "both", "--enable-lora")
 
 
 def test_a_lease_ends_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -459,3 +459,37 @@ def test_a_lease_ends_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [r.request_id for r in table.take_ended()] == ["a", "b", "e"] and len(woken) == 3
     assert not table.has_ended() and table.take_ended() == [] and len(table) == 0
     assert (table.num_pulled, table.num_released, table.num_expired) == (3, 1, 1)
+
+
+def test_lora_requests_pull_only_kv_computed_under_their_adapter(llama_dir: Path, tmp_path: Path) -> None:
+    """K/V computed under an adapter moves to a consumer serving the same adapter (exact against one engine
+    with it); a pull for a request under another adapter (here: the base model) is refused by the producer,
+    naming lora_name, and the consumer recomputes it (exact against the base model)."""
+    from tests.engine.lora_support import ALL_MODULES, make_adapter
+
+    adapter = make_adapter(llama_dir, tmp_path / "sql", rank=8, alpha=16, targets=ALL_MODULES, seed=5)
+    lora = {"enable_lora": True, "lora_modules": {"sql": str(adapter)}, "max_lora_rank": 8}
+    server = ServerThread(EngineServer(_config(llama_dir, KVTransferConfig(kv_role="kv_producer"), **lora),
+                                       host="127.0.0.1", port=0)).start()
+    wait_until(lambda: engine_idle(server.address), 60, "producer up", retry_on=(grpc.RpcError,))
+    unified = EngineCore(_config(llama_dir, **lora))
+    consumer = EngineCore(_config(llama_dir, KVTransferConfig(kv_role="kv_consumer", kv_pull_timeout_s=10), **lora))
+    try:
+        for name in ("sql", ""):
+            first = _prefill(server, f"p-{name}", PROMPT, GREEDY, lora_name="sql")  # always under the adapter
+            # The oracle: the same continuation (after the adapter's first token) on one engine, under `name`.
+            want, want_logprobs, _ = _run(unified, EngineCoreRequest(
+                request_id=f"u-{name}", prompt_token_ids=PROMPT, sampling_params=EngineSamplingParams(**GREEDY),
+                output_token_ids=list(first.new_token_ids), lora_name=name))
+            decode = msgspec.structs.replace(_decode_request(f"d-{name}", PROMPT, GREEDY, first), lora_name=name)
+            rest, rest_logprobs, _ = _run(consumer, decode)  # "": the adapter's K/V is refused, recomputed
+            assert rest == want
+            assert [e.logprob for e in rest_logprobs] == pytest.approx([e.logprob for e in want_logprobs], abs=1e-5)
+        connector = consumer.kv_connector
+        assert connector is not None and connector.num_blocks_pulled == 5 and connector.num_pull_failures == 1
+        wait_until(lambda: engine_idle(server.address), 15, "the producer's blocks freed")
+        assert _all_free(consumer)
+    finally:
+        consumer.shutdown()
+        server.begin_drain()
+        assert server.join(15) == 0

@@ -507,14 +507,16 @@ class KvCacheLayout(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_shape: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class PullKvBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "first_block", "layout")
+    __slots__ = ("request_id", "first_block", "layout", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_block: int
     layout: KvCacheLayout
-    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., layout: _Optional[_Union[KvCacheLayout, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., layout: _Optional[_Union[KvCacheLayout, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class KvBlocksChunk(_message.Message):
     __slots__ = ("data", "num_blocks", "num_tokens", "sha256")
