@@ -93,6 +93,7 @@ class EngineCore:
             lora_ids=lora_ids(config.lora_modules) if config.enable_lora else None,
             max_loras=config.max_loras,
             kv_connector=self.kv_connector,
+            sliding_window=None if self.kv_connector is not None else config.kv_sliding_window,
         )
         # Batches in flight, newest first: (future of its output, what was scheduled).
         self.max_concurrent_batches = self.executor.max_concurrent_batches

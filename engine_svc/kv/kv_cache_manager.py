@@ -21,6 +21,21 @@ Prefix caching (when enabled):
   their full blocks are still cached for others.
 - With `events` (a `KVEventLog`), the pool records every block entering or leaving the cache, with its
   parent's hash and its tokens (engine_svc/kv/events.py).
+- Sliding window (`sliding_window` W, set only when every attention layer slides over the same W,
+  engine_svc/model/windows.py): a query at position p reads keys p - W < k <= p only, and positions only
+  grow, so before a step that computes from position q0 = num_computed_tokens the blocks wholly below
+  q0 - W + 1 are never read again. They go back to the pool (`_free_behind_window`, run by every
+  allocation before it counts free blocks), and their table entries become `NULL_BLOCK`, a placeholder
+  that is no block of the pool: the table keeps one entry per block of positions, so indices stay
+  positions. The workers are not told: their tables keep the old ids, which no kernel reads again (the
+  attention backends start each request's keys at its window) and no slot mapping writes (writes go to
+  positions >= q0). A request thus holds about W / block_size + its step's blocks, however long it grows,
+  and the scheduler, which admits by free blocks, fits more of them.
+  Prefix caching stays exact: a freed block keeps its cache entry and its K/V until the pool hands it
+  out again (which uncaches it), so a hit on it reads exactly the K/V its hash promises. The lookup still
+  needs the whole chain from block 0 cached (vLLM's window-only hit, which needs just the last W tokens'
+  blocks, is not done); hits that lie wholly behind the new request's window are not taken, their table
+  entries are `NULL_BLOCK` at once. `NULL_BLOCK` is never cached, freed or sent as a hit.
 - Counters (in tokens, like vLLM): at each successful admission (first schedule, and again at each resume
   after a preemption) `prefix_cache_queries += num_tokens` and `prefix_cache_hits += hit tokens`. A request
   whose lookup is skipped counts nothing. With prefix caching off both stay 0.
@@ -35,13 +50,21 @@ from engine_svc.kv.block_pool import BlockPool, KVCacheBlock
 from engine_svc.kv.events import KVEventLog
 from engine_svc.request import Request
 
+# The table entry of a block freed behind the sliding window. Its id (0) is only ever sent to workers in a
+# full table (admission, resume) for positions no kernel reads; it belongs to no pool.
+NULL_BLOCK = KVCacheBlock(0)
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, sliding_window: int | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._num_freed: dict[str, int] = {}  # request id -> leading table entries that are NULL_BLOCK
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, events)
         self._tables: dict[str, list[KVCacheBlock]] = {}
@@ -103,6 +126,8 @@ class KVCacheManager:
         blocks, in which case nothing changed.
         """
         table = self._tables.get(request.request_id)
+        if table is not None and self.sliding_window is not None:
+            self._free_behind_window(request.request_id, table, request.num_computed_tokens)
         if table is not None and not new_computed_blocks:
             # Fast path (a decode, most steps): the tokens fit in the blocks held and fill none of them, so
             # `_allocate` would take no block and cache none (the request's hashes are already current).
@@ -125,15 +150,19 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed) * bs
         num_tokens = num_computed + num_new_tokens
         num_new_blocks = max(0, -(-num_tokens // bs) - num_held)
-        num_hits_in_free_queue = sum(1 for b in computed if b.ref_cnt == 0)
+        num_behind = self._num_behind_window(num_computed) if table is None else 0
+        taken = computed[num_behind:]  # hits behind the window are not taken (see the module docstring)
+        num_hits_in_free_queue = sum(1 for b in taken if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_hits_in_free_queue:
             return None
 
-        self.pool.touch(computed)
-        added = computed + self.pool.get_new_blocks(num_new_blocks)
+        self.pool.touch(taken)
+        added = [NULL_BLOCK] * min(num_behind, len(computed)) + taken + self.pool.get_new_blocks(num_new_blocks)
         if table is None:
             table = self._tables[request.request_id] = []
             self._count_prefix_query(request, len(computed) * bs)
+            if num_behind and computed:
+                self._num_freed[request.request_id] = min(num_behind, len(computed))
         table.extend(added)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, table, num_computed // bs, num_tokens // bs)
@@ -148,12 +177,32 @@ class KVCacheManager:
         """
         table = self._tables.pop(request.request_id, None)
         self._late.pop(request.request_id, None)
+        num_freed = self._num_freed.pop(request.request_id, 0)
         if not table:
             return
-        for block in table[request.num_computed_tokens // self.block_size :]:
+        for block in table[max(num_freed, request.num_computed_tokens // self.block_size) :]:
             if block.ref_cnt == 1:
                 self.pool.uncache(block)
-        self.pool.free_blocks(reversed(table))
+        self.pool.free_blocks(reversed(table[num_freed:]))
+
+    def _num_behind_window(self, num_computed: int) -> int:
+        """How many leading blocks no query from position `num_computed` on reads (0 without a window)."""
+        window = self.sliding_window
+        if window is None or num_computed < window:
+            return 0
+        return (num_computed - window + 1) // self.block_size
+
+    def _free_behind_window(self, request_id: str, table: list[KVCacheBlock], num_computed: int) -> None:
+        """Return the request's blocks that lie wholly behind its window to the pool, oldest first,
+        leaving `NULL_BLOCK` in their table entries. Cheap (two compares) when there is none."""
+        done = self._num_freed.get(request_id, 0)
+        behind = min(self._num_behind_window(num_computed), len(table))
+        if behind <= done:
+            return
+        freed = table[done:behind]
+        table[done:behind] = [NULL_BLOCK] * (behind - done)
+        self._num_freed[request_id] = behind
+        self.pool.free_blocks(b for b in freed if b is not NULL_BLOCK)
 
     def _uses_lookup(self, request: Request) -> bool:
         return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
@@ -196,4 +245,6 @@ class KVCacheManager:
         bs = self.block_size
         hashes, tokens = request.block_hashes, request.all_token_ids
         for i in range(start, stop):
-            self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs], hashes[i - 1] if i else None)
+            if table[i] is not NULL_BLOCK:  # a block freed behind the window before its token was known
+                self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs],
+                                      hashes[i - 1] if i else None)
