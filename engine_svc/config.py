@@ -180,6 +180,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # Keep every KV block for the whole context even where every layer slides over one window (vLLM's
+    # --disable-hybrid-kv-cache-manager); see kv_sliding_window.
+    disable_hybrid_kv_cache_manager: bool = False
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -308,6 +311,8 @@ class EngineConfig:
                               f"{model_max}; lower it")
         kwargs["max_model_len"] = max_model_len
         window = _kv_sliding_window(arch, hf_config)
+        if kwargs.get("disable_hybrid_kv_cache_manager"):
+            window = None
         _check_pipeline(hf_config, kwargs)
         if "lora_modules" in kwargs:
             kwargs["lora_modules"] = _lora_modules_arg(kwargs["lora_modules"])
@@ -472,6 +477,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory-bytes", type=int, default=None)
     a("--num-gpu-blocks-override", type=int, default=None)
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    a("--disable-hybrid-kv-cache-manager", action="store_true",
+      help="keep every KV block of a sliding-window model for the whole context (vLLM's flag)")
     a("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
     a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     a("--enforce-eager", action="store_true")
