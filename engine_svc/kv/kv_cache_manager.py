@@ -123,7 +123,8 @@ class KVCacheManager:
         `new_computed_blocks` (the hits from `get_computed_blocks`) may only be given at admission, i.e.
         while the request has no table; `request.num_computed_tokens` must not include them yet.
         Returns the block ids appended to the table (hits first), or None when there are not enough free
-        blocks, in which case nothing changed.
+        blocks, in which case nothing changed but the freeing of blocks behind a sliding window (which
+        no step from `num_computed_tokens` on reads: it is done first, so they count as free).
         """
         table = self._tables.get(request.request_id)
         if table is not None and self.sliding_window is not None:

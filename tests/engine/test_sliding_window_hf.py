@@ -19,7 +19,13 @@ import pytest
 
 from engine_svc.kv.kv_cache_manager import NULL_BLOCK
 from entrypoints import LLM, SamplingParams
-from tests.engine.test_hf_exact import MAX_TOKENS, assert_no_block_leaks, hf_greedy, make_prompts
+from tests.engine.test_hf_exact import (
+    MAX_TOKENS,
+    assert_greedy_matches_hf,
+    assert_no_block_leaks,
+    hf_greedy,
+    make_prompts,
+)
 
 WINDOW, BS = 8, 4
 
@@ -64,12 +70,7 @@ def run_windowed(model_dir: Path, prompts: list[list[int]], expect_window: int |
 
     llm.engine.step = recording_step  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        expected, expected_lp = hf_greedy(model_dir, prompt, MAX_TOKENS)
-        got = out.outputs[0]
-        assert got.token_ids == expected, f"prompt len {len(prompt)}"
-        assert [e.logprob for e in got.logprobs] == pytest.approx(expected_lp, abs=1e-4)
+    assert_greedy_matches_hf(model_dir, prompts, llm.generate(prompts, params, use_tqdm=False))
     assert_no_block_leaks(llm)
     return llm, max(most_held)
 
