@@ -32,10 +32,11 @@ Prefix caching (when enabled):
   positions >= q0). A request thus holds about W / block_size + its step's blocks, however long it grows,
   and the scheduler, which admits by free blocks, fits more of them.
   Prefix caching stays exact: a freed block keeps its cache entry and its K/V until the pool hands it
-  out again (which uncaches it), so a hit on it reads exactly the K/V its hash promises. The lookup still
-  needs the whole chain from block 0 cached (vLLM's window-only hit, which needs just the last W tokens'
-  blocks, is not done); hits that lie wholly behind the new request's window are not taken, their table
-  entries are `NULL_BLOCK` at once. `NULL_BLOCK` is never cached, freed or sent as a hit.
+  out again (which uncaches it), so a hit on it reads exactly the K/V its hash promises. The lookup
+  (`_window_hit`, vLLM's rule) needs only the blocks the first computed position's window reads to be
+  cached: the blocks before them come back as `NULL_BLOCK` placeholders, and the hits behind the new
+  request's window are not taken (their table entries are `NULL_BLOCK` at once). `NULL_BLOCK` is never
+  cached, freed or referenced.
 - Counters (in tokens, like vLLM): at each successful admission (first schedule, and again at each resume
   after a preemption) `prefix_cache_queries += num_tokens` and `prefix_cache_hits += hit tokens`. A request
   whose lookup is skipped counts nothing. With prefix caching off both stay 0.
@@ -106,6 +107,8 @@ class KVCacheManager:
         self.hash_blocks(request)
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
+        if self.sliding_window is not None:
+            return self._window_hit(request, max_blocks)
         tokens = request.all_token_ids
         hits: list[KVCacheBlock] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
@@ -114,6 +117,29 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * bs
+
+    def _window_hit(self, request: Request, max_blocks: int) -> tuple[list[KVCacheBlock], int]:
+        """The longest hit under a sliding window (vLLM's rule): L blocks are a hit when the
+        ceil((W - 1) / block_size) blocks before block L, the keys position L * block_size reads, are all
+        cached (or blocks 0 .. L - 1 are). Blocks before those are `NULL_BLOCK`: nothing reads them. The
+        chained hash of a cached block stands for its whole prefix, so its K/V is the request's."""
+        bs = self.block_size
+        assert self.sliding_window is not None
+        need = max(1, -(-(self.sliding_window - 1) // bs))
+        tokens, hashes = request.all_token_ids, request.block_hashes
+        run: list[KVCacheBlock] = []  # cached blocks found walking back from `end`, nearest first
+        end = max_blocks
+        for i in range(max_blocks - 1, -1, -1):
+            block = self.pool.get_cached_block(hashes[i], tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                run, end = [], i
+                continue
+            run.append(block)
+            if len(run) >= need:
+                break
+        if len(run) < need and end != len(run):
+            return [], 0  # no run long enough, and the blocks from 0 are not all cached
+        return [NULL_BLOCK] * (end - len(run)) + run[::-1], end * bs
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] | None = None

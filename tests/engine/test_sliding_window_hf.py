@@ -99,14 +99,23 @@ def test_async_scheduling_and_preemption_with_freeing(mistral: Path) -> None:
 
 
 def test_prefix_hits_with_freed_blocks_match_transformers(mistral: Path) -> None:
-    """A shared 33-token prefix: the second wave's lookups hit the first request's cached blocks (its
-    early ones were freed behind its window but not handed out again); those behind the new request's
-    window are not taken."""
+    """A shared 33-token prefix, run once; then its first six blocks are evicted from the cache (as the
+    pool would when it hands them out). The second wave still hits 32 tokens: position 32 reads blocks 6
+    and 7 only, which are cached; blocks 0-5 are placeholders no kernel reads. Tokens equal transformers'."""
     shared = make_prompts(13, 1, 500, lo=33, hi=33)[0]
     prompts = [shared + tail for tail in make_prompts(14, 3, 500, lo=2, hi=9)]
     llm = LLM(str(mistral), dtype="float32", block_size=BS)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate(prompts[:1], params, use_tqdm=False)
+    pool = llm.engine.scheduler.kv.pool
+    early = {tuple(shared[i * BS : (i + 1) * BS]) for i in range(6)}
+    evicted = 0
+    for block in pool.blocks:
+        if block.token_ids in early:
+            assert block.ref_cnt == 0
+            pool.uncache(block)
+            evicted += 1
+    assert evicted == 6
     rest = llm.generate(prompts[1:], params, use_tqdm=False)
     for prompt, out in zip(prompts[1:], rest):
         assert out.num_cached_tokens == 32

@@ -112,19 +112,20 @@ def test_free_returns_every_block_after_a_preemption_mid_prefill(kv: KVCacheMana
     kv.free(r)  # preempted in the step that allocated blocks 4-5: their entries go, the rest stay cached
     r.num_computed_tokens = 0
     assert kv.num_free_blocks == NUM_BLOCKS
-    # resumed from scratch: admitted again, the whole chain 0..3 is cached (blocks 0-1 were freed by the
-    # window but never handed out since); hits behind the window are not taken
+    # resumed from scratch: blocks 0..3 are cached (0-1 freed by the window but never handed out since);
+    # a hit of 16 tokens needs only blocks 2-3 (the keys position 16 reads): 0-1 come back as placeholders
     hits, num_hit = kv.get_computed_blocks(r)
-    assert num_hit == 16
+    assert num_hit == 16 and hits[:2] == [NULL_BLOCK, NULL_BLOCK]
     assert kv.allocate_slots(r, 8, hits) is not None
     assert kv._tables["a"][:2] == [NULL_BLOCK, NULL_BLOCK]
-    assert [b.ref_cnt for b in hits] == [0, 0, 1, 1]
+    assert [b.ref_cnt for b in hits[2:]] == [1, 1]
     kv.free(r)
 
 
 def test_a_hit_never_takes_a_block_handed_out_again(kv: KVCacheManager) -> None:
     """Request a's early blocks go back to the pool behind its window; once another request takes them
-    (and writes other K/V there), a lookup of a's prompt stops at the first one."""
+    (and writes other K/V there), a lookup of a's prompt takes none of them: it hits on the window's
+    blocks a still holds, the earlier entries are placeholders."""
     prompt = list(range(24))
     a = req("a", prompt)
     for _ in range(6):  # chunks of 4: blocks 0 .. 2 freed behind the window as a advances
@@ -134,14 +135,30 @@ def test_a_hit_never_takes_a_block_handed_out_again(kv: KVCacheManager) -> None:
     freed = [kv.pool.cached[h].block_id for h in a.block_hashes[:3]]
     assert all(kv.pool.blocks[i].ref_cnt == 0 for i in freed)
     probe = req("p", [*prompt, 99])
-    assert kv.get_computed_blocks(probe)[1] == 24  # still cached: their K/V is intact
+    hits, num_hit = kv.get_computed_blocks(probe)
+    assert num_hit == 24 and hits[:4] == [NULL_BLOCK] * 4  # only blocks 4-5 are read from position 24
     # another request takes every free block: the freed ones are evicted (uncached) as it takes them
     b = req("b", [7] * (4 * kv.num_free_blocks))
     assert admit(kv, b) is not None
     assert all(kv.pool.blocks[i].block_hash not in a.block_hashes for i in freed)
-    assert kv.get_computed_blocks(probe) == ([], 0)
+    hits, num_hit = kv.get_computed_blocks(probe)
+    assert num_hit == 24 and hits[4:] == kv._tables["a"][4:6]
+    assert not {h.block_id for h in hits if h is not NULL_BLOCK} & set(kv.get_block_ids("b"))
     kv.free(a)
     kv.free(b)
+
+
+def test_a_window_hit_needs_the_window_blocks_or_the_whole_chain(kv: KVCacheManager) -> None:
+    """Cached blocks 0, 1 and 3 of a 6-block prompt, window 8 (position 4k reads blocks k-2 and k-1):
+    block 3 alone ends no hit, blocks 0-1 do, so the hit is 8 tokens, without placeholders."""
+    prompt = list(range(24))
+    a = req("a", prompt)
+    admit(kv, a)  # caches blocks 0 .. 5
+    kv.free(a)
+    for i in (2, 4, 5):
+        kv.pool.uncache(kv.pool.cached[a.block_hashes[i]])
+    hits, num_hit = kv.get_computed_blocks(req("p", [*prompt, 99]))
+    assert num_hit == 8 and NULL_BLOCK not in hits
 
 
 def test_abort_while_waiting_for_a_token_frees_everything(kv: KVCacheManager) -> None:
