@@ -3,6 +3,7 @@
 Tiny random Mistral and Qwen2 models whose every layer slides over 8 tokens (prompts of 10-40 tokens
 outgrow it many times over), blocks of 4: float32 greedy tokens and logprobs equal transformers' (a
 full recompute per token, its own sliding-window mask), with chunked prefill, async scheduling,
+speculative decoding (n-gram drafts verified as multi-token steps),
 preemption under a tiny cache and prefix-cache hits. Each run also checks that blocks really were
 freed (no request ever holds more than its window's and its step's blocks) and that every block is
 back in the pool at the end. A Qwen2 whose first layer attends to everything (hybrid) keeps its blocks
@@ -132,3 +133,12 @@ def test_a_hybrid_model_keeps_its_blocks_and_matches(make_model, tmp_path_factor
     assert llm.engine.scheduler.kv.sliding_window is None
     # the longest prompt's blocks after its prefill, then more while decoding (freeing would drop to 3)
     assert most > -(-max(map(len, prompts)) // BS)
+
+
+def test_speculative_decoding_with_freeing_matches_transformers(mistral: Path) -> None:
+    """n-gram drafts verified as multi-token steps over freed blocks (repetitive prompts, so the
+    proposer drafts): still transformers' tokens and logprobs."""
+    prompts = [(p * 6)[:24 + 3 * i] for i, p in enumerate(make_prompts(16, 3, 500, lo=3, hi=5))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    llm, _ = run_windowed(mistral, prompts, WINDOW, speculative_config=spec)
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
