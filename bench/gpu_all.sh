@@ -11,12 +11,13 @@
 #                    run(command="bash bench/gpu_all.sh moe", carry=[".gpu"])   # MoE kernel tests + figures, ~2 min
 #                    run(command="bash bench/gpu_all.sh spec", carry=[".gpu"])  # speculative decoding, ~6 min
 #                    run(command="bash bench/gpu_all.sh pd_tests", carry=[".gpu"])  # P/D blocks on CUDA, ~2 min
+#                    run(command="bash bench/gpu_all.sh swa_tests", carry=[".gpu"])  # sliding-window KV freeing, ~2 min
 #
 # Measured on an H200 (2026-11-27): the kernel tests take ~20 s over 8 xdist workers; the tests that build
 # an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially);
 # kernels 18 s, profile 60 + 49 s, e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host
 # greedy 61 s.
-# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe spec lora pd_tests): pass stage names to run a subset. Each
+# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe spec lora pd_tests swa_tests): pass stage names to run a subset. Each
 # stage has its own timeout, so one hang still leaves every other log. The device tool caps a call at 10
 # minutes and lends a session 15 minutes of device time in all: pick the stages that the session needs.
 set -uo pipefail
@@ -77,6 +78,10 @@ for s in "${stages[@]}"; do
     # with it off and on, each pair in one process (one model build, one bandwidth measurement).
     pd_tests) stage tests_pd 240 python -m pytest -q -p no:cacheprovider --timeout 200 -rfE \
                -m "slow or not slow" tests/gpu/test_kv_transfer_gpu.py ;;
+    # Sliding-window KV freeing through the Triton kernels (issue 41, helper swa): exact against transformers
+    # and against keeping every block.
+    swa_tests) stage tests_swa 240 python -m pytest -q -p no:cacheprovider --timeout 200 -rfE \
+               -m "slow or not slow" tests/gpu/test_sliding_window_gpu.py ;;
     async_tests) stage tests_async 240 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE \
                -m "slow or not slow" tests/gpu/test_async_scheduling.py ;;
     async)   stage gpu_e2e_async 170 python bench/gpu_e2e.py --skip-hf --async-scheduling off on
@@ -103,7 +108,7 @@ for s in "${stages[@]}"; do
              stage lora_step 150 bash -c "python -m entrypoints.cli make-demo-model /tmp/smollm2 --dtype float32 && \
                python bench/lora_step.py --model /tmp/smollm2 --device cuda --dtype bfloat16 --batch 32 --rank 16 \
                --adapters 8 --rounds 5" ;;
-    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe spec lora pd_tests)"; exit 2 ;;
+    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe spec lora pd_tests swa_tests)"; exit 2 ;;
   esac
 done
 echo; cat "$OUT/summary.txt"

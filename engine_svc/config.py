@@ -28,8 +28,6 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "GptOssForCausalLM",
 )
-# Architectures whose config's sliding_window applies to some layers only, in the attention itself.
-PER_LAYER_WINDOW_ARCHITECTURES = ("GptOssForCausalLM",)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -45,7 +43,7 @@ CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
 # `--async-scheduling` when not given, by device (EngineConfig.resolved_async_scheduling; figures in
 # BENCHMARKS.md, "Async scheduling").
 ASYNC_SCHEDULING_DEFAULT = {"cpu": False, "cuda": False}
-_RESOLVED_FIELDS = frozenset({"architecture", "model_dtype"})  # set by create(), not user arguments
+_RESOLVED_FIELDS = frozenset({"architecture", "model_dtype", "kv_sliding_window"})  # set by create(), not user arguments
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +180,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # Keep every KV block for the whole context even where every layer slides over one window (vLLM's
+    # --disable-hybrid-kv-cache-manager); see kv_sliding_window.
+    disable_hybrid_kv_cache_manager: bool = False
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -202,6 +203,9 @@ class EngineConfig:
     # Resolved by create(); not user arguments.
     architecture: str = field(default="", compare=False)
     model_dtype: str | None = field(default=None, compare=False)  # the checkpoint's own dtype
+    # The window every attention layer slides over (engine_svc/model/windows.py): the KV cache frees blocks
+    # behind it. None: some layer attends to the whole context, so every block is kept.
+    kv_sliding_window: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -302,21 +306,17 @@ class EngineConfig:
         if max_model_len > model_max:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
                               f"{model_max}; lower it")
-        window = None if arch in PER_LAYER_WINDOW_ARCHITECTURES else _sliding_window(hf_config)
-        if window is not None and max_model_len > window:
-            if kwargs.get("max_model_len"):
-                raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's sliding window {window}; "
-                                  "tandem attends over the full context, which equals windowed attention only "
-                                  f"up to {window} tokens: lower --max-model-len to {window} or less")
-            max_model_len = window
         kwargs["max_model_len"] = max_model_len
+        window = _kv_sliding_window(arch, hf_config)
+        if kwargs.get("disable_hybrid_kv_cache_manager"):
+            window = None
         _check_pipeline(hf_config, kwargs)
         if "lora_modules" in kwargs:
             kwargs["lora_modules"] = _lora_modules_arg(kwargs["lora_modules"])
         if kwargs.get("device", "auto") == "auto":
             kwargs["device"] = _auto_device()
         _fill_step_defaults(kwargs, max_model_len)
-        config = cls(architecture=arch, model_dtype=model_dtype_of(hf_config), **kwargs)
+        config = cls(architecture=arch, model_dtype=model_dtype_of(hf_config), kv_sliding_window=window, **kwargs)
         config._log_dtype_choice()
         return config
 
@@ -399,13 +399,16 @@ def _check_experts(arch: str, hf_config: dict[str, Any], kwargs: dict[str, Any])
         raise ConfigError(f"{arch}: {exc}") from None
 
 
-def _sliding_window(hf_config: dict[str, Any]) -> int | None:
-    """The attention window the model was trained with, if it uses one (Qwen2/3 configs carry a window
-    but switch it off with use_sliding_window=false)."""
-    window = hf_config.get("sliding_window")
-    if not window or not hf_config.get("use_sliding_window", True):
-        return None
-    return int(window)
+def _kv_sliding_window(arch: str, hf_config: dict[str, Any]) -> int | None:
+    """The window all the model's attention layers share (engine_svc/model/windows.py), or None; a
+    malformed `sliding_window` / `layer_types` is refused naming the field."""
+    from engine_svc.model.moe_config import MoeConfigError
+    from engine_svc.model.windows import kv_window, layer_windows
+
+    try:
+        return kv_window(layer_windows(arch, hf_config, int(hf_config.get("num_hidden_layers") or 0)))
+    except MoeConfigError as exc:
+        raise ConfigError(f"{arch}: {exc}") from None
 
 
 def _auto_device() -> str:
@@ -471,6 +474,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-memory-bytes", type=int, default=None)
     a("--num-gpu-blocks-override", type=int, default=None)
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    a("--disable-hybrid-kv-cache-manager", action="store_true",
+      help="keep every KV block of a sliding-window model for the whole context (vLLM's flag)")
     a("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
     a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     a("--enforce-eager", action="store_true")

@@ -94,6 +94,7 @@ class EngineCore:
             lora_ids=lora_ids(config.lora_modules) if config.enable_lora else None,
             max_loras=config.max_loras,
             kv_connector=self.kv_connector,
+            sliding_window=None if self.kv_connector is not None else config.kv_sliding_window,
         )
         # LoRA adapters by name, loaded and unloaded at run time too (None without --enable-lora).
         self.loras: LoRARegistry | None = None

@@ -22,9 +22,16 @@ Per call: write this step's K/V into the cache through `slot_mapping`, then atte
 - Prefill chunks run one SDPA call per request: `is_causal` when the chunk is the whole context,
   otherwise the context is gathered from the cache and the causal mask is offset by seq_len - q_len.
 
-A layer with a sliding window or attention sinks (gpt-oss) takes `_windowed` instead: per request, its
-context gathered from the cache, scores as one matmul per request, the causal and window mask, the sinks
-as one more column of the softmax (dropped after it), as transformers' eager attention computes it.
+A layer with a sliding window or attention sinks (gpt-oss, Mistral-style models) differs:
+- its decodes go to the native op too, which starts each request's keys at its window and adds the sink
+  to the softmax's denominator;
+- everything else takes `_windowed`: per request, the part of its context that some query of the step
+  can see (from the first query's window on) gathered from the cache, scores as one matmul per request,
+  the causal and window mask, the sinks as one more column of the softmax (dropped after it), as
+  transformers' eager attention computes it. Nothing behind a request's window is read: the KV cache may
+  have handed those blocks to another request (engine_svc/kv/kv_cache_manager.py);
+- a window that cuts nothing this step (no sinks, every context within the window) is full attention,
+  and takes the paths above.
 
 Masked positions are multiplied by a probability of exactly 0, so the cache must hold finite values
 everywhere: it is zero-initialised and only ever written with the model's K/V.
@@ -223,13 +230,21 @@ class TorchAttentionBackend:
         sinks: torch.Tensor | None = None,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if sinks is not None or sliding_window is not None:
+        if sinks is not None or (sliding_window is not None and meta.max_seq_len > sliding_window):
             if not kv_written:
                 token_major = kv_cache.transpose(2, 3)
                 write_at = _block_and_offset(meta.slot_mapping.long(), kv_cache.shape[3])
                 token_major[0].index_put_(write_at, key)
                 token_major[1].index_put_(write_at, value)
-            return _windowed(query, kv_cache, meta, scale, sinks, sliding_window)
+            native = self._native_decode(query, kv_cache) if meta.num_decodes else None
+            if native is None:
+                return _windowed(query, kv_cache, meta, scale, sinks, sliding_window)
+            decodes = native(query[: meta.num_decodes], kv_cache, meta.block_table.contiguous(),
+                             meta.seq_lens.contiguous(), scale, sinks, sliding_window or 0)
+            if meta.num_decodes == meta.num_reqs and meta.num_decodes == query.shape[0]:
+                return decodes
+            return torch.cat([decodes, _windowed(query, kv_cache, meta, scale, sinks, sliding_window,
+                                                 first=meta.num_decodes)])
         num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
         native = self._native_decode(query, kv_cache) if meta.num_decodes else None
         plan = _get_plan(meta, block_size, num_kv_heads, query.dtype, plan_decodes=native is None)
@@ -312,26 +327,39 @@ class TorchAttentionBackend:
         return out[0].transpose(0, 1)
 
 
+def _visible_context(block_table_row: torch.Tensor, q_len: int, seq_len: int, block_size: int,
+                     window: int | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(first, blocks, offsets): positions first .. seq_len - 1, the ones some query of the request's step
+    sees (first = the first query's window start; 0 without a window), as (block, offset) pairs."""
+    first = 0 if window is None else max(0, seq_len - q_len - window + 1)
+    positions = torch.arange(first, seq_len, device=block_table_row.device)
+    return first, block_table_row.long().index_select(0, positions // block_size), positions % block_size
+
+
 def _windowed(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-              sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
-    """Attention with a sliding window and / or sinks, request by request (the cache already written).
-    Each request's (block, offset) context indices are computed once per step and shared by the layers."""
+              sinks: torch.Tensor | None, window: int | None, first: int = 0) -> torch.Tensor:
+    """Attention with a sliding window and / or sinks, request by request from request `first` on (whose
+    query rows start at row `first`: the ones before are decodes), the cache already written. Each
+    request's visible (block, offset) indices are computed once per step and window, shared by the layers."""
     block_size = kv_cache.shape[3]
-    contexts = meta.__dict__.get(_CONTEXTS_ATTR)
+    memo = meta.__dict__.setdefault(_CONTEXTS_ATTR, {})
+    contexts = memo.get(window)
     if contexts is None:
-        contexts = [_context_at(meta.block_table[i], meta.seq_lens_cpu[i], block_size) for i in range(meta.num_reqs)]
-        meta.__dict__[_CONTEXTS_ATTR] = contexts
+        contexts = memo[window] = [
+            _visible_context(meta.block_table[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i], block_size, window)
+            for i in range(meta.num_reqs)]
     num_heads, group = query.shape[1], query.shape[1] // kv_cache.shape[2]
-    parts, start = [], 0
-    for i, (blocks, offsets) in enumerate(contexts):
+    parts, start = [], first
+    for i in range(first, meta.num_reqs):
+        k_first, blocks, offsets = contexts[i]
         q_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-        k, v = kv_cache[:, blocks, :, offsets].unbind(1)  # [seq_len, Hkv, D] each
-        k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, seq_len, D]
+        k, v = kv_cache[:, blocks, :, offsets].unbind(1)  # [seq_len - k_first, Hkv, D] each
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, seq_len - k_first, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, seq_len]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, seq_len - k_first]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        k_pos = torch.arange(k_first, seq_len, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos
         if window is not None:
             allowed &= k_pos > q_pos - window

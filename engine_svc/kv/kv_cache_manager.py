@@ -21,6 +21,22 @@ Prefix caching (when enabled):
   their full blocks are still cached for others.
 - With `events` (a `KVEventLog`), the pool records every block entering or leaving the cache, with its
   parent's hash and its tokens (engine_svc/kv/events.py).
+- Sliding window (`sliding_window` W, set only when every attention layer slides over the same W,
+  engine_svc/model/windows.py): a query at position p reads keys p - W < k <= p only, and positions only
+  grow, so before a step that computes from position q0 = num_computed_tokens the blocks wholly below
+  q0 - W + 1 are never read again. They go back to the pool (`_free_behind_window`, run by every
+  allocation before it counts free blocks), and their table entries become `NULL_BLOCK`, a placeholder
+  that is no block of the pool: the table keeps one entry per block of positions, so indices stay
+  positions. The workers are not told: their tables keep the old ids, which no kernel reads again (the
+  attention backends start each request's keys at its window) and no slot mapping writes (writes go to
+  positions >= q0). A request thus holds about W / block_size + its step's blocks, however long it grows,
+  and the scheduler, which admits by free blocks, fits more of them.
+  Prefix caching stays exact: a freed block keeps its cache entry and its K/V until the pool hands it
+  out again (which uncaches it), so a hit on it reads exactly the K/V its hash promises. The lookup
+  (`_window_hit`, vLLM's rule) needs only the blocks the first computed position's window reads to be
+  cached: the blocks before them come back as `NULL_BLOCK` placeholders, and the hits behind the new
+  request's window are not taken (their table entries are `NULL_BLOCK` at once). `NULL_BLOCK` is never
+  cached, freed or referenced.
 - Counters (in tokens, like vLLM): at each successful admission (first schedule, and again at each resume
   after a preemption) `prefix_cache_queries += num_tokens` and `prefix_cache_hits += hit tokens`. A request
   whose lookup is skipped counts nothing. With prefix caching off both stay 0.
@@ -35,13 +51,21 @@ from engine_svc.kv.block_pool import BlockPool, KVCacheBlock
 from engine_svc.kv.events import KVEventLog
 from engine_svc.request import Request
 
+# The table entry of a block freed behind the sliding window. Its id (0) is only ever sent to workers in a
+# full table (admission, resume) for positions no kernel reads; it belongs to no pool.
+NULL_BLOCK = KVCacheBlock(0)
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, sliding_window: int | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._num_freed: dict[str, int] = {}  # request id -> leading table entries that are NULL_BLOCK
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, events)
         self._tables: dict[str, list[KVCacheBlock]] = {}
@@ -83,6 +107,8 @@ class KVCacheManager:
         self.hash_blocks(request)
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
+        if self.sliding_window is not None:
+            return self._window_hit(request, max_blocks)
         tokens = request.all_token_ids
         hits: list[KVCacheBlock] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
@@ -92,6 +118,29 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * bs
 
+    def _window_hit(self, request: Request, max_blocks: int) -> tuple[list[KVCacheBlock], int]:
+        """The longest hit under a sliding window (vLLM's rule): L blocks are a hit when the
+        ceil((W - 1) / block_size) blocks before block L, the keys position L * block_size reads, are all
+        cached (or blocks 0 .. L - 1 are). Blocks before those are `NULL_BLOCK`: nothing reads them. The
+        chained hash of a cached block stands for its whole prefix, so its K/V is the request's."""
+        bs = self.block_size
+        assert self.sliding_window is not None
+        need = max(1, -(-(self.sliding_window - 1) // bs))
+        tokens, hashes = request.all_token_ids, request.block_hashes
+        run: list[KVCacheBlock] = []  # cached blocks found walking back from `end`, nearest first
+        end = max_blocks
+        for i in range(max_blocks - 1, -1, -1):
+            block = self.pool.get_cached_block(hashes[i], tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                run, end = [], i
+                continue
+            run.append(block)
+            if len(run) >= need:
+                break
+        if len(run) < need and end != len(run):
+            return [], 0  # no run long enough, and the blocks from 0 are not all cached
+        return [NULL_BLOCK] * (end - len(run)) + run[::-1], end * bs
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] | None = None
     ) -> list[int] | None:
@@ -100,9 +149,12 @@ class KVCacheManager:
         `new_computed_blocks` (the hits from `get_computed_blocks`) may only be given at admission, i.e.
         while the request has no table; `request.num_computed_tokens` must not include them yet.
         Returns the block ids appended to the table (hits first), or None when there are not enough free
-        blocks, in which case nothing changed.
+        blocks, in which case nothing changed but the freeing of blocks behind a sliding window (which
+        no step from `num_computed_tokens` on reads: it is done first, so they count as free).
         """
         table = self._tables.get(request.request_id)
+        if table is not None and self.sliding_window is not None:
+            self._free_behind_window(request.request_id, table, request.num_computed_tokens)
         if table is not None and not new_computed_blocks:
             # Fast path (a decode, most steps): the tokens fit in the blocks held and fill none of them, so
             # `_allocate` would take no block and cache none (the request's hashes are already current).
@@ -125,15 +177,19 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed) * bs
         num_tokens = num_computed + num_new_tokens
         num_new_blocks = max(0, -(-num_tokens // bs) - num_held)
-        num_hits_in_free_queue = sum(1 for b in computed if b.ref_cnt == 0)
+        num_behind = self._num_behind_window(num_computed) if table is None else 0
+        taken = computed[num_behind:]  # hits behind the window are not taken (see the module docstring)
+        num_hits_in_free_queue = sum(1 for b in taken if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_hits_in_free_queue:
             return None
 
-        self.pool.touch(computed)
-        added = computed + self.pool.get_new_blocks(num_new_blocks)
+        self.pool.touch(taken)
+        added = [NULL_BLOCK] * min(num_behind, len(computed)) + taken + self.pool.get_new_blocks(num_new_blocks)
         if table is None:
             table = self._tables[request.request_id] = []
             self._count_prefix_query(request, len(computed) * bs)
+            if num_behind and computed:
+                self._num_freed[request.request_id] = min(num_behind, len(computed))
         table.extend(added)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, table, num_computed // bs, num_tokens // bs)
@@ -148,12 +204,32 @@ class KVCacheManager:
         """
         table = self._tables.pop(request.request_id, None)
         self._late.pop(request.request_id, None)
+        num_freed = self._num_freed.pop(request.request_id, 0)
         if not table:
             return
-        for block in table[request.num_computed_tokens // self.block_size :]:
+        for block in table[max(num_freed, request.num_computed_tokens // self.block_size) :]:
             if block.ref_cnt == 1:
                 self.pool.uncache(block)
-        self.pool.free_blocks(reversed(table))
+        self.pool.free_blocks(reversed(table[num_freed:]))
+
+    def _num_behind_window(self, num_computed: int) -> int:
+        """How many leading blocks no query from position `num_computed` on reads (0 without a window)."""
+        window = self.sliding_window
+        if window is None or num_computed < window:
+            return 0
+        return (num_computed - window + 1) // self.block_size
+
+    def _free_behind_window(self, request_id: str, table: list[KVCacheBlock], num_computed: int) -> None:
+        """Return the request's blocks that lie wholly behind its window to the pool, oldest first,
+        leaving `NULL_BLOCK` in their table entries. Cheap (two compares) when there is none."""
+        done = self._num_freed.get(request_id, 0)
+        behind = min(self._num_behind_window(num_computed), len(table))
+        if behind <= done:
+            return
+        freed = table[done:behind]
+        table[done:behind] = [NULL_BLOCK] * (behind - done)
+        self._num_freed[request_id] = behind
+        self.pool.free_blocks(b for b in freed if b is not NULL_BLOCK)
 
     def _uses_lookup(self, request: Request) -> bool:
         return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
@@ -196,4 +272,6 @@ class KVCacheManager:
         bs = self.block_size
         hashes, tokens = request.block_hashes, request.all_token_ids
         for i in range(start, stop):
-            self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs], hashes[i - 1] if i else None)
+            if table[i] is not NULL_BLOCK:  # a block freed behind the window before its token was known
+                self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs],
+                                      hashes[i - 1] if i else None)

@@ -40,6 +40,7 @@ from engine_svc.model.layers.linear import (
 )
 from engine_svc.model.layers.norm import QKNorm, RMSNorm
 from engine_svc.model.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary, read_rope_config
+from engine_svc.model.windows import kv_window
 from kernels import rope as triton_rope  # importing kernels never imports triton
 
 FUSED_KERNELS_ENV = "TANDEM_FUSED_KERNELS"
@@ -285,9 +286,9 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.dtype = dtype
         self.max_position = self.model.rotary_emb.max_position  # positions must stay below it
-        # Not applied by the attention backends: EngineConfig caps max_model_len at it, so full attention
-        # equals windowed attention for every sequence the engine accepts.
-        self.sliding_window: int | None = getattr(config, "sliding_window", None)
+        # Each layer's attention applies its own window (variant.layer_windows); this is the window all
+        # layers share (None when some layer attends to everything), behind which KV blocks may be freed.
+        self.sliding_window: int | None = kv_window(variant.layer_windows)
 
     @property
     def is_tied(self) -> bool:

@@ -12,6 +12,7 @@ from torch import nn
 from engine_svc.attention.backend import AttentionBackend
 from engine_svc.model.llama import DecoderVariant, LlamaForCausalLM
 from engine_svc.model.moe_models import MoeFeedForward, gpt_oss_variant, mixtral_variant, qwen3_moe_variant
+from engine_svc.model.windows import layer_windows
 
 
 def _llama(config: Any) -> DecoderVariant:
@@ -56,6 +57,10 @@ def resolve_architecture(hf_config: Any, expert_parallel: bool = False) -> tuple
         )
     cls, variant_of = _ARCHITECTURES[arch]
     variant = variant_of(hf_config)
+    if variant.layer_windows is None:  # the dense models' (and Mixtral's, Qwen3-MoE's) sliding windows
+        windows = layer_windows(arch, hf_config, int(hf_config.num_hidden_layers))
+        if windows is not None:
+            variant = replace(variant, layer_windows=windows)
     if expert_parallel:
         if not isinstance(variant.feed_forward, MoeFeedForward):
             raise ValueError(f"--enable-expert-parallel needs a mixture-of-experts model; {arch} has no experts")

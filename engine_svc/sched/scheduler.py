@@ -115,7 +115,13 @@ class Scheduler:
         lora_ids: Mapping[str, int] | None = None,
         max_loras: int = 1,
         kv_connector: KVConnector | None = None,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: the window every attention layer shares; the KV cache frees blocks behind it
+        (engine_svc/kv/kv_cache_manager.py). Not with `kv_connector`: blocks handed to another engine must
+        hold the whole prompt."""
+        if sliding_window is not None and kv_connector is not None:
+            raise ValueError("sliding-window KV freeing cannot be combined with a KV connector")
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -129,7 +135,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.policy = policy
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_events)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_events, sliding_window)
         self.waiting = make_request_queue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every waiting or running request

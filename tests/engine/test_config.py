@@ -87,18 +87,33 @@ def test_cuda_without_a_gpu_is_a_clear_startup_error(llama_dir) -> None:
         LLM(str(llama_dir), device="cuda")
 
 
-def test_a_sliding_window_caps_the_context(llama_dir, tmp_path) -> None:
+def test_a_sliding_window_frees_kv_when_every_layer_shares_it(llama_dir, tmp_path) -> None:
+    """The window no longer caps the context (the attention applies it); the KV cache frees blocks behind
+    it only when every layer slides over the same window (engine_svc/model/windows.py)."""
     import shutil
 
     model = tmp_path / "windowed"
     shutil.copytree(llama_dir, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "sliding_window": 512}))
-    assert EngineConfig.create(model=str(model)).max_model_len == 512  # full attention == window up to here
-    with pytest.raises(ConfigError, match="exceeds the model's sliding window 512"):
-        EngineConfig.create(model=str(model), max_model_len=1024)
-    (model / "config.json").write_text(json.dumps({**config, "sliding_window": 512, "use_sliding_window": False}))
-    assert EngineConfig.create(model=str(model)).max_model_len == 2048
+
+    def create(**fields):
+        (model / "config.json").write_text(json.dumps({**config, **fields}))
+        return EngineConfig.create(model=str(model))
+
+    mistral = create(architectures=["MistralForCausalLM"], sliding_window=512)
+    assert (mistral.max_model_len, mistral.kv_sliding_window) == (2048, 512)
+    assert create(architectures=["LlamaForCausalLM"], sliding_window=512).kv_sliding_window is None
+    qwen2 = dict(architectures=["Qwen2ForCausalLM"], sliding_window=512, num_hidden_layers=2)
+    assert create(**qwen2, use_sliding_window=False).kv_sliding_window is None
+    assert create(**qwen2, use_sliding_window=True, max_window_layers=0).kv_sliding_window == 512
+    # layer 0 attends to everything (hybrid): every block is kept
+    assert create(**qwen2, use_sliding_window=True, max_window_layers=1).kv_sliding_window is None
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"],
+                                                   "sliding_window": 512}))
+    kept = EngineConfig.create(model=str(model), disable_hybrid_kv_cache_manager=True)
+    assert kept.kv_sliding_window is None
+    with pytest.raises(ConfigError, match="sliding_window"):
+        create(architectures=["MistralForCausalLM"], sliding_window=-4)
 
 
 def _with_dtype(llama_dir, tmp_path, dtype: str):

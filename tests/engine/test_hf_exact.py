@@ -51,6 +51,13 @@ def run_and_compare(model_dir: Path, prompts: list[list[int]], **engine_args) ->
     llm = LLM(str(model_dir), dtype="float32", **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_greedy_matches_hf(model_dir, prompts, outs)
+    assert_no_block_leaks(llm)
+    return outs
+
+
+def assert_greedy_matches_hf(model_dir: Path, prompts: list[list[int]], outs: list) -> None:
+    """Each output (greedy, `logprobs=0`, MAX_TOKENS, ignore_eos) is transformers' tokens and logprobs."""
     for prompt, out in zip(prompts, outs):
         expected, expected_lp = hf_greedy(model_dir, prompt, MAX_TOKENS)
         got = out.outputs[0]
@@ -58,8 +65,6 @@ def run_and_compare(model_dir: Path, prompts: list[list[int]], **engine_args) ->
         got_lp = [entry.logprob for entry in got.logprobs]
         assert got_lp == pytest.approx(expected_lp, abs=1e-4)
         assert got.finish_reason == "length"
-    assert_no_block_leaks(llm)
-    return outs
 
 
 def assert_no_block_leaks(llm: LLM) -> None:

@@ -5,6 +5,10 @@
 // [block_size, D] run. Work item = (request, KV head): its H / Hkv query heads are scored against every
 // context position block by block, softmaxed and applied to the values, all accumulated in float32;
 // only the output is rounded to the model dtype. Items run in parallel on torch's intra-op pool.
+// Per layer, optionally (gpt-oss, Mistral-style windows): a sliding window W (the query at position
+// seq_len - 1 sees keys from seq_len - W on: blocks before the window's first block are never read, and
+// may hold another request's K/V) and attention sinks (one logit per query head joins the softmax's max
+// and denominator, with no value).
 // Where the build has AVX512-BF16, bfloat16 with 16-token blocks scores keys with vdpbf16ps and (head_dim
 // 64) sums values in registers; everything else, and `paged_decode_portable`, takes the portable loops.
 #include "cpu_math.h"
@@ -21,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -100,23 +105,24 @@ inline void block_scores_bf16(const at::BFloat16* const* q_rows, const at::BFloa
 #ifdef TANDEM_AVX512_BF16
 // acc[g, 0:64] = sum_pos scores[g, pos] * v_pos for head_dim 64: each value row converted once (4 float32
 // vectors) and the group's accumulators held in registers, 4 query heads a pass.
-inline void weighted_values_64(const float* scores, int64_t padded, int64_t seq_len, const at::BFloat16* v_base,
-                               const int32_t* blocks, int64_t num_kv_heads, int64_t kv_head, int64_t run,
-                               int64_t block_size, int64_t group, float* acc_out) {
+// Positions [lo, seq_len); scores[g * padded + pos - base] holds position pos's score.
+inline void weighted_values_64(const float* scores, int64_t padded, int64_t base, int64_t lo, int64_t seq_len,
+                               const at::BFloat16* v_base, const int32_t* blocks, int64_t num_kv_heads,
+                               int64_t kv_head, int64_t run, int64_t block_size, int64_t group, float* acc_out) {
   constexpr int64_t kG = 4;
   for (int64_t g0 = 0; g0 < group; g0 += kG) {
     const int64_t ng = std::min(kG, group - g0);
     __m512 acc[kG][4];
     for (int64_t g = 0; g < kG; ++g)
       for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t pos = 0; pos < seq_len; ++pos) {
+    for (int64_t pos = lo; pos < seq_len; ++pos) {
       const at::BFloat16* v = v_base + (blocks[pos / block_size] * num_kv_heads + kv_head) * run + (pos % block_size) * 64;
       __m512 x[4];
       for (int c = 0; c < 4; ++c)
         x[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c))), 16));
       for (int64_t g = 0; g < ng; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * padded + pos]);
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * padded + pos - base]);
         for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, x[c], acc[g][c]);
       }
     }
@@ -139,7 +145,8 @@ inline bool use_bf16_dot(bool portable, int64_t block_size, int64_t head_dim) {
 
 template <typename T>
 void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                   const at::Tensor& seq_lens, double scale, at::Tensor& out, bool portable) {
+                   const at::Tensor& seq_lens, double scale, const float* sinks, int64_t window, at::Tensor& out,
+                   bool portable) {
   const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), num_kv_heads = kv_cache.size(2), block_size = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads, table_width = block_table.size(1);
@@ -161,7 +168,10 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
     for (int64_t item = begin; item < end; ++item) {
       const int64_t req = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t seq_len = lens[req];
-      const int64_t padded = (seq_len + block_size - 1) / block_size * block_size;
+      // positions [lo, seq_len) are seen; scores start at `base`, the first seen block's first position
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+      const int64_t base = lo / block_size * block_size;
+      const int64_t padded = (seq_len + block_size - 1) / block_size * block_size - base;
       const int32_t* blocks = table + req * table_width;
       for (int64_t g = 0; g < group; ++g) {
         const T* src = q_rows[g] = q_base + req * q_req_stride + (kv_head * group + g) * q_head_stride;
@@ -171,9 +181,9 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
 #ifdef TANDEM_AVX512_BF16
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (bf16_dot) {
-          for (int64_t pos0 = 0; pos0 < seq_len; pos0 += block_size) {
+          for (int64_t pos0 = base; pos0 < seq_len; pos0 += block_size) {
             const T* keys = k_base + (blocks[pos0 / block_size] * num_kv_heads + kv_head) * run;
-            for (int64_t g = 0; g < group; ++g) s_rows[g] = scores.data() + g * padded + pos0;
+            for (int64_t g = 0; g < group; ++g) s_rows[g] = scores.data() + g * padded + pos0 - base;
             // a partial last block scores its tail from finite cache values; the softmax never reads them
             block_scores_bf16(q_rows.data(), keys, group, head_dim, fscale, s_rows.data());
           }
@@ -182,12 +192,12 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
 #endif
       // scores[g, pos] = q_g . k_pos, a block's keys transposed so that each query element scales a
       // vector of block_size keys' elements (no horizontal sum per score)
-      for (int64_t pos0 = 0; pos0 < seq_len && !bf16_dot; pos0 += block_size) {
+      for (int64_t pos0 = base; pos0 < seq_len && !bf16_dot; pos0 += block_size) {
         const int64_t n = std::min(block_size, seq_len - pos0);
         const int64_t block = blocks[pos0 / block_size];
         keys_transposed(k_base + (block * num_kv_heads + kv_head) * run, k_t.data(), n, block_size, head_dim);
         for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * padded + pos0;
+          float* s = scores.data() + g * padded + pos0 - base;
           if (block_size == 16) {
             block_scores<16>(q.data() + g * head_dim, k_t.data(), s, head_dim);
           } else {
@@ -195,16 +205,18 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
           }
         }
       }
-      // softmax per query head over [0, seq_len) (unnormalised; the sum divides the output)
+      // softmax per query head over [lo, seq_len) and its sink (unnormalised; the sum divides the output)
       for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * padded;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < seq_len; ++p) mx = std::max(mx, s[p]);
-        float sum = 0.f;
+        float* s = scores.data() + g * padded + (lo - base);  // s[i]: position lo + i's score
+        const int64_t n = seq_len - lo;
+        const float sink = sinks != nullptr ? sinks[kv_head * group + g] : 0.f;
+        float mx = sinks != nullptr ? sink : -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+        float sum = sinks != nullptr ? tandem::exp_clamped(sink - mx) : 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < seq_len; ++p) {
-          s[p] = tandem::exp_clamped(s[p] - mx);
-          sum += s[p];
+        for (int64_t i = 0; i < n; ++i) {
+          s[i] = tandem::exp_clamped(s[i] - mx);
+          sum += s[i];
         }
         inv_sum[g] = 1.f / sum;
       }
@@ -213,18 +225,18 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
 #ifdef TANDEM_AVX512_BF16
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (bf16_dot && head_dim == 64) {
-          weighted_values_64(scores.data(), padded, seq_len, v_base, blocks, num_kv_heads, kv_head, run,
+          weighted_values_64(scores.data(), padded, base, lo, seq_len, v_base, blocks, num_kv_heads, kv_head, run,
                              block_size, group, acc.data());
           values_done = true;
         }
       }
 #endif
-      for (int64_t pos0 = 0; pos0 < seq_len && !values_done; pos0 += block_size) {
+      for (int64_t pos0 = base; pos0 < seq_len && !values_done; pos0 += block_size) {
         const int64_t n = std::min(block_size, seq_len - pos0);
         const T* v = v_base + (blocks[pos0 / block_size] * num_kv_heads + kv_head) * run;
-        for (int64_t t = 0; t < n; ++t)
+        for (int64_t t = std::max<int64_t>(0, lo - pos0); t < n; ++t)
           for (int64_t g = 0; g < group; ++g)
-            axpy(scores[g * padded + pos0 + t], v + t * head_dim, acc.data() + g * head_dim, head_dim);
+            axpy(scores[g * padded + pos0 - base + t], v + t * head_dim, acc.data() + g * head_dim, head_dim);
       }
       T* dst = out_base + (req * num_heads + kv_head * group) * head_dim;
       for (int64_t g = 0; g < group; ++g)
@@ -235,9 +247,12 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
 
 // query [B, H, D] (any request / head strides, dense rows: a view into the qkv projection), kv_cache [2, num_blocks, Hkv, block_size, D] (same dtype, contiguous), block_table
 // [>= B, width] int32, seq_lens [>= B] int32 (each >= 1, covered by the table); returns [B, H, D].
+// `sinks` [H] (any float dtype) or None; `window` > 0: keys from seq_len - window on only (0: all).
+// Only the table entries of the blocks read are checked (those before the window may be placeholders).
 // `portable` keeps bfloat16 on the float32 path CPUs without AVX512-BF16 take (tests compare the two).
 at::Tensor paged_decode_impl(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                             const at::Tensor& seq_lens, double scale, bool portable) {
+                             const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& sinks,
+                             int64_t window, bool portable) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode: bad shapes");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "paged_decode: query and cache dtypes differ");
@@ -253,16 +268,24 @@ at::Tensor paged_decode_impl(const at::Tensor& query, const at::Tensor& kv_cache
   const int64_t block_size = kv_cache.size(3), width = block_table.size(1), num_blocks = kv_cache.size(1);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
+  TORCH_CHECK(window >= 0, "paged_decode: window must be >= 0");
+  at::Tensor sink_logits;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == query.size(1), "paged_decode: sinks must be [num_heads]");
+    sink_logits = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sink_ptr = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
   for (int64_t r = 0; r < query.size(0); ++r) {
     TORCH_CHECK(lens[r] >= 1 && (lens[r] - 1) / block_size < width, "paged_decode: seq_len out of range");
-    for (int64_t b = 0; b <= (lens[r] - 1) / block_size; ++b)
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[r] - window) : 0;
+    for (int64_t b = lo / block_size; b <= (lens[r] - 1) / block_size; ++b)
       TORCH_CHECK(table[r * width + b] >= 0 && table[r * width + b] < num_blocks, "paged_decode: block out of range");
   }
   at::Tensor out = at::empty(query.sizes(), query.options());  // contiguous [B, H, D]
   if (query.scalar_type() == at::kFloat) {
-    decode_kernel<float>(query, kv_cache, block_table, seq_lens, scale, out, portable);
+    decode_kernel<float>(query, kv_cache, block_table, seq_lens, scale, sink_ptr, window, out, portable);
   } else if (query.scalar_type() == at::kBFloat16) {
-    decode_kernel<at::BFloat16>(query, kv_cache, block_table, seq_lens, scale, out, portable);
+    decode_kernel<at::BFloat16>(query, kv_cache, block_table, seq_lens, scale, sink_ptr, window, out, portable);
   } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
   }
@@ -270,13 +293,15 @@ at::Tensor paged_decode_impl(const at::Tensor& query, const at::Tensor& kv_cache
 }
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                        const at::Tensor& seq_lens, double scale) {
-  return paged_decode_impl(query, kv_cache, block_table, seq_lens, scale, false);
+                        const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& sinks,
+                        int64_t window) {
+  return paged_decode_impl(query, kv_cache, block_table, seq_lens, scale, sinks, window, false);
 }
 
 at::Tensor paged_decode_portable(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                 const at::Tensor& seq_lens, double scale) {
-  return paged_decode_impl(query, kv_cache, block_table, seq_lens, scale, true);
+                                 const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& sinks,
+                                 int64_t window) {
+  return paged_decode_impl(query, kv_cache, block_table, seq_lens, scale, sinks, window, true);
 }
 
 bool has_avx512_bf16() {
@@ -295,9 +320,13 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary_(at::Tensor x, const at::Tensor& positions, const at::Tensor& cache);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention reading the KV blocks in place");
+  m.def("paged_decode", &paged_decode, "Paged decode attention reading the KV blocks in place",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sinks") = py::none(), py::arg("window") = 0);
   m.def("paged_decode_portable", &paged_decode_portable,
-        "paged_decode on the portable path (bfloat16 without AVX512-BF16 dot products), for tests");
+        "paged_decode on the portable path (bfloat16 without AVX512-BF16 dot products), for tests",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sinks") = py::none(), py::arg("window") = 0);
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether bfloat16 decodes score keys with AVX512-BF16");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight (in place)");
   m.def("silu_and_mul", &silu_and_mul, "[gate | up] -> silu(gate) * up");

@@ -1,0 +1,136 @@
+"""Sliding-window models on CPU: KV capacity with blocks freed behind the window, and decode steps of a
+model with attention sinks on the native op. Writes its own tiny random models into --workdir.
+
+`capacity`: a tiny Mistral whose layers slide over --window tokens; --requests requests of --prompt
+prompt tokens each decode --decode tokens, through a KV cache of --blocks blocks of 16 tokens, once with
+blocks freed behind the window and once with every block kept (--disable-hybrid-kv-cache-manager).
+Printed per mode: the most requests running at once, the median running while all were admitted,
+preemptions, steps and wall time (the machine may be shared: the wall time is indicative only).
+
+    python bench/sliding_window.py capacity --window 1024 --prompt 8000 --decode 192 --requests 16 --blocks 1024
+
+`sinks-decode`: a tiny gpt-oss (sliding and full layers in turn, attention sinks on every layer);
+--decoders requests decode with --context-token prompts; decode steps are timed in rounds that alternate
+the native CPU decode op (sinks and windows in the op) and the torch path the sink layers took before
+(`TorchAttentionBackend(native=False)`: per-request gathers and matmuls). Printed: median and min-max of
+the decode step per path.
+
+    python bench/sliding_window.py sinks-decode --decoders 32 --context 512 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from engine_svc.config import EngineConfig
+from engine_svc.core import EngineCore
+from entrypoints.tiny_model import make_tiny_model
+from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams
+
+
+def _model(workdir: Path, arch: str, max_position: int, **shape: int) -> Path:
+    out = workdir / (f"{arch}-{max_position}-" + "-".join(f"{k}{v}" for k, v in sorted(shape.items())))
+    if not (out / "config.json").exists():
+        make_tiny_model(out, arch=arch, max_position_embeddings=max_position, vocab_size=512, **shape)
+    return out
+
+
+def capacity(args: argparse.Namespace) -> None:
+    src = _model(args.workdir, "mistral", 16384, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    config_path = src / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "sliding_window": args.window}))
+    print(f"tiny Mistral, window {args.window}; {args.requests} requests of {args.prompt} + {args.decode} tokens; "
+          f"KV cache of {args.blocks} blocks x 16 tokens")
+    print("| KV blocks | most running | median running | preemptions | steps | wall s |")
+    print("|---|---|---|---|---|---|")
+    for keep in (False, True):
+        engine = EngineConfig.create(model=str(src), dtype="float32", device="cpu", block_size=16,
+                                     num_gpu_blocks_override=args.blocks, disable_hybrid_kv_cache_manager=keep)
+        core = EngineCore(engine)
+        rng = random.Random(0)
+        params = EngineSamplingParams(temperature=0.0, max_tokens=args.decode, ignore_eos=True)
+        for i in range(args.requests):
+            prompt = [rng.randrange(5, 500) for _ in range(args.prompt)]
+            core.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=params))
+        running: list[int] = []
+        start = time.perf_counter()
+        while core.has_unfinished_requests():
+            core.step()
+            running.append(len(core.scheduler.running))
+        wall = time.perf_counter() - start
+        admitted = [n for n, w in zip(running, _waiting_trace(running)) if w]
+        print(f"| {'all kept' if keep else 'freed behind the window'} | {max(running)} | "
+              f"{statistics.median(admitted or running):.0f} | {core.scheduler.num_preemptions} | {len(running)} | "
+              f"{wall:.1f} |", flush=True)
+        core.shutdown()
+
+
+def _waiting_trace(running: list[int]) -> list[bool]:
+    """True for the steps up to the last one with the most requests running (the loaded phase)."""
+    last = max(i for i, n in enumerate(running) if n == max(running))
+    return [i <= last for i in range(len(running))]
+
+
+def sinks_decode(args: argparse.Namespace) -> None:
+    src = _model(args.workdir, "gpt_oss", 4096, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2,
+                 head_dim=64, intermediate_size=128, num_experts=8)
+    config = EngineConfig.create(model=str(src), dtype=args.dtype, device="cpu", max_model_len=4096)
+    core = EngineCore(config)
+    backend = core.executor.worker.model.attn_backend  # type: ignore[attr-defined]
+    rng = random.Random(0)
+    params = EngineSamplingParams(temperature=0.0, max_tokens=100000, ignore_eos=True)
+    for i in range(args.decoders):
+        prompt = [rng.randrange(5, 500) for _ in range(args.context)]
+        core.add_request(EngineCoreRequest(request_id=f"d{i}", prompt_token_ids=prompt, sampling_params=params))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or len(core.scheduler.waiting):
+        core.step()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.rounds):
+        for native in (True, False):
+            backend._native = native
+            core.step()  # one untimed step per switch
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                core.step()
+                times[native].append(time.perf_counter() - t0)
+    print(f"tiny gpt-oss ({args.dtype}, 4 layers, hidden 256, 8 heads / 2 KV heads of 64, window 8 on layers 0 "
+          f"and 2), {args.decoders} decodes with {args.context}-token prompts, {args.rounds} alternating rounds "
+          f"of {args.steps} steps")
+    print("| decode attention | step ms median | min - max |")
+    print("|---|---|---|")
+    for native in (False, True):
+        t = sorted(times[native])
+        label = "native op (sinks, windows)" if native else "torch per-request path"
+        print(f"| {label} | {statistics.median(t) * 1e3:.2f} | {t[0] * 1e3:.2f} - {t[-1] * 1e3:.2f} |")
+    core.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/tandem-sliding-window"))
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    cap = sub.add_parser("capacity")
+    cap.add_argument("--window", type=int, default=1024)
+    cap.add_argument("--prompt", type=int, default=8000)
+    cap.add_argument("--decode", type=int, default=192)
+    cap.add_argument("--requests", type=int, default=16)
+    cap.add_argument("--blocks", type=int, default=1024)
+    dec = sub.add_parser("sinks-decode")
+    dec.add_argument("--decoders", type=int, default=32)
+    dec.add_argument("--context", type=int, default=512)
+    dec.add_argument("--rounds", type=int, default=6)
+    dec.add_argument("--steps", type=int, default=10)
+    dec.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    capacity(args) if args.cmd == "capacity" else sinks_decode(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Sliding-window KV freeing on CUDA (Triton attention: windows skip whole tiles, partly-seen tiles mask
+the positions before the window): a tiny Mistral sliding over 8 tokens, float32, prompts of 20-40 tokens,
+under chunked prefill and a cache small enough to preempt. Greedy tokens equal transformers', and equal
+the same engine keeping every block (--disable-hybrid-kv-cache-manager), with every block back at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entrypoints import LLM, SamplingParams
+from tests.engine.test_hf_exact import MAX_TOKENS, assert_no_block_leaks, hf_greedy, make_prompts
+from tests.engine.test_sliding_window_hf import WINDOW, windowed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _generate(model_dir, prompts, **args):
+    llm = LLM(str(model_dir), dtype="float32", device="cuda", attention_backend="triton", block_size=4,
+              num_gpu_blocks_override=24, max_num_batched_tokens=16, **args)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_no_block_leaks(llm)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_freeing_on_cuda_matches_transformers_and_keeping_every_block(make_model, tmp_path_factory) -> None:
+    model_dir = windowed(make_model, tmp_path_factory, "mistral", sliding_window=WINDOW)
+    prompts = make_prompts(21, 6, 500, lo=20, hi=40)
+    freeing, freed_tokens = _generate(model_dir, prompts)
+    assert freeing.config.kv_sliding_window == WINDOW
+    _, kept_tokens = _generate(model_dir, prompts, disable_hybrid_kv_cache_manager=True)
+    assert freed_tokens == kept_tokens
+    for prompt, got in zip(prompts, freed_tokens):
+        assert got == hf_greedy(model_dir, prompt, MAX_TOKENS)[0]
