@@ -1,7 +1,7 @@
 """Executors run SchedulerOutputs on the workers and return rank 0's ModelRunnerOutput.
 
-`uniproc` runs one worker in the engine process (TP = 1); `multiproc` (tensor parallelism) spawns one
-worker process per rank. The engine core depends only on this interface.
+`uniproc` runs one worker in the engine process (TP = 1); `multiproc` spawns one worker process per
+rank; `ray_executor` places one Ray actor per rank. The engine core depends only on this interface.
 
 `execute_model(so, non_block=True)` returns a `StepFuture` at once: the engine core's batch queue
 (engine_svc/core.py) keeps up to `max_concurrent_batches` of them in flight, and takes their results in
@@ -86,9 +86,9 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """How many steps the engine core may keep in flight: 2 under async scheduling (step N+1 is
-        scheduled while step N runs), else 1. Pipeline parallelism would raise it to its stage count."""
-        return 2 if self.config.resolved_async_scheduling else 1
+        """How many steps the engine core may keep in flight: with P pipeline stages P (each stage works on
+        a different one), else 2 under async scheduling (step N+1 is scheduled while step N runs), else 1."""
+        return max(self.config.pipeline_parallel_size, 2 if self.config.resolved_async_scheduling else 1)
 
     @overload
     def execute_model(self, scheduler_output: SchedulerOutput,

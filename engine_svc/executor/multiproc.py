@@ -184,11 +184,6 @@ class MultiprocExecutor(Executor):
         self._commands.release_peer_ends()
 
     # ---- the Executor interface --------------------------------------------------------------------
-    @property
-    def max_concurrent_batches(self) -> int:
-        """With P pipeline stages, P batches in flight: each stage works on a different one."""
-        return max(self.config.pipeline_parallel_size, super().max_concurrent_batches)
-
     def determine_num_blocks(self) -> int:
         self._call(encode_command(Op.LOAD_MODEL))
         self._info = self._call_and_wait(decode_worker_info)  # type: ignore[assignment]
