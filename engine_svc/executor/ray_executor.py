@@ -37,8 +37,12 @@ from typing import Any, NoReturn
 
 import ray
 from ray.exceptions import RayError
-from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, \
-    remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine_svc.config import EngineConfig
@@ -73,7 +77,7 @@ def connect_ray(world_size: int, device: str) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return True
     cpus = max(os.cpu_count() or 1, world_size) if device == "cpu" else None
-    ray.init(num_cpus=cpus, include_dashboard=False)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False)  # "local": never a stale `ray start` one
     return True
 
 

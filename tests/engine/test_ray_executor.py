@@ -2,18 +2,18 @@
 the same worker as the multiproc executor and gives the same tokens (PP=2 against one process and
 transformers; TP=2 x PP=2 against the mp executor), with P batches in flight; a rank that raises, an actor
 killed mid-run or while idle fails the engine within seconds and leaves no actor behind; an existing
-cluster is used (RAY_ADDRESS, or an earlier ray.init()) and left running.
+cluster is used (an earlier ray.init(), else RAY_ADDRESS's) and left running.
 
-One cluster for the module (`ray start --head --block`, 4 CPUs, owned by this test process and stopped
-with it): starting Ray costs seconds.
+One local cluster for the module (4 CPUs, this process its driver): starting Ray costs seconds, and each
+engine's actors import torch (the slow marks keep the default run to one exactness and two fault tests).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-import subprocess
-import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +23,8 @@ import pytest
 import ray
 
 from engine_svc.config import ConfigError, EngineConfig
-from engine_svc.executor.multiproc import WorkerDiedError, free_tcp_port
-from engine_svc.executor.ray_executor import RayExecutor
+from engine_svc.executor.multiproc import WorkerDiedError
+from engine_svc.executor.ray_executor import RayExecutor, connect_ray
 from engine_svc.executor.worker_proc import FAULT_ENV
 from entrypoints import LLM, SamplingParams
 from tests.engine.test_hf_exact import MAX_TOKENS, assert_no_block_leaks, hf_greedy, make_prompts
@@ -37,50 +37,19 @@ ENGINE_ARGS: dict[str, Any] = dict(
     device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=32
 )
 RAY = dict(distributed_executor_backend="ray")
-AUTH_ENV = "RAY_AUTH_MODE"
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[str]:
-    """A local Ray head with 4 CPUs; yields its address. Stopped (with every actor) when the module ends.
-    Ray's token authentication is off for this throw-away loopback cluster (its head and its clients)."""
-    saved = os.environ.get(AUTH_ENV)
-    os.environ[AUTH_ENV] = "disabled"
-    port = free_tcp_port()
-    ray_bin = Path(sys.executable).with_name("ray")
-    head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
-                             "--include-dashboard=false", "--disable-usage-stats"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    address = f"127.0.0.1:{port}"
+def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """This process is the driver of a local Ray cluster with 4 CPUs for the module (executors use it and
+    leave it connected); stopped, with every actor, when the module ends."""
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray puts sockets under it
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=temp_dir)
     try:
-        wait_until(lambda: _reachable(address), 60, "the Ray head up", interval=0.5)
-        yield address
+        yield
     finally:
-        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
-        try:
-            head.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(10)
-        if saved is None:
-            os.environ.pop(AUTH_ENV, None)
-        else:
-            os.environ[AUTH_ENV] = saved
-
-
-def _reachable(address: str) -> bool:
-    import socket
-
-    host, port = address.split(":")
-    with socket.socket() as s:
-        return s.connect_ex((host, int(port))) == 0
-
-
-@pytest.fixture
-def on_cluster(ray_cluster: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """RAY_ADDRESS points at the module's cluster: each executor connects, and disconnects at shutdown."""
-    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
-    return ray_cluster
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +77,12 @@ def test_the_backend_flag_is_checked_and_defaults_by_world_size() -> None:
         EngineConfig(model="/x", distributed_executor_backend="dask")
     with pytest.raises(ConfigError, match="backend uni runs one worker"):
         EngineConfig(model="/x", pipeline_parallel_size=2, distributed_executor_backend="uni")
-    with pytest.raises(ConfigError, match="ray places the workers .* drop --nnodes"):
+    with pytest.raises(ConfigError, match=r"ray places the workers .* drop --nnodes"):
         EngineConfig(model="/x", tensor_parallel_size=2, nnodes=2, master_port=1, **RAY)
 
 
 # ---- exactness ----------------------------------------------------------------------------------------
-def test_ray_pp2_equals_one_process_and_transformers(on_cluster, llama3) -> None:
+def test_ray_pp2_equals_one_process_and_transformers(ray_session, llama3) -> None:
     """Two actors, one per stage, placed in a placement group of two CPU bundles; both stages busy."""
     prompts = make_prompts(3, 5, 500, lo=20, hi=30)
     llm = LLM(str(llama3), pipeline_parallel_size=2, **RAY, **ENGINE_ARGS)
@@ -128,7 +97,7 @@ def test_ray_pp2_equals_one_process_and_transformers(on_cluster, llama3) -> None
     finally:
         llm.engine.shutdown()
     assert_actors_gone(pids)
-    assert not ray.is_initialized(), "an executor that connected disconnects at shutdown"
+    assert ray.is_initialized(), "the driver's own Ray session stays connected"
     one = LLM(str(llama3), **ENGINE_ARGS)
     ref = one.generate(prompts, GREEDY, use_tqdm=False)
     one.engine.shutdown()
@@ -140,7 +109,7 @@ def test_ray_pp2_equals_one_process_and_transformers(on_cluster, llama3) -> None
 
 
 @pytest.mark.slow
-def test_ray_tp2_pp2_equals_the_mp_executor(on_cluster, llama3) -> None:
+def test_ray_tp2_pp2_equals_the_mp_executor(ray_session, llama3) -> None:
     """Four actors (two stages of two TP ranks) against four mp worker processes: the same tokens and
     logprobs, greedy (chunked prefill, preemption) and seeded sampling."""
     prompts = make_prompts(3, 5, 500, lo=20, hi=30)
@@ -163,22 +132,26 @@ def test_ray_tp2_pp2_equals_the_mp_executor(on_cluster, llama3) -> None:
             assert a == pytest.approx(b, abs=1e-4)
 
 
-def test_an_existing_ray_session_is_used_and_left_connected(ray_cluster, make_model) -> None:
-    ray.init(address=ray_cluster)
-    try:
-        llm = LLM(str(make_model("llama")), tensor_parallel_size=2, **RAY, **ENGINE_ARGS)
-        pids = actor_pids(llm)
-        out = llm.generate(make_prompts(11, 2, 500), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == 4 for o in out)
-        llm.engine.shutdown()
-        assert ray.is_initialized(), "the caller's Ray session stays connected"
-        assert_actors_gone(pids)
-    finally:
-        ray.shutdown()
+def test_the_cluster_is_the_current_one_then_ray_address_then_a_new_local_one(monkeypatch) -> None:
+    """connect_ray's choice (ray.init recorded, not run): an earlier ray.init() is used as it is and left
+    connected; else RAY_ADDRESS's cluster; else a new local one ("local": never a stale `ray start`
+    address) with a CPU per rank at least. It reports whether it connected (shutdown then disconnects)."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert connect_ray(4, "cpu") is False and calls == []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
+    assert connect_ray(4, "cuda") is True and calls[-1]["address"] == "10.0.0.7:6379"
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert connect_ray(4, "cpu") is True
+    assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] == 4
 
 
 # ---- faults ---------------------------------------------------------------------------------------------
-def test_an_exception_in_a_rank_fails_generate_and_ends_every_actor(on_cluster, make_model, monkeypatch) -> None:
+@pytest.mark.slow
+def test_an_exception_in_a_rank_fails_generate_and_ends_every_actor(ray_session, make_model, monkeypatch) -> None:
     """TANDEM_* variables reach the actors (the fault hook reads one)."""
     monkeypatch.setenv(FAULT_ENV, "rank=1,step=4")
     llm = LLM(str(make_model("llama")), pipeline_parallel_size=2, **RAY, **ENGINE_ARGS)
@@ -190,8 +163,8 @@ def test_an_exception_in_a_rank_fails_generate_and_ends_every_actor(on_cluster, 
     assert_actors_gone(pids)
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_sigkill_of_an_actor_fails_generate_and_ends_every_actor(on_cluster, make_model, victim: int) -> None:
+@pytest.mark.parametrize("victim", [pytest.param(0, marks=pytest.mark.slow), 1])
+def test_sigkill_of_an_actor_fails_generate_and_ends_every_actor(ray_session, make_model, victim: int) -> None:
     """Killing either stage's actor (the first: the last waits for activations; the last: the one that
     answers) fails the next step within seconds, naming the rank."""
     llm = LLM(str(make_model("llama")), pipeline_parallel_size=2, **RAY, **ENGINE_ARGS)
@@ -205,7 +178,7 @@ def test_sigkill_of_an_actor_fails_generate_and_ends_every_actor(on_cluster, mak
     assert_actors_gone(pids)
 
 
-def test_an_idle_actor_death_is_noticed_by_the_health_check(on_cluster, make_model) -> None:
+def test_an_idle_actor_death_is_noticed_by_the_health_check(ray_session, make_model) -> None:
     config = EngineConfig.create(model=str(make_model("llama")), tensor_parallel_size=2, **RAY, **ENGINE_ARGS)
     executor = RayExecutor(config)
     try:
