@@ -96,7 +96,7 @@ def make_placement_group(world_size: int, device: str, timeout_s: float) -> tupl
     if not ready:
         remove_placement_group(group)
         raise RuntimeError(f"the Ray cluster could not place {world_size} bundles of {bundle} within "
-                           f"{timeout_s:.0f} s (it has {ray.cluster_resources()}); add nodes or lower "
+                           f"{timeout_s:.0f} s (it has {ray.cluster_resources()}); add nodes or lower "  # type: ignore[no-untyped-call]
                            "--tensor-parallel-size x --pipeline-parallel-size")
     return group, True
 
@@ -219,7 +219,7 @@ class RayExecutor(Executor):
             ready, pending = ray.wait(pending, num_returns=1)
             for ref in ready:
                 self._check(ref, refs.index(ref))
-        return ray.get(refs)  # type: ignore[no-any-return]
+        return ray.get(refs)
 
     def _check(self, ref: Any, rank: int) -> None:
         """Fail the engine if the finished call `ref` of `rank` raised or its actor died."""

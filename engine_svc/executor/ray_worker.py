@@ -52,7 +52,7 @@ class RankActor:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), os.getpid(), port
+        return ray.util.get_node_ip_address(), os.getpid(), port  # type: ignore[no-untyped-call]
 
     def start(self, init_method: str) -> None:
         """Build the worker (binds the device), then join every rank's group at `init_method` (blocks until

@@ -9,8 +9,6 @@ import re
 import threading
 from typing import Any
 
-import pytest
-
 from engine_svc.config import EngineConfig
 from engine_svc.executor.fingerprint import encode_fingerprint, fingerprint_mismatch
 from engine_svc.executor.nodes import accept_nodes, connect_to_engine
