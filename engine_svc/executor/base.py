@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from typing import Literal, Protocol, overload
 
 from engine_svc.config import EngineConfig
+from engine_svc.executor.codec import WorkerInfo
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -124,3 +125,20 @@ class Executor(ABC):
     @property
     @abstractmethod
     def kv_block_bytes(self) -> int: ...
+
+
+class WorkerInfoExecutor(Executor):
+    """An executor whose workers live in other processes: `vocab_size` and `kv_block_bytes` are what the
+    answer rank reported when the model loaded (`_info`, set by `determine_num_blocks`)."""
+
+    _info: WorkerInfo | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        assert self._info is not None, "initialize() first"
+        return self._info.vocab_size
+
+    @property
+    def kv_block_bytes(self) -> int:
+        assert self._info is not None, "initialize() first"
+        return self._info.kv_block_bytes

@@ -49,7 +49,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn, cast
 
 from engine_svc.config import ConfigError, EngineConfig
-from engine_svc.executor.base import Executor, StepFuture
+from engine_svc.executor.base import StepFuture, WorkerInfoExecutor
 from engine_svc.executor.codec import (
     CacheSpec,
     Op,
@@ -109,7 +109,7 @@ class AnswerFuture:
         self._output = output
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(WorkerInfoExecutor):
     def __init__(
         self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, liveness_interval: float = 0.05
     ) -> None:
@@ -219,16 +219,6 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
-
-    @property
-    def vocab_size(self) -> int:
-        assert self._info is not None, "initialize() first"
-        return self._info.vocab_size
-
-    @property
-    def kv_block_bytes(self) -> int:
-        assert self._info is not None, "initialize() first"
-        return self._info.kv_block_bytes
 
     @property
     def worker_pids(self) -> list[int]:

@@ -46,7 +46,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine_svc.config import EngineConfig
-from engine_svc.executor.base import Executor, StepFuture
+from engine_svc.executor.base import StepFuture, WorkerInfoExecutor
 from engine_svc.executor.codec import (
     CacheSpec,
     Op,
@@ -117,7 +117,7 @@ class RayStepFuture:
         return self._output is not None or bool(ray.wait([self._refs[self._answer]], timeout=0)[0])
 
 
-class RayExecutor(Executor):
+class RayExecutor(WorkerInfoExecutor):
     def __init__(self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS) -> None:
         super().__init__(config)
         self.world_size = config.world_size
@@ -189,16 +189,6 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
-
-    @property
-    def vocab_size(self) -> int:
-        assert self._info is not None, "initialize() first"
-        return self._info.vocab_size
-
-    @property
-    def kv_block_bytes(self) -> int:
-        assert self._info is not None, "initialize() first"
-        return self._info.kv_block_bytes
 
     # ---- plumbing ----------------------------------------------------------------------------------
     def _send(self, op: Op, body: object = None) -> list[Any]:
