@@ -11,8 +11,9 @@ group has one bundle per rank, {"GPU": 1} on CUDA and {"CPU": 1} on CPU, strateg
 node before the next one); when this process already runs inside a placement group, its bundles are used.
 Rank r takes bundle r; rank 0's node hosts the torch.distributed rendezvous (gloo on CPU, nccl on CUDA).
 
-Steps are plain actor calls, not vLLM's later compiled graph: every step is one `ray.put` of the encoded
-SchedulerOutput and one `run` call per actor with that reference. Ray runs one caller's calls on an actor
+Steps are plain actor calls, not vLLM's later compiled graph: every step is one `run` call per actor with
+the encoded SchedulerOutput (inline when small; a large one is stored once with `ray.put` and passed by
+reference). Ray runs one caller's calls on an actor
 in submission order, so every rank sees every command in order (the invariant the multiproc executor's
 shared-memory queue gives) and, with P pipeline stages, stage s works on step n while stage s+1 works on
 step n-1: the engine core keeps P batches in flight (`max_concurrent_batches`).
@@ -65,6 +66,8 @@ logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_ENV = "TANDEM_RAY_PLACEMENT_TIMEOUT_S"
 ENV_PREFIX = "TANDEM_"  # the engine's environment variables the actors get (vLLM passes its VLLM_* ones)
 _PING_INTERVAL_S = 1.0
+_FAILURE_POLL_S = 0.05  # while waiting for a step, how often the calls already done are checked for failures
+INLINE_COMMAND_BYTES = 64 << 10  # larger commands go through the object store once (Ray inlines < 100 KiB)
 
 
 def connect_ray(world_size: int, device: str) -> bool:
@@ -192,10 +195,12 @@ class RayExecutor(WorkerInfoExecutor):
 
     # ---- plumbing ----------------------------------------------------------------------------------
     def _send(self, op: Op, body: object = None) -> list[Any]:
-        """Broadcast one command: stored once, every actor's `run` called with the reference, in rank order."""
+        """Broadcast one command to every actor's `run`, in rank order: inline in each call when small (Ray
+        then ships it with the call), else stored once and passed by reference (each actor fetches it)."""
         if not self._finalizer.alive:
             raise WorkerDiedError(self._failure or "the Ray executor is shut down")
-        command = ray.put(bytes(encode_command(op, body)))
+        payload = bytes(encode_command(op, body))
+        command = payload if len(payload) <= INLINE_COMMAND_BYTES else ray.put(payload)
         return [actor.run.remote(command) for actor in self._actors]
 
     def _broadcast(self, op: Op, body: object = None) -> bytes:
@@ -203,13 +208,20 @@ class RayExecutor(WorkerInfoExecutor):
         return self._gather(self._send(op, body))[self._answer]  # type: ignore[no-any-return]
 
     def _gather(self, refs: list[Any]) -> list[Any]:
-        """Every rank's result of one call (refs in rank order), or WorkerDiedError as soon as any fails."""
+        """Every rank's result of one call (refs in rank order), or WorkerDiedError within about
+        `_FAILURE_POLL_S` of any failing (a rank's peers may block in a collective meanwhile)."""
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            for ref in ready:
-                self._check(ref, refs.index(ref))
-        return ray.get(refs)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_FAILURE_POLL_S)
+            if pending:  # not all done yet: fail now if one of those done failed
+                for ref in ready:
+                    self._check(ref, refs.index(ref))
+        try:
+            return ray.get(refs)
+        except RayError:
+            for rank, ref in enumerate(refs):
+                self._check(ref, rank)
+            raise
 
     def _check(self, ref: Any, rank: int) -> None:
         """Fail the engine if the finished call `ref` of `rank` raised or its actor died."""

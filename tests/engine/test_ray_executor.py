@@ -23,6 +23,7 @@ import pytest
 import ray
 
 from engine_svc.config import ConfigError, EngineConfig
+from engine_svc.executor import ray_executor
 from engine_svc.executor.multiproc import WorkerDiedError
 from engine_svc.executor.ray_executor import RayExecutor, connect_ray
 from engine_svc.executor.worker_proc import FAULT_ENV
@@ -82,8 +83,15 @@ def test_the_backend_flag_is_checked_and_defaults_by_world_size() -> None:
 
 
 # ---- exactness ----------------------------------------------------------------------------------------
-def test_ray_pp2_equals_one_process_and_transformers(ray_session, llama3) -> None:
-    """Two actors, one per stage, placed in a placement group of two CPU bundles; both stages busy."""
+def test_ray_pp2_equals_one_process_and_transformers(ray_session, llama3, monkeypatch) -> None:
+    """Two actors, one per stage, placed in a placement group of two CPU bundles; both stages busy. Commands
+    above 300 bytes (the steps that bring new prompts) go through the object store, the others inline."""
+    monkeypatch.setattr(ray_executor, "INLINE_COMMAND_BYTES", 300)
+    stored: list[int] = []
+    sent: list[int] = []
+    put, send = ray.put, RayExecutor._send
+    monkeypatch.setattr(ray, "put", lambda value: stored.append(len(value)) or put(value))
+    monkeypatch.setattr(RayExecutor, "_send", lambda self, *a: sent.append(1) or send(self, *a))
     prompts = make_prompts(3, 5, 500, lo=20, hi=30)
     llm = LLM(str(llama3), pipeline_parallel_size=2, **RAY, **ENGINE_ARGS)
     try:
@@ -91,6 +99,7 @@ def test_ray_pp2_equals_one_process_and_transformers(ray_session, llama3) -> Non
         assert len(set(pids)) == 2
         spy = MaxInFlight(llm.engine)
         got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert 0 < len(stored) < len(sent) and min(stored) > 300, (len(stored), len(sent))
         assert spy.most == llm.engine.max_concurrent_batches == 2, "the pipeline never had both stages busy"
         assert llm.engine.get_stats().num_preemptions > 0
         assert_no_block_leaks(llm)
