@@ -127,6 +127,7 @@ def test_the_worker_is_headless_with_the_leaders_fingerprint() -> None:
 
     leader, worker = parse(pod_args("leader", 0)), parse(pod_args("worker", 1))
     assert worker.headless and worker.node_rank == 1 and worker.master_addr == LEADER_ADDRESS
+    assert parse(pod_args("worker", 7)).node_rank == 7, "--node-rank follows LWS_WORKER_INDEX"
     for name in FINGERPRINT_FIELDS:
         assert getattr(worker, name, None) == getattr(leader, name, None), name
     config = EngineConfig(**{n: getattr(leader, n) for n in ("model", "tensor_parallel_size", "pipeline_parallel_size",
