@@ -70,7 +70,17 @@ def assert_actors_gone(pids: list[int]) -> None:
 
 
 # ---- the flag -----------------------------------------------------------------------------------------
-def test_the_backend_flag_is_checked_and_defaults_by_world_size() -> None:
+def test_the_backend_flag_is_checked_and_defaults_by_world_size(monkeypatch) -> None:
+    from engine_svc.executor import make_executor, multiproc, uniproc
+
+    for module, name in ((uniproc, "UniprocExecutor"), (multiproc, "MultiprocExecutor"),
+                         (ray_executor, "RayExecutor")):
+        monkeypatch.setattr(module, name, lambda config, name=name: name)
+    made = {backend: make_executor(EngineConfig(model="/x", distributed_executor_backend=backend))
+            for backend in ("uni", "mp", "ray", None)}
+    assert made == {"uni": "UniprocExecutor", "mp": "MultiprocExecutor", "ray": "RayExecutor",
+                    None: "UniprocExecutor"}
+    assert make_executor(EngineConfig(model="/x", pipeline_parallel_size=2)) == "MultiprocExecutor"
     assert EngineConfig(model="/x").executor_backend == "uni"
     assert EngineConfig(model="/x", tensor_parallel_size=2).executor_backend == "mp"
     assert EngineConfig(model="/x", tensor_parallel_size=2, **RAY).executor_backend == "ray"
