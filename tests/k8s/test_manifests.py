@@ -43,7 +43,7 @@ BUFFER_S = 10
 NAMESPACE_PLACEHOLDER = "test-ns"
 
 ENGINE_FLAGS = {
-    "model", "dtype", "device", "tensor-parallel-size", "block-size", "max-num-seqs",
+    "model", "dtype", "device", "tensor-parallel-size", "pipeline-parallel-size", "block-size", "max-num-seqs",
     "max-num-batched-tokens", "max-model-len", "gpu-memory-utilization", "kv-cache-memory-bytes",
     "num-gpu-blocks-override", "enable-prefix-caching", "no-enable-prefix-caching",
     "scheduling-policy", "attention-backend", "enforce-eager", "seed", "host", "port",

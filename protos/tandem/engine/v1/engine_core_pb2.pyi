@@ -345,7 +345,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "block_size", "num_blocks", "tensor_parallel_size", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "device", "engine_id", "eos_token_ids", "tokenizer_sha256", "kv_cache_events", "lora_adapters", "kv_role")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "block_size", "num_blocks", "tensor_parallel_size", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "device", "engine_id", "eos_token_ids", "tokenizer_sha256", "kv_cache_events", "lora_adapters", "kv_role", "pipeline_parallel_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +364,7 @@ class EngineInfo(_message.Message):
     KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     KV_ROLE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -382,7 +383,8 @@ class EngineInfo(_message.Message):
     kv_cache_events: bool
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     kv_role: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., device: _Optional[str] = ..., engine_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_sha256: _Optional[str] = ..., kv_cache_events: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., kv_role: _Optional[str] = ...) -> None: ...
+    pipeline_parallel_size: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., device: _Optional[str] = ..., engine_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_sha256: _Optional[str] = ..., kv_cache_events: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., kv_role: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
