@@ -1,0 +1,244 @@
+"""Speculative decoding with a draft model, end to end, against the same engine without speculation.
+
+Plain decoding is the oracle (it equals transformers token for token: test_hf_exact.py). Three drafts of
+the `looping` target (test_spec_decode.py), all sharing its vocabulary:
+- `self`: the target itself. Greedy drafts must then all be accepted, which holds only if the draft's
+  own KV cache holds the right K/V at every position it attends to: through chunked prefill, prefix-cache
+  hits, preemption and rejected positions. Acceptance is the draft cache's oracle;
+- `near`: the target with its attention output halved (layer 1 at 0.05): mostly accepted, some rejected;
+- `far`: the first layer of a different random llama: nearly everything rejected (the rollback path).
+Sampled requests: the joint distribution of three tokens against transformers' exact probabilities, with
+the `near` draft, whose top-k sets differ from the target's (its q is not p).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_svc.config import ConfigError, EngineConfig
+from engine_svc.core import EngineCore
+from entrypoints import LLM, SamplingParams
+from entrypoints.layer_draft import make_layer_draft
+from tests.engine.test_async_scheduling import core_requests, step_all, summary
+from tests.engine.test_hf_exact import assert_no_block_leaks
+from tests.engine.test_spec_decode import (
+    _joint_top_k,
+    assert_same_logprobs,
+    completions,
+    generate,
+    looping_dir,  # noqa: F401 (a fixture)
+    repetitive_prompts,
+)
+from tests.engine.test_spec_rejection import chi2, chi2_critical
+
+pytestmark = pytest.mark.timeout(300)
+SMALL_STEPS = dict(block_size=4, max_num_batched_tokens=32)  # drafts cross blocks; prompts in chunks
+
+
+def draft_spec(model: Path, k: int = 3, **extra: Any) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k, **extra}
+
+
+@pytest.fixture(scope="module")
+def drafts(looping_dir: Path, llama_dir: Path, make_model, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
+           ) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafts")
+    return {"self": looping_dir,
+            "near": make_layer_draft(looping_dir, root / "near", 2, scale_attention=0.5),
+            "far": make_layer_draft(make_model("llama", seed=3), root / "far", 1)}
+
+
+def acceptance(llm: LLM) -> tuple[int, int]:
+    stats = llm.engine.get_stats()
+    return stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
+
+
+@pytest.mark.parametrize("name", ["self", "near", "far"])
+def test_greedy_draft_model_equals_plain_decoding(name: str, looping_dir: Path, drafts: dict[str, Path]  # noqa: F811
+                                                  ) -> None:
+    """Chunked prefill (32-token steps), drafts crossing 4-token blocks, logprobs of every token."""
+    prompts = repetitive_prompts(3, 6)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    plain, _ = generate(looping_dir, prompts, params, None, **SMALL_STEPS)
+    spec, llm = generate(looping_dir, prompts, params, draft_spec(drafts[name]), **SMALL_STEPS)
+    assert completions(spec) == completions(plain)
+    assert_same_logprobs(plain, spec)
+    accepted, proposed = acceptance(llm)
+    assert proposed > 100
+    if name == "self":
+        assert accepted == proposed
+    elif name == "near":
+        assert 0.3 * proposed < accepted < proposed
+    else:
+        assert accepted < 0.3 * proposed
+    assert_no_block_leaks(llm)
+
+
+def test_prefix_cache_hits_hold_the_drafts_kv(looping_dir: Path, drafts: dict[str, Path]) -> None:  # noqa: F811
+    """The same prompts again hit the prefix cache (blocks written by target and draft together): the
+    self-draft still has every draft accepted, and the tokens are plain decoding's."""
+    prompts = repetitive_prompts(4, 4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain, _ = generate(looping_dir, prompts, params, None, block_size=4)
+    llm = LLM(str(looping_dir), dtype="float32", speculative_config=draft_spec(drafts["self"]), block_size=4)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert completions(first) == completions(again) == completions(plain)
+    assert all(out.num_cached_tokens >= 4 for out in again)
+    accepted, proposed = acceptance(llm)
+    assert accepted == proposed > 0
+    assert_no_block_leaks(llm)
+
+
+def test_preemption_keeps_the_drafts_cache_in_step(looping_dir: Path, drafts: dict[str, Path]) -> None:  # noqa: F811
+    """12 blocks of 4 tokens for 6 requests: requests verifying drafts are preempted and recomputed."""
+    prompts = repetitive_prompts(5, 6)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
+    args = dict(num_gpu_blocks_override=12, block_size=4, max_num_batched_tokens=64)
+    plain, _ = generate(looping_dir, prompts, params, None, **args)
+    for name in ("self", "near"):
+        spec, llm = generate(looping_dir, prompts, params, draft_spec(drafts[name], k=4), **args)
+        assert completions(spec) == completions(plain)
+        assert_same_logprobs(plain, spec)
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions > 0 and stats.spec_decode_num_drafts > 0
+        if name == "self":
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+        assert_no_block_leaks(llm)
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(looping_dir: Path, drafts: dict[str, Path]) -> None:  # noqa: F811
+    prompts = repetitive_prompts(3, 3)
+    reference, _ = generate(looping_dir, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                            None)
+    cycle_token = reference[0].outputs[0].token_ids[20]
+    text = reference[1].outputs[0].text
+    stop_string = text[len(text) // 2 : len(text) // 2 + 3]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[cycle_token], logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_string]),
+              SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logprobs=1)]
+    plain, _ = generate(looping_dir, prompts, params, None)
+    spec, llm = generate(looping_dir, prompts, params, draft_spec(drafts["self"], k=4))
+    assert completions(spec) == completions(plain)
+    assert plain[0].outputs[0].finish_reason == "stop" and len(plain[2].outputs[0].token_ids) == 23
+    assert acceptance(llm)[0] > 0
+    assert_no_block_leaks(llm)
+
+
+def test_aborts_mid_run_free_every_block(looping_dir: Path, drafts: dict[str, Path]) -> None:  # noqa: F811
+    """Requests aborted after some verified runs end once, and every block (the draft's are the same
+    ids) comes back; the survivors keep plain decoding's tokens."""
+    prompts = repetitive_prompts(6, 4)
+    params = dict(temperature=0.0, max_tokens=30, ignore_eos=True)
+    config = dict(model=str(looping_dir), dtype="float32", device="cpu", block_size=4)
+    core = EngineCore(EngineConfig.create(**config))
+    for request in core_requests(prompts, **params):
+        core.add_request(request)
+    plain = summary(step_all(core))
+    core = EngineCore(EngineConfig.create(**config, speculative_config=draft_spec(drafts["near"])))
+    for request in core_requests(prompts, **params):
+        core.add_request(request)
+    spec = summary(step_all(core, abort_after={"r0": 5, "r2": 9}))
+    for rid in ("r1", "r3"):
+        assert spec[rid] == plain[rid]
+    for rid, cut in (("r0", 5), ("r2", 9)):
+        tokens = spec[rid][0]
+        assert cut <= len(tokens) < 30 and tokens == plain[rid][0][: len(tokens)]
+    stats = core.get_stats()
+    assert stats.spec_decode_num_drafts > 0
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def test_seeded_requests_are_reproducible_whatever_the_batch(looping_dir: Path, drafts: dict[str, Path]  # noqa: F811
+                                                             ) -> None:
+    prompt = repetitive_prompts(9, 1)[0]
+    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=16, ignore_eos=True)
+    alone, _ = generate(looping_dir, [prompt], seeded, draft_spec(drafts["near"]))
+    others = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 3
+    mixed, llm = generate(looping_dir, [prompt] + repetitive_prompts(10, 3), [seeded, *others],
+                          draft_spec(drafts["near"]))
+    assert mixed[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert llm.engine.get_stats().spec_decode_num_drafts > 0  # the unseeded ones speculated beside it
+
+
+@pytest.mark.slow  # 1500 requests through the offline API, with a draft model: about three minutes
+def test_sampled_tokens_follow_the_target_distribution(looping_dir: Path, drafts: dict[str, Path]  # noqa: F811
+                                                       ) -> None:
+    """Temperature 1, top-k 3, with a draft whose q differs from p: the joint distribution of the first
+    three tokens equals the product of transformers' conditional probabilities."""
+    seed_prompt = repetitive_prompts(11, 1)[0]
+    greedy, _ = generate(looping_dir, [seed_prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                         None)
+    prompt = seed_prompt + greedy[0].outputs[0].token_ids
+    n = 1500
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    outs, llm = generate(looping_dir, [prompt] * n, params, draft_spec(drafts["near"], k=2))
+    counts: dict[tuple[int, ...], int] = {}
+    for out in outs:
+        key = tuple(out.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    exact = _joint_top_k(looping_dir, prompt, depth=3, top_k=3)
+    assert set(counts) <= set(exact)
+    cells = sorted(exact)
+    stat, df = chi2([counts.get(c, 0) for c in cells], [exact[c] for c in cells])
+    assert stat < chi2_critical(df), (stat, df)
+    accepted, proposed = acceptance(llm)
+    assert proposed >= 2 * n and n // 2 < accepted < proposed
+
+
+def test_draft_model_config_is_checked_at_start(looping_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    spec = EngineConfig.create(model=str(looping_dir), device="cpu",
+                               speculative_config={"model": str(looping_dir), "num_speculative_tokens": 2})
+    assert spec.speculative is not None and spec.speculative.method == "draft_model"  # vLLM's inference
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((looping_dir / "config.json").read_text().replace(
+        '"vocab_size": ', '"vocab_size": 7'))
+    with pytest.raises(ConfigError, match=rf"draft '{other}' has vocab_size 7\d+, the target '{looping_dir}'"):
+        EngineConfig.create(model=str(looping_dir), device="cpu", speculative_config=draft_spec(other))
+    with pytest.raises(ConfigError, match="eagle3.*not implemented"):
+        EngineConfig.create(model=str(looping_dir), device="cpu",
+                            speculative_config={"model": "/x/EAGLE3-head", "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow  # two worker processes over gloo
+def test_greedy_draft_model_at_tp2_equals_plain_tp1(looping_dir: Path, drafts: dict[str, Path]) -> None:  # noqa: F811
+    prompts = repetitive_prompts(8, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    plain, _ = generate(looping_dir, prompts, params, None)
+    spec, llm = generate(looping_dir, prompts, params, draft_spec(drafts["self"]), tensor_parallel_size=2)
+    try:
+        assert completions(spec) == completions(plain)
+        assert_same_logprobs(plain, spec)
+        accepted, proposed = acceptance(llm)
+        assert accepted == proposed > 0
+        assert_no_block_leaks(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow  # a `tandem serve` process
+def test_tandem_serve_accepts_a_draft_model(looping_dir: Path, drafts: dict[str, Path], tmp_path: Path  # noqa: F811
+                                            ) -> None:
+    from frontend_svc.client import TandemClient, collect
+    from tests.support import Service, free_port
+
+    prompt = repetitive_prompts(12, 1)[0]
+    plain, _ = generate(looping_dir, [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), None)
+    port, engine_port, http_port = free_port(), free_port(), free_port()
+    serve = Service("serve", [sys.executable, "-m", "entrypoints.serve", "--model", str(looping_dir),
+                              "--port", str(port), "--engine-port", str(engine_port), "--http-port", str(http_port),
+                              "--dtype", "float32", "--speculative-config",
+                              f'{{"method": "draft_model", "model": "{drafts["near"]}", "num_speculative_tokens": 3}}'],
+                    port, tmp_path).start()
+    try:
+        serve.wait_serving(120)
+        with TandemClient(f"127.0.0.1:{port}") as client:
+            got = collect(client.generate(token_ids=prompt, temperature=0, max_tokens=16, ignore_eos=True, timeout=60))[0]
+        assert got["token_ids"] == plain[0].outputs[0].token_ids
+    finally:
+        serve.stop()
