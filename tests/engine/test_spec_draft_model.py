@@ -13,6 +13,7 @@ the `near` draft, whose top-k sets differ from the target's (its q is not p).
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,9 @@ from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.core import EngineCore
 from engine_svc.sample.metadata import build_sampling_metadata
 from engine_svc.spec.rejection import verify
-from shared_runtime.contract import EngineSamplingParams
 from entrypoints import LLM, SamplingParams
 from entrypoints.layer_draft import make_layer_draft
+from shared_runtime.contract import EngineSamplingParams
 from tests.engine.test_async_scheduling import core_requests, step_all, summary
 from tests.engine.test_hf_exact import assert_no_block_leaks
 from tests.engine.test_spec_decode import (
@@ -201,7 +202,7 @@ def test_seeded_requests_are_reproducible_whatever_the_batch(looping_dir: Path, 
     seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=16, ignore_eos=True)
     alone, _ = generate(looping_dir, [prompt], seeded, draft_spec(drafts["near"]))
     others = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 3
-    mixed, llm = generate(looping_dir, [prompt] + repetitive_prompts(10, 3), [seeded, *others],
+    mixed, llm = generate(looping_dir, [prompt, *repetitive_prompts(10, 3)], [seeded, *others],
                           draft_spec(drafts["near"]))
     assert mixed[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
     assert llm.engine.get_stats().spec_decode_num_drafts > 0  # the unseeded ones speculated beside it
@@ -251,9 +252,9 @@ def test_draft_model_config_is_checked_at_start(looping_dir: Path, tmp_path: Pat
     other.mkdir()
     (other / "config.json").write_text((looping_dir / "config.json").read_text().replace(
         '"vocab_size": ', '"vocab_size": 7'))
-    with pytest.raises(ConfigError, match=rf"draft '{other}' has vocab_size 7\d+, the target '{looping_dir}'"):
+    with pytest.raises(ConfigError, match=rf"draft '{re.escape(str(other))}' has vocab_size 7\d+, the target '{re.escape(str(looping_dir))}'"):
         EngineConfig.create(model=str(looping_dir), device="cpu", speculative_config=draft_spec(other))
-    with pytest.raises(ConfigError, match="eagle3.*not implemented"):
+    with pytest.raises(ConfigError, match=r"eagle3.*not implemented"):
         EngineConfig.create(model=str(looping_dir), device="cpu",
                             speculative_config={"model": "/x/EAGLE3-head", "num_speculative_tokens": 2})
 
