@@ -229,11 +229,12 @@ def test_sampled_tokens_follow_the_target_distribution(looping_dir: Path, drafts
                          None)
     prompt = seed_prompt + greedy[0].outputs[0].token_ids
     n = 1500
-    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    # max_tokens 4: after the first token, two drafts are verified (both, one or none accepted).
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
     outs, llm = generate(looping_dir, [prompt] * n, params, draft_spec(drafts["near"], k=2))
     counts: dict[tuple[int, ...], int] = {}
     for out in outs:
-        key = tuple(out.outputs[0].token_ids)
+        key = tuple(out.outputs[0].token_ids[:3])
         counts[key] = counts.get(key, 0) + 1
     exact = _joint_top_k(looping_dir, prompt, depth=3, top_k=3)
     assert set(counts) <= set(exact)
@@ -241,7 +242,7 @@ def test_sampled_tokens_follow_the_target_distribution(looping_dir: Path, drafts
     stat, df = chi2([counts.get(c, 0) for c in cells], [exact[c] for c in cells])
     assert stat < chi2_critical(df), (stat, df)
     accepted, proposed = acceptance(llm)
-    assert proposed >= 2 * n and n // 2 < accepted < proposed
+    assert proposed >= 2 * n and 0.3 * proposed < accepted < proposed, (accepted, proposed)
 
 
 def test_draft_model_config_is_checked_at_start(looping_dir: Path, tmp_path: Path) -> None:  # noqa: F811
