@@ -28,6 +28,8 @@ the target's exactly (engine_svc/spec/rejection.py). With TP every rank feeds ra
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -44,7 +46,7 @@ class DraftRunner:
     """The draft model, its KV caches and what it has seen of each live request (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.model = model
+        self.model: Any = model  # a causal LM of engine_svc/model (forward, compute_logits, num_layers, ...)
         self.device = device
         self.kv_caches: list[torch.Tensor] = []  # one per draft layer, set by Worker.initialize_cache
         self.written: dict[str, int] = {}  # request -> end of the positions the draft last wrote
@@ -161,7 +163,7 @@ class DraftRunner:
             max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()), query_lens_cpu=lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(), num_decodes=int((lens == 1).sum()),
         )
-        hidden = self.model(up(batch.token_ids[token_rows, positions], torch.int64), up(positions, torch.int64),
+        hidden: torch.Tensor = self.model(up(batch.token_ids[token_rows, positions], torch.int64), up(positions, torch.int64),
                             self.kv_caches, meta)
         last = qsl[1:][inverse[last_of]] - 1
         return hidden.index_select(0, up(last, torch.int64))
