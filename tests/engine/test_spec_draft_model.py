@@ -31,12 +31,13 @@ from shared_runtime.contract import EngineSamplingParams
 from tests.engine.test_async_scheduling import core_requests, step_all, summary
 from tests.engine.test_hf_exact import assert_no_block_leaks
 from tests.engine.test_spec_decode import (
-    _joint_top_k,
+    assert_first_tokens_follow_the_target,
     assert_same_logprobs,
     completions,
     generate,
     looping_dir,  # noqa: F401 (a fixture)
     repetitive_prompts,
+    stops_inside_runs,
 )
 from tests.engine.test_spec_rejection import V, chi2, chi2_critical, states, target_probs
 
@@ -155,20 +156,12 @@ def test_preemption_keeps_the_drafts_cache_in_step(looping_dir: Path, drafts: di
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(looping_dir: Path, drafts: dict[str, Path]) -> None:  # noqa: F811
-    prompts = repetitive_prompts(3, 3)
-    reference, _ = generate(looping_dir, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-                            None)
-    cycle_token = reference[0].outputs[0].token_ids[20]
-    text = reference[1].outputs[0].text
-    stop_string = text[len(text) // 2 : len(text) // 2 + 3]
-    params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[cycle_token], logprobs=1),
-              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_string]),
-              SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logprobs=1)]
+    prompts, params, cycle_token, stop_string = stops_inside_runs(looping_dir)
     plain, _ = generate(looping_dir, prompts, params, None)
     spec, llm = generate(looping_dir, prompts, params, draft_spec(drafts["self"], k=4))
     assert completions(spec) == completions(plain)
-    assert plain[0].outputs[0].finish_reason == "stop" and len(plain[2].outputs[0].token_ids) == 23
-    assert acceptance(llm)[0] > 0
+    assert plain[0].outputs[0].stop_reason == cycle_token and plain[1].outputs[0].stop_reason == stop_string
+    assert len(plain[2].outputs[0].token_ids) == 23 and acceptance(llm)[0] > 0
     assert_no_block_leaks(llm)
 
 
@@ -232,15 +225,7 @@ def test_sampled_tokens_follow_the_target_distribution(looping_dir: Path, drafts
     # max_tokens 4: after the first token, two drafts are verified (both, one or none accepted).
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
     outs, llm = generate(looping_dir, [prompt] * n, params, draft_spec(drafts["near"], k=2))
-    counts: dict[tuple[int, ...], int] = {}
-    for out in outs:
-        key = tuple(out.outputs[0].token_ids[:3])
-        counts[key] = counts.get(key, 0) + 1
-    exact = _joint_top_k(looping_dir, prompt, depth=3, top_k=3)
-    assert set(counts) <= set(exact)
-    cells = sorted(exact)
-    stat, df = chi2([counts.get(c, 0) for c in cells], [exact[c] for c in cells])
-    assert stat < chi2_critical(df), (stat, df)
+    assert_first_tokens_follow_the_target(looping_dir, prompt, outs, depth=3, top_k=3)
     accepted, proposed = acceptance(llm)
     assert proposed >= 2 * n and 0.3 * proposed < accepted < proposed, (accepted, proposed)
 
