@@ -63,6 +63,15 @@ def acceptance(llm: LLM) -> tuple[int, int]:
     return stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
 
 
+def assert_all_accepted(llm: LLM) -> None:
+    """The target as its own draft: every greedy draft accepted. Exactly on CPU; on CUDA the draft's
+    single-token passes and the verification's longer queries may round differently (Triton's float32
+    dots), which can flip a near-tie, so there 97% suffices."""
+    accepted, proposed = acceptance(llm)
+    exact = llm.engine.config.device != "cuda"
+    assert proposed > 0 and (accepted == proposed if exact else accepted >= 0.97 * proposed), (accepted, proposed)
+
+
 GREEDY_PROMPTS = repetitive_prompts(3, 5)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
 
@@ -111,7 +120,7 @@ def test_greedy_draft_model_equals_plain_decoding(name: str, looping_dir: Path, 
     accepted, proposed = acceptance(llm)
     assert proposed > 60
     if name == "self":
-        assert accepted == proposed
+        assert_all_accepted(llm)
     elif name == "near":
         assert 0.3 * proposed < accepted < proposed
     else:
@@ -135,8 +144,7 @@ def test_prefix_cache_hits_hold_the_drafts_kv(looping_dir: Path, drafts: dict[st
     again = llm.generate(prompts, params, use_tqdm=False)
     assert completions(first) == completions(again) == completions(plain)
     assert all(out.num_cached_tokens >= 4 for out in again)
-    accepted, proposed = acceptance(llm)
-    assert accepted == proposed > 0
+    assert_all_accepted(llm)
     assert_no_block_leaks(llm)
 
 
@@ -151,7 +159,7 @@ def test_preemption_keeps_the_drafts_cache_in_step(looping_dir: Path, drafts: di
     assert_same_logprobs(plain, spec)
     stats = llm.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.spec_decode_num_drafts > 0
-    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert_all_accepted(llm)
     assert_no_block_leaks(llm)
 
 
@@ -254,8 +262,7 @@ def test_greedy_draft_model_at_tp2_equals_plain_tp1(looping_dir: Path, drafts: d
     try:
         assert completions(spec) == completions(plain)
         assert_same_logprobs(plain, spec)
-        accepted, proposed = acceptance(llm)
-        assert accepted == proposed > 0
+        assert_all_accepted(llm)
         assert_no_block_leaks(llm)
     finally:
         llm.engine.shutdown()
