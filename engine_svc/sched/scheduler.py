@@ -76,7 +76,7 @@ from engine_svc.sched.output import (
 )
 from engine_svc.sched.request_queue import make_request_queue
 from engine_svc.spec.config import SpeculativeConfig, may_speculate
-from engine_svc.spec.ngram import NgramProposer
+from engine_svc.spec.proposers import make_proposer
 from engine_svc.spec.stats import SpecDecodeStats
 from engine_svc.structured.bitmask import BitmaskFiller
 from engine_svc.structured.compiler import GrammarCompilers, GrammarError
@@ -168,8 +168,7 @@ class Scheduler:
             raise ValueError("--speculative-config cannot be combined with --async-scheduling yet: drafts are "
                              "proposed from the tokens a step samples, which async scheduling has not seen")
         self.speculative = speculative
-        self._proposer = (NgramProposer(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
-                          if speculative is not None else None)
+        self._proposer = make_proposer(speculative) if speculative is not None else None
         self._verified_extra = 0  # tokens beyond the first in this step's verified outputs
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         # LoRA (--enable-lora): adapter name -> id, and the per-step adapter budget; None when LoRA is off.

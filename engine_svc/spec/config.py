@@ -1,9 +1,13 @@
 """`--speculative-config`: vLLM's JSON keys, checked at start with errors that name the key.
 
 Accepted: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b,
-"disable_by_batch_size": n}. As in vLLM, a missing bound of the lookup takes the other's value, and both
-default to 5 when neither is given. `disable_by_batch_size`: no request speculates in a step while that
-many requests (or more) are running, where verification no longer pays.
+"disable_by_batch_size": n}, and {"method": "draft_model", "model": DIR, "num_speculative_tokens": k,
+"disable_by_batch_size": n} (a smaller model with the target's vocabulary, run by the same workers:
+engine_svc/worker/draft_step.py). As in vLLM, a missing bound of the lookup takes the other's value, and
+both default to 5 when neither is given; without "method", a "model" means `draft_model` (vLLM infers
+EAGLE heads from "eagle" in the model's name: those are refused by name here). `disable_by_batch_size`: no
+request speculates in a step while that many requests (or more) are running, where verification no
+longer pays.
 
 Which requests speculate (`may_speculate`): those whose next-token distribution does not depend on the
 tokens sampled before it in the same step, so that verifying k drafts in one forward pass samples what
@@ -17,15 +21,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shared_runtime import limits
 from shared_runtime.contract import EngineSamplingParams
 
-METHODS = ("ngram",)
-NOT_YET = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "suffix")
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "suffix")
 MAX_SPECULATIVE_TOKENS = 8
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+         "disable_by_batch_size")
 
 
 class SpeculativeConfigError(ValueError):
@@ -39,6 +45,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     prompt_lookup_max: int
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's directory
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -57,6 +64,11 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
                                          f"known: {', '.join(_KEYS)}")
         method = value.get("method")
+        model = value.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise SpeculativeConfigError(f"--speculative-config model must be a model directory, got {model!r}")
+        if method is None and model is not None:
+            method = _inferred_method(model)
         if method in NOT_YET:
             raise SpeculativeConfigError(f"--speculative-config method {method!r} is not implemented in tandem "
                                          f"yet; available: {', '.join(METHODS)}")
@@ -81,7 +93,40 @@ class SpeculativeConfig:
         disable = _int(value, "disable_by_batch_size", None)
         if disable is not None and disable < 1:
             raise SpeculativeConfigError(f"--speculative-config disable_by_batch_size must be >= 1, got {disable}")
-        return cls(method, k, low, high, disable)
+        if method == "draft_model" and model is None:
+            raise SpeculativeConfigError('--speculative-config method "draft_model" needs "model": the draft '
+                                         "model's directory")
+        if method == "ngram" and model is not None:
+            raise SpeculativeConfigError('--speculative-config model is not used by method "ngram"; drop it')
+        return cls(method, k, low, high, disable, model)
+
+
+def _inferred_method(model: str) -> str:
+    """vLLM's choice when "method" is absent: EAGLE heads by their name, otherwise a draft model."""
+    name = model.lower()
+    if "eagle3" in name:
+        return "eagle3"
+    if "eagle-" in name:
+        return "eagle"
+    return "draft_model"
+
+
+def check_draft_vocab(target_dir: str, draft_dir: str) -> None:
+    """The draft must score the target's vocabulary: refuse a missing config or a vocab_size mismatch,
+    naming both models (read from their config.json files; no weights are touched)."""
+    sizes = []
+    for role, path in (("target", target_dir), ("draft", draft_dir)):
+        config = Path(path) / "config.json"
+        if not config.is_file():
+            raise SpeculativeConfigError(f"--speculative-config model: no config.json in the {role} model "
+                                         f"directory {path!r}")
+        data = json.loads(config.read_text())
+        data = data.get("text_config", data)
+        sizes.append(data.get("vocab_size"))
+    if sizes[0] != sizes[1]:
+        raise SpeculativeConfigError(f"--speculative-config model: the draft {draft_dir!r} has vocab_size "
+                                     f"{sizes[1]}, the target {target_dir!r} has {sizes[0]}; a draft must "
+                                     "share the target's vocabulary")
 
 
 def _int(value: dict[str, Any], key: str, default: int | None) -> int | None:

@@ -13,9 +13,10 @@ by one token the target samples, 1 to k + 1 tokens.
   (temperature, min-p, top-k, top-p applied as the plain sampler does) and q the proposer's, draft d is
   accepted with probability min(1, p(d) / q(d)); on rejection the position's token is drawn from
   norm(max(0, p - q)) and the run ends; after k acceptances a bonus token is drawn from p at the last
-  position. Prompt lookup proposes d with certainty (q = one-hot at d), so the acceptance probability is
-  p(d) and the recovered distribution is p with d removed, renormalised. Each output token is then
-  distributed exactly as p given the tokens before it.
+  position. Prompt lookup proposes d with certainty (q = one-hot at d, `draft_probs` None), so the
+  acceptance probability is p(d) and the recovered distribution is p with d removed, renormalised; a
+  draft model passes the q it drew each draft from. Each output token is then distributed exactly as p
+  given the tokens before it, whatever q is, provided the draft was drawn from q.
 """
 
 from __future__ import annotations
@@ -26,22 +27,30 @@ from engine_svc.sample.metadata import SamplingMetadata
 from engine_svc.sample.sampler import processed_logits, scale_and_filter
 
 
-def verify(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]) -> list[list[int]]:
+def verify(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]],
+           draft_probs: torch.Tensor | None = None) -> list[list[int]]:
     """The run of output tokens of each request (see the module docstring). `logits` has
-    sum(len(d) + 1 for d in drafts) rows, request after request; `meta` has one row per logits row."""
+    sum(len(d) + 1 for d in drafts) rows, request after request; `meta` has one row per logits row.
+    `draft_probs`: q, one row per logits row (a draft's row holds the distribution it was drawn from;
+    bonus rows are ignored); None when every draft was proposed with certainty."""
     processed = logits if meta.is_plain_greedy else processed_logits(logits, meta)
     targets = processed.argmax(dim=-1)
     if meta.all_greedy:
         return _greedy_runs(targets.tolist(), drafts)
-    probs = _target_probs(processed, targets, meta)
+    probs = target_probs(processed, targets, meta)
     draft_ids = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64, device=logits.device)
     is_draft = draft_ids >= 0
     index = draft_ids.clamp_min(0).unsqueeze(1)
-    p_draft = probs.gather(1, index).squeeze(1)
+    p_draft = probs.gather(1, index).squeeze(1).to(torch.float64)
     uniform = torch.rand(p_draft.shape, dtype=torch.float64, device=probs.device)
-    accepted = (uniform < p_draft.to(torch.float64)) & is_draft
-    residual = torch.where(is_draft.unsqueeze(1), probs.scatter(1, index, 0.0), probs)
-    recovered = _inverse_transform(residual, fallback=index.squeeze(1))
+    if draft_probs is None:  # q(d) = 1: accept with probability p(d); recover from p without d
+        accepted = (uniform < p_draft) & is_draft
+        residual = torch.where(is_draft.unsqueeze(1), probs.scatter(1, index, 0.0), probs)
+    else:  # accept with probability min(1, p(d) / q(d)); recover from max(0, p - q)
+        q_draft = draft_probs.gather(1, index).squeeze(1).to(torch.float64)
+        accepted = (uniform * q_draft < p_draft) & is_draft
+        residual = torch.where(is_draft.unsqueeze(1), (probs - draft_probs).clamp_min_(0.0), probs)
+    recovered = sample_rows(residual, fallback=index.squeeze(1))
     return _random_runs(accepted.tolist(), recovered.tolist(), drafts)
 
 
@@ -69,8 +78,8 @@ def _random_runs(accepted: list[bool], recovered: list[int], drafts: list[list[i
     return runs
 
 
-def _target_probs(processed: torch.Tensor, targets: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The target distribution per row: softmax of the scaled, filtered logits; greedy rows (in a batch
+def target_probs(processed: torch.Tensor, targets: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution a request samples from per row (the target's here; a draft model's q likewise): softmax of the scaled, filtered logits; greedy rows (in a batch
     that mixes them with random ones) one-hot at their argmax, so the rule above accepts exactly the
     matching draft and otherwise yields the argmax."""
     probs = torch.softmax(scale_and_filter(processed, meta), dim=-1)
@@ -80,7 +89,7 @@ def _target_probs(processed: torch.Tensor, targets: torch.Tensor, meta: Sampling
     return probs
 
 
-def _inverse_transform(probs: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+def sample_rows(probs: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     """One token per row with probability proportional to the row (unnormalised rows are fine). A row
     with no mass left (its draft held all of p, to rounding) yields `fallback`."""
     cdf = probs.to(torch.float64).cumsum_(dim=-1)

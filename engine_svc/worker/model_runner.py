@@ -45,6 +45,7 @@ from engine_svc.sample.sampler import Sampler
 from engine_svc.sched.output import PLACEHOLDER_TOKEN, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine_svc.structured.bitmask import apply_bitmask
 from engine_svc.worker.cuda_graphs import DecodeCudaGraphs
+from engine_svc.worker.draft_step import DraftRunner
 from engine_svc.worker.input_batch import InputBatch, StepInputs
 from engine_svc.worker.sampled_feed import Fill, PendingOutput, PlaceholderFeed
 from engine_svc.worker.spec_step import put_drafts, verified_output
@@ -93,6 +94,8 @@ class ModelRunner:
         # Multi-LoRA (set by Worker.load_model with --enable-lora): the adapter slots, and each row's adapter.
         self.lora: LoRAManager | None = None
         self.row_lora = np.zeros(max_num_seqs, dtype=np.int64)
+        # Speculative decoding with a draft model (set by Worker.load_model): drafts made in the step.
+        self.drafter: DraftRunner | None = None
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """Size the persistent batch (and what CUDA graphs read) for the max_model_len the engine serves,
@@ -176,6 +179,8 @@ class ModelRunner:
         self.num_prompt_tokens[new.req_id] = new.num_prompt_tokens
         if new.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs_wanted[new.req_id] = new.sampling_params.prompt_logprobs
+        if self.drafter is not None:
+            self.drafter.add(new.req_id, new.num_computed_tokens)
 
     def _drop(self, req_id: str) -> None:
         self.batch.remove(req_id)
@@ -184,12 +189,16 @@ class ModelRunner:
             self._plain.drop(req_id, state)
         self.num_prompt_tokens.pop(req_id, None)
         self.prompt_logprobs_wanted.pop(req_id, None)
+        if self.drafter is not None:
+            self.drafter.drop(req_id)
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
         """Run one step. Returns its output, or under async scheduling a `PendingOutput` (no host sync)."""
         self._update_states(so)
+        if self.drafter is not None and so.total_num_scheduled_tokens:
+            self.drafter.run(so, self.batch, self.sampling_states)  # fills the step's draft places
         if so.scheduled_spec_decode_tokens:
             put_drafts(self.batch, so.scheduled_spec_decode_tokens)
         if so.total_num_scheduled_tokens == 0:

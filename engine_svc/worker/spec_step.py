@@ -5,7 +5,7 @@ A verifying request is scheduled 1 + k tokens: its last known token and its k dr
 known tokens in the persistent batch (its `num_tokens` stays: they are not its tokens; the scheduler's
 next diff overwrites them with the tokens it accepts). After the forward, `verified_output` turns the
 hidden states of all 1 + k positions of each verifying request into logits and runs the rejection sampler
-(engine_svc/spec/rejection.py) on them; the other sampling requests of the step sample as in a plain step,
+(engine_svc/spec/rejection.py) on them, with the draft model's q when drafts came from one (draft_step.py); the other sampling requests of the step sample as in a plain step,
 through the runner's own sampler. Verification steps have queries longer than one token, so they never
 replay a decode CUDA graph.
 """
@@ -23,6 +23,7 @@ from engine_svc.sample.sampler import Sampler
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.spec.rejection import verify
 from engine_svc.structured.bitmask import apply_bitmask
+from engine_svc.worker.draft_step import DraftRunner
 from engine_svc.worker.input_batch import InputBatch, StepInputs
 from engine_svc.worker.staging import StepStaging
 
@@ -35,6 +36,7 @@ class Runner(Protocol):
     sampling_states: dict[str, RequestSamplingState]
     device: torch.device
     staging: StepStaging
+    drafter: DraftRunner | None
 
     def _sampling_metadata(self, sample_ids: list[str], batch_rows: np.ndarray) -> SamplingMetadata: ...
 
@@ -83,7 +85,9 @@ def verified_output(runner: Runner, so: SchedulerOutput, inputs: StepInputs, sam
     expanded = [states[req_ids[i]] for i, d in zip(verifying, drafts) for _ in range(len(d) + 1)]
     meta = build_sampling_metadata(expanded, runner.device)
     spec_logits = logits[len(plain):]
-    runs = verify(spec_logits, meta, drafts)
+    ver_ids = [req_ids[i] for i in verifying]
+    draft_probs = runner.drafter.draft_probs(ver_ids, drafts) if runner.drafter is not None else None
+    runs = verify(spec_logits, meta, drafts, draft_probs)
     spec_tokens: dict[str, list[int]] = {}
     for i, run in zip(verifying, runs):
         sampled[i] = run[0]

@@ -19,6 +19,7 @@ from engine_svc.model.registry import resolve_dtype
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.worker.cpu_threads import ThreadGovernor, governor_enabled, set_cpu_threads
 from engine_svc.worker.cuda_graphs import maybe_capture_decode_graphs
+from engine_svc.worker.draft_step import DraftRunner
 from engine_svc.worker.model_runner import ModelRunner
 from engine_svc.worker.sampled_feed import PendingOutput
 
@@ -85,6 +86,26 @@ class Worker:
             async_scheduling=self.config.resolved_async_scheduling,
         )
         self.runner.lora = lora
+        spec = self.config.speculative
+        if spec is not None and spec.model is not None:
+            self.runner.drafter = self._load_draft(spec.model, backend)
+
+    def _load_draft(self, model_dir: str, backend: object) -> DraftRunner:
+        """The draft model of --speculative-config (draft_model), loaded like the target, same dtype."""
+        from engine_svc.model.loader import load_model
+
+        draft = load_model(model_dir, dtype=self.dtype, device=self.device, attn_backend=backend)
+        max_position = getattr(draft, "max_position", None)
+        max_model_len = int(self.config.max_model_len or 0)
+        if max_position is not None and max_model_len > max_position:
+            from engine_svc.config import ConfigError
+
+            raise ConfigError(f"--speculative-config model {model_dir!r} has {max_position} rotary positions "
+                              f"(max_position_embeddings), fewer than max_model_len {max_model_len}; lower "
+                              "--max-model-len")
+        if prepack_wanted(self.dtype, self.device):
+            prepack_linears(draft)
+        return DraftRunner(draft, self.device)
 
     def _load_lora(self) -> LoRAManager:
         """Adapter slots on the model, and every --lora-modules adapter read, validated and kept on the host."""
@@ -98,10 +119,12 @@ class Worker:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block across this rank's layers (K and V; a pipeline stage holds only its own)."""
-        m = self.model
-        assert m is not None
-        per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        """Bytes of one KV block across this rank's layers (K and V; a pipeline stage holds only its own),
+        a draft model's layers included."""
+        models = [self.model]
+        if self.runner is not None and self.runner.drafter is not None:
+            models.append(self.runner.drafter.model)  # the draft's cache shares the target's block ids
+        per_token = sum(2 * m.num_layers * m.num_kv_heads * m.head_dim for m in models) * self.dtype.itemsize
         return per_token * self.config.block_size
 
     def determine_num_blocks(self) -> int:
@@ -154,6 +177,11 @@ class Worker:
         shape = m.attn_backend.kv_cache_shape(num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
         runner.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                             for _ in range(m.num_layers)]
+        if runner.drafter is not None:  # one more cache per draft layer, the same block ids
+            d = runner.drafter.model
+            shape = d.attn_backend.kv_cache_shape(num_blocks, self.config.block_size, d.num_kv_heads, d.head_dim)
+            runner.drafter.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                                        for _ in range(d.num_layers)]
         # -- CUDA graphs hook: capture decode graphs now that the cache exists (None when off) --
         if runner.lora is None:  # LoRA steps run eagerly: the adapter selection is not captured
             runner.cuda_graphs = maybe_capture_decode_graphs(

@@ -98,18 +98,25 @@ def test_greedy_speculation_equals_transformers(looping_dir: Path) -> None:
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
 
 
-def test_stops_and_max_tokens_inside_an_accepted_run(looping_dir: Path) -> None:
-    """A stop id, a stop string and max_tokens while drafts are being accepted end the request exactly
-    where plain decoding ends it (a stop id in the middle of a run: test_spec_scheduler.py)."""
+def stops_inside_runs(model_dir: Path) -> tuple[list[list[int]], list[SamplingParams], int, str]:
+    """Three prompts and their params: a stop id deep in the model's cycle, a stop string from the middle
+    of an output, max_tokens 23 (with the stop id and string it ends them)."""
     prompts = repetitive_prompts(3, 3)
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    reference, _ = generate(looping_dir, prompts, free, None)
+    reference, _ = generate(model_dir, prompts, free, None)
     cycle_token = reference[0].outputs[0].token_ids[20]  # deep in the cycle: drafts predict it
     text = reference[1].outputs[0].text
     stop_string = text[len(text) // 2 : len(text) // 2 + 3]
     params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[cycle_token], logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_string]),
               SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logprobs=1)]
+    return prompts, params, cycle_token, stop_string
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(looping_dir: Path) -> None:
+    """A stop id, a stop string and max_tokens while drafts are being accepted end the request exactly
+    where plain decoding ends it (a stop id in the middle of a run: test_spec_scheduler.py)."""
+    prompts, params, cycle_token, stop_string = stops_inside_runs(looping_dir)
     plain, _ = generate(looping_dir, prompts, params, None)
     spec, llm = generate(looping_dir, prompts, params, NGRAM)
     assert completions(spec) == completions(plain)
@@ -149,17 +156,23 @@ def test_sampled_tokens_follow_the_target_distribution(looping_dir: Path) -> Non
     n = 1500
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     outs, llm = generate(looping_dir, [prompt] * n, params, {**NGRAM, "num_speculative_tokens": 2})
+    assert_first_tokens_follow_the_target(looping_dir, prompt, outs, depth=3, top_k=3)
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > n // 3 and stats.spec_decode_num_accepted_tokens > n // 10
+
+
+def assert_first_tokens_follow_the_target(model_dir: Path, prompt: list[int], outs: list, depth: int,
+                                          top_k: int) -> None:
+    """Chi-square of the outputs' first `depth` tokens against their exact joint top-k probabilities."""
     counts: dict[tuple[int, ...], int] = {}
     for out in outs:
-        key = tuple(out.outputs[0].token_ids)
+        key = tuple(out.outputs[0].token_ids[:depth])
         counts[key] = counts.get(key, 0) + 1
-    exact = _joint_top_k(looping_dir, prompt, depth=3, top_k=3)
+    exact = _joint_top_k(model_dir, prompt, depth=depth, top_k=top_k)
     assert set(counts) <= set(exact)
     cells = sorted(exact)
     stat, df = chi2([counts.get(c, 0) for c in cells], [exact[c] for c in cells])
     assert stat < chi2_critical(df), (stat, df)
-    stats = llm.engine.get_stats()
-    assert stats.spec_decode_num_draft_tokens > n // 3 and stats.spec_decode_num_accepted_tokens > n // 10
 
 
 def _joint_top_k(model_dir: Path, prompt: list[int], depth: int, top_k: int) -> dict[tuple[int, ...], float]:
