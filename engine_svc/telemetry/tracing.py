@@ -61,6 +61,8 @@ def request_attributes(model_name: str, request: EngineCoreRequest) -> dict[str,
         attrs["gen_ai.request.max_tokens"] = sp.max_tokens
     if sp.seed is not None:
         attrs["gen_ai.request.seed"] = sp.seed
+    if request.lora_name:
+        attrs["tandem.request.lora_name"] = request.lora_name
     return attrs
 
 

@@ -66,7 +66,9 @@ class GenerateCall:
             self.span.set_attributes({**request_attributes(self._model_name, prepared.params,
                                                            self._prompt_tokens, prepared.priority),
                                       "gen_ai.response.id": prepared.request_id,
-                                      "tandem.request.n": len(prepared.engine_request_ids)})
+                                      "tandem.request.n": len(prepared.engine_request_ids),
+                                      **({"tandem.request.lora_name": prepared.lora_name} if prepared.lora_name
+                                         else {})})
         return prepared
 
     def trace_headers(self) -> dict[str, str]:

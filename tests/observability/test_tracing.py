@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import msgspec
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -183,6 +184,7 @@ def test_engine_spans_count_preemptions_and_record_errors() -> None:
     assert span.events[2].timestamp == 11_000_000_000
     assert span.attributes["tandem.num_preemptions"] == 2
     assert span.attributes["gen_ai.request.seed"] == 7
+    assert "tandem.request.lora_name" not in span.attributes  # the base model
     assert span.attributes["error.type"] == "UNAVAILABLE"
     assert span.status.status_code == StatusCode.ERROR
     assert len(spans) == 0
@@ -221,3 +223,12 @@ def test_provider_from_env_names_the_service_and_reads_the_sampler(monkeypatch: 
         assert "0.25" in provider.sampler.get_description()
     finally:
         provider.shutdown()
+
+
+def test_an_engine_span_names_the_requests_lora_adapter() -> None:
+    spans, exporter = _spans()
+    request = msgspec.structs.replace(_request("a", {"traceparent": traceparent(10)[0]}), lora_name="sql")
+    spans.start(1, request)
+    spans.end_stream(1)
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["tandem.request.lora_name"] == "sql"
