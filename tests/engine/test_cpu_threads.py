@@ -160,7 +160,7 @@ def test_a_busy_neighbour_process_is_seen_on_this_machine() -> None:
     assert (after.own_s - before.own_s) / elapsed < 0.3  # this test process slept
 
 
-STEP = SimpleNamespace(kv_loads=[])  # a step with nothing for the worker to do before it runs
+STEP = SimpleNamespace(kv_loads=[], lora_loads=[], lora_drops=[])  # a step with nothing to do before it runs
 
 
 def test_a_worker_runs_its_steps_with_the_governor_s_threads(llama_dir, monkeypatch, restore_threads) -> None:
