@@ -89,6 +89,15 @@ def max_gap(arrivals: Sequence[float], start: float, end: float) -> float:
     return max(b - a for a, b in itertools.pairwise(times))
 
 
+def metric_value(port: int, name: str) -> float:
+    """The value of the first sample of `name` on a service's Prometheus endpoint (127.0.0.1:`port`)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return float(next(x for x in text.splitlines() if x.startswith(name)).split()[-1])
+
+
 def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call()

@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import httpx2
 import pytest
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 from tests.e2e.test_migration import assert_same, run_all, workload
 from tests.engine_stream import engine_idle
-from tests.support import Service, free_port, wait_until
+from tests.support import Service, free_port, metric_value, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -68,9 +67,7 @@ class PD:
                    30, "the P/D frontend sees both engines")
 
     def pulled_blocks(self) -> float:
-        text = httpx2.get(f"http://127.0.0.1:{self.consumer_metrics}/metrics", timeout=5).text
-        line = next(x for x in text.splitlines() if x.startswith("tandem_kv_transfer_blocks_pulled_total"))
-        return float(line.split()[-1])
+        return metric_value(self.consumer_metrics, "tandem_kv_transfer_blocks_pulled_total")
 
     def close(self) -> None:
         for c in self.channels:

@@ -20,6 +20,7 @@ import pytest
 
 from tests.e2e.conftest import engine_service, free_port, frontend_service, wait_until
 from tests.engine_stream import engine_idle
+from tests.support import metric_value
 
 pytestmark = pytest.mark.slow
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
@@ -74,6 +75,9 @@ class Pods:
     def metrics(self) -> str:
         return httpx2.get(f"http://127.0.0.1:{self.consumer_metrics}/metrics", timeout=5).text
 
+    def pulled(self) -> float:
+        return metric_value(self.consumer_metrics, "tandem_kv_transfer_blocks_pulled_total")
+
     def close(self) -> None:
         for service in reversed(self.services):
             service.stop()
@@ -88,10 +92,6 @@ def pods(make_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         cluster.close()
 
 
-def _pulled(metrics: str) -> float:
-    return float(next(x for x in metrics.splitlines() if x.startswith("tandem_kv_transfer_blocks_pulled_total")).split()[-1])
-
-
 def _completion(answer: dict[str, Any]) -> tuple[str, list[int], list[float]]:
     choice = answer["choices"][0]
     return choice["text"], choice["token_ids"], choice["logprobs"]["token_logprobs"]
@@ -102,11 +102,11 @@ def test_completions_through_the_sidecar_flow_equal_one_engine(pods: Pods) -> No
     for prompt in prompts:
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
                 "logprobs": 1, "return_token_ids": True}
-        before = _pulled(pods.metrics())
+        before = pods.pulled()
         disaggregated, kept = pods.sidecar("/v1/completions", body)
         assert kept["do_remote_prefill"] and kept["remote_port"] == pods.producer.port
         assert len(kept["remote_block_ids"]) >= 2 and kept["remote_num_tokens"] == len(prompt)
-        assert _pulled(pods.metrics()) > before  # the decode engine pulled, it did not recompute
+        assert pods.pulled() > before  # the decode engine pulled, it did not recompute
         alone = pods.post("prefill", "/v1/completions", body)
         text, ids, logprobs = _completion(disaggregated)
         assert (text, ids) == _completion(alone)[:2]

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import httpx2
 import openai
 import pytest
 from tandem.vendor.smg import vllm_engine_pb2 as vpb
@@ -24,7 +23,7 @@ from tandem.vendor.smg import vllm_engine_pb2_grpc as vpb_grpc
 from tests.engine_stream import engine_idle
 from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, Fleet
 from tests.realmodel.test_smg_gateway import SMG, Gateway
-from tests.support import free_port, wait_until
+from tests.support import free_port, metric_value, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +63,7 @@ class PdDeployment:
                                     timeout=300)
 
     def pulled_blocks(self) -> float:
-        text = httpx2.get(f"http://127.0.0.1:{self.consumer_metrics}/metrics", timeout=5).text
-        return float(next(x for x in text.splitlines()
-                          if x.startswith("tandem_kv_transfer_blocks_pulled_total")).split()[-1])
+        return metric_value(self.consumer_metrics, "tandem_kv_transfer_blocks_pulled_total")
 
 
 @pytest.fixture(scope="module")

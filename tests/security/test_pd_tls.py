@@ -13,13 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import pytest
 
 from frontend_svc.client import TandemClient, collect
 from tests.e2e.conftest import ENGINE_FLAGS
 from tests.security.certs import CertificateAuthority
-from tests.support import Service, free_port, wait_until
+from tests.support import Service, free_port, metric_value, wait_until
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
@@ -69,8 +68,7 @@ class LockedPd:
             service.wait_serving(health_address=health)
 
     def counter(self, name: str) -> float:
-        text = httpx2.get(f"http://127.0.0.1:{self.consumer_metrics}/metrics", timeout=5).text
-        return float(next(x for x in text.splitlines() if x.startswith(name)).split()[-1])
+        return metric_value(self.consumer_metrics, name)
 
     def close(self) -> None:
         for service in reversed(self.services):
