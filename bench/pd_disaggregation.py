@@ -46,7 +46,7 @@ ENGINE_FLAGS = ("--dtype", "float32", "--max-num-seqs", "16", "--kv-cache-memory
 
 
 # ---- transfer throughput -----------------------------------------------------------------------------
-def transfer(model: Path, lengths: list[int], repeats: int) -> None:
+def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 1024) -> None:
     from engine_svc.api.server import EngineServer
     from engine_svc.config import EngineConfig
     from engine_svc.kv_transfer.config import KVTransferConfig
@@ -57,7 +57,8 @@ def transfer(model: Path, lengths: list[int], repeats: int) -> None:
 
     config = EngineConfig.create(model=str(model), dtype="float32", device="cpu", max_num_seqs=4,
                                  kv_cache_memory_bytes=512 << 20,
-                                 kv_transfer_config=KVTransferConfig(kv_role="kv_producer"))
+                                 kv_transfer_config=KVTransferConfig(kv_role="kv_producer",
+                                                                     kv_chunk_bytes=chunk_kib << 10))
     server = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
     wait_until(lambda: engine_idle(server.address), 120, "producer up", retry_on=(grpc.RpcError,))
     core = server.server.servicer.core  # type: ignore[union-attr]
@@ -200,6 +201,7 @@ def main() -> None:
     p.add_argument("--transfer", action="store_true")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chunk-kib", type=int, default=1024, help="the producer's kv_chunk_bytes, in KiB")
     p.add_argument("--mix", action="store_true")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--stream-tokens", type=int, default=48)
@@ -210,7 +212,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
     if args.transfer:
-        transfer(args.model, args.lengths, args.repeats)
+        transfer(args.model, args.lengths, args.repeats, args.chunk_kib)
     if args.mix:
         mix(args.model, args)
 
