@@ -46,7 +46,8 @@ ENGINE_FLAGS = ("--dtype", "float32", "--max-num-seqs", "16", "--kv-cache-memory
 
 
 # ---- transfer throughput -----------------------------------------------------------------------------
-def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 1024) -> None:
+def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 1024,
+             producer_process: bool = False) -> None:
     from engine_svc.api.server import EngineServer
     from engine_svc.config import EngineConfig
     from engine_svc.kv_transfer.config import KVTransferConfig
@@ -63,6 +64,18 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
     wait_until(lambda: engine_idle(server.address), 120, "producer up", retry_on=(grpc.RpcError,))
     core = server.server.servicer.core  # type: ignore[union-attr]
     puller = KVPuller(core.kv_connector.layout, timeout_s=60, max_message_bytes=64 << 20)
+    address, port = server.address, server.server.bound_port
+    logs = tempfile.TemporaryDirectory()
+    remote = None
+    if producer_process:  # the same producer in a process of its own: the two ends share no GIL
+        port = free_port()
+        kv = json.dumps({"kv_role": "kv_producer", "kv_chunk_bytes": chunk_kib << 10})
+        remote = Service("producer", [sys.executable, "-m", "engine_svc.cli", "--model", str(model), "--host",
+                                      "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-num-seqs", "4",
+                                      "--kv-cache-memory-bytes", str(512 << 20), "--metrics-port", "0",
+                                      "--kv-transfer-config", kv], port, Path(logs.name)).start()
+        remote.wait_serving()
+        address = remote.address
     rng = random.Random(0)
     print(f"block: {puller.layout.block_bytes / 1024:.0f} KiB over {puller.layout.num_layers} layers; "
           f"chunks of {config.kv_transfer_config.kv_chunk_bytes >> 10} KiB")  # type: ignore[union-attr]
@@ -70,7 +83,7 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
         pulls, copies, nbytes = [], [], 0
         for r in range(repeats):
             rid = f"t{length}-{r}"
-            with server.channel() as channel:
+            with grpc.insecure_channel(address) as channel:
                 stream = EngineStream(channel)
                 stream.send(epb.EngineCoreRequest(
                     request_id=rid, prompt_token_ids=[rng.randrange(100, 40000) for _ in range(length)],
@@ -78,8 +91,7 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
                     kv_transfer_params=epb.KvTransferParams(do_remote_decode=True)))
                 stream.wait_finished(rid, timeout=300)
                 stream.close()
-            params = KvTransferParams(remote_host="127.0.0.1", remote_port=server.server.bound_port,
-                                      remote_request_id=rid)
+            params = KvTransferParams(remote_host="127.0.0.1", remote_port=port, remote_request_id=rid)
             start = time.perf_counter()
             result = puller.pull_now(rid, params, 0)
             pulls.append(time.perf_counter() - start)
@@ -94,6 +106,9 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
               f"({pull * 1000:6.1f} ms, spread {min(pulls) * 1000:.1f}-{max(pulls) * 1000:.1f}), memcpy "
               f"{nbytes / copy / 2**20:7.0f} MiB/s; pull/memcpy {copy / pull:5.1%}; "
               f"{pull * 1000 / length * 1000:6.1f} ms per 1,000 tokens")
+    if remote is not None:
+        remote.stop()
+    logs.cleanup()
     server.begin_drain()
     server.join(30)
 
@@ -202,6 +217,8 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk-kib", type=int, default=1024, help="the producer's kv_chunk_bytes, in KiB")
+    p.add_argument("--producer-process", action="store_true",
+                   help="pull from a producer engine in a process of its own (default: in this process)")
     p.add_argument("--mix", action="store_true")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--stream-tokens", type=int, default=48)
@@ -212,7 +229,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
     if args.transfer:
-        transfer(args.model, args.lengths, args.repeats, args.chunk_kib)
+        transfer(args.model, args.lengths, args.repeats, args.chunk_kib, args.producer_process)
     if args.mix:
         mix(args.model, args)
 
