@@ -70,6 +70,24 @@ class EngineMetrics:
         self.iteration_tokens.observe(stats.num_scheduled_tokens)
 
 
+# The load gauges, exported under tandem's prefix and under vLLM's (`vllm:`, for schedulers that read
+# vLLM's names): (name after the prefix, help, the SchedulerStats field).
+_LOAD_GAUGES = (
+    ("num_requests_running", "Requests in the running batch", "num_running"),
+    ("num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
+    ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", "kv_cache_usage"),
+)
+
+
+def _load_gauges(prefix: str, names: list[str], labels: list[str], s: SchedulerStats) -> list[Metric]:
+    out: list[Metric] = []
+    for name, doc, field in _LOAD_GAUGES:
+        gauge = GaugeMetricFamily(prefix + name, doc, labels=names)
+        gauge.add_metric(labels, float(getattr(s, field)))
+        out.append(gauge)
+    return out
+
+
 class _StatsCollector(Collector):
     def __init__(self, model_name: str, latest_stats: Callable[[], SchedulerStats]) -> None:
         self._labels = [model_name]
@@ -78,15 +96,7 @@ class _StatsCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         s = self._latest()
         names = ["model_name"]
-        out: list[Metric] = []
-        for name, doc, value in (
-            ("tandem_num_requests_running", "Requests in the running batch", s.num_running),
-            ("tandem_num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
-            ("tandem_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", s.kv_cache_usage),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=names)
-            gauge.add_metric(self._labels, float(value))
-            out.append(gauge)
+        out = _load_gauges("tandem_", names, self._labels, s)
         for name, doc, value in (
             ("tandem_num_preemptions", "Preemptions (recompute)", s.num_preemptions),
             ("tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
@@ -133,17 +143,7 @@ class _VllmGauges(Collector):
     def collect(self) -> Iterable[Metric]:
         s = self._latest()
         names = ["model_name", "engine"]
-        out: list[Metric] = []
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Requests in the running batch (tandem_num_requests_running)",
-             s.num_running),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled (tandem_num_requests_waiting)",
-             s.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full (tandem_kv_cache_usage_perc)", s.kv_cache_usage),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=names)
-            gauge.add_metric(self._labels, float(value))
-            out.append(gauge)
+        out = _load_gauges("vllm:", names, self._labels, s)
         if s.num_total_blocks:
             info = {**self._cache_config, "num_gpu_blocks": str(s.num_total_blocks)}
             gauge = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache (its labels)",
