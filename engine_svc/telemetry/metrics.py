@@ -3,6 +3,7 @@
 Two sources, so nothing is counted twice:
 - Read at scrape time from the latest `SchedulerStats` (the busy loop publishes it after each step):
   the gauges `tandem_num_requests_running`, `tandem_num_requests_waiting`, `tandem_kv_cache_usage_perc`
+  (also under vLLM's names, `vllm:...`, with `vllm:cache_config_info`, for schedulers that read those)
   and the counters the scheduler already keeps cumulatively — `tandem_num_preemptions_total`,
   `tandem_prefix_cache_queries_total`, `tandem_prefix_cache_hits_total` (in tokens) and speculative
   decoding's `tandem_spec_decode_num_drafts_total`, `_num_draft_tokens_total`, `_num_accepted_tokens_total`
