@@ -22,6 +22,7 @@ from engine_svc.api.kv_events import DEFAULT_BUFFER as KV_EVENTS_BUFFER
 from engine_svc.api.kv_events import DEFAULT_MAX_SUBSCRIBERS
 from engine_svc.api.stream_cap import DEFAULT_MAX_TOKENIZER_DOWNLOADS
 from engine_svc.config import ConfigError, add_engine_args, config_from_args
+from engine_svc.telemetry.stat_logger import DEFAULT_INTERVAL_S, StatLogger
 from shared_runtime.link import MAX_MESSAGE_BYTES
 from shared_runtime.security.flags import SERVER, add_engine_token_arg, add_tls_args, tls_files
 from shared_runtime.security.listen import BindError
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a worker node of an engine spanning --nnodes nodes: run this node's workers "
                              "(--node-rank > 0) for node 0's engine, serve no API")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (throughput, running/waiting, KV usage, speculative acceptance)")
+    parser.add_argument("--log-stats-interval", type=float, default=DEFAULT_INTERVAL_S,
+                        help="seconds between stats lines (vLLM's VLLM_LOG_STATS_INTERVAL)")
     security = parser.add_argument_group("security (docs/security.md)")
     add_tls_args(security, side=SERVER, peer="frontends")
     add_engine_token_arg(security, SERVER)
@@ -94,6 +99,8 @@ def _main(argv: list[str] | None) -> int:
         for flag in ("kv_events_buffer", "max_kv_event_subscribers", "max_tokenizer_downloads"):
             if getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        if not args.log_stats_interval > 0:
+            raise ConfigError(f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval}")
         config = config_from_args(args)
         security = _security(args)
     except (ConfigError, TlsConfigError, ValueError) as exc:
@@ -138,7 +145,8 @@ async def _serve_with_signals(config, args: argparse.Namespace, executor, securi
                           max_message_bytes=args.max_message_bytes, kv_events=args.enable_kv_cache_events,
                           kv_events_buffer=args.kv_events_buffer,
                           max_kv_event_subscribers=args.max_kv_event_subscribers,
-                          max_tokenizer_downloads=args.max_tokenizer_downloads, settle_heap_when_ready=True)
+                          max_tokenizer_downloads=args.max_tokenizer_downloads, settle_heap_when_ready=True,
+                          stat_logger=None if args.disable_log_stats else StatLogger(args.log_stats_interval))
     # The server takes a drain at any point of its start-up (queued until the core is up), so the handlers
     # are bound at once; a signal that came while it was being built is delivered now.
     signals.bind(drain=server.begin_drain, stop=server.force_exit, reload=server.reload_credentials)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,6 +46,9 @@ from engine_svc.core import EngineCore
 from engine_svc.kv_transfer.setup import advertise
 from engine_svc.telemetry import EngineTelemetry
 from engine_svc.telemetry.kv_transfer_metrics import KvTransferCollector
+from engine_svc.telemetry.metrics import EngineMetrics
+from engine_svc.telemetry.stat_logger import StatLogger
+from shared_runtime.contract import SchedulerStats
 from shared_runtime.heap import settle_heap
 from shared_runtime.link import (
     KEEPALIVE_OPTIONS,
@@ -92,7 +96,7 @@ class EngineServer:
                  max_message_bytes: int = MAX_MESSAGE_BYTES, kv_events: bool = True,
                  kv_events_buffer: int = DEFAULT_BUFFER, max_kv_event_subscribers: int = DEFAULT_MAX_SUBSCRIBERS,
                  max_tokenizer_downloads: int = DEFAULT_MAX_TOKENIZER_DOWNLOADS,
-                 settle_heap_when_ready: bool = False) -> None:
+                 settle_heap_when_ready: bool = False, stat_logger: StatLogger | None = None) -> None:
         """`max_waiting`: None = 4 x max_num_seqs, a negative value = unbounded. `tokens`: the engine
         tokens a caller must present (None: no token needed). `kv_events`: record the prefix cache's
         changes for SubscribeKvEvents; `kv_events_buffer`: batches a subscriber may fall behind;
@@ -100,8 +104,9 @@ class EngineServer:
         open at once (both protocols together; RESOURCE_EXHAUSTED past them).
         `settle_heap_when_ready`: once the engine is built, freeze what start-up allocated out of the
         garbage collector's reach (shared_runtime/heap.py); for a process that only serves (the CLI),
-        since a frozen object is never collected."""
+        since a frozen object is never collected. `stat_logger`: the periodic stats line (None: off)."""
         self.config = config
+        self.stat_logger = stat_logger
         self.telemetry = telemetry or EngineTelemetry()
         self.host, self.port = host, port
         self.address = join_host_port(host, port)
@@ -184,7 +189,7 @@ class EngineServer:
         busy = BusyLoop(self._make_core, self.servicer.deliver, max_waiting=self.max_waiting,
                         on_ready=threadsafe(self._on_ready), on_fatal=threadsafe(self._on_fatal),
                         on_drained=threadsafe(self._done.set),
-                        on_step=metrics.record_step if metrics is not None else None,
+                        on_step=_step_hooks(metrics, self.stat_logger),
                         on_kv_events=threadsafe(publisher.publish) if publisher is not None else None)
         self.servicer.busy = busy
         if metrics is not None:
@@ -196,7 +201,11 @@ class EngineServer:
             if publisher is not None:
                 metrics.track_kv_events(publisher)
         busy.start()
+        if self.stat_logger is not None:
+            self.stat_logger.start()
         await self._done.wait()
+        if self.stat_logger is not None:
+            self.stat_logger.stop()
         await self._shutdown(server, busy)
         if health_server is not None:
             await health_server.stop(grace=None)
@@ -289,3 +298,18 @@ def _read_tokenizer_archive(model: str) -> TokenizerArchive | None:
     except Exception:
         logger.exception("cannot read the tokenizer files of %s; GetTokenizer will answer NOT_FOUND", model)
         return None
+
+
+def _step_hooks(metrics: EngineMetrics | None, stat_logger: StatLogger | None
+                ) -> Callable[[SchedulerStats | None], None] | None:
+    """The busy loop's per-step hook: the metrics' and the stats line's, whichever are on."""
+    hooks = [h.record_step for h in (metrics, stat_logger) if h is not None]
+    if len(hooks) < 2:
+        return hooks[0] if hooks else None
+    first, second = hooks
+
+    def both(stats: SchedulerStats | None) -> None:
+        first(stats)
+        second(stats)
+
+    return both

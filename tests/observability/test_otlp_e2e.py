@@ -52,7 +52,8 @@ def test_services_export_one_trace_to_an_otlp_receiver(make_model, tmp_path: Pat
                "OTEL_BSP_SCHEDULE_DELAY": "100"}
         engine = start(["engine_svc.cli", "--model", str(model), "--host", "127.0.0.1",
                         "--port", str(engine_port), "--metrics-port", str(engine_metrics), "--dtype", "float32",
-                        "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
+                        "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+                        "--log-stats-interval", "0.3"],
                        env, tmp_path / "engine.log")
         frontend = start(["frontend_svc.cli", "--model", str(model), "--engine", f"127.0.0.1:{engine_port}",
                           "--host", "127.0.0.1", "--port", str(frontend_port),
@@ -75,6 +76,8 @@ def test_services_export_one_trace_to_an_otlp_receiver(make_model, tmp_path: Pat
             assert spans["tandem-engine"].attributes["gen_ai.usage.output_tokens"] == 3
             assert spans["tandem-engine"].events == ("queued", "scheduled", "first_token", "finished")
             assert "tandem_generation_tokens_total" in scrape(engine_metrics)
+            wait_until(lambda: "Avg generation throughput: " in (tmp_path / "engine.log").read_text(), 10,
+                       "the engine's stats line")
             assert 'tandem_request_success_total{finished_reason="length"' in scrape(frontend_metrics)
         finally:
             assert stop(frontend) == 0
