@@ -20,7 +20,7 @@ import pytest
 from tandem.engine.v1 import engine_core_pb2 as epb
 
 from engine_svc.api.kv_events import KvEventPublisher
-from engine_svc.api.lora_watch import adapter_infos
+from engine_svc.api.lora_watch import LoraAnnouncer, adapter_infos
 from engine_svc.api.smg.kv_events import smg_hash, to_smg_batch
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
@@ -59,6 +59,10 @@ def test_the_fingerprint_is_the_files_content(adapters, tmp_path: Path) -> None:
     (edited / "adapter_config.json").write_text(config.replace('"lora_alpha": 16', '"lora_alpha": 17'))
     assert '"lora_alpha": 17' in (edited / "adapter_config.json").read_text()
     assert adapter_fingerprint(edited) != adapter_fingerprint(dirs["x"])  # same weights, other scaling
+    model_dir, _ = adapters
+    reseeded = make_adapter(model_dir, tmp_path / "reseeded", rank=8, alpha=16, targets=ALL_MODULES, seed=79)
+    assert (reseeded / "adapter_config.json").read_bytes() == (dirs["x"] / "adapter_config.json").read_bytes()
+    assert adapter_fingerprint(reseeded) != adapter_fingerprint(dirs["x"])  # same config, other weights
     # two engines (registries) reading the same directory announce the same fingerprint
     prints: list[dict[str, str]] = [{}, {}]
     for p in prints:
@@ -196,3 +200,34 @@ def test_kv_event_batches_name_the_adapter_live_and_in_snapshots_on_both_protoco
         assert [k.text for k in block.extra_keys] == list(lora_extra_keys(adapter.fingerprint))
     smg_snapshot = to_smg_batch(snapshot, BS, max_running=4)
     assert [e.stored.lora_name for e in smg_snapshot.events if e.WhichOneof("data") == "stored"] == ["", "sql"]
+
+
+def test_the_adapter_watch_sends_the_set_at_once_and_again_after_each_change(adapters) -> None:
+    """WatchLoraAdapters' stream (engine_svc/api/lora_watch.py) over a real registry: the set when opened,
+    then the whole set after each load or unload; changes made before it is read are sent once, as the
+    set is then."""
+    _, dirs = adapters
+    registry = LoRARegistry({"x": 1}, [("x", str(dirs["x"]))], 4, set, {})
+    announcer = LoraAnnouncer()
+
+    def names(message: epb.LoraAdapterSet) -> list[tuple[str, int, str]]:
+        return [(a.lora_name, a.lora_id, a.fingerprint[:8]) for a in message.adapters]
+
+    async def scenario() -> None:
+        stream = announcer.watch(registry)
+        fx, fy = adapter_fingerprint(dirs["x"])[:8], adapter_fingerprint(dirs["y"])[:8]
+        assert names(await asyncio.wait_for(anext(stream), 5)) == [("x", 1, fx)]
+        pending = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.05)
+        assert not pending.done()  # nothing changed: nothing sent
+        registry.add("y", str(dirs["y"]))
+        announcer.changed()
+        assert names(await asyncio.wait_for(pending, 5)) == [("x", 1, fx), ("y", 2, fy)]
+        registry.remove("x")
+        announcer.changed()
+        registry.add("x", str(dirs["y"]))
+        announcer.changed()
+        assert names(await asyncio.wait_for(anext(stream), 5)) == [("y", 2, fy), ("x", 3, fy)]
+        await stream.aclose()
+
+    asyncio.run(scenario())
