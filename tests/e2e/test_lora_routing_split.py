@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from tests.e2e.conftest import engine_service, free_port, frontend_service, wait_until
+from tests.e2e.conftest import Cluster, engine_service, free_port, frontend_service, wait_until
 from tests.engine.lora_support import ALL_MODULES, make_adapter, make_prompts, peft_greedy
 from tests.support import Service
 
@@ -96,7 +96,9 @@ def stack(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
                 service.wait_serving()
             for f in frontends:
                 wait_until(lambda f=f: httpx2.get(f"{f.url}/health", timeout=2).status_code == 200, 30, "/health 200")
-                wait_until(lambda f=f: f.models()[1:] == ["x", "y"], 30, "both engines ready with x and y")
+                wait_until(lambda f=f: Cluster.model_info(f.service).num_ready_engines == 2, 30,
+                           f"{f.url} routing to both engines")
+                assert f.models()[1:] == ["x", "y"]
             yield Stack(model, dirs, *frontends)
         finally:
             for service in reversed(services):
