@@ -10,6 +10,7 @@ Invariants:
 - `LoraAnnouncer.changed()` is called (on the server's event loop) after every load or unload the
   registry took; every open watch then sends the set as the registry has it, at least once, in order.
 - A watch never waits for the engine's step loop: `registry.served()` is a snapshot any thread may take.
+- `close()` (the engine shuts down) ends every watch, so no stream holds the server's stop.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class LoraAnnouncer:
 
     def __init__(self) -> None:
         self.version = 0
+        self.closed = False
         self._changed = asyncio.Event()
 
     def changed(self) -> None:
@@ -41,9 +43,14 @@ class LoraAnnouncer:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def close(self) -> None:
+        """End every watch (after what it is sending)."""
+        self.closed = True
+        self.changed()
+
     async def watch(self, registry: LoRARegistry) -> AsyncIterator[pb.LoraAdapterSet]:
         """The current set, then the set after each change (changes that come together send it once)."""
-        while True:
+        while not self.closed:
             seen, event = self.version, self._changed
             yield pb.LoraAdapterSet(adapters=adapter_infos(registry.served()))
             if self.version == seen:

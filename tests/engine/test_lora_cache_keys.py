@@ -228,6 +228,9 @@ def test_the_adapter_watch_sends_the_set_at_once_and_again_after_each_change(ada
         registry.add("x", str(dirs["y"]))
         announcer.changed()
         assert names(await asyncio.wait_for(anext(stream), 5)) == [("y", 2, fy), ("x", 3, fy)]
-        await stream.aclose()
+        pending = asyncio.ensure_future(anext(stream))
+        announcer.close()  # the engine shuts down: the stream ends
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(pending, 5)
 
     asyncio.run(scenario())
