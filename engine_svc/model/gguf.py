@@ -11,19 +11,23 @@ transformers' GGUF-key -> config-key table, so no mapping is written by hand her
 - `metadata_only(path)`: the file without its tensors (what GetTokenizer serves for a .gguf model).
 
 Invariants:
-- Only architectures tandem serves are accepted (`GGUF_ARCHITECTURES`; a file with experts, such as a
-  Mixtral filed as "llama", is refused by name: MoE models load from Hugging Face checkpoints), and only tensor types whose
+- Only architectures tandem serves are accepted (`GGUF_ARCHITECTURES`: Llama, Mistral, Qwen2, Qwen3,
+  Qwen3-MoE, and Mixtral, which llama.cpp files as "llama" with experts; a file with shared experts is
+  refused by name), and only tensor types whose
   dequantization is exact to float32 (`SUPPORTED_TENSOR_TYPES`); anything else is a `GGUFError` that
   names what the file holds and what is supported, raised before any weight is read.
 - llama.cpp stores the q/k projections of the "llama" architecture permuted for its interleaved rotary
   layout; they come back un-permuted (HF's half-split layout). Other architectures are stored as is.
 - A file without an `output.weight` tensor has tied embeddings (`tie_word_embeddings: true`).
+- A layer's experts are one stacked tensor in the file and one tensor per expert in an HF checkpoint:
+  each expert's slice is handed on under its HF name.
 - The model's own dtype (`dtype` in the config) is the file's float type when its weights are plain
   floats; a quantized file has none, and its exact dequantization is float32.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -31,12 +35,18 @@ from typing import Any
 
 import numpy as np
 
-# GGUF "general.architecture" -> the HF architecture tandem builds for it. Mistral files say "llama".
+# GGUF "general.architecture" -> the HF architecture tandem builds for it. Mistral files say "llama";
+# so do Mixtral files, which have experts (`MIXTRAL`).
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+MIXTRAL = "MixtralForCausalLM"
+# GGUF architecture -> transformers' model_type (the key of its GGUF config table too).
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)$")  # HF per-expert module name: prefix, index, projection
 # Plain floats plus the block formats gguf-py dequantizes (legacy and k-quants).
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -77,7 +87,7 @@ def _architecture(path: str | Path) -> str:
     arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; tandem serves GGUF files of "
-                        f"architecture {', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, Qwen2, Qwen3)")
+                        f"architecture {', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, Qwen2, Qwen3, Qwen3-MoE, Mixtral)")
     return str(arch)
 
 
@@ -93,10 +103,12 @@ def check_supported(path: str | Path) -> str:
     if bad:
         raise GGUFError(f"{path} holds tensors of type {', '.join(bad)}, which tandem cannot dequantize; "
                         f"supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}")
-    experts = read_metadata(path, [f"{arch}.expert_count"]).get(f"{arch}.expert_count")
-    if experts:  # e.g. Mixtral, which llama.cpp files as "llama" with experts
-        raise GGUFError(f"{path} holds a mixture-of-experts model ({arch}.expert_count = {experts}); tandem serves "
-                        "MoE models (Qwen3-MoE, Mixtral) from Hugging Face checkpoints only, not from GGUF files")
+    experts = read_metadata(path, [f"{arch}.expert_count", f"{arch}.expert_shared_count"])
+    if arch == "qwen3moe" and not experts.get(f"{arch}.expert_count"):
+        raise GGUFError(f"{path}: a qwen3moe file without {arch}.expert_count")
+    if experts.get(f"{arch}.expert_shared_count"):
+        raise GGUFError(f"{path} has shared experts ({arch}.expert_shared_count = "
+                        f"{experts[f'{arch}.expert_shared_count']}), which tandem's {arch} models do not have")
     scaling = read_metadata(path, [f"{arch}.rope.scaling.type"]).get(f"{arch}.rope.scaling.type")
     if (scaling not in (None, "none")) or "rope_freqs.weight" in types:
         raise GGUFError(f"{path} uses rope scaling ({scaling or 'rope_freqs'}), which tandem does not read "
@@ -117,13 +129,16 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     arch = check_supported(path)
-    meta = read_metadata(path, [f"{arch}.{k}" for k in GGUF_CONFIG_MAPPING[arch]] + [
+    table = GGUF_CONFIG_MAPPING[_MODEL_TYPES[arch]]
+    meta = read_metadata(path, [f"{arch}.{k}" for k in table] + [
         f"{arch}.attention.key_length", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-        "tokenizer.ggml.padding_token_id"])
-    config: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
-    for key, name in GGUF_CONFIG_MAPPING[arch].items():
+        "tokenizer.ggml.padding_token_id", f"{arch}.expert_count", f"{arch}.expert_used_count",
+        f"{arch}.expert_feed_forward_length", f"{arch}.expert_weights_norm"])
+    config: dict[str, Any] = {"architectures": [hf_architecture(path)], "model_type": _MODEL_TYPES[arch]}
+    for key, name in table.items():
         if name is not None and f"{arch}.{key}" in meta:
             config[name] = meta[f"{arch}.{key}"]
+    config.update(_moe_fields(arch, meta))
     if f"{arch}.attention.key_length" in meta:  # Qwen3's explicit head_dim
         config["head_dim"] = meta[f"{arch}.attention.key_length"]
     if "vocab_size" not in config:  # older files: the vocabulary's length
@@ -139,6 +154,31 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def hf_architecture(path: str | Path) -> str:
+    """The HF architecture of the file's model: by `general.architecture`, Mixtral for "llama" with experts."""
+    arch = _architecture(path)
+    if arch == "llama" and read_metadata(path, ["llama.expert_count"]).get("llama.expert_count"):
+        return MIXTRAL
+    return GGUF_ARCHITECTURES[arch]
+
+
+def _moe_fields(arch: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """The config fields of a file with experts (none for a dense one). llama.cpp's graphs renormalise
+    the top-k routing weights of both families (a newer file may say so in `expert_weights_norm`); a
+    Mixtral file is a "llama" whose MLPs are experts of `feed_forward_length`, attending fully."""
+    experts = meta.get(f"{arch}.expert_count")
+    if not experts:
+        return {}
+    if arch == "llama":
+        return {"architectures": [MIXTRAL], "model_type": "mixtral", "num_local_experts": experts,
+                "num_experts_per_tok": meta[f"{arch}.expert_used_count"], "sliding_window": None}
+    fields = {"num_experts": experts, "num_experts_per_tok": meta[f"{arch}.expert_used_count"],
+              "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True))}
+    if f"{arch}.expert_feed_forward_length" in meta:
+        fields["moe_intermediate_size"] = meta[f"{arch}.expert_feed_forward_length"]
+    return fields
+
+
 def metadata_only(path: str | Path) -> bytes:
     """The file as a GGUF with its metadata (tokenizer, chat template, config keys) and no tensors: the
     header with a tensor count of 0, then the key-value section copied byte for byte."""
@@ -150,18 +190,22 @@ def metadata_only(path: str | Path) -> bytes:
     return head[:8] + bytes(8) + head[16:]
 
 
-def _name_table(path: str | Path, names: Iterable[str], num_layers: int) -> dict[str, str]:
-    """GGUF tensor name -> HF checkpoint name, for the HF names wanted (gguf-py's name map)."""
+def _name_table(path: str | Path, names: Iterable[str], num_layers: int) -> dict[str, list[tuple[int | None, str]]]:
+    """GGUF tensor name -> [(expert index or None, HF checkpoint name)], for the HF names wanted (gguf-py's
+    name map). A file holds each layer's experts stacked in one tensor (`blk.N.ffn_gate_exps`: [E, ...]);
+    an HF checkpoint names one tensor per expert (`...experts.{e}.gate_proj`), slice e of it."""
     import gguf
 
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[_architecture(path)]
     name_map = gguf.get_tensor_name_map(arch, num_layers)
-    table = {}
+    table: dict[str, list[tuple[int | None, str]]] = {}
     for hf_name in names:
         base, _, suffix = hf_name.rpartition(".")
-        gguf_base = name_map.get_name(base)
+        expert = _EXPERT.match(base)
+        index = int(expert.group(2)) if expert else None
+        gguf_base = name_map.get_name(f"{expert.group(1)}.{expert.group(3)}" if expert else base)
         if gguf_base is not None:
-            table[f"{gguf_base}.{suffix}"] = hf_name
+            table.setdefault(f"{gguf_base}.{suffix}", []).append((index, hf_name))
     return table
 
 
@@ -186,8 +230,8 @@ def iter_gguf_weights(path: str | Path, names: Iterable[str], dtype: Any) -> Ite
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     table = _name_table(path, names, int(meta[f"{arch}.block_count"]))
     for tensor in _reader(str(path)).tensors:
-        hf_name = table.get(tensor.name)
-        if hf_name is None:
+        targets = table.get(tensor.name)
+        if targets is None:
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         weights = weights.reshape(tuple(int(d) for d in reversed(tensor.shape)))  # ggml order is reversed
@@ -195,6 +239,8 @@ def iter_gguf_weights(path: str | Path, names: Iterable[str], dtype: Any) -> Ite
             weights = _unpermute_qk(weights, heads)
         elif arch in _PERMUTED_QK_ARCHS and ".attn_k." in tensor.name:
             weights = _unpermute_qk(weights, kv_heads)
-        if not weights.flags.writeable:  # a plain-float tensor is a view of the read-only file map
-            weights = weights.copy()
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)
+        for index, hf_name in targets:
+            part = weights if index is None else weights[index]
+            if not part.flags.writeable:  # a plain-float tensor is a view of the read-only file map
+                part = part.copy()
+            yield hf_name, torch.from_numpy(np.ascontiguousarray(part)).to(dtype)

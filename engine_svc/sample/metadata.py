@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ class ParamColumns(Protocol):
 
 # The optional per-row passes of `build_sampling_metadata`, by the name `RequestSamplingState.features` uses.
 FEATURES = ("seeded", "allowed", "bad_words", "min_tokens", "bias", "penalties", "logprobs")
+# Those whose effect on the next token depends on the tokens the request has output so far.
+OUTPUT_FEATURES = frozenset(("bad_words", "min_tokens", "penalties"))
 
 
 def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -149,6 +152,18 @@ class RequestSamplingState:
         self._stream_draws += 1
         self._generator_draws += 1
         return make(g)
+
+    def after_drafts(self, drafts: Sequence[int]) -> RequestSamplingState:
+        """This request's state as it would be had `drafts` been accepted: what a verification step
+        scores the position after them with, so that the features that read the output (penalties, bad
+        words, min_tokens: OUTPUT_FEATURES) see the drafts as output. A read-only copy for one step: it
+        has no random stream (the request's own state makes its draws, rejection.py)."""
+        view = copy.copy(self)
+        view.output_token_ids = [*self.output_token_ids, *drafts]
+        view.generator = None
+        view._out_buf = torch.empty(0, dtype=torch.int64)
+        view._out_synced = 0
+        return view
 
     def output_ids_tensor(self) -> torch.Tensor:
         """`output_token_ids` as a CPU int64 tensor, copying only the ids appended since last call."""

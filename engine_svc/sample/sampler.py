@@ -26,7 +26,7 @@ import torch
 
 from engine_svc.sample.filters import apply_min_p, apply_top_k_only, apply_top_k_top_p
 from engine_svc.sample.logprobs import LogprobsTensors, SampleLogprob, sampled_logprobs
-from engine_svc.sample.metadata import SamplingMetadata
+from engine_svc.sample.metadata import RequestSamplingState, SamplingMetadata
 from engine_svc.sample.penalties import (
     apply_allowed_token_ids,
     apply_logit_bias,
@@ -115,13 +115,29 @@ def _sample_cpu(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     share of a decode step (BENCHMARKS.md, "Where the served decode step goes"). A zero-probability token has no
     width in the running sum, so it is never picked; u * total is kept below the total, so the pick
     is always inside the row."""
-    cdf = probs.to(torch.float64).cumsum_(dim=-1)
-    total = cdf[:, -1:]
-    point = torch.rand(total.shape, dtype=torch.float64)
+    point = torch.rand((probs.shape[0], 1), dtype=torch.float64)
     for row, state in meta.seeded or []:
         point[row] = state.draw_uniform(probs.device)
+    return _inverse_transform(probs, point)
+
+
+def _inverse_transform(probs: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
+    """Row r's token for the float64 uniform point[r, 0] (see `_sample_cpu`). Modifies `point`."""
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    total = cdf[:, -1:]
     point = torch.minimum(point.mul_(total), torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, point, right=True).squeeze_(1)
+
+
+def sample_seeded(probs: torch.Tensor, state: RequestSamplingState) -> int:
+    """The token a seeded request samples from `probs` ([1, V], its distribution at one position),
+    making the next draw of its stream exactly as the batched sampler does for a seeded row (one
+    uniform on CPU, one exponential race on other devices): the same (distribution, stream position)
+    gives the same token here and there."""
+    if probs.device.type == "cpu":
+        return int(_inverse_transform(probs, state.draw_uniform(probs.device).view(1, 1))[0])
+    q = state.draw_exponential(probs.shape[1], probs.device)
+    return int((probs[0] / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax())
 
 
 def _exponential_noise(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -47,11 +47,13 @@ class CachedRequestData(msgspec.Struct, kw_only=True, array_like=True, gc=False)
 
 
 class GrammarBitmask(msgspec.Struct, kw_only=True, array_like=True, gc=False):
-    """Structured outputs this step (engine_svc/structured/bitmask.py): one row per constrained request
-    that samples, `words` = int32 rows of ceil(vocab_size / 32) words, bit t set = token t allowed."""
+    """Structured outputs this step (engine_svc/structured/bitmask.py): the rows of each constrained
+    request that samples (one, or 1 + k when it verifies k drafts), `words` = int32 rows of
+    ceil(vocab_size / 32) words, bit t set = token t allowed."""
 
     req_ids: list[str]
     words: bytes
+    rows: list[int] = []  # rows of each request (1 + its drafts verified this step); [] = one row each
 
 
 class KVBlockLoad(msgspec.Struct, array_like=True, gc=False):

@@ -76,7 +76,7 @@ from engine_svc.sched.output import (
     SchedulerOutput,
 )
 from engine_svc.sched.request_queue import make_request_queue
-from engine_svc.spec.config import SpeculativeConfig, may_speculate
+from engine_svc.spec.config import SpeculativeConfig
 from engine_svc.spec.proposers import make_proposer
 from engine_svc.spec.stats import SpecDecodeStats
 from engine_svc.structured.bitmask import BitmaskFiller
@@ -321,12 +321,14 @@ class Scheduler:
         num_computed_tokens: a request samples when its scheduled tokens reach its last known token)."""
         ids: list[str] = []
         grammars: list[RequestGrammar] = []
+        drafts: list[list[int]] = []
         for request_id, n in scheduled.items():
             request = self.requests[request_id]
             if request.grammar is not None and request.num_computed_tokens + n >= request.num_tokens:
                 ids.append(request_id)
                 grammars.append(request.grammar)
-        return filler.fill(ids, grammars) if ids else None
+                drafts.append(request.spec_token_ids[: request.num_computed_tokens + n - request.num_tokens])
+        return filler.fill(ids, grammars, drafts) if ids else None
 
     def _schedule_running(self, scheduled: dict[str, int], grown: set[str], budget: int,
                           cap: int) -> tuple[int, bool]:
@@ -668,11 +670,13 @@ class Scheduler:
         for request in self.running:
             tokens = request.all_token_ids
             k = min(spec.num_speculative_tokens, request.max_total_tokens - len(tokens) - 1)
-            if (k <= 0 or request.num_computed_tokens != len(tokens) - 1
-                    or not may_speculate(request.sampling_params, len(request.output_token_ids))):
+            if k <= 0 or request.num_computed_tokens != len(tokens) - 1:
                 request.spec_token_ids = []
                 continue
-            request.spec_token_ids = proposer.propose(tokens, k)
+            drafts = proposer.propose(tokens, k)
+            if request.grammar is not None:  # only drafts the grammar allows (none from a draft model)
+                drafts = drafts[: request.grammar.allowed_drafts(drafts)]
+            request.spec_token_ids = drafts
 
     def _grammar_violated(self, request: Request, token: int) -> EngineCoreOutput:
         """The sampled token is outside the grammar: only possible when another setting masked every

@@ -9,12 +9,13 @@ EAGLE heads from "eagle" in the model's name: those are refused by name here). `
 request speculates in a step while that many requests (or more) are running, where verification no
 longer pays.
 
-Which requests speculate (`may_speculate`): those whose next-token distribution does not depend on the
-tokens sampled before it in the same step, so that verifying k drafts in one forward pass samples what
-k + 1 plain steps would. Requests with presence/frequency/repetition penalties, bad words, a structured
-output constraint or a seed (whose stream is defined per plain step), and requests still under their
-min_tokens, decode one token a step. logit_bias, allowed_token_ids, temperature, top-k/p, min-p and
-logprobs are honoured by verification.
+Every request speculates, with the meaning of each sampling setting kept token by token: verification
+scores position j of a request as if drafts 0..j-1 were its output (penalties, bad words and min_tokens
+hold per token); seeded random requests verify with their own stream and get the tokens of plain
+decoding (engine_svc/spec/rejection.py); a structured output constraint keeps only the drafts its
+grammar allows and masks every verified position (engine_svc/structured/grammar.py) - prompt-lookup
+drafts only: a draft model's drafts are made in the step itself, after the mask, so constrained requests
+decode one token a step with it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from shared_runtime import limits
-from shared_runtime.contract import EngineSamplingParams
 
 METHODS = ("ngram", "draft_model")
 NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "suffix")
@@ -136,16 +134,3 @@ def _int(value: dict[str, Any], key: str, default: int | None) -> int | None:
     if isinstance(raw, bool) or not isinstance(raw, int):
         raise SpeculativeConfigError(f"--speculative-config {key} must be an integer, got {raw!r}")
     return raw
-
-
-def may_speculate(params: EngineSamplingParams, num_output_tokens: int) -> bool:
-    """True when verification samples exactly what plain decoding would for this request now (see the
-    module docstring for the features that decode one token a step)."""
-    return (
-        params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
-        and not params.bad_words_token_ids
-        and params.structured_outputs is None
-        and (params.seed is None or params.temperature < limits.GREEDY_TEMPERATURE)
-        and num_output_tokens >= params.min_tokens
-    )
-

@@ -17,14 +17,19 @@ by one token the target samples, 1 to k + 1 tokens.
   acceptance probability is p(d) and the recovered distribution is p with d removed, renormalised; a
   draft model passes the q it drew each draft from. Each output token is then distributed exactly as p
   given the tokens before it, whatever q is, provided the draft was drawn from q.
+- Seeded random rows: each position's token is sampled from p with the request's own stream and the
+  drafts are accepted while they equal it (`_replace_seeded_runs`): the tokens of plain decoding.
+- Position j of a request is scored as if drafts 0..j-1 were its output (penalties, bad words and
+  min_tokens see them: the caller's metadata has one row state per position, spec_step.py), which is
+  the only case in which position j's token is used.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine_svc.sample.metadata import SamplingMetadata
-from engine_svc.sample.sampler import processed_logits, scale_and_filter
+from engine_svc.sample.metadata import RequestSamplingState, SamplingMetadata
+from engine_svc.sample.sampler import processed_logits, sample_seeded, scale_and_filter
 
 
 def verify(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]],
@@ -51,7 +56,32 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]]
         accepted = (uniform * q_draft < p_draft) & is_draft
         residual = torch.where(is_draft.unsqueeze(1), (probs - draft_probs).clamp_min_(0.0), probs)
     recovered = sample_rows(residual, fallback=index.squeeze(1))
-    return _random_runs(accepted.tolist(), recovered.tolist(), drafts)
+    runs = _random_runs(accepted.tolist(), recovered.tolist(), drafts)
+    if meta.seeded:
+        _replace_seeded_runs(runs, probs, drafts, dict(meta.seeded))
+    return runs
+
+
+def _replace_seeded_runs(runs: list[list[int]], probs: torch.Tensor, drafts: list[list[int]],
+                         seeded: dict[int, RequestSamplingState]) -> None:
+    """Seeded requests verify by sampling, not by the acceptance rule: position j's token is what the
+    request's stream samples from p_j (`sample_seeded`: the draw plain decoding makes for that output
+    token), and the run goes on while it equals draft j. Conditioned on the tokens before it, each
+    position's token is distributed as p_j whatever was drafted (exact for any draft, with acceptance
+    p(d) - the rule's own for prompt lookup), and the stream makes one draw per output token, as in
+    plain decoding: a seeded request's tokens are those of plain decoding, speculation on or off,
+    whatever else is in the batch."""
+    start = 0
+    for n, d in enumerate(drafts):
+        state = seeded.get(start)
+        if state is not None:
+            run: list[int] = []
+            for j in range(len(d) + 1):
+                run.append(sample_seeded(probs[start + j : start + j + 1], state))
+                if j == len(d) or run[-1] != d[j]:
+                    break
+            runs[n] = run
+        start += len(d) + 1
 
 
 def _greedy_runs(targets: list[int], drafts: list[list[int]]) -> list[list[int]]:

@@ -36,6 +36,36 @@ class RequestGrammar:
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def allowed_drafts(self, drafts: list[int]) -> int:
+        """How many leading `drafts` the grammar allows from here (all, once terminated: the request then
+        ends or ignores EOS; none when the drafts are not known yet, negative places). State unchanged."""
+        if self._matcher.is_terminated():
+            return len(drafts)
+        accepted = 0
+        for token in drafts:
+            if token < 0 or not self._matcher.accept_token(token):
+                break
+            accepted += 1
+            if self._matcher.is_terminated():
+                break
+        if accepted:
+            self._matcher.rollback(accepted)
+        return accepted
+
+    def fill_positions(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows row .. row + len(drafts) of `bitmask`: the tokens allowed next, then after each draft in
+        turn (drafts the grammar allows: `allowed_drafts`). State unchanged."""
+        self.fill(bitmask, row)
+        accepted = 0
+        for j, token in enumerate(drafts):
+            if not self._matcher.is_terminated():
+                if not self._matcher.accept_token(token):
+                    raise AssertionError(f"draft {token} is not allowed by the grammar")
+                accepted += 1
+            self.fill(bitmask, row + 1 + j)
+        if accepted:
+            self._matcher.rollback(accepted)
+
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())

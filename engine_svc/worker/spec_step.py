@@ -18,7 +18,12 @@ import numpy as np
 import torch
 
 from engine_svc.sample.logprobs import sampled_logprobs
-from engine_svc.sample.metadata import RequestSamplingState, SamplingMetadata, build_sampling_metadata
+from engine_svc.sample.metadata import (
+    OUTPUT_FEATURES,
+    RequestSamplingState,
+    SamplingMetadata,
+    build_sampling_metadata,
+)
 from engine_svc.sample.sampler import Sampler
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.spec.rejection import verify
@@ -82,10 +87,13 @@ def verified_output(runner: Runner, so: SchedulerOutput, inputs: StepInputs, sam
                 logprobs[i] = rows[j]
 
     states = runner.sampling_states
-    expanded = [states[req_ids[i]] for i, d in zip(verifying, drafts) for _ in range(len(d) + 1)]
+    expanded = [row for i, d in zip(verifying, drafts) for row in position_states(states[req_ids[i]], d)]
     meta = build_sampling_metadata(expanded, runner.device)
     spec_logits = logits[len(plain):]
     ver_ids = [req_ids[i] for i in verifying]
+    if so.grammar is not None:  # a constrained request's rows: masked after each draft (the scheduler's)
+        starts = np.cumsum([0, *(len(d) + 1 for d in drafts[:-1])]).tolist()
+        apply_bitmask(spec_logits, so.grammar, dict(zip(ver_ids, starts)))
     draft_probs = runner.drafter.draft_probs(ver_ids, drafts) if runner.drafter is not None else None
     runs = verify(spec_logits, meta, drafts, draft_probs)
     spec_tokens: dict[str, list[int]] = {}
@@ -95,6 +103,15 @@ def verified_output(runner: Runner, so: SchedulerOutput, inputs: StepInputs, sam
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                              prompt_logprobs=prompt_logprobs, spec_token_ids=spec_tokens,
                              spec_logprobs=_run_logprobs(spec_logits, meta, drafts, runs, req_ids, verifying))
+
+
+def position_states(state: RequestSamplingState, drafts: list[int]) -> list[RequestSamplingState]:
+    """The sampling state each of a verifying request's 1 + len(drafts) positions is scored with: its
+    own at position 0 (the one that draws, when seeded), and at position j its state after drafts
+    0..j-1 when a feature reads the output so far (the same object everywhere otherwise)."""
+    if not state.features & OUTPUT_FEATURES:
+        return [state] * (len(drafts) + 1)
+    return [state, *(state.after_drafts(drafts[:j]) for j in range(1, len(drafts) + 1))]
 
 
 def _run_logprobs(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]], runs: list[list[int]],

@@ -428,25 +428,3 @@ def _assert_same_flip_as_transformers_bf16(model_dir: Path, ids: list[int], toke
         lp16 = torch.log_softmax(hf16(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
     assert int(lp16.argmax()) == token, f"pos {pos}: ours {token}, transformers bf16 {int(lp16.argmax())}"
     assert set(lp16.topk(TOP_K).indices.tolist()) == ours_top, f"pos {pos}: top-{TOP_K} differs from HF bf16"
-
-
-def test_a_gguf_file_with_experts_is_refused_by_name(tmp_path: Path) -> None:
-    """llama.cpp files Mixtral as architecture "llama" with experts: refused, not served as a dense Llama."""
-    import gguf
-    import numpy as np
-
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_head_count(2)
-    writer.add_expert_count(8)
-    writer.add_expert_used_count(2)
-    writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ConfigError, match=r"mixture-of-experts model \(llama.expert_count = 8\)"):
-        EngineConfig.create(model=str(path))

@@ -14,6 +14,7 @@ attention still moves every logprob, so K/V written at a wrong position shows in
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -192,16 +193,53 @@ def _joint_top_k(model_dir: Path, prompt: list[int], depth: int, top_k: int) -> 
     return result
 
 
-def test_requests_that_cannot_speculate_decode_plainly(looping_dir: Path) -> None:
-    """Penalties and seeded sampling decode one token a step (no drafts counted) and keep their tokens."""
-    prompts = repetitive_prompts(2, 2)
-    # Mild enough that both still fall into the model's cycle, where prompt lookup would find drafts.
-    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.01),
-              SamplingParams(temperature=0.05, seed=7, max_tokens=20, ignore_eos=True)]
+def output_dependent_params(model_dir: Path, prompts: list[list[int]]) -> list[SamplingParams]:
+    """Greedy requests whose next token depends on their output so far, each mild enough to stay in the
+    model's cycle (where prompt lookup drafts well): three penalties; a bad word that is a pair of the
+    cycle's tokens; a stop id from the cycle held back by min_tokens past its first appearance."""
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    reference, _ = generate(model_dir, prompts, free, None)
+    cycle = reference[3].outputs[0].token_ids
+    return [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.05),
+            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, frequency_penalty=0.05,
+                           presence_penalty=0.1, logprobs=1),
+            SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, bad_words_token_ids=[cycle[16:18]]),
+            SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[cycle[12]], min_tokens=20)]
+
+
+def test_output_dependent_sampling_speculates_and_keeps_its_tokens(looping_dir: Path) -> None:
+    """Penalties, bad words and min_tokens are applied per verified position with the drafts before it
+    counted as output: the tokens of plain decoding, with drafts accepted. (Scoring every position
+    with the request's state before the step fails here.)"""
+    prompts = repetitive_prompts(2, 4)
+    params = output_dependent_params(looping_dir, prompts)
     plain, _ = generate(looping_dir, prompts, params, None)
-    spec, llm = generate(looping_dir, prompts, params, NGRAM)
+    spec, llm = generate(looping_dir, prompts, params, NGRAM, **SMALL_STEPS)
     assert completions(spec) == completions(plain)
-    assert llm.engine.get_stats().spec_decode_num_drafts == 0
+    assert_same_logprobs(plain[1:2], spec[1:2])
+    assert plain[3].outputs[0].finish_reason == "stop" and len(plain[3].outputs[0].token_ids) >= 20
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0.3 * stats.spec_decode_num_draft_tokens > 0
+    assert_no_block_leaks(llm)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0])
+def test_seeded_sampling_speculates_with_the_tokens_of_plain_decoding(looping_dir: Path, temperature: float) -> None:
+    """A seeded request verifies with its own stream: its tokens are plain decoding's, alone or beside
+    other requests (seeded, unseeded, penalised), with drafts accepted."""
+    prompts = repetitive_prompts(2, 4)
+    seeded = [SamplingParams(temperature=temperature, seed=7 + i, max_tokens=24, ignore_eos=True, top_k=20)
+              for i in range(2)]
+    others = [SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.2)]
+    plain, _ = generate(looping_dir, prompts[:2], seeded, None)
+    alone, llm = generate(looping_dir, prompts[:2], seeded, NGRAM)
+    assert completions(alone) == completions(plain)
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    mixed, llm = generate(looping_dir, [prompts[2], prompts[0], prompts[3], prompts[1]],
+                          [others[0], seeded[0], others[1], seeded[1]], NGRAM, **SMALL_STEPS)
+    assert completions([mixed[1], mixed[3]]) == completions(plain)
+    assert_no_block_leaks(llm)
 
 
 def test_disable_by_batch_size(looping_dir: Path) -> None:
@@ -247,3 +285,24 @@ def test_greedy_speculation_at_tp2_equals_plain_tp1(looping_dir: Path) -> None:
         assert_no_block_leaks(llm)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=5)])
+def test_structured_outputs_speculate_within_the_grammar(llama_dir: Path, sampling: dict[str, Any]) -> None:
+    """A constrained request keeps only the drafts its grammar allows and every verified position is
+    masked: the output follows the grammar and is plain decoding's (greedy, or seeded at random), with
+    prompt-lookup drafts accepted (the grammar makes the output repeat itself)."""
+    from shared_runtime.contract import StructuredOutputs
+
+    pattern = r"(ab|cd|ef){4,30}x"
+    prompts = [[5, 6, 7], [10, 11, 12, 13]]
+    params = [SamplingParams(max_tokens=48, structured_outputs=StructuredOutputs(regex=pattern), **sampling),
+              SamplingParams(max_tokens=48, structured_outputs=StructuredOutputs(regex=r"(ab){6}[a-f]{1,4}"),
+                             **sampling)]
+    plain, _ = generate(llama_dir, prompts, params, None)
+    spec, llm = generate(llama_dir, prompts, params, NGRAM, **SMALL_STEPS)
+    assert completions(spec) == completions(plain)
+    assert re.fullmatch(pattern, spec[0].outputs[0].text), spec[0].outputs[0].text
+    assert re.fullmatch(r"(ab){6}[a-f]{1,4}", spec[1].outputs[0].text), spec[1].outputs[0].text
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert_no_block_leaks(llm)

@@ -12,9 +12,11 @@ import torch
 
 from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.sample.metadata import RequestSamplingState, build_sampling_metadata
-from engine_svc.spec.config import SpeculativeConfig, SpeculativeConfigError, may_speculate
+from engine_svc.sample.sampler import Sampler
+from engine_svc.spec.config import SpeculativeConfig, SpeculativeConfigError
 from engine_svc.spec.ngram import NgramProposer
 from engine_svc.spec.rejection import verify
+from engine_svc.worker.spec_step import position_states
 from shared_runtime.contract import EngineSamplingParams
 
 V = 8
@@ -160,12 +162,63 @@ def test_speculation_with_async_scheduling_is_refused_naming_both_flags(llama_di
         EngineConfig.create(model=str(llama_dir), speculative_config='{"method": "ngram"}')
 
 
-def test_which_requests_speculate() -> None:
-    assert may_speculate(EngineSamplingParams(temperature=0.7, logit_bias={1: 1.0}, logprobs=2), 0)
-    assert may_speculate(EngineSamplingParams(temperature=0.0, seed=3), 0)
-    assert not may_speculate(EngineSamplingParams(temperature=0.7, seed=3), 0)
-    assert not may_speculate(EngineSamplingParams(repetition_penalty=1.1), 0)
-    assert not may_speculate(EngineSamplingParams(presence_penalty=0.5), 0)
-    assert not may_speculate(EngineSamplingParams(bad_words_token_ids=[[3]]), 0)
-    assert not may_speculate(EngineSamplingParams(min_tokens=4), 3)
-    assert may_speculate(EngineSamplingParams(min_tokens=4), 4)
+def plain_tokens(logits: torch.Tensor, state: RequestSamplingState, drafts: list[int]) -> list[int]:
+    """What plain decoding samples at each of the 1 + len(drafts) positions, one step per position, the
+    drafts before a position taken as the request's output (the oracle of a verification step)."""
+    tokens = []
+    for j in range(len(drafts) + 1):
+        view = state if j == 0 else state.after_drafts(drafts[:j])
+        meta = build_sampling_metadata([view], torch.device("cpu"))
+        tokens.append(int(Sampler()(logits[j : j + 1], meta).sampled_token_ids[0]))
+    return tokens
+
+
+OUTPUT_DEPENDENT = {
+    "frequency": EngineSamplingParams(temperature=0.0, frequency_penalty=4.0),
+    "presence": EngineSamplingParams(temperature=0.0, presence_penalty=4.0),
+    "repetition": EngineSamplingParams(temperature=0.0, repetition_penalty=8.0),
+    "bad_words": EngineSamplingParams(temperature=0.0, bad_words_token_ids=[[3, 3], [3, 4, 5]]),
+    "min_tokens": EngineSamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[3]),
+}
+
+
+@pytest.mark.parametrize("feature", OUTPUT_DEPENDENT)
+def test_output_dependent_features_see_the_drafts_before_each_position(feature: str) -> None:
+    """Token 3 leads every position (then 4, then 5): a penalty, a bad word or min_tokens moves the
+    choice away from it only once the drafts before the position count as output. Drafts equal to what
+    plain decoding takes one step at a time are all accepted; scoring every position with the state
+    before the step rejects them."""
+    logits = torch.tensor([[0.0, 0.1, 0.2, 3.0, 2.5, 2.0, 0.3, 0.0]]).repeat(5, 1)
+    logits[0, 3] = 9.0  # position 0 takes 3 whatever the feature (min_tokens still holds 3 back there)
+    state = RequestSamplingState(OUTPUT_DEPENDENT[feature], [1, 2], [], V, output_token_ids=[0, 6])
+    expected = plain_tokens(logits, state, [])  # position 0
+    for _ in range(4):  # each next draft = plain decoding's token after the ones before it
+        expected = plain_tokens(logits, state, expected)[: len(expected) + 1]
+    drafts = expected[:4]
+    rows = position_states(state, drafts)
+    runs = verify(logits, build_sampling_metadata(rows, torch.device("cpu")), [drafts])
+    assert runs == [plain_tokens(logits, state, drafts)]
+    assert len(runs[0]) == 5  # every draft accepted
+    before_step = build_sampling_metadata([state] * 5, torch.device("cpu"))
+    assert len(verify(logits, before_step, [drafts])[0]) < 5  # the drafts change what follows them
+
+
+def test_seeded_verification_takes_the_tokens_and_draws_of_plain_decoding() -> None:
+    """A seeded random request: verifying any drafts gives the tokens its stream gives plain decoding,
+    position by position, and leaves the stream where plain decoding leaves it."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, V)
+    params = EngineSamplingParams(temperature=1.0, seed=11)
+    reference = RequestSamplingState(params, [1], [], V)
+    plain = [int(Sampler()(logits[j : j + 1], build_sampling_metadata([reference], torch.device("cpu")))
+                 .sampled_token_ids[0]) for j in range(5)]
+    for drafts in (plain[:4], [*plain[:2], (plain[2] + 1) % V, plain[3]], [(plain[0] + 1) % V] * 4):
+        state = RequestSamplingState(params, [1], [], V)
+        runs = verify(logits, build_sampling_metadata([state] * 5, torch.device("cpu")), [drafts])
+        accepted = next((j for j in range(4) if drafts[j] != plain[j]), 4)
+        assert runs == [plain[: accepted + 1]]
+        # The stream moved one draw per output token: the next token is plain decoding's next one.
+        after = RequestSamplingState(params, [1], [], V, output_token_ids=plain[: accepted + 1])
+        nxt = logits[4:5]
+        assert (Sampler()(nxt, build_sampling_metadata([state], torch.device("cpu"))).sampled_token_ids.tolist()
+                == Sampler()(nxt, build_sampling_metadata([after], torch.device("cpu"))).sampled_token_ids.tolist())

@@ -18,6 +18,7 @@ import pytest
 
 from engine_svc.sched.output import GrammarBitmask
 from engine_svc.structured.compiler import GrammarCompilers, constraint_key
+from engine_svc.structured.grammar import RequestGrammar
 from entrypoints import LLM, SamplingParams
 from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams, StructuredOutputs
 
@@ -248,3 +249,36 @@ def test_structured_outputs_are_refused_by_a_scheduler_without_compilers() -> No
 
     (out,) = sched.update_from_output(sched.schedule(), ModelRunnerOutput(req_ids=[], sampled_token_ids=[])).outputs
     assert out.error is not None and "structured outputs are not available" in out.error.message
+
+
+def test_drafts_are_checked_and_masked_position_by_position() -> None:
+    """Speculative decoding's side of a grammar (engine_svc/structured/grammar.py): the leading drafts the
+    grammar allows, and the mask after each of them, with the matcher left where it was."""
+    import torch
+    import xgrammar as xgr
+
+    vocab = ["a", "b", "c", "x", "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[4])
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_regex("(ab)+x")
+    a, b, c, x, eos = range(5)
+
+    def mask_after(tokens: list[int]) -> list[int]:
+        reference = RequestGrammar(compiled, [eos])
+        assert all(reference.accept(t) for t in tokens)
+        bitmask = xgr.allocate_token_bitmask(1, len(vocab))
+        reference.fill(bitmask, 0)
+        return [t for t in range(len(vocab)) if bitmask[0, 0] >> t & 1]
+
+    grammar = RequestGrammar(compiled, [eos])
+    assert grammar.accept(a)
+    assert grammar.allowed_drafts([b, a, b, c, a]) == 3  # c breaks (ab)+
+    assert grammar.allowed_drafts([a]) == 0 and grammar.allowed_drafts([-1, -1]) == 0  # unknown yet: none
+    assert grammar.allowed_drafts([b, x, eos, a]) == 3  # the grammar ends at eos: nothing after it counts
+    bitmask = xgr.allocate_token_bitmask(4, len(vocab))
+    grammar.fill_positions(bitmask, 0, [b, a, b])
+    rows = [[t for t in range(len(vocab)) if bitmask[r, 0] >> t & 1] for r in range(4)]
+    assert rows == [mask_after([a]), mask_after([a, b]), mask_after([a, b, a]), mask_after([a, b, a, b])]
+    assert rows[0] == [b] and rows[3] == [a, x]
+    assert grammar.allowed_drafts([b, x]) == 2 and grammar.accept(b)  # the matcher is still after "a"
+    with pytest.raises(AssertionError):
+        grammar.fill_positions(torch.zeros((2, 1), dtype=torch.int32), 0, [c])
