@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from tandem.engine.v1 import engine_core_pb2 as epb
 
-from engine_svc.api.kv_events import KvEventPublisher
+from engine_svc.api.kv_events import KvEventPublisher, events_to_pb
 from engine_svc.api.lora_watch import LoraAnnouncer, adapter_infos
 from engine_svc.api.smg.kv_events import smg_hash, to_smg_batch
 from engine_svc.config import EngineConfig
@@ -110,6 +110,12 @@ def test_the_frontend_hashes_an_adapter_prompt_exactly_as_the_engine_stores_it(a
         records = [r for r in core.kv_events.take() if isinstance(r, StoredBlock)]
         fingerprint = adapter_fingerprint(dirs["x"])
         assert [r.adapter for r in records] == [BlockAdapter("x", 1, fingerprint)] * len(records)
+        batch = epb.KvEventBatch(sequence_number=1)  # the engine's own records, as both streams send them
+        batch.events.extend(events_to_pb(records, BS))
+        assert [(e.stored.lora_name, e.stored.lora_id, e.stored.lora_fingerprint) for e in batch.events] \
+            == [("x", 1, fingerprint)]
+        smg = to_smg_batch(batch, BS, max_running=4).events[0].stored
+        assert smg.lora_name == "x" and {b.lora_id for b in smg.blocks} == {1}
         view = _frontend_view(core, {r.block_hash for r in records})
         frontend_hashes = list(iter_block_hashes(prompt, BS, block_hash_keys(view, "x")))
         assert [r.block_hash for r in records][:PROMPT_BLOCKS] == frontend_hashes
