@@ -1,7 +1,8 @@
 """What loading a LoRA adapter at run time costs, and where (CPU, in process).
 
 A run-time load (docs/lora.md) has two parts: the engine process reads and checks the directory in a
-thread, beside the step loop (`validate`), and then every worker reads it again and lays it out at the
+thread, beside the step loop (`validate`, then `fingerprint`: the SHA-256 of its files that keys its
+prefix-cache blocks), and then every worker reads it again and lays it out at the
 start of the next step, which that step waits for (`worker read`: the step loop's one pause per load).
 Both are timed here, `--reps` times alternated, for a random PEFT adapter of `--rank` on all seven
 projections, and beside them the worker read with the step's whole thread team (what it was before the
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from engine_svc.lora.fingerprint import adapter_fingerprint
 from engine_svc.lora.peft_dir import WEIGHTS_FILE, load_peft_adapter, validate_for_model
 from entrypoints import LLM
 from entrypoints.demo_lora import make_demo_lora
@@ -41,11 +43,14 @@ def main() -> None:
         llm = LLM(args.model, dtype="float32", enable_lora=True, max_lora_rank=max(16, args.rank),
                   max_cpu_loras=args.reps + 1)
         cfg, manager = llm.config, llm.engine.executor.worker.runner.lora  # type: ignore[attr-defined]
-        validate_s, read_s, team_s = [], [], []
+        validate_s, fingerprint_s, read_s, team_s = [], [], [], []
         for i in range(args.reps):
             start = time.perf_counter()
             validate_for_model(cfg.model, cfg.architecture, cfg.max_lora_rank, f"a{i}", str(adapter))
             validate_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            adapter_fingerprint(adapter)
+            fingerprint_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             manager.read(100 + i, f"a{i}", str(adapter))
             read_s.append(time.perf_counter() - start)
@@ -59,6 +64,7 @@ def main() -> None:
         size = (Path(adapter) / WEIGHTS_FILE).stat().st_size
     print(f"adapter: rank {args.rank}, {len(MODULES)} projections, {size / 2**20:.1f} MiB")
     for label, values in (("validate (engine process, off the step loop)", validate_s),
+                          ("fingerprint (engine process, off the step loop)", fingerprint_s),
                           ("worker read (the next step waits for it)", read_s),
                           (f"worker read on the team of {torch.get_num_threads()} threads (before)", team_s)):
         ms = [1000 * v for v in values]

@@ -103,7 +103,8 @@ class EngineCore:
             self.loras = LoRARegistry(
                 self.scheduler.lora_ids, config.lora_modules,
                 resolved_max_cpu_loras(config.max_loras, config.max_cpu_loras, len(config.lora_modules)),
-                lambda: {r.lora_id for r in self.scheduler.requests.values() if r.lora_id})
+                lambda: {r.lora_id for r in self.scheduler.requests.values() if r.lora_id},
+                self.scheduler.lora_fingerprints)
         # Batches in flight, newest first: (future of its output, what was scheduled).
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()

@@ -71,9 +71,10 @@ class Request:
         self.priority: int = req.priority
         self.trace_headers: dict[str, str] = dict(req.trace_headers)
         # LoRA: the adapter's name ("" = base model) and its id (set by the scheduler on admission; 0 = base).
-        # The name keys every block hash, so KV computed under one adapter never serves another.
+        # The adapter keys every block hash, so KV computed under one adapter never serves another.
         self.lora_name: str = req.lora_name
         self.lora_id: int = 0
+        self.lora_fingerprint: str = ""  # its content fingerprint, set with the id (keys its blocks; KV events)
         self.block_hash_extra_keys: tuple[str, ...] = (req.lora_name,) if req.lora_name else ()
 
         # A continuation (`output_token_ids`: generated on another engine) starts with its outputs so far,

@@ -131,7 +131,7 @@ class Dispatcher:
         """Send the request's n engine requests to one ready engine (EngineUnavailable if none). Its
         deltas, or one ServiceError, arrive in `collector`; `on_migration` hears of each of its moves."""
         prefill_on = self._prefill_engine(prepared, engine_requests)
-        connection = prefill_on or self.engines.choose(prepared.prompt_token_ids)
+        connection = prefill_on or self.engines.choose(prepared.prompt_token_ids, lora_name=prepared.lora_name)
         to_send = [prefill_request(r) for r in engine_requests] if prefill_on else engine_requests
         messages = [add_to_pb(request) for request in to_send]  # may raise: before any state
         request = self.output_processor.add_request(prepared, collector)
@@ -206,7 +206,7 @@ class Dispatcher:
         if any(r.kv_transfer_params is not None for r in engine_requests):
             return None  # the client drives P/D itself (an OpenAI body's kv_transfer_params)
         try:
-            connection = self.engines.choose(prepared.prompt_token_ids, pool=PREFILL)
+            connection = self.engines.choose(prepared.prompt_token_ids, pool=PREFILL, lora_name=prepared.lora_name)
         except EngineUnavailable:
             return None
         info = connection.info
@@ -248,7 +248,8 @@ class Dispatcher:
         if request.done:
             return
         try:
-            target = self.engines.choose(request.prepared.prompt_token_ids, pool=DECODE)
+            target = self.engines.choose(request.prepared.prompt_token_ids, pool=DECODE,
+                                         lora_name=request.prepared.lora_name)
         except EngineUnavailable:
             target = prefill
         sent = self._sent[request]
@@ -309,7 +310,8 @@ class Dispatcher:
         connection = None
         while connection is None:
             try:
-                connection = self.engines.choose(request.prepared.prompt_token_ids, avoid)
+                connection = self.engines.choose(request.prepared.prompt_token_ids, avoid,
+                                                 lora_name=request.prepared.lora_name)
             except EngineUnavailable:
                 if not await self.engines.wait_for_ready_engine(timeout, avoid):
                     break

@@ -8,6 +8,12 @@ The encoding is canonical and process independent (never Python's `hash()`): the
 little-endian uint32, each token id as a little-endian int64, then the extra keys as msgpack (which is
 self-delimiting). Two engines, two workers, or a frontend and an engine therefore agree on every hash;
 the engine uses this module (engine_svc/kv/block_hash.py), never a copy of it.
+
+A request on a LoRA adapter hashes its blocks with `lora_extra_keys(fingerprint)`: the adapter's content
+fingerprint (engine_svc/lora/fingerprint.py), which every engine announces for every adapter it serves
+(EngineInfo.lora_adapter_infos). A frontend that knows the fingerprint therefore computes exactly the
+hashes an engine stores for that adapter; KV of one adapter's weights never matches another's (or the
+base model's), and a name loaded again with other weights gets a new fingerprint.
 """
 
 from __future__ import annotations
@@ -35,10 +41,17 @@ def hash_block_tokens(
     return h.digest()
 
 
-def iter_block_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[BlockHash]:
-    """The hashes of the full blocks of `token_ids`, first block first, computed lazily: a caller that
-    stops at the first block no engine holds pays only for the blocks it looked at."""
+def lora_extra_keys(fingerprint: str) -> tuple[str, ...]:
+    """The extra keys of every block of a request run under the adapter with content `fingerprint`
+    ("" = the base model: no extra keys)."""
+    return ("lora", fingerprint) if fingerprint else ()
+
+
+def iter_block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys = ()) -> Iterator[BlockHash]:
+    """The hashes of the full blocks of `token_ids` (under `extra_keys`, the same for every block), first
+    block first, computed lazily: a caller that stops at the first block no engine holds pays only for the
+    blocks it looked at."""
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         yield parent

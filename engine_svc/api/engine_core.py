@@ -30,6 +30,7 @@ from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
 from engine_svc.api import lora_admin
 from engine_svc.api.kv_events import KvEventPublisher, stream_kv_events
 from engine_svc.api.kv_pull import stream_kv_blocks
+from engine_svc.api.lora_watch import LoraAnnouncer, adapter_infos, watch_stream
 from engine_svc.api.output_packing import pack_outputs
 from engine_svc.api.stream_cap import DEFAULT_MAX_TOKENIZER_DOWNLOADS, StreamCap
 from engine_svc.api.tokenizer_archive import TokenizerArchive, stream_tokenizer
@@ -78,6 +79,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
         self.tokenizer: asyncio.Future[TokenizerArchive | None] | None = None
         # GetTokenizer calls at once, both protocols together (an unread one holds a chunk and grpc's buffers)
         self.tokenizer_downloads = StreamCap("GetTokenizer", "--max-tokenizer-downloads", max_tokenizer_downloads)
+        self.lora_announcer = LoraAnnouncer()  # wakes WatchLoraAdapters streams after each load / unload
 
     # Called from the busy-loop thread.
     def deliver(self, stream_id: int, outputs: EngineCoreOutputs) -> None:
@@ -217,6 +219,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
             tokenizer_sha256=archive.sha256 if (archive := await self._tokenizer_archive()) else "",
             kv_cache_events=self.kv_events is not None,
             lora_adapters=[a.name for a in core.loras.served()] if core.loras is not None else [],  # type: ignore[union-attr]
+            lora_adapter_infos=adapter_infos(core.loras.served()) if core.loras is not None else [],  # type: ignore[union-attr]
             kv_role=cfg.kv_transfer_config.kv_role if cfg.kv_transfer_config else "",
         )
 
@@ -240,11 +243,22 @@ class EngineCoreServicer(pb_grpc.EngineCoreServiceServicer):
 
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
                               context: grpc.aio.ServicerContext) -> pb.LoadLoraAdapterResponse:
-        return await lora_admin.load(self.config, self.busy, self.core, request, context)
+        answer = await lora_admin.load(self.config, self.busy, self.core, request, context)
+        self.lora_announcer.changed()
+        return answer
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
                                 context: grpc.aio.ServicerContext) -> pb.LoadLoraAdapterResponse:
-        return await lora_admin.unload(self.busy, self.core, request, context)
+        answer = await lora_admin.unload(self.busy, self.core, request, context)
+        self.lora_announcer.changed()
+        return answer
+
+    async def WatchLoraAdapters(self, request: pb.WatchLoraAdaptersRequest,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LoraAdapterSet]:
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
+        async for adapters in watch_stream(self.lora_announcer, self.core.loras, context):  # type: ignore[union-attr]
+            yield adapters
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:
         return stats_to_load_pb(self.busy.stats if self.busy else None)

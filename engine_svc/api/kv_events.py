@@ -10,6 +10,8 @@ Invariants:
 - Published batches are numbered 1, 2, 3, ... in publication order, per engine process.
 - `mirror` holds exactly the engine's cached blocks as of the last published batch (hash -> parent hash
   and token ids), in the order they were cached: replaying every record from an empty cache gives it.
+  `adapters` holds the LoRA adapter of each of those blocks computed under one (base-model blocks have
+  none), so a snapshot reports every block's adapter as the live event that stored it did.
 - A subscription yields a snapshot of the mirror taken when it was created (chunks that all carry the
   sequence number S of the last batch it includes; the first chunk starts with a `cleared` event), then
   every batch numbered S+1, S+2, ... in order, none skipped; or, once it is dropped, nothing more.
@@ -36,7 +38,7 @@ from typing import Any
 import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
 
-from engine_svc.kv.events import KVEvent, StoredBlock
+from engine_svc.kv.events import BlockAdapter, KVEvent, StoredBlock
 from shared_runtime.contract import SchedulerStats
 from shared_runtime.kv_hash import BlockHash
 from shared_runtime.to_pb import stats_to_pb
@@ -82,6 +84,7 @@ class KvEventPublisher:
         self.max_subscribers = max_subscribers
         self.sequence = 0  # the number of the last published batch
         self.mirror: dict[BlockHash, Entry] = {}
+        self.adapters: dict[BlockHash, BlockAdapter] = {}  # the mirror's blocks computed under a LoRA adapter
         self.counters = KvEventCounters()
         self._subscriptions: set[Subscription] = set()
         self._snapshot: Snapshot | None = None  # the mirror as of `sequence`, once someone subscribed
@@ -94,7 +97,7 @@ class KvEventPublisher:
         """One busy-loop iteration's records: mirror them, number them, queue them for every subscriber."""
         self.sequence += 1
         self._snapshot = None
-        apply_to_mirror(self.mirror, events)
+        apply_to_mirror(self.mirror, events, self.adapters)
         if not self._subscriptions:
             return
         batch = pb.KvEventBatch(sequence_number=self.sequence, timestamp=time.time(), engine_id=self.engine_id)
@@ -111,7 +114,9 @@ class KvEventPublisher:
         if len(self._subscriptions) >= self.max_subscribers:
             raise TooManySubscribers
         if self._snapshot is None:
-            self._snapshot = Snapshot(self, tuple(self.mirror.items()), self.sequence)
+            adapters = self.adapters
+            self._snapshot = Snapshot(self, tuple((h, e, adapters.get(h)) for h, e in self.mirror.items()),
+                                      self.sequence)
         subscription = Subscription(self, self._snapshot)
         self._subscriptions.add(subscription)
         return subscription
@@ -131,7 +136,8 @@ class Snapshot:
     gets there (a large cache is converted between writes, not all at once on the event loop), and kept
     while any subscription still has the snapshot to send."""
 
-    def __init__(self, publisher: KvEventPublisher, items: tuple[tuple[BlockHash, Entry], ...], sequence: int) -> None:
+    def __init__(self, publisher: KvEventPublisher,
+                 items: tuple[tuple[BlockHash, Entry, BlockAdapter | None], ...], sequence: int) -> None:
         self._publisher = publisher
         self._items = items
         self.sequence = sequence
@@ -149,7 +155,7 @@ class Snapshot:
                 snapshot=pb.KvSnapshotChunk(index=index, count=self.count, num_blocks=len(items)))
             if index == 0:
                 batch.events.add().cleared.SetInParent()
-            add_events(batch.events, [StoredBlock(h, parent, tokens) for h, (parent, tokens) in part],
+            add_events(batch.events, [StoredBlock(h, parent, tokens, a) for h, (parent, tokens), a in part],
                        publisher.block_size)
             done = self._chunks[index] = (batch, count_events(batch))
         return done
@@ -220,31 +226,42 @@ class Subscription:
 
 
 # ---- the mirror and the wire form ------------------------------------------------------------------------
-def apply_to_mirror(mirror: dict[BlockHash, Entry], events: Iterable[KVEvent]) -> None:
-    """Replay records onto `mirror` (hash -> (parent hash, token ids)), in order."""
+def apply_to_mirror(mirror: dict[BlockHash, Entry], events: Iterable[KVEvent],
+                    adapters: dict[BlockHash, BlockAdapter] | None = None) -> None:
+    """Replay records onto `mirror` (hash -> (parent hash, token ids)), in order, and onto `adapters`
+    (hash -> the LoRA adapter of a block stored under one) when given."""
     for event in events:
         if isinstance(event, StoredBlock):
             mirror[event.block_hash] = (event.parent_hash, event.token_ids)
+            if adapters is not None and event.adapter is not None:
+                adapters[event.block_hash] = event.adapter
         else:
             mirror.pop(event, None)
+            if adapters:
+                adapters.pop(event, None)
 
 
 def add_events(out: Any, events: Sequence[KVEvent], block_size: int) -> None:
     """Append records to `out` (a repeated KvCacheEvent field, built in place) in order: a run of stored
-    blocks that chain (each the parent of the next) becomes one `stored` event, a run of removals one
-    `removed` event."""
+    blocks that chain (each the parent of the next) under one adapter becomes one `stored` event (naming
+    the adapter), a run of removals one `removed` event."""
     for is_store, run in itertools.groupby(events, key=lambda e: isinstance(e, StoredBlock)):
         if not is_store:
             out.add().removed.block_hashes.extend(run)
             continue
         stored: Any = None
         previous: BlockHash | None = None
+        adapter: BlockAdapter | None = None
         for block in run:
             assert isinstance(block, StoredBlock)
-            if stored is None or block.parent_hash is None or block.parent_hash != previous:
+            if (stored is None or block.parent_hash is None or block.parent_hash != previous
+                    or block.adapter != adapter):
                 stored = out.add().stored
                 stored.parent_block_hash = block.parent_hash or b""
                 stored.block_size = block_size
+                adapter = block.adapter
+                if adapter is not None:
+                    stored.lora_name, stored.lora_id, stored.lora_fingerprint = adapter
             added = stored.blocks.add()
             added.block_hash = block.block_hash
             added.token_ids.extend(block.token_ids)

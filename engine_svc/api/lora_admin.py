@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, NoReturn
 import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
 
+from engine_svc.api.lora_watch import adapter_infos
 from engine_svc.busy_loop import BusyLoop
 from engine_svc.config import EngineConfig
 from engine_svc.core import EngineCore
+from engine_svc.lora.fingerprint import adapter_fingerprint
 from engine_svc.lora.modules import LoRAArgumentError, check_lora_modules
 from engine_svc.lora.peft_dir import CONFIG_FILE, LoRAAdapterError, validate_for_model
 from engine_svc.lora.registry import LoRARegistry, LoRARegistryError, ServedAdapter
@@ -49,12 +51,12 @@ async def load(config: EngineConfig, busy: BusyLoop | None, core: EngineCore | N
     if not (Path(path) / CONFIG_FILE).is_file():  # vLLM's LoRAAdapterNotFoundError
         await _abort(context, grpc.StatusCode.NOT_FOUND, f"Loading lora {name} failed: No adapter found for {path}")
     try:
-        await asyncio.get_running_loop().run_in_executor(None, validate_for_model, config.model,
-                                                         config.architecture, config.max_lora_rank, name, path)
+        fingerprint = await asyncio.get_running_loop().run_in_executor(None, _checked_fingerprint, config, name, path)
     except LoRAAdapterError as exc:
         await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     answer = await _on_loop(busy, lambda _: _answer(pb.LoadLoraAdapterResponse,
-                                                    registry.add(name, path, replace=request.load_inplace),
+                                                    registry.add(name, path, replace=request.load_inplace,
+                                                                 fingerprint=fingerprint),
                                                     registry), context)
     assert isinstance(answer, pb.LoadLoraAdapterResponse)
     return answer
@@ -75,9 +77,20 @@ if TYPE_CHECKING:
     Answer = pb.LoadLoraAdapterResponse | pb.UnloadLoraAdapterResponse
 
 
+def _checked_fingerprint(config: EngineConfig, name: str, path: str) -> str:
+    """Validate the adapter against the model, then fingerprint its files (a worker thread: both read it)."""
+    validate_for_model(config.model, config.architecture, config.max_lora_rank, name, path)
+    try:
+        return adapter_fingerprint(path)
+    except OSError as exc:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {path}: {exc}") from exc
+
+
 def _answer(kind: type[Answer], served: ServedAdapter, registry: LoRARegistry) -> Answer:
     """What a load or unload answers (built on the busy loop's thread, where the registry lives)."""
-    return kind(lora_name=served.name, lora_id=served.lora_id, lora_adapters=[a.name for a in registry.served()])
+    adapters = registry.served()
+    return kind(lora_name=served.name, lora_id=served.lora_id, lora_adapters=[a.name for a in adapters],
+                lora_adapter_infos=adapter_infos(adapters))
 
 
 async def _registry(busy: BusyLoop | None, core: EngineCore | None,

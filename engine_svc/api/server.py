@@ -284,6 +284,7 @@ class EngineServer:
         self.servicer.end_all_streams()
         if self.servicer.kv_events is not None:
             self.servicer.kv_events.close()
+        self.servicer.lora_announcer.close()
         await server.stop(grace=1.0)
         if busy.core is not None:
             busy.core.shutdown()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from engine_svc.kv.block_hash import BlockHash
-from engine_svc.kv.events import KVEventLog
+from engine_svc.kv.events import BlockAdapter, KVEventLog
 
 
 class KVCacheBlock:
@@ -144,9 +144,10 @@ class BlockPool:
         return block
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int],
-                    parent: BlockHash | None = None) -> bool:
+                    parent: BlockHash | None = None, adapter: BlockAdapter | None = None) -> bool:
         """Register a full, in-use block under its hash (`parent`: the hash of the block before it, None
-        for a first block; only reported to the event log). Returns False (and leaves the block uncached)
+        for a first block; `adapter`: the LoRA adapter it was computed under; both only reported to the
+        event log). Returns False (and leaves the block uncached)
         when the block is cached already or another block holds this hash (a duplicate computed
         separately)."""
         if block.block_hash is not None or block_hash in self.cached:
@@ -155,7 +156,7 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
         if self.events is not None:
-            self.events.stored(block_hash, parent, block.token_ids)
+            self.events.stored(block_hash, parent, block.token_ids, adapter)
         return True
 
     def uncache(self, block: KVCacheBlock) -> None:

@@ -8,8 +8,9 @@ steps do not each wake the server's event loop. Everything else - numbering, gro
 protobuf, per-subscriber buffers, snapshots - happens off the busy loop (engine_svc/api/kv_events.py).
 
 Records, in the order they happened:
-- `StoredBlock(block_hash, parent_hash, token_ids)`: a full block entered the cache (`parent_hash` is
-  None for the first block of a sequence).
+- `StoredBlock(block_hash, parent_hash, token_ids, adapter)`: a full block entered the cache
+  (`parent_hash` is None for the first block of a sequence; `adapter` is the LoRA adapter it was computed
+  under, None for the base model).
 - a bare `bytes` hash: that block left the cache (evicted for reuse, or uncached because its K/V will
   never be written).
 """
@@ -25,10 +26,19 @@ from shared_runtime.kv_hash import BlockHash
 HAND_OFF_INTERVAL_S = 0.01  # the longest records wait while the engine is busy (plus one step)
 
 
+class BlockAdapter(NamedTuple):
+    """The LoRA adapter a block's K/V was computed under (its fingerprint is in the block's hash)."""
+
+    name: str
+    lora_id: int
+    fingerprint: str
+
+
 class StoredBlock(NamedTuple):
     block_hash: BlockHash
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
+    adapter: BlockAdapter | None = None
 
 
 KVEvent = StoredBlock | BlockHash
@@ -42,8 +52,9 @@ class KVEventLog:
     def __init__(self) -> None:
         self._pending: list[KVEvent] = []
 
-    def stored(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> None:
-        self._pending.append(StoredBlock(block_hash, parent_hash, token_ids))
+    def stored(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...],
+               adapter: BlockAdapter | None = None) -> None:
+        self._pending.append(StoredBlock(block_hash, parent_hash, token_ids, adapter))
 
     def removed(self, block_hash: BlockHash) -> None:
         self._pending.append(block_hash)

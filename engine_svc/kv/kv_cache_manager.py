@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 from engine_svc.kv.block_hash import extend_block_hashes
 from engine_svc.kv.block_pool import BlockPool, KVCacheBlock
-from engine_svc.kv.events import KVEventLog
+from engine_svc.kv.events import BlockAdapter, KVEventLog
 from engine_svc.request import Request
 
 # The table entry of a block freed behind the sliding window. Its id (0) is only ever sent to workers in a
@@ -271,7 +271,9 @@ class KVCacheManager:
     def _cache_range(self, request: Request, table: list[KVCacheBlock], start: int, stop: int) -> None:
         bs = self.block_size
         hashes, tokens = request.block_hashes, request.all_token_ids
+        adapter = (BlockAdapter(request.lora_name, request.lora_id, request.lora_fingerprint)
+                   if request.lora_name and self.pool.events is not None else None)
         for i in range(start, stop):
             if table[i] is not NULL_BLOCK:  # a block freed behind the window before its token was known
                 self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs],
-                                      hashes[i - 1] if i else None)
+                                      hashes[i - 1] if i else None, adapter)

@@ -7,8 +7,11 @@ that can use a new id (a request is admitted in the same step at the earliest).
 
 Invariants:
 - Ids: 1..n for --lora-modules in order, then n+1, n+2, ... for each later load; never reused. A request
-  keeps the id it was admitted under (Request.lora_id), and the id is in its prefix-cache key, so it
-  always runs under the weights it was admitted with and never meets KV computed under other weights.
+  keeps the id it was admitted under (Request.lora_id), so it always runs under the weights it was
+  admitted with.
+- Every served name has a content fingerprint (engine_svc/lora/fingerprint.py) in the scheduler's
+  `lora_fingerprints` (edited in place beside the ids), which keys its requests' prefix-cache blocks: KV
+  is shared only between adapters with the same files, never with other weights under the same name.
 - `remove(name)` (unload; also what `add(..., replace=True)` does to the old id) takes the name away at
   once: a new request naming it is refused. Requests admitted before keep going and end normally; the
   workers drop the old id's host copy only once no request the scheduler holds uses it.
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from engine_svc.lora.fingerprint import adapter_fingerprint
 from engine_svc.sched.output import LoRALoad, SchedulerOutput
 
 
@@ -30,6 +34,7 @@ class ServedAdapter:
     name: str
     lora_id: int
     path: str
+    fingerprint: str = ""
 
 
 class LoRARegistryError(ValueError):
@@ -42,11 +47,15 @@ class LoRARegistryError(ValueError):
 
 class LoRARegistry:
     def __init__(self, lora_ids: dict[str, int], modules: Iterable[tuple[str, str]], max_cpu_loras: int,
-                 ids_in_use: Callable[[], set[int]]) -> None:
+                 ids_in_use: Callable[[], set[int]], fingerprints: dict[str, str] | None = None) -> None:
         """`lora_ids`: the scheduler's name -> id map, already holding `modules` (--lora-modules, ids
-        1, 2, ...); `ids_in_use()`: the adapter ids of the requests the scheduler holds now."""
+        1, 2, ...); `ids_in_use()`: the adapter ids of the requests the scheduler holds now;
+        `fingerprints`: the scheduler's name -> fingerprint map, filled here for `modules` (read at start)."""
         self._ids = lora_ids
         self._paths = {name: path for name, path in modules}
+        self._fingerprints = fingerprints if fingerprints is not None else {}
+        for name, path in self._paths.items():
+            self._fingerprints[name] = adapter_fingerprint(path)
         self.max_cpu_loras = max_cpu_loras
         self._ids_in_use = ids_in_use
         self._next_id = max(lora_ids.values(), default=0) + 1
@@ -57,13 +66,15 @@ class LoRARegistry:
 
     def served(self) -> list[ServedAdapter]:
         """The adapters a request may name now, in id order (a snapshot: other threads may call it)."""
-        ids, paths = list(self._ids.items()), dict(self._paths)
-        return [ServedAdapter(name, i, paths.get(name, "")) for name, i in sorted(ids, key=lambda item: item[1])]
+        ids, paths, prints = list(self._ids.items()), dict(self._paths), dict(self._fingerprints)
+        return [ServedAdapter(name, i, paths.get(name, ""), prints.get(name, ""))
+                for name, i in sorted(ids, key=lambda item: item[1])]
 
-    def add(self, name: str, path: str, *, replace: bool = False) -> ServedAdapter:
+    def add(self, name: str, path: str, *, replace: bool = False, fingerprint: str | None = None) -> ServedAdapter:
         """Serve the (already validated) adapter at `path` as `name`, under a new id. With `replace` an
         adapter of that name is swapped for it (vLLM's load_inplace): requests admitted before keep the old
-        weights. Raises LoRARegistryError."""
+        weights. `fingerprint`: its `adapter_fingerprint`, computed by the caller off the step loop (read
+        here when not given). Raises LoRARegistryError."""
         if name in self._ids and not replace:
             raise LoRARegistryError("exists", f"The lora adapter '{name}' has already been loaded. If you want "
                                               "to load the adapter in place, set 'load_inplace' to True.")
@@ -84,16 +95,17 @@ class LoRARegistry:
         self._next_id += 1
         self._ids[name] = lora_id
         self._paths[name] = path
+        self._fingerprints[name] = fingerprint if fingerprint is not None else adapter_fingerprint(path)
         self._held.add(lora_id)
         self._loads.append(LoRALoad(lora_id, name, path))
-        return ServedAdapter(name, lora_id, path)
+        return ServedAdapter(name, lora_id, path, self._fingerprints[name])
 
     def remove(self, name: str) -> ServedAdapter:
         """Stop serving `name` (see the module docstring for the requests that use it). Raises
         LoRARegistryError ("not_found")."""
         if name not in self._ids:
             raise LoRARegistryError("not_found", f"The lora adapter '{name}' cannot be found.")
-        served = ServedAdapter(name, self._ids[name], self._paths[name])
+        served = ServedAdapter(name, self._ids[name], self._paths[name], self._fingerprints.get(name, ""))
         self._retire(name)
         self._release_unused()
         return served
@@ -109,6 +121,7 @@ class LoRARegistry:
     def _retire(self, name: str) -> None:
         self._retired.add(self._ids.pop(name))
         del self._paths[name]
+        self._fingerprints.pop(name, None)
 
     def _release_unused(self) -> None:
         """Retired ids no request uses any more leave the host (a load never sent is simply not sent)."""

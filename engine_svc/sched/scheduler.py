@@ -65,6 +65,7 @@ from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.kv_transfer.connector import KVConnector, plan_load
 from engine_svc.request import Request, RequestStatus
 from engine_svc.sched.lora_budget import LoRABudget, adapter_counts
+from engine_svc.sched.lora_keys import lora_block_keys
 from engine_svc.sched.output import (
     PLACEHOLDER_TOKEN,
     CachedRequestData,
@@ -173,6 +174,7 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         # LoRA (--enable-lora): adapter name -> id, and the per-step adapter budget; None when LoRA is off.
         self.lora_ids = dict(lora_ids) if lora_ids is not None else None
+        self.lora_fingerprints: dict[str, str] = {}  # name -> content fingerprint (the registry keeps it)
         self.lora_budget = LoRABudget(max_loras) if lora_ids is not None else None
         # P/D disaggregation: the connector (None: no K/V moves between engines), requests pulling K/V,
         # and the pulled blocks the next SchedulerOutput carries.
@@ -193,8 +195,8 @@ class Scheduler:
         request.set_stop_tokens()
         if request.lora_name and self.lora_ids is not None:
             request.lora_id = self.lora_ids[request.lora_name]
-            # the id, not only the name, keys its KV: a name loaded again (other weights) gets a new id
-            request.block_hash_extra_keys = (request.lora_name, str(request.lora_id))
+            request.lora_fingerprint = self.lora_fingerprints.get(request.lora_name, "")
+            request.block_hash_extra_keys = lora_block_keys(request, self.lora_fingerprints)
         self.kv.hash_blocks(request)
         self.requests[request.request_id] = request
         constraint = request.sampling_params.structured_outputs

@@ -49,6 +49,7 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
 from frontend_svc.engines.drain_gate import DrainGate
 from frontend_svc.engines.kv_index import KvBlockIndex, follow_kv_events
+from frontend_svc.engines.lora_watch import follow_lora_adapters
 from frontend_svc.engines.router import Router
 from frontend_svc.pd_flow import in_pool
 from shared_runtime.link import KEEPALIVE_OPTIONS, message_size_options
@@ -141,6 +142,7 @@ class EngineConnection:
         self.kv_index = KvBlockIndex()  # the engine's cached blocks (followed only for cache-aware routing)
         self._reported_load = 0
         self._sent_since_report = 0
+        self._active_adapters: frozenset[str] = frozenset()  # LoRA adapters running or waiting there
         self._client = client
         self._outbox: asyncio.Queue[epb.EngineCoreInput] | None = None
         self._call: Any = None
@@ -172,12 +174,29 @@ class EngineConnection:
     def max_num_seqs(self) -> int:
         return int(self.info.max_num_seqs) if self.info is not None else 0
 
+    def lora_fingerprint(self, name: str) -> str | None:
+        """The content fingerprint the engine announced for adapter `name`: None when it does not serve
+        it, "" when it serves it without announcing one (an older engine)."""
+        info = self.info
+        if info is None or name not in info.lora_adapters:
+            return None
+        return next((a.fingerprint for a in info.lora_adapter_infos if a.lora_name == name), "")
+
+    @property
+    def active_adapters(self) -> frozenset[str]:
+        """The LoRA adapters with requests running or waiting on the engine, as of its last stats."""
+        return self._active_adapters
+
     def note_sent(self, count: int) -> None:
         self._sent_since_report += count
 
     def note_stats(self, stats: Any) -> None:
         self._reported_load = int(stats.num_running) + int(stats.num_waiting)
         self._sent_since_report = 0
+        if not self._reported_load:
+            self._active_adapters = frozenset()
+        elif isinstance(stats, epb.SchedulerStats):  # EngineLoad (GetLoad) does not say
+            self._active_adapters = frozenset((*stats.running_lora_adapters, *stats.waiting_lora_adapters))
 
     def send(self, message: epb.EngineCoreInput) -> None:
         """Queue a message on the open stream (dropped when there is none: the engine already
@@ -253,7 +272,8 @@ class EngineConnection:
                         self.address, info.engine_id, info.max_model_len)
             self._client.connection_changed()
             loop = asyncio.get_running_loop()
-            helpers = [loop.create_task(self._poll_load(stub)), loop.create_task(self._watch_health(channel))]
+            helpers = [loop.create_task(self._poll_load(stub)), loop.create_task(self._watch_health(channel)),
+                       loop.create_task(follow_lora_adapters(stub, info, self.address))]
             if self._client.router.uses_kv_events and info.kv_cache_events:
                 helpers.append(loop.create_task(follow_kv_events(stub, self.kv_index, self.address, self.note_stats)))
             try:
@@ -428,11 +448,12 @@ class EngineClient:
         return list(self._connections.values())
 
     def choose(self, prompt_token_ids: Sequence[int], avoid: EngineConnection | None = None,
-               pool: str | None = None) -> EngineConnection:
+               pool: str | None = None, lora_name: str = "") -> EngineConnection:
         """The ready engine a new request goes to (all n completions of a request go to one engine: they
         share the prompt's KV blocks), never `avoid`, only from `pool` (pd_flow.PREFILL / DECODE: engines
-        whose kv_role serves it) when given; EngineUnavailable when there is none."""
-        connection = self.router.choose(self.ready_in(pool, avoid), prompt_token_ids)
+        whose kv_role serves it) when given, one serving LoRA adapter `lora_name` when any does;
+        EngineUnavailable when there is none."""
+        connection = self.router.choose(self.ready_in(pool, avoid), prompt_token_ids, lora_name)
         if connection is None:
             raise EngineUnavailable("no engine is ready to serve requests; retry shortly")
         return connection

@@ -13,7 +13,7 @@ Engines that join later, or come back after a restart, learn the adapters loaded
 before they become routable: `replay` (the connection's session hook) loads each one the engine does not
 list; an engine that refuses one is not routed to (its session fails and is retried). Unloads are not
 replayed: a restarted engine serves its --lora-modules (an unloaded one included) plus what is replayed. Another frontend in front of the
-same engines learns of a change when it reconnects to them (its EngineInfo), not at once.
+same engines learns of a change from the engines' WatchLoraAdapters streams (lora_watch.py), at once.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import grpc
 from tandem.engine.v1 import engine_core_pb2 as epb
 
 from frontend_svc.engines.client import EngineClient, EngineConnection
+from frontend_svc.engines.lora_watch import set_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,7 @@ class LoraAdmin:
 
 def _set_adapters(info: epb.EngineInfo,
                   answer: epb.LoadLoraAdapterResponse | epb.UnloadLoraAdapterResponse) -> None:
-    del info.lora_adapters[:]
-    info.lora_adapters.extend(answer.lora_adapters)
+    set_adapters(info, answer.lora_adapters, answer.lora_adapter_infos)
 
 
 def _as_admin_error(exc: BaseException) -> LoraAdminError:

@@ -12,6 +12,16 @@
   turn to the same engine without talking to each other. The absolute threshold defaults to a quarter of
   the engine's --max-num-seqs (SGLang's 64 for vLLM's default of 256 sequences), so it means the same
   on a small engine as on a large one.
+- A request on a LoRA adapter goes only to engines that serve the adapter (any engine when none does:
+  the engine then refuses it, naming the adapter). Its prompt is hashed under the adapter's content
+  fingerprint, as each engine announced it (EngineInfo.lora_adapter_infos, kept current by the engine's
+  WatchLoraAdapters stream), with the engine's own function (shared_runtime.kv_hash.lora_extra_keys), so
+  cache-aware routing is exact per adapter: the same prompt cached under another adapter, or the base
+  model, is no hit. The adapter's residency acts as affinity: among the engines caching the longest
+  prefix, and, when no engine caches enough, among the engines that are not overloaded, an engine where
+  the adapter is active (running or waiting requests on it, per the engine's last scheduler stats: it
+  holds a device slot) is preferred; `least-load` prefers one at equal load. An engine that serves the
+  adapter but announced no fingerprint (an older engine) is routed to without a cache view of it.
 - `pd`: prefill/decode disaggregation (frontend_svc/pd_flow.py): `cache-aware` within the pool a step
   of the request goes to (the dispatcher passes only that pool's engines).
 - `least-load`: the engine with the smallest load (its last reported running + waiting, plus the
@@ -22,7 +32,8 @@
   loaded (more than `IMBALANCE_FACTOR` times the least load plus `IMBALANCE_SLACK`). Prompts shorter
   than one block go by load.
 
-Pure logic over anything with `address`, `load`, `block_size` (and `kv_index` for cache-aware); no I/O.
+Pure logic over anything with `address`, `load`, `block_size` (and `kv_index` for cache-aware;
+`lora_fingerprint` and `active_adapters` for requests on an adapter); no I/O.
 The one cost on the event loop is hashing the prompt's blocks for cache-aware routing, which stops at
 the first block no engine holds.
 """
@@ -36,7 +47,7 @@ from collections.abc import Callable, Container, Sequence, Sized
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from shared_runtime.kv_hash import iter_block_hashes
+from shared_runtime.kv_hash import ExtraKeys, iter_block_hashes, lora_extra_keys
 
 POLICIES = ("cache-aware", "least-load", "prefix", "pd")  # pd: cache-aware within each P/D pool
 PREFIX_BLOCKS = 4
@@ -81,6 +92,9 @@ class Routable(Protocol):
     def load(self) -> int: ...
     @property
     def block_size(self) -> int: ...
+    def lora_fingerprint(self, name: str) -> str | None: ...  # None: not served; "": served, not announced
+    @property
+    def active_adapters(self) -> Container[str]: ...  # adapters with requests running or waiting there
 
 
 class CacheIndex(Container[bytes], Sized, Protocol):
@@ -113,16 +127,19 @@ class Router:
         """Whether engines' KV-cache events must be followed for this policy."""
         return self.policy in ("cache-aware", "pd")
 
-    def choose(self, engines: Sequence[E], prompt_token_ids: Sequence[int]) -> E | None:
-        """The engine for this prompt, or None when `engines` is empty."""
+    def choose(self, engines: Sequence[E], prompt_token_ids: Sequence[int], lora_name: str = "") -> E | None:
+        """The engine for this prompt, run under LoRA adapter `lora_name` ("" = the base model), or None
+        when `engines` is empty."""
         if not engines:
             return None
+        if lora_name:
+            engines = [e for e in engines if e.lora_fingerprint(lora_name) is not None] or engines
         if self.policy in ("cache-aware", "pd"):
-            return self._cache_aware(engines, prompt_token_ids)  # type: ignore[type-var]
-        least = self.least_loaded(engines)
+            return self._cache_aware(engines, prompt_token_ids, lora_name)  # type: ignore[type-var]
+        least = self.least_loaded(engines, tie_break=_cold(lora_name) if lora_name else None)
         if self.policy == "least-load":
             return least
-        key = self._prefix_key(engines, prompt_token_ids)
+        key = self._prefix_key(engines, prompt_token_ids, lora_name)
         if key is None:
             return least
         pick = max(engines, key=lambda e: _weight(key, e.address))
@@ -139,15 +156,18 @@ class Router:
         tied = [e for e in engines if key(e) == lowest]
         return tied[next(self._turn) % len(tied)]
 
-    def _cache_aware(self, engines: Sequence[C], ids: Sequence[int]) -> C:
+    def _cache_aware(self, engines: Sequence[C], ids: Sequence[int], lora_name: str = "") -> C:
         s = self.settings
-        matched = dict(zip(engines, cached_prefix_tokens(engines, ids)))
+        matched = dict(zip(engines, cached_prefix_tokens(engines, ids, lora_name)))
         best = max(matched.values())
+        least = min(e.load for e in engines)
         if ids and best / len(ids) > s.cache_threshold:
-            least = min(e.load for e in engines)
             holders = [e for e, m in matched.items() if m == best and not self._overloaded(e, least)]
             if holders:
-                return self.least_loaded(holders)
+                return self.least_loaded(_resident_first(holders, lora_name))
+        if lora_name:  # no engine caches enough: the adapter's residency is the affinity
+            resident = [e for e in engines if lora_name in e.active_adapters and not self._overloaded(e, least)]
+            engines = resident or engines
         return self.least_loaded(engines, tie_break=lambda e: (-matched[e], len(e.kv_index)))
 
     def _overloaded(self, engine: CacheAware, least_load: int) -> bool:
@@ -155,26 +175,53 @@ class Router:
         return (engine.load - least_load > s.absolute_threshold(engine.max_num_seqs)
                 and engine.load > s.balance_rel_threshold * least_load)
 
-    def _prefix_key(self, engines: Sequence[Routable], ids: Sequence[int]) -> bytes | None:
+    def _prefix_key(self, engines: Sequence[Routable], ids: Sequence[int], lora_name: str = "") -> bytes | None:
         block = engines[0].block_size or DEFAULT_BLOCK_SIZE
         num_blocks = min(self.prefix_blocks, len(ids) // block)
         if num_blocks == 0:
             return None
-        return array("I", ids[: num_blocks * block]).tobytes()
+        key = array("I", ids[: num_blocks * block]).tobytes()
+        return lora_name.encode() + b"\0" + key if lora_name else key
 
 
-def cached_prefix_tokens(engines: Sequence[CacheAware], ids: Sequence[int]) -> list[int]:
-    """For each engine, how many of the prompt's leading tokens it has cached, in whole blocks.
+def _resident_first(engines: list[C], lora_name: str) -> list[C]:
+    """The engines where adapter `lora_name` is active, or all of them when it is active on none (or
+    the request is on the base model)."""
+    if not lora_name:
+        return engines
+    return [e for e in engines if lora_name in e.active_adapters] or engines
+
+
+def _cold(lora_name: str) -> Callable[[Routable], tuple[int, ...]]:
+    """A tie-break that puts engines where adapter `lora_name` is active first."""
+    return lambda e: (0 if lora_name in e.active_adapters else 1,)
+
+
+def block_hash_keys(engine: Routable, lora_name: str) -> ExtraKeys | None:
+    """The extra keys `engine` hashes a prompt's blocks with under adapter `lora_name` (() for the base
+    model), or None when it cannot be known (the engine announced no fingerprint for the adapter)."""
+    if not lora_name:
+        return ()
+    fingerprint = engine.lora_fingerprint(lora_name)
+    return lora_extra_keys(fingerprint) if fingerprint else None
+
+
+def cached_prefix_tokens(engines: Sequence[CacheAware], ids: Sequence[int], lora_name: str = "") -> list[int]:
+    """For each engine, how many of the prompt's leading tokens it has cached, in whole blocks, for a
+    request run under adapter `lora_name` ("" = the base model).
 
     The prompt is hashed block by block, as the engine hashes it, only while some engine still holds
     every block so far (an engine's lookup stops at its first miss too). Engines with different block
-    sizes are matched with hashes of their own block size."""
+    sizes, or different fingerprints for the adapter, are matched with hashes of their own; an engine
+    whose hashes cannot be known matches nothing."""
     matched = [0] * len(engines)
-    by_block_size: dict[int, list[int]] = {}
+    groups: dict[tuple[int, ExtraKeys], list[int]] = {}
     for i, engine in enumerate(engines):
-        by_block_size.setdefault(engine.block_size or DEFAULT_BLOCK_SIZE, []).append(i)
-    for block_size, alive in by_block_size.items():
-        for depth, block_hash in enumerate(iter_block_hashes(ids, block_size), 1):
+        keys = block_hash_keys(engine, lora_name)
+        if keys is not None:
+            groups.setdefault((engine.block_size or DEFAULT_BLOCK_SIZE, keys), []).append(i)
+    for (block_size, keys), alive in groups.items():
+        for depth, block_hash in enumerate(iter_block_hashes(ids, block_size, keys), 1):
             alive = [i for i in alive if block_hash in engines[i].kv_index]
             if not alive:
                 break

@@ -54,7 +54,7 @@ def _setup(tokenizer: Any, encode: Callable[[str], list[int]], num_requests: int
     client = EngineClient([], tokenizer.vocab_size)
     dispatcher = Dispatcher(client, op)
     connection = EngineConnection("fake", client)
-    client.choose = lambda ids: connection  # type: ignore[method-assign]
+    client.choose = lambda ids, **how: connection  # type: ignore[method-assign]
     words = encode(TEXT)
     per_step = len(words) // STEPS
     collectors, engine_ids = [], []

@@ -21,6 +21,7 @@ DOCUMENTED = {
     "GenerateRequest", "SamplingParams", "GenerateResponse", "Usage",
     "EngineCoreInput", "EngineCoreRequest", "EngineSamplingParams", "EngineCoreOutputs", "EngineCoreOutput",
     "EngineInfo", "EngineLoad", "KvTransferParams", "KvCacheLayout", "PullKvBlocksRequest", "KvBlocksChunk",
+    "LoraAdapterInfo", "LoraAdapterSet", "LoadLoraAdapterResponse", "UnloadLoraAdapterResponse", "KvBlocksStored",
 }
 SERVICES = {"tandem.v1.GenerationService", "tandem.engine.v1.EngineCoreService"}
 

@@ -220,6 +220,7 @@ def test_internal_service_methods() -> None:
         "PullKvBlocks": ("PullKvBlocksRequest", "KvBlocksChunk", False, True),
         "LoadLoraAdapter": ("LoadLoraAdapterRequest", "LoadLoraAdapterResponse", False, False),
         "UnloadLoraAdapter": ("UnloadLoraAdapterRequest", "UnloadLoraAdapterResponse", False, False),
+        "WatchLoraAdapters": ("WatchLoraAdaptersRequest", "LoraAdapterSet", False, True),
     }
     assert epb.DESCRIPTOR.package == "tandem.engine.v1"
 

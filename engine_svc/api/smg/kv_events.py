@@ -9,6 +9,10 @@ sent, on the event loop:
   snapshot's own number);
 - a block hash is tandem's 16-byte hash folded to SMG's int64: its first 8 bytes, little-endian, signed
   (SMG matches removals to stores by this number; prefixes by the token ids it receives);
+- blocks computed under a LoRA adapter say so as SMG's fields do: the set's `lora_name` (the cache
+  namespace SMG folds into its own hashes), each block's `lora_id` (the engine's id of it) and its
+  `extra_keys` (the keys beyond the token ids that went into tandem's hash: "lora" and the adapter's
+  content fingerprint, as text);
 - the load after each live batch's step rides along (`EngineLoad`: running, waiting, KV usage, the
   admission window), so the gateway need not poll GetLoads.
 A subscriber that falls behind is dropped with RESOURCE_EXHAUSTED and must subscribe again;
@@ -24,6 +28,7 @@ from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.vendor.smg import common_pb2 as cpb
 
 from engine_svc.api.kv_events import KvEventPublisher, stream_kv_events
+from shared_runtime.kv_hash import lora_extra_keys
 
 
 def smg_hash(block_hash: bytes) -> int:
@@ -43,11 +48,18 @@ def to_smg_batch(batch: pb.KvEventBatch, block_size: int, max_running: int) -> c
         kind = event.WhichOneof("kind")
         if kind == "stored":
             stored = out.events.add().stored
-            if event.stored.parent_block_hash:
-                stored.parent_block_hash = smg_hash(event.stored.parent_block_hash)
-            for block in event.stored.blocks:
-                stored.blocks.add(block_hash=smg_hash(block.block_hash), token_ids=block.token_ids,
-                                  block_size=block_size)
+            source = event.stored
+            if source.parent_block_hash:
+                stored.parent_block_hash = smg_hash(source.parent_block_hash)
+            for block in source.blocks:
+                added = stored.blocks.add(block_hash=smg_hash(block.block_hash), token_ids=block.token_ids,
+                                          block_size=block_size)
+                if source.lora_name:
+                    added.lora_id = source.lora_id
+                    for key in lora_extra_keys(source.lora_fingerprint):
+                        added.extra_keys.add(text=key)
+            if source.lora_name:
+                stored.lora_name = source.lora_name
         elif kind == "removed":
             out.events.add().removed.block_hashes.extend(smg_hash(h) for h in event.removed.block_hashes)
         else:

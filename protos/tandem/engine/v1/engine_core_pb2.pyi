@@ -48,6 +48,26 @@ ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
 
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("lora_name", "lora_id", "fingerprint")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_id: int
+    fingerprint: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class WatchLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraAdapterSet(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
+
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path", "load_inplace")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -59,14 +79,16 @@ class LoadLoraAdapterRequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load_inplace: _Optional[bool] = ...) -> None: ...
 
 class LoadLoraAdapterResponse(_message.Message):
-    __slots__ = ("lora_name", "lora_id", "lora_adapters")
+    __slots__ = ("lora_name", "lora_id", "lora_adapters", "lora_adapter_infos")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_INFOS_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_id: int
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_adapter_infos: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_adapter_infos: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class UnloadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name",)
@@ -75,14 +97,16 @@ class UnloadLoraAdapterRequest(_message.Message):
     def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
 class UnloadLoraAdapterResponse(_message.Message):
-    __slots__ = ("lora_name", "lora_id", "lora_adapters")
+    __slots__ = ("lora_name", "lora_id", "lora_adapters", "lora_adapter_infos")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_INFOS_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_id: int
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_adapter_infos: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_adapter_infos: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class EngineCoreInput(_message.Message):
     __slots__ = ("add", "abort")
@@ -345,7 +369,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "block_size", "num_blocks", "tensor_parallel_size", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "device", "engine_id", "eos_token_ids", "tokenizer_sha256", "kv_cache_events", "lora_adapters", "kv_role", "pipeline_parallel_size")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "block_size", "num_blocks", "tensor_parallel_size", "dtype", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "device", "engine_id", "eos_token_ids", "tokenizer_sha256", "kv_cache_events", "lora_adapters", "kv_role", "pipeline_parallel_size", "lora_adapter_infos")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +389,7 @@ class EngineInfo(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     KV_ROLE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_INFOS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -384,7 +409,8 @@ class EngineInfo(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     kv_role: str
     pipeline_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., device: _Optional[str] = ..., engine_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_sha256: _Optional[str] = ..., kv_cache_events: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., kv_role: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
+    lora_adapter_infos: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., dtype: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., scheduling_policy: _Optional[str] = ..., device: _Optional[str] = ..., engine_id: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_sha256: _Optional[str] = ..., kv_cache_events: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., kv_role: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., lora_adapter_infos: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
@@ -449,14 +475,20 @@ class KvCacheEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[KvBlocksStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[KvCacheCleared, _Mapping]] = ...) -> None: ...
 
 class KvBlocksStored(_message.Message):
-    __slots__ = ("blocks", "parent_block_hash", "block_size")
+    __slots__ = ("blocks", "parent_block_hash", "block_size", "lora_name", "lora_id", "lora_fingerprint")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[KvBlock]
     parent_block_hash: bytes
     block_size: int
-    def __init__(self, blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ..., parent_block_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    lora_id: int
+    lora_fingerprint: str
+    def __init__(self, blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ..., parent_block_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvBlock(_message.Message):
     __slots__ = ("block_hash", "token_ids")

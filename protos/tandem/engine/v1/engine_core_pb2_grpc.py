@@ -75,6 +75,11 @@ class EngineCoreServiceStub:
                 request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.WatchLoraAdapters = channel.unary_stream(
+                '/tandem.engine.v1.EngineCoreService/WatchLoraAdapters',
+                request_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.WatchLoraAdaptersRequest.SerializeToString,
+                response_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoraAdapterSet.FromString,
+                _registered_method=True)
 
 
 class EngineCoreServiceServicer:
@@ -161,6 +166,16 @@ class EngineCoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoraAdapters(self, request, context):
+        """The LoRA adapters this engine serves, as they change: the current set at once, then the whole set
+        again after every run-time load or unload (whichever frontend or client made it), so every frontend
+        in front of the engine serves a new adapter (and stops serving an unloaded one) without reconnecting.
+        FAILED_PRECONDITION without --enable-lora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineCoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +218,11 @@ def add_EngineCoreServiceServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'WatchLoraAdapters': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoraAdapters,
+                    request_deserializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.WatchLoraAdaptersRequest.FromString,
+                    response_serializer=tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoraAdapterSet.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -422,6 +442,33 @@ class EngineCoreService:
             '/tandem.engine.v1.EngineCoreService/UnloadLoraAdapter',
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterRequest.SerializeToString,
             tandem_dot_engine_dot_v1_dot_engine__core__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.engine.v1.EngineCoreService/WatchLoraAdapters',
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.WatchLoraAdaptersRequest.SerializeToString,
+            tandem_dot_engine_dot_v1_dot_engine__core__pb2.LoraAdapterSet.FromString,
             options,
             channel_credentials,
             insecure,
