@@ -46,7 +46,7 @@ CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
 # `--async-scheduling` when not given, by device (EngineConfig.resolved_async_scheduling; figures in
 # BENCHMARKS.md, "Async scheduling").
 ASYNC_SCHEDULING_DEFAULT = {"cpu": False, "cuda": False}
-_RESOLVED_FIELDS = frozenset({"architecture", "model_dtype", "kv_sliding_window"})  # set by create(), not user arguments
+_RESOLVED_FIELDS = frozenset({"architecture", "model_dtype", "kv_sliding_window", "kv_group_windows"})  # set by create(), not user arguments
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,9 @@ class EngineConfig:
     # The window every attention layer slides over (engine_svc/model/windows.py): the KV cache frees blocks
     # behind it. None: some layer attends to the whole context, so every block is kept.
     kv_sliding_window: int | None = field(default=None, compare=False)
+    # A hybrid model's KV groups' windows (engine_svc/kv/groups.py: full layers, sliding layers), each with
+    # its own block table per request; None: one table for every layer (resolve_kv_groups says when).
+    kv_group_windows: tuple[int | None, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -221,6 +224,8 @@ class EngineConfig:
         except LoRAArgumentError as e:
             raise ConfigError(str(e)) from None
         self._check_speculative()
+        if self.kv_group_windows is not None:
+            object.__setattr__(self, "kv_group_windows", resolve_kv_groups(self, self.kv_group_windows))
 
     def _check_speculative(self) -> None:
         """Parse --speculative-config into a SpeculativeConfig (ConfigError naming the bad key)."""
@@ -344,15 +349,17 @@ class EngineConfig:
                               f"{model_max}; lower it")
         kwargs["max_model_len"] = max_model_len
         window = _kv_sliding_window(arch, hf_config)
+        groups = _kv_group_windows(arch, hf_config)
         if kwargs.get("disable_hybrid_kv_cache_manager"):
-            window = None
+            window = groups = None
         _check_pipeline(hf_config, kwargs)
         if "lora_modules" in kwargs:
             kwargs["lora_modules"] = _lora_modules_arg(kwargs["lora_modules"])
         if kwargs.get("device", "auto") == "auto":
             kwargs["device"] = _auto_device()
         _fill_step_defaults(kwargs, max_model_len)
-        config = cls(architecture=arch, model_dtype=model_dtype_of(hf_config), kv_sliding_window=window, **kwargs)
+        config = cls(architecture=arch, model_dtype=model_dtype_of(hf_config), kv_sliding_window=window,
+                     kv_group_windows=groups, **kwargs)
         config._log_dtype_choice()
         return config
 
@@ -445,6 +452,33 @@ def _kv_sliding_window(arch: str, hf_config: dict[str, Any]) -> int | None:
         return kv_window(layer_windows(arch, hf_config, int(hf_config.get("num_hidden_layers") or 0)))
     except MoeConfigError as exc:
         raise ConfigError(f"{arch}: {exc}") from None
+
+
+def _kv_group_windows(arch: str, hf_config: dict[str, Any]) -> tuple[int | None, ...] | None:
+    """A hybrid model's KV groups' windows (engine_svc/kv/groups.py), or None when its layers share one
+    table. `_kv_sliding_window` has already refused a malformed config."""
+    from engine_svc.kv.groups import hybrid_groups
+    from engine_svc.model.windows import layer_windows
+
+    groups = hybrid_groups(layer_windows(arch, hf_config, int(hf_config.get("num_hidden_layers") or 0)))
+    return None if groups is None else groups.windows
+
+
+def resolve_kv_groups(config: EngineConfig, windows: tuple[int | None, ...]) -> tuple[int | None, ...] | None:
+    """The hybrid model's KV groups, or None (every layer keeps every block, as before the groups) where
+    they are not built for the engine's other settings: prefix caching (the groups take no prefix hits;
+    `--no-enable-prefix-caching` turns it off), a KV connector (P/D: a pulled prompt needs all its blocks
+    in one table), a draft model (its cache shares the target's one table), pipeline stages."""
+    spec = config.speculative
+    why = ("prefix caching is on (--no-enable-prefix-caching frees the sliding layers' blocks)"
+           if config.enable_prefix_caching else
+           "--kv-transfer-config is set" if config.kv_transfer_config is not None else
+           "a draft model is set" if spec is not None and spec.model is not None else
+           "--pipeline-parallel-size > 1" if config.pipeline_parallel_size > 1 else None)
+    if why is None:
+        return windows
+    logger.info("hybrid model: its sliding layers keep every KV block, since %s", why)
+    return None
 
 
 def _auto_device() -> str:

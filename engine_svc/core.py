@@ -95,6 +95,7 @@ class EngineCore:
             max_loras=config.max_loras,
             kv_connector=self.kv_connector,
             sliding_window=None if self.kv_connector is not None else config.kv_sliding_window,
+            kv_group_windows=config.kv_group_windows,
         )
         # LoRA adapters by name, loaded and unloaded at run time too (None without --enable-lora).
         self.loras: LoRARegistry | None = None

@@ -57,6 +57,8 @@ NULL_BLOCK = KVCacheBlock(0)
 
 
 class KVCacheManager:
+    num_groups = 1  # one table per request for every layer (engine_svc/kv/hybrid_manager.py: one per group)
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  events: KVEventLog | None = None, sliding_window: int | None = None) -> None:
         if block_size <= 0:

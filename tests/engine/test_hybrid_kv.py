@@ -1,0 +1,177 @@
+"""Hybrid models (sliding and full attention layers) with one KV block table per attention type.
+
+The manager alone: interleaved tables, the sliding group freeing behind its window while the full group
+keeps every block, all-or-nothing allocation over the shared pool, every block back on free. Then tiny
+gpt-oss (sliding / full layers in turn, window 8) and Qwen3 (`layer_types` mixing both), blocks of 4,
+prefix caching off: float32 greedy tokens and logprobs equal transformers' with chunked prefill, async
+scheduling and preemption under a pool small enough that freed blocks are handed out again at once (a
+layer reading another group's table, or a freed block read again, would change the tokens). Each run
+checks that the sliding group really held at most its window's and its step's blocks and that every
+block is back in the pool. The capacity test runs long requests in the same KV memory with and without
+the groups.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine_svc.config import EngineConfig
+from engine_svc.kv.groups import hybrid_groups
+from engine_svc.kv.hybrid_manager import HybridKVCacheManager
+from engine_svc.kv.kv_cache_manager import NULL_BLOCK
+from entrypoints import LLM, SamplingParams
+from tests.engine.test_hf_exact import (
+    MAX_TOKENS,
+    assert_greedy_matches_hf,
+    assert_no_block_leaks,
+    make_prompts,
+)
+from tests.engine.test_kv_cache_manager import req
+
+WINDOW, BS = 8, 4
+
+
+# ---- the grouping and the manager --------------------------------------------------------------------------
+def test_groups_pair_the_layers_of_each_type() -> None:
+    groups = hybrid_groups((8, None, 8, None))
+    assert groups is not None and groups.windows == (None, 8)
+    assert groups.layer_group == (1, 0, 1, 0) and groups.layer_slot == (0, 0, 1, 1)
+    assert groups.layers_per_group == 2
+    for one_table in (None, (8, 8), (None, None), (8, None, None), (8, 4, None, None)):
+        assert hybrid_groups(one_table) is None
+
+
+def test_sliding_group_frees_behind_its_window_while_the_full_group_keeps_all() -> None:
+    kv = HybridKVCacheManager(40, BS, (None, WINDOW))
+    a = req("a", list(range(5, 29)))  # 24 tokens: 6 blocks of positions
+    ids = kv.allocate_slots(a, 16)
+    assert ids is not None and len(ids) == 8 and kv.num_free_blocks == 32
+    assert ids == [b for pair in zip(kv.group_block_ids("a", 0), kv.group_block_ids("a", 1)) for b in pair]
+    assert kv.get_block_ids("a", 3) == ids[3:] and kv.get_block_ids("a", 8) == []
+    a.num_computed_tokens = 16  # next chunk from q0 = 16 reads keys 9.. on: blocks 0 and 1 go back
+    more = kv.allocate_slots(a, 8)
+    assert more is not None and len(more) == 4
+    full, sliding = kv._tables["a"]
+    assert len(full) == len(sliding) == 6 and all(b is not NULL_BLOCK and b.ref_cnt == 1 for b in full)
+    assert [b is NULL_BLOCK for b in sliding] == [True, True, False, False, False, False]
+    assert kv.num_free_blocks == 40 - 6 - 4
+    kv.free(a)
+    assert kv.num_free_blocks == 40
+
+
+def test_allocation_is_all_or_nothing_over_the_shared_pool() -> None:
+    kv = HybridKVCacheManager(7, BS, (None, WINDOW))
+    a = req("a", list(range(5, 21)))
+    assert kv.allocate_slots(a, 16) is None and kv.num_free_blocks == 7  # 4 blocks per group = 8 > 7
+    assert kv.allocate_slots(a, 12) is not None and kv.num_free_blocks == 1
+    kv.free(a)
+    assert kv.num_free_blocks == 7
+
+
+# ---- against transformers ----------------------------------------------------------------------------------
+def with_config(make_model, tmp_path_factory, arch: str, **fields) -> Path:
+    src = make_model(arch)
+    dst = tmp_path_factory.mktemp(f"{arch}-hybrid") / "model"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **fields}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(make_model) -> Path:
+    return make_model("gpt_oss")  # layers sliding, full; window 8
+
+
+@pytest.fixture(scope="module")
+def qwen3(make_model, tmp_path_factory) -> Path:
+    return with_config(make_model, tmp_path_factory, "qwen3", sliding_window=WINDOW, use_sliding_window=True,
+                       layer_types=["full_attention", "sliding_attention"])
+
+
+def run_hybrid(model_dir: Path, prompts: list[list[int]], **engine_args) -> tuple[LLM, list[int]]:
+    """Generate greedily with hybrid KV groups, recording after every step the most real blocks any
+    running request holds in each group; compare with transformers; check no block leaked."""
+    llm = LLM(str(model_dir), dtype="float32", block_size=BS, enable_prefix_caching=False, **engine_args)
+    assert llm.config.kv_group_windows == (None, WINDOW)
+    kv = llm.engine.scheduler.kv
+    assert isinstance(kv, HybridKVCacheManager)
+    most = [0, 0]
+    step = llm.engine.step
+
+    def recording_step():
+        out = step()
+        for tables in (kv._tables.get(r.request_id) for r in llm.engine.scheduler.running):
+            for g, table in enumerate(tables or ()):
+                most[g] = max(most[g], sum(b is not NULL_BLOCK for b in table))
+        return out
+
+    llm.engine.step = recording_step  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    assert_greedy_matches_hf(model_dir, prompts, llm.generate(prompts, params, use_tqdm=False))
+    assert_no_block_leaks(llm)
+    return llm, most
+
+
+def chunk_bound(chunk: int) -> int:
+    """The most blocks the sliding group may hold computing `chunk` tokens: its window's keys and the chunk."""
+    return -(-(WINDOW - 1 + chunk) // BS) + 1
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3"])
+def test_hybrid_models_match_transformers_with_chunked_prefill(request, arch: str) -> None:
+    """A pool of 64 blocks: freed sliding blocks are handed out again while their old owner runs."""
+    model_dir = request.getfixturevalue(arch)
+    prompts = make_prompts(21, 5, 500, lo=20, hi=40)
+    _, (full, sliding) = run_hybrid(model_dir, prompts, max_num_batched_tokens=16, num_gpu_blocks_override=64)
+    # the full group held the longest request's whole context (recorded up to its last step but one)
+    assert sliding <= chunk_bound(16) < full == max(-(-(len(p) + MAX_TOKENS - 2) // BS) for p in prompts)
+
+
+def test_async_scheduling_and_preemption_with_groups(gpt_oss: Path) -> None:
+    """Twenty blocks (ten per group's worth) for five requests: preempted and resumed while freeing."""
+    prompts = make_prompts(22, 5, 500, lo=10, hi=24)
+    llm, _ = run_hybrid(gpt_oss, prompts, num_gpu_blocks_override=20, max_num_batched_tokens=16,
+                        async_scheduling=True)
+    assert llm.engine.get_stats().num_preemptions > 0
+
+
+def test_groups_are_used_only_where_they_fit(gpt_oss: Path) -> None:
+    """Prefix caching (the groups take no hits), --disable-hybrid-kv-cache-manager and P/D keep one table."""
+    assert EngineConfig.create(model=str(gpt_oss), enable_prefix_caching=False).kv_group_windows == (None, WINDOW)
+    assert EngineConfig.create(model=str(gpt_oss)).kv_group_windows is None
+    assert EngineConfig.create(model=str(gpt_oss), enable_prefix_caching=False,
+                               disable_hybrid_kv_cache_manager=True).kv_group_windows is None
+
+
+def test_capacity_more_long_requests_in_the_same_memory(gpt_oss: Path) -> None:
+    """The same KV memory with and without the groups: long requests run more at once with them (the
+    sliding layers hold about a window's blocks instead of the whole context's), with the same tokens
+    and logprobs (one table is exact against transformers above and in test_hf_exact.py)."""
+    prompts = make_prompts(23, 8, 500, lo=56, hi=60)
+    peak, outputs = {}, {}
+    for hybrid in (True, False):
+        llm = LLM(str(gpt_oss), dtype="float32", block_size=BS, enable_prefix_caching=False,
+                  kv_cache_memory_bytes=2 * 2 * 2 * 16 * 4 * BS * 40,  # 40 one-table blocks of both layers
+                  max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=not hybrid)
+        assert llm.engine.num_blocks == (80 if hybrid else 40)
+        running: list[int] = []
+        step = llm.engine.step
+
+        def recording_step(step=step, llm=llm, running=running):
+            running.append(llm.engine.scheduler.num_running)
+            return step()
+
+        llm.engine.step = recording_step  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outputs[hybrid] = [(o.outputs[0].token_ids, [e.logprob for e in o.outputs[0].logprobs]) for o in outs]
+        assert_no_block_leaks(llm)
+        peak[hybrid] = max(running)
+    assert peak[True] > peak[False]
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(outputs[True], outputs[False]):
+        assert tokens == want_tokens and logprobs == pytest.approx(want_logprobs, abs=1e-4)
