@@ -466,13 +466,10 @@ def _kv_group_windows(arch: str, hf_config: dict[str, Any]) -> tuple[int | None,
 
 def resolve_kv_groups(config: EngineConfig, windows: tuple[int | None, ...]) -> tuple[int | None, ...] | None:
     """The hybrid model's KV groups, or None (every layer keeps every block, as before the groups) where
-    they are not built for the engine's other settings: prefix caching (the groups take no prefix hits;
-    `--no-enable-prefix-caching` turns it off), a KV connector (P/D: a pulled prompt needs all its blocks
-    in one table), a draft model (its cache shares the target's one table), pipeline stages."""
+    they are not built for the engine's other settings: a KV connector (P/D: a pulled prompt needs all
+    its blocks in one table), a draft model (its cache shares the target's one table), pipeline stages."""
     spec = config.speculative
-    why = ("prefix caching is on (--no-enable-prefix-caching frees the sliding layers' blocks)"
-           if config.enable_prefix_caching else
-           "--kv-transfer-config is set" if config.kv_transfer_config is not None else
+    why = ("--kv-transfer-config is set" if config.kv_transfer_config is not None else
            "a draft model is set" if spec is not None and spec.model is not None else
            "--pipeline-parallel-size > 1" if config.pipeline_parallel_size > 1 else None)
     if why is None:

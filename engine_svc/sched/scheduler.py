@@ -141,9 +141,8 @@ class Scheduler:
         self.policy = policy
         self.kv: KVCacheManager | HybridKVCacheManager
         if kv_group_windows is not None:
-            if enable_prefix_caching:
-                raise ValueError("hybrid KV groups (kv_group_windows) need enable_prefix_caching=False")
-            self.kv = HybridKVCacheManager(num_blocks, block_size, kv_group_windows)
+            self.kv = HybridKVCacheManager(num_blocks, block_size, kv_group_windows, enable_prefix_caching,
+                                           kv_events)
         else:
             self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_events, sliding_window)
         self.waiting = make_request_queue(policy)

@@ -2,10 +2,11 @@
 
 The manager alone: interleaved tables, the sliding group freeing behind its window while the full group
 keeps every block, all-or-nothing allocation over the shared pool, every block back on free. Then tiny
-gpt-oss (sliding / full layers in turn, window 8) and Qwen3 (`layer_types` mixing both), blocks of 4,
-prefix caching off: float32 greedy tokens and logprobs equal transformers' with chunked prefill, async
-scheduling and preemption under a pool small enough that freed blocks are handed out again at once (a
-layer reading another group's table, or a freed block read again, would change the tokens). Each run
+gpt-oss (sliding / full layers in turn, window 8) and Qwen3 (`layer_types` mixing both), blocks of 4:
+float32 greedy tokens and logprobs equal transformers' with chunked prefill, async scheduling and
+preemption under a pool small enough that freed blocks are handed out again at once (a layer reading
+another group's table, or a freed block read again, would change the tokens), and prefix hits longer
+than the window (the sliding group's early blocks evicted) or cut short by the full group. Each run
 checks that the sliding group really held at most its window's and its step's blocks and that every
 block is back in the pool. The capacity test runs long requests in the same KV memory with and without
 the groups.
@@ -20,9 +21,11 @@ from pathlib import Path
 import pytest
 
 from engine_svc.config import EngineConfig
+from engine_svc.kv.block_hash import hash_block_tokens
 from engine_svc.kv.groups import hybrid_groups
 from engine_svc.kv.hybrid_manager import HybridKVCacheManager
 from engine_svc.kv.kv_cache_manager import NULL_BLOCK
+from engine_svc.kv_transfer.config import KVTransferConfig
 from entrypoints import LLM, SamplingParams
 from tests.engine.test_hf_exact import (
     MAX_TOKENS,
@@ -33,6 +36,7 @@ from tests.engine.test_hf_exact import (
 from tests.engine.test_kv_cache_manager import req
 
 WINDOW, BS = 8, 4
+HASH_LEN = len(hash_block_tokens(None, ()))  # the sliding group's cache keys carry one more byte
 
 
 # ---- the grouping and the manager --------------------------------------------------------------------------
@@ -46,16 +50,17 @@ def test_groups_pair_the_layers_of_each_type() -> None:
 
 
 def test_sliding_group_frees_behind_its_window_while_the_full_group_keeps_all() -> None:
-    kv = HybridKVCacheManager(40, BS, (None, WINDOW))
+    kv = HybridKVCacheManager(40, BS, (None, WINDOW), enable_prefix_caching=False)
     a = req("a", list(range(5, 29)))  # 24 tokens: 6 blocks of positions
     ids = kv.allocate_slots(a, 16)
     assert ids is not None and len(ids) == 8 and kv.num_free_blocks == 32
-    assert ids == [b for pair in zip(kv.group_block_ids("a", 0), kv.group_block_ids("a", 1)) for b in pair]
+    full, sliding = (g._tables["a"] for g in kv.groups)
+    assert ids == [b.block_id for pair in zip(full, sliding) for b in pair]
     assert kv.get_block_ids("a", 3) == ids[3:] and kv.get_block_ids("a", 8) == []
     a.num_computed_tokens = 16  # next chunk from q0 = 16 reads keys 9.. on: blocks 0 and 1 go back
     more = kv.allocate_slots(a, 8)
     assert more is not None and len(more) == 4
-    full, sliding = kv._tables["a"]
+    full, sliding = (g._tables["a"] for g in kv.groups)
     assert len(full) == len(sliding) == 6 and all(b is not NULL_BLOCK and b.ref_cnt == 1 for b in full)
     assert [b is NULL_BLOCK for b in sliding] == [True, True, False, False, False, False]
     assert kv.num_free_blocks == 40 - 6 - 4
@@ -64,7 +69,7 @@ def test_sliding_group_frees_behind_its_window_while_the_full_group_keeps_all() 
 
 
 def test_allocation_is_all_or_nothing_over_the_shared_pool() -> None:
-    kv = HybridKVCacheManager(7, BS, (None, WINDOW))
+    kv = HybridKVCacheManager(7, BS, (None, WINDOW), enable_prefix_caching=False)
     a = req("a", list(range(5, 21)))
     assert kv.allocate_slots(a, 16) is None and kv.num_free_blocks == 7  # 4 blocks per group = 8 > 7
     assert kv.allocate_slots(a, 12) is not None and kv.num_free_blocks == 1
@@ -96,7 +101,7 @@ def qwen3(make_model, tmp_path_factory) -> Path:
 def run_hybrid(model_dir: Path, prompts: list[list[int]], **engine_args) -> tuple[LLM, list[int]]:
     """Generate greedily with hybrid KV groups, recording after every step the most real blocks any
     running request holds in each group; compare with transformers; check no block leaked."""
-    llm = LLM(str(model_dir), dtype="float32", block_size=BS, enable_prefix_caching=False, **engine_args)
+    llm = LLM(str(model_dir), dtype="float32", block_size=BS, **engine_args)
     assert llm.config.kv_group_windows == (None, WINDOW)
     kv = llm.engine.scheduler.kv
     assert isinstance(kv, HybridKVCacheManager)
@@ -105,9 +110,9 @@ def run_hybrid(model_dir: Path, prompts: list[list[int]], **engine_args) -> tupl
 
     def recording_step():
         out = step()
-        for tables in (kv._tables.get(r.request_id) for r in llm.engine.scheduler.running):
-            for g, table in enumerate(tables or ()):
-                most[g] = max(most[g], sum(b is not NULL_BLOCK for b in table))
+        for r in llm.engine.scheduler.running:
+            for g, group in enumerate(kv.groups):
+                most[g] = max(most[g], sum(b is not NULL_BLOCK for b in group._tables.get(r.request_id, ())))
         return out
 
     llm.engine.step = recording_step  # type: ignore[method-assign]
@@ -122,12 +127,13 @@ def chunk_bound(chunk: int) -> int:
     return -(-(WINDOW - 1 + chunk) // BS) + 1
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3"])
-def test_hybrid_models_match_transformers_with_chunked_prefill(request, arch: str) -> None:
+@pytest.mark.parametrize(("arch", "prefix_caching"), [("gpt_oss", True), ("qwen3", False)])
+def test_hybrid_models_match_transformers_with_chunked_prefill(request, arch: str, prefix_caching: bool) -> None:
     """A pool of 64 blocks: freed sliding blocks are handed out again while their old owner runs."""
     model_dir = request.getfixturevalue(arch)
     prompts = make_prompts(21, 5, 500, lo=20, hi=40)
-    _, (full, sliding) = run_hybrid(model_dir, prompts, max_num_batched_tokens=16, num_gpu_blocks_override=64)
+    _, (full, sliding) = run_hybrid(model_dir, prompts, max_num_batched_tokens=16, num_gpu_blocks_override=64,
+                                    enable_prefix_caching=prefix_caching)
     # the full group held the longest request's whole context (recorded up to its last step but one)
     assert sliding <= chunk_bound(16) < full == max(-(-(len(p) + MAX_TOKENS - 2) // BS) for p in prompts)
 
@@ -141,11 +147,46 @@ def test_async_scheduling_and_preemption_with_groups(gpt_oss: Path) -> None:
 
 
 def test_groups_are_used_only_where_they_fit(gpt_oss: Path) -> None:
-    """Prefix caching (the groups take no hits), --disable-hybrid-kv-cache-manager and P/D keep one table."""
-    assert EngineConfig.create(model=str(gpt_oss), enable_prefix_caching=False).kv_group_windows == (None, WINDOW)
-    assert EngineConfig.create(model=str(gpt_oss)).kv_group_windows is None
-    assert EngineConfig.create(model=str(gpt_oss), enable_prefix_caching=False,
-                               disable_hybrid_kv_cache_manager=True).kv_group_windows is None
+    """--disable-hybrid-kv-cache-manager and P/D (a KV connector) keep one table for every layer."""
+    assert EngineConfig.create(model=str(gpt_oss)).kv_group_windows == (None, WINDOW)
+    assert EngineConfig.create(model=str(gpt_oss), disable_hybrid_kv_cache_manager=True).kv_group_windows is None
+    pd = EngineConfig.create(model=str(gpt_oss), kv_transfer_config=KVTransferConfig(kv_role="kv_producer"))
+    assert pd.kv_group_windows is None
+
+
+def _prefix_run(gpt_oss: Path, evict) -> list[int]:
+    """A shared 33-token prefix run once; `evict(pool, early)` uncaches some of its blocks (as the pool
+    would when it hands them out); then two prompts on it: tokens equal transformers'. Their hits."""
+    shared = make_prompts(13, 1, 500, lo=33, hi=33)[0]
+    prompts = [shared + tail for tail in make_prompts(14, 3, 500, lo=2, hi=9)]
+    llm = LLM(str(gpt_oss), dtype="float32", block_size=BS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    pool = llm.engine.scheduler.kv.pool
+    blocks = {tuple(shared[i * BS : (i + 1) * BS]): i for i in range(8)}
+    for block in pool.blocks:
+        if block.block_hash is not None and block.token_ids in blocks:
+            assert block.ref_cnt == 0
+            if evict(blocks[block.token_ids], sliding=len(block.block_hash) == HASH_LEN + 1):
+                pool.uncache(block)
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)
+    assert_greedy_matches_hf(gpt_oss, prompts[1:], rest)
+    assert_no_block_leaks(llm)
+    return [out.num_cached_tokens for out in rest]
+
+
+def test_prefix_hit_longer_than_the_window(gpt_oss: Path) -> None:
+    """The sliding group's blocks 0-5 evicted: position 32's window reads blocks 6 and 7 only, so the
+    hit is still 32 tokens (the full group holds all eight blocks), four times the window."""
+    assert _prefix_run(gpt_oss, lambda i, sliding: sliding and i < 6) == [32, 32]
+
+
+def test_prefix_hit_is_cut_to_what_every_group_holds(gpt_oss: Path) -> None:
+    """The full group's block 3 evicted: the hit stops at 12 tokens, where the sliding group's blocks 1
+    and 2 are cached; the sliding group's block 7 evicted: 28 tokens (blocks 5 and 6). The second prompt,
+    admitted in the same step, hits the blocks the first one cached again at its allocation."""
+    assert _prefix_run(gpt_oss, lambda i, sliding: not sliding and i == 3) == [12, 32]
+    assert _prefix_run(gpt_oss, lambda i, sliding: sliding and i == 7) == [28, 32]
 
 
 def test_capacity_more_long_requests_in_the_same_memory(gpt_oss: Path) -> None:
