@@ -77,6 +77,25 @@ def test_allocation_is_all_or_nothing_over_the_shared_pool() -> None:
     assert kv.num_free_blocks == 7
 
 
+def test_hits_of_every_group_leave_the_free_queue_before_any_new_block_is_taken() -> None:
+    """The sliding group's hits at the head of the free queue: the full group's new block must not be
+    one of them (it would evict it and both tables would share it)."""
+    kv = HybridKVCacheManager(10, BS, (None, WINDOW))
+    a, x = req("a", list(range(5, 17))), req("x", list(range(100, 108)))
+    assert kv.allocate_slots(a, 12) is not None and kv.allocate_slots(x, 8) is not None
+    a.num_computed_tokens, x.num_computed_tokens = 12, 8
+    kv.groups[1].free(a)  # the free queue: a's sliding blocks, its full blocks, x's
+    kv.groups[0].free(a)
+    kv.free(x)
+    b = req("b", [*range(5, 17), 200, 201, 202, 203])
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 12
+    assert kv.allocate_slots(b, 4, hits) is not None
+    full, sliding = (g._tables["b"] for g in kv.groups)
+    assert not {id(blk) for blk in full} & {id(blk) for blk in sliding if blk is not NULL_BLOCK}
+    assert all(blk.ref_cnt == 1 for blk in full + sliding if blk is not NULL_BLOCK)
+
+
 # ---- against transformers ----------------------------------------------------------------------------------
 def with_config(make_model, tmp_path_factory, arch: str, **fields) -> Path:
     src = make_model(arch)
@@ -144,6 +163,15 @@ def test_async_scheduling_and_preemption_with_groups(gpt_oss: Path) -> None:
     llm, _ = run_hybrid(gpt_oss, prompts, num_gpu_blocks_override=20, max_num_batched_tokens=16,
                         async_scheduling=True)
     assert llm.engine.get_stats().num_preemptions > 0
+
+
+def test_speculative_decoding_with_groups_matches_transformers(qwen3: Path) -> None:
+    """n-gram drafts verified as multi-token steps (rejected drafts lower the computed tokens) over the
+    groups' tables, repetitive prompts so the proposer drafts: still transformers' tokens and logprobs."""
+    prompts = [(p * 6)[:24 + 3 * i] for i, p in enumerate(make_prompts(24, 3, 500, lo=3, hi=5))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    llm, _ = run_hybrid(qwen3, prompts, speculative_config=spec, num_gpu_blocks_override=48)
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
 
 
 def test_groups_are_used_only_where_they_fit(gpt_oss: Path) -> None:
