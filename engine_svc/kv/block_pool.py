@@ -91,6 +91,25 @@ class FreeBlockQueue:
         return ids
 
 
+class PoolGauges:
+    """`num_blocks`, `num_free_blocks` and `usage` of a KV manager, read from its `pool`."""
+
+    pool: BlockPool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Blocks in use (ref_cnt > 0) / total blocks."""
+        return self.pool.usage
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
         if num_blocks <= 0:

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine_svc.kv.block_pool import BlockPool, KVCacheBlock
+from engine_svc.kv.block_pool import BlockPool, KVCacheBlock, PoolGauges
 from engine_svc.kv.events import KVEventLog
 from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.request import Request
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolGauges):
     sliding_window = None  # no window every layer shares: the groups' windows are `windows`
 
     def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None],
@@ -46,18 +46,6 @@ class HybridKVCacheManager:
                                       pool=self.pool, cache_tag=bytes((g,)) if g else b"")
                        for g, w in enumerate(self.windows)]
         self._full, self._sliding = self.groups
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
 
     @property
     def prefix_cache_queries(self) -> int:

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from engine_svc.kv.block_hash import extend_block_hashes
-from engine_svc.kv.block_pool import BlockPool, KVCacheBlock
+from engine_svc.kv.block_pool import BlockPool, KVCacheBlock, PoolGauges
 from engine_svc.kv.events import KVEventLog
 from engine_svc.request import Request
 
@@ -70,7 +70,7 @@ class AllocationPlan(NamedTuple):
 NULL_BLOCK = KVCacheBlock(0)
 
 
-class KVCacheManager:
+class KVCacheManager(PoolGauges):
     num_groups = 1  # one table per request for every layer (engine_svc/kv/hybrid_manager.py: one per group)
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -94,19 +94,6 @@ class KVCacheManager:
         self._late: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Blocks in use (ref_cnt > 0) / total blocks."""
-        return self.pool.usage
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block table from index `start` on ([] for an unknown request)."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import engine_service, frontend_service
-from tests.engine.test_hf_exact import hf_greedy, make_prompts
+from tests.e2e.conftest import assert_greedy_stream_equals_hf, engine_service, frontend_service
+from tests.engine.test_hf_exact import make_prompts
 from tests.engine_stream import engine_idle, engine_load
 from tests.support import DeadlineClient, free_port, wait_until
 
@@ -25,16 +25,7 @@ def test_gpt_oss_with_kv_groups_behind_a_frontend_equals_transformers(make_model
     try:
         with DeadlineClient(frontend.address) as client:
             for tail in make_prompts(32, 3, 500, lo=3, hi=9):
-                prompt = shared + tail
-                tokens: list[int] = []
-                logprobs: list[float] = []
-                for response in client.generate(token_ids=prompt, temperature=0, max_tokens=MAX_TOKENS,
-                                                ignore_eos=True, logprobs=0):
-                    tokens.extend(response.token_ids)
-                    logprobs.extend(entry.logprob for entry in response.logprobs)
-                want_tokens, want_logprobs = hf_greedy(model, prompt, MAX_TOKENS)
-                assert tokens == want_tokens
-                assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+                assert_greedy_stream_equals_hf(client, model, shared + tail, MAX_TOKENS)
         wait_until(lambda: engine_idle(engine.address), 10, "every KV block back in the pool")
         load = engine_load(engine.address)
         assert load.num_total_blocks == 64
