@@ -185,8 +185,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    # Keep every KV block for the whole context even where every layer slides over one window (vLLM's
-    # --disable-hybrid-kv-cache-manager); see kv_sliding_window.
+    # Keep every KV block for the whole context even where layers slide (vLLM's
+    # --disable-hybrid-kv-cache-manager): no freeing behind a shared window, no hybrid KV groups; see
+    # kv_sliding_window, kv_group_windows.
     disable_hybrid_kv_cache_manager: bool = False
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
@@ -546,7 +547,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--num-gpu-blocks-override", type=int, default=None)
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     a("--disable-hybrid-kv-cache-manager", action="store_true",
-      help="keep every KV block of a sliding-window model for the whole context (vLLM's flag)")
+      help="keep every KV block of a sliding-window or hybrid model for the whole context, in one block "
+           "table for every layer (vLLM's flag)")
     a("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
     a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     a("--enforce-eager", action="store_true")

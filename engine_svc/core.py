@@ -112,7 +112,7 @@ class EngineCore:
 
     def _log_capacity(self) -> None:
         cfg = self.config
-        tokens = self.num_blocks * cfg.block_size
+        tokens = self.num_blocks // len(cfg.kv_group_windows or (None,)) * cfg.block_size  # per KV group
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at max_model_len=%d: %.2fx",
             self.num_blocks, cfg.block_size, tokens,
