@@ -22,6 +22,7 @@ import pytest
 
 from engine_svc.config import EngineConfig
 from engine_svc.kv.block_hash import hash_block_tokens
+from engine_svc.kv.events import KVEventLog, StoredBlock
 from engine_svc.kv.groups import hybrid_groups
 from engine_svc.kv.hybrid_manager import HybridKVCacheManager
 from engine_svc.kv.kv_cache_manager import NULL_BLOCK
@@ -94,6 +95,24 @@ def test_hits_of_every_group_leave_the_free_queue_before_any_new_block_is_taken(
     full, sliding = (g._tables["b"] for g in kv.groups)
     assert not {id(blk) for blk in full} & {id(blk) for blk in sliding if blk is not NULL_BLOCK}
     assert all(blk.ref_cnt == 1 for blk in full + sliding if blk is not NULL_BLOCK)
+
+
+def test_kv_events_report_the_full_groups_blocks_only() -> None:
+    """Cache-aware routers hear of the full group's blocks (whole prefixes, plain hashes); the sliding
+    group's tagged entries stay out of the log, stored and evicted alike."""
+    log = KVEventLog()
+    kv = HybridKVCacheManager(4, BS, (None, WINDOW), events=log)
+    a = req("a", list(range(5, 13)))
+    assert kv.allocate_slots(a, 8) is not None
+    a.num_computed_tokens = 8
+    kv.hash_blocks(a)
+    assert [e.block_hash for e in log.take() if isinstance(e, StoredBlock)] == a.block_hashes
+    assert len(kv.pool.cached) == 4  # both groups' blocks are cached
+    kv.free(a)
+    b = req("b", list(range(50, 58)))
+    assert kv.allocate_slots(b, 8) is not None  # evicts all four of a's blocks
+    assert [e for e in log.take() if not isinstance(e, StoredBlock)] == a.block_hashes[::-1]
+    kv.free(b)
 
 
 # ---- against transformers ----------------------------------------------------------------------------------
