@@ -1,11 +1,13 @@
 """Hybrid models (sliding and full attention layers) with one KV block table per attention type.
 
 The manager alone: interleaved tables, the sliding group freeing behind its window while the full group
-keeps every block, all-or-nothing allocation over the shared pool, every block back on free. Then tiny
+keeps every block, all-or-nothing allocation over the shared pool, every group's hits out of the free
+queue before any new block is taken, KV events for the full group only, every block back on free. Then tiny
 gpt-oss (sliding / full layers in turn, window 8) and Qwen3 (`layer_types` mixing both), blocks of 4:
 float32 greedy tokens and logprobs equal transformers' with chunked prefill, async scheduling and
 preemption under a pool small enough that freed blocks are handed out again at once (a layer reading
-another group's table, or a freed block read again, would change the tokens), and prefix hits longer
+another group's table, or a freed block read again, would change the tokens), n-gram speculative
+decoding, and prefix hits longer
 than the window (the sliding group's early blocks evicted) or cut short by the full group. Each run
 checks that the sliding group really held at most its window's and its step's blocks and that every
 block is back in the pool. The capacity test runs long requests in the same KV memory with and without
