@@ -12,7 +12,7 @@
 #                    run(command="bash bench/gpu_all.sh spec", carry=[".gpu"])  # speculative decoding, ~6 min
 #                    run(command="bash bench/gpu_all.sh spec_draft", carry=[".gpu"])  # draft-model speculation, ~6 min
 #                    run(command="bash bench/gpu_all.sh pd_tests", carry=[".gpu"])  # P/D blocks on CUDA, ~2 min
-#                    run(command="bash bench/gpu_all.sh swa_tests", carry=[".gpu"])  # sliding-window KV freeing, ~2 min
+#                    run(command="bash bench/gpu_all.sh swa_tests", carry=[".gpu"])  # sliding-window KV freeing + hybrid KV groups, ~3 min
 #
 # Measured on an H200 (2026-11-27): the kernel tests take ~20 s over 8 xdist workers; the tests that build
 # an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially);

@@ -9,6 +9,20 @@ preemptions, steps and wall time (the machine may be shared: the wall time is in
 
     python bench/sliding_window.py capacity --window 1024 --prompt 8000 --decode 192 --requests 16 --blocks 1024
 
+`hybrid-capacity`: the same with a tiny gpt-oss (a sliding layer over --window tokens and a full layer),
+in the same KV memory (--blocks blocks of 16 tokens of both layers) once with its KV groups (one block
+table per attention type: the sliding layer's blocks freed behind the window, the full layer's kept;
+the pool has twice as many blocks of one layer each) and once with every block of both layers kept
+(--disable-hybrid-kv-cache-manager).
+
+    python bench/sliding_window.py hybrid-capacity --window 1024 --prompt 8000 --decode 192 --requests 16 --blocks 1024
+
+`dense-step`: the one-table path's cost: a tiny Llama (4 layers, hidden 256), 32 decodes after 256-token
+prompts; the median wall and CPU (process) time of --steps decode steps. Run it alternately on two trees
+(PYTHONPATH) to compare them.
+
+    python bench/sliding_window.py dense-step --steps 60
+
 `sinks-decode`: a tiny gpt-oss (sliding and full layers in turn, attention sinks on every layer);
 --decoders requests decode with --context-token prompts; decode steps are timed in rounds that alternate
 the native CPU decode op (sinks and windows in the op) and the torch path the sink layers took before
@@ -41,17 +55,25 @@ def _model(workdir: Path, arch: str, max_position: int, **shape: int) -> Path:
 
 
 def capacity(args: argparse.Namespace) -> None:
-    src = _model(args.workdir, "mistral", 16384, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    hybrid = args.cmd == "hybrid-capacity"
+    if hybrid:
+        src = _model(args.workdir, "gpt_oss", 16384, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                     head_dim=16, intermediate_size=32, num_experts=8)
+    else:
+        src = _model(args.workdir, "mistral", 16384, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
     config_path = src / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "sliding_window": args.window}))
-    print(f"tiny Mistral, window {args.window}; {args.requests} requests of {args.prompt} + {args.decode} tokens; "
-          f"KV cache of {args.blocks} blocks x 16 tokens")
-    print("| KV blocks | most running | median running | preemptions | steps | wall s |")
-    print("|---|---|---|---|---|---|")
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads of 16, float32, 16 tokens
+    print(f"tiny {'gpt-oss (sliding, full)' if hybrid else 'Mistral'}, window {args.window}; {args.requests} "
+          f"requests of {args.prompt} + {args.decode} tokens; KV cache of {args.blocks} blocks x 16 tokens of "
+          f"both layers ({args.blocks * block_bytes / 2**20:.0f} MiB)")
+    print("| KV blocks | pool blocks | most running | median running | preemptions | steps | wall s |")
+    print("|---|---|---|---|---|---|---|")
     for keep in (False, True):
         engine = EngineConfig.create(model=str(src), dtype="float32", device="cpu", block_size=16,
-                                     num_gpu_blocks_override=args.blocks, disable_hybrid_kv_cache_manager=keep)
+                                     kv_cache_memory_bytes=args.blocks * block_bytes,
+                                     disable_hybrid_kv_cache_manager=keep)
         core = EngineCore(engine)
         rng = random.Random(0)
         params = EngineSamplingParams(temperature=0.0, max_tokens=args.decode, ignore_eos=True)
@@ -65,7 +87,8 @@ def capacity(args: argparse.Namespace) -> None:
             running.append(len(core.scheduler.running))
         wall = time.perf_counter() - start
         admitted = [n for n, w in zip(running, _waiting_trace(running)) if w]
-        print(f"| {'all kept' if keep else 'freed behind the window'} | {max(running)} | "
+        kept = "all kept" if keep else ("KV groups, sliding group freed" if hybrid else "freed behind the window")
+        print(f"| {kept} | {core.num_blocks} | {max(running)} | "
               f"{statistics.median(admitted or running):.0f} | {core.scheduler.num_preemptions} | {len(running)} | "
               f"{wall:.1f} |", flush=True)
         core.shutdown()
@@ -111,16 +134,43 @@ def sinks_decode(args: argparse.Namespace) -> None:
     core.shutdown()
 
 
+def dense_step(args: argparse.Namespace) -> None:
+    src = _model(args.workdir, "llama", 2048, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2)
+    core = EngineCore(EngineConfig.create(model=str(src), dtype="float32", device="cpu", max_model_len=2048))
+    rng = random.Random(0)
+    params = EngineSamplingParams(temperature=0.0, max_tokens=100000, ignore_eos=True)
+    for i in range(32):
+        prompt = [rng.randrange(5, 500) for _ in range(256)]
+        core.add_request(EngineCoreRequest(request_id=f"d{i}", prompt_token_ids=prompt, sampling_params=params))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or len(core.scheduler.waiting):
+        core.step()
+    for _ in range(5):
+        core.step()
+    wall, cpu = [], []
+    for _ in range(args.steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        core.step()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    print(f"dense decode step: wall median {statistics.median(wall) * 1e3:.2f} ms (min {min(wall) * 1e3:.2f}), "
+          f"CPU median {statistics.median(cpu) * 1e3:.2f} ms (min {min(cpu) * 1e3:.2f})")
+    core.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/tandem-sliding-window"))
     sub = ap.add_subparsers(dest="cmd", required=True)
     cap = sub.add_parser("capacity")
-    cap.add_argument("--window", type=int, default=1024)
-    cap.add_argument("--prompt", type=int, default=8000)
-    cap.add_argument("--decode", type=int, default=192)
-    cap.add_argument("--requests", type=int, default=16)
-    cap.add_argument("--blocks", type=int, default=1024)
+    hyb = sub.add_parser("hybrid-capacity")
+    for sizes in (cap, hyb):
+        sizes.add_argument("--window", type=int, default=1024)
+        sizes.add_argument("--prompt", type=int, default=8000)
+        sizes.add_argument("--decode", type=int, default=192)
+        sizes.add_argument("--requests", type=int, default=16)
+        sizes.add_argument("--blocks", type=int, default=1024)
+    dense = sub.add_parser("dense-step")
+    dense.add_argument("--steps", type=int, default=60)
     dec = sub.add_parser("sinks-decode")
     dec.add_argument("--decoders", type=int, default=32)
     dec.add_argument("--context", type=int, default=512)
@@ -129,7 +179,8 @@ def main() -> None:
     dec.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    capacity(args) if args.cmd == "capacity" else sinks_decode(args)
+    {"capacity": capacity, "hybrid-capacity": capacity, "dense-step": dense_step,
+     "sinks-decode": sinks_decode}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
 # `--async-scheduling` when not given, by device (EngineConfig.resolved_async_scheduling; figures in
 # BENCHMARKS.md, "Async scheduling").
 ASYNC_SCHEDULING_DEFAULT = {"cpu": False, "cuda": False}
-_RESOLVED_FIELDS = frozenset({"architecture", "model_dtype", "kv_sliding_window"})  # set by create(), not user arguments
+_RESOLVED_FIELDS = frozenset({"architecture", "model_dtype", "kv_sliding_window", "kv_group_windows"})  # set by create(), not user arguments
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +185,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    # Keep every KV block for the whole context even where every layer slides over one window (vLLM's
-    # --disable-hybrid-kv-cache-manager); see kv_sliding_window.
+    # Keep every KV block for the whole context even where layers slide (vLLM's
+    # --disable-hybrid-kv-cache-manager): no freeing behind a shared window, no hybrid KV groups; see
+    # kv_sliding_window, kv_group_windows.
     disable_hybrid_kv_cache_manager: bool = False
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
@@ -211,6 +212,9 @@ class EngineConfig:
     # The window every attention layer slides over (engine_svc/model/windows.py): the KV cache frees blocks
     # behind it. None: some layer attends to the whole context, so every block is kept.
     kv_sliding_window: int | None = field(default=None, compare=False)
+    # A hybrid model's KV groups' windows (engine_svc/kv/groups.py: full layers, sliding layers), each with
+    # its own block table per request; None: one table for every layer (resolve_kv_groups says when).
+    kv_group_windows: tuple[int | None, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -221,6 +225,8 @@ class EngineConfig:
         except LoRAArgumentError as e:
             raise ConfigError(str(e)) from None
         self._check_speculative()
+        if self.kv_group_windows is not None:
+            object.__setattr__(self, "kv_group_windows", resolve_kv_groups(self, self.kv_group_windows))
 
     def _check_speculative(self) -> None:
         """Parse --speculative-config into a SpeculativeConfig (ConfigError naming the bad key)."""
@@ -344,15 +350,17 @@ class EngineConfig:
                               f"{model_max}; lower it")
         kwargs["max_model_len"] = max_model_len
         window = _kv_sliding_window(arch, hf_config)
+        groups = _kv_group_windows(arch, hf_config)
         if kwargs.get("disable_hybrid_kv_cache_manager"):
-            window = None
+            window = groups = None
         _check_pipeline(hf_config, kwargs)
         if "lora_modules" in kwargs:
             kwargs["lora_modules"] = _lora_modules_arg(kwargs["lora_modules"])
         if kwargs.get("device", "auto") == "auto":
             kwargs["device"] = _auto_device()
         _fill_step_defaults(kwargs, max_model_len)
-        config = cls(architecture=arch, model_dtype=model_dtype_of(hf_config), kv_sliding_window=window, **kwargs)
+        config = cls(architecture=arch, model_dtype=model_dtype_of(hf_config), kv_sliding_window=window,
+                     kv_group_windows=groups, **kwargs)
         config._log_dtype_choice()
         return config
 
@@ -447,6 +455,30 @@ def _kv_sliding_window(arch: str, hf_config: dict[str, Any]) -> int | None:
         raise ConfigError(f"{arch}: {exc}") from None
 
 
+def _kv_group_windows(arch: str, hf_config: dict[str, Any]) -> tuple[int | None, ...] | None:
+    """A hybrid model's KV groups' windows (engine_svc/kv/groups.py), or None when its layers share one
+    table. `_kv_sliding_window` has already refused a malformed config."""
+    from engine_svc.kv.groups import hybrid_groups
+    from engine_svc.model.windows import layer_windows
+
+    groups = hybrid_groups(layer_windows(arch, hf_config, int(hf_config.get("num_hidden_layers") or 0)))
+    return None if groups is None else groups.windows
+
+
+def resolve_kv_groups(config: EngineConfig, windows: tuple[int | None, ...]) -> tuple[int | None, ...] | None:
+    """The hybrid model's KV groups, or None (every layer keeps every block, as before the groups) where
+    they are not built for the engine's other settings: a KV connector (P/D: a pulled prompt needs all
+    its blocks in one table), a draft model (its cache shares the target's one table), pipeline stages."""
+    spec = config.speculative
+    why = ("--kv-transfer-config is set" if config.kv_transfer_config is not None else
+           "a draft model is set" if spec is not None and spec.model is not None else
+           "--pipeline-parallel-size > 1" if config.pipeline_parallel_size > 1 else None)
+    if why is None:
+        return windows
+    logger.info("hybrid model: its sliding layers keep every KV block, since %s", why)
+    return None
+
+
 def _auto_device() -> str:
     if os.environ.get("TANDEM_DEVICE"):
         return os.environ["TANDEM_DEVICE"]
@@ -515,7 +547,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--num-gpu-blocks-override", type=int, default=None)
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     a("--disable-hybrid-kv-cache-manager", action="store_true",
-      help="keep every KV block of a sliding-window model for the whole context (vLLM's flag)")
+      help="keep every KV block of a sliding-window or hybrid model for the whole context, in one block "
+           "table for every layer (vLLM's flag)")
     a("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
     a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     a("--enforce-eager", action="store_true")

@@ -95,6 +95,7 @@ class EngineCore:
             max_loras=config.max_loras,
             kv_connector=self.kv_connector,
             sliding_window=None if self.kv_connector is not None else config.kv_sliding_window,
+            kv_group_windows=config.kv_group_windows,
         )
         # LoRA adapters by name, loaded and unloaded at run time too (None without --enable-lora).
         self.loras: LoRARegistry | None = None
@@ -112,7 +113,7 @@ class EngineCore:
 
     def _log_capacity(self) -> None:
         cfg = self.config
-        tokens = self.num_blocks * cfg.block_size
+        tokens = self.num_blocks // len(cfg.kv_group_windows or (None,)) * cfg.block_size  # per KV group
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at max_model_len=%d: %.2fx",
             self.num_blocks, cfg.block_size, tokens,

@@ -26,7 +26,7 @@ sinks do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -45,10 +45,23 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # Requests [0, num_decodes) all have q_len == 1 (the runner orders decodes first).
     num_decodes: int = 0
+    # Hybrid KV groups (engine_svc/kv/groups.py): group g's metadata, with its slots and block table; a
+    # layer of group g reads `groups[g]`. None: every layer reads this one.
+    groups: list[AttentionMetadata] | None = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def with_kv_groups(meta: AttentionMetadata, group_slots: torch.Tensor, num_groups: int) -> AttentionMetadata:
+    """`meta` with `groups` set: group g's slot mapping is `group_slots[g]`, its block table the columns
+    g, g + num_groups, ... of `meta.block_table` (the interleaved tables of engine_svc/kv/groups.py),
+    made contiguous (kernels assume unit column stride)."""
+    table = meta.block_table
+    meta.groups = [replace(meta, slot_mapping=group_slots[g], block_table=table[:, g::num_groups].contiguous())
+                   for g in range(num_groups)]
+    return meta
 
 
 class AttentionBackend(Protocol):

@@ -29,7 +29,8 @@ def effective_max_model_len(config: EngineConfig, num_blocks: int) -> int:
     below max_tokens); lowering it up front lets the frontend's length check reject such requests.
     """
     configured = int(config.max_model_len or 0)
-    capacity = num_blocks * config.block_size
+    # with hybrid KV groups a request's every block of positions takes one block per group
+    capacity = num_blocks // len(config.kv_group_windows or (None,)) * config.block_size
     if capacity >= configured:
         return configured
     logger.warning(

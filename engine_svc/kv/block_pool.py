@@ -9,15 +9,19 @@ Invariants:
   it out of the middle of the free queue (`touch`).
 - With an `events` log, every change of `cached` is recorded there as it happens, in order: one stored
   record per `cache_block` that cached, one removed record per `uncache` of a cached block. The log's
-  records replayed from empty give exactly the keys of `cached`.
+  records replayed from empty give exactly the keys of `cached` that are plain block hashes: keys with a
+  group tag appended (hybrid KV groups' sliding layers, engine_svc/kv/hybrid_manager.py) are not
+  reported, so the log speaks of the full-attention layers' blocks, which hold whole prefixes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine_svc.kv.block_hash import BlockHash
+from engine_svc.kv.block_hash import BlockHash, hash_block_tokens
 from engine_svc.kv.events import BlockAdapter, KVEventLog
+
+_HASH_LEN = len(hash_block_tokens(None, ()))  # a plain block hash's length: longer keys carry a group tag
 
 
 class KVCacheBlock:
@@ -85,6 +89,25 @@ class FreeBlockQueue:
             ids.append(node.block_id)
             node = node.next_free
         return ids
+
+
+class PoolGauges:
+    """`num_blocks`, `num_free_blocks` and `usage` of a KV manager, read from its `pool`."""
+
+    pool: BlockPool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Blocks in use (ref_cnt > 0) / total blocks."""
+        return self.pool.usage
 
 
 class BlockPool:
@@ -155,7 +178,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
-        if self.events is not None:
+        if self.events is not None and len(block_hash) == _HASH_LEN:
             self.events.stored(block_hash, parent, block.token_ids, adapter)
         return True
 
@@ -163,7 +186,7 @@ class BlockPool:
         """Drop the block's cache entry, if any (its contents are not, or no longer, valid)."""
         if block.block_hash is not None:
             del self.cached[block.block_hash]
-            if self.events is not None:
+            if self.events is not None and len(block.block_hash) == _HASH_LEN:
                 self.events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = ()

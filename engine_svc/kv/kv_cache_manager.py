@@ -45,20 +45,40 @@ Prefix caching (when enabled):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from engine_svc.kv.block_hash import extend_block_hashes
-from engine_svc.kv.block_pool import BlockPool, KVCacheBlock
+from engine_svc.kv.block_pool import BlockPool, KVCacheBlock, PoolGauges
 from engine_svc.kv.events import BlockAdapter, KVEventLog
 from engine_svc.request import Request
+
+
+class AllocationPlan(NamedTuple):
+    """One allocation, planned (`KVCacheManager.plan_allocation`) before it takes anything."""
+
+    computed: list[KVCacheBlock]  # the prefix-cache hits given at admission
+    taken: list[KVCacheBlock]  # those the table takes a reference on (not behind the window)
+    num_behind: int  # leading hits behind the window: NULL_BLOCK entries
+    num_new_blocks: int  # blocks taken from the free queue
+    num_hits_in_free_queue: int  # taken hits that leave the free queue too
+    num_computed: int  # tokens computed once the hits count
+    num_tokens: int  # tokens the table holds afterwards
+
 
 # The table entry of a block freed behind the sliding window. Its id (0) is only ever sent to workers in a
 # full table (admission, resume) for positions no kernel reads; it belongs to no pool.
 NULL_BLOCK = KVCacheBlock(0)
 
 
-class KVCacheManager:
+class KVCacheManager(PoolGauges):
+    num_groups = 1  # one table per request for every layer (engine_svc/kv/hybrid_manager.py: one per group)
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None, sliding_window: int | None = None) -> None:
+                 events: KVEventLog | None = None, sliding_window: int | None = None,
+                 pool: BlockPool | None = None, cache_tag: bytes = b"") -> None:
+        """`pool`: a pool shared with other managers (hybrid KV groups, engine_svc/kv/hybrid_manager.py;
+        `num_blocks` and `events` are then the pool's); `cache_tag`: appended to this manager's block
+        hashes in the pool's cache map, so groups sharing a pool keep apart the blocks of one prefix."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -67,25 +87,13 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self._num_freed: dict[str, int] = {}  # request id -> leading table entries that are NULL_BLOCK
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, events)
+        self.pool = pool if pool is not None else BlockPool(num_blocks, events)
+        self.cache_tag = cache_tag
         self._tables: dict[str, list[KVCacheBlock]] = {}
         # request id -> index of its first full block left uncached at allocation for want of a hash
         self._late: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Blocks in use (ref_cnt > 0) / total blocks."""
-        return self.pool.usage
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block table from index `start` on ([] for an unknown request)."""
@@ -108,17 +116,17 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         if self.sliding_window is not None:
-            return self._window_hit(request, max_blocks)
+            return self.window_hit(request, max_blocks)
         tokens = request.all_token_ids
         hits: list[KVCacheBlock] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            block = self.pool.get_cached_block(block_hash, tokens[i * bs : (i + 1) * bs])
+            block = self.pool.get_cached_block(block_hash + self.cache_tag, tokens[i * bs : (i + 1) * bs])
             if block is None:
                 break
             hits.append(block)
         return hits, len(hits) * bs
 
-    def _window_hit(self, request: Request, max_blocks: int) -> tuple[list[KVCacheBlock], int]:
+    def window_hit(self, request: Request, max_blocks: int) -> tuple[list[KVCacheBlock], int]:
         """The longest hit under a sliding window (vLLM's rule): L blocks are a hit when the
         ceil((W - 1) / block_size) blocks before block L, the keys position L * block_size reads, are all
         cached (or blocks 0 .. L - 1 are). Blocks before those are `NULL_BLOCK`: nothing reads them. The
@@ -126,11 +134,11 @@ class KVCacheManager:
         bs = self.block_size
         assert self.sliding_window is not None
         need = max(1, -(-(self.sliding_window - 1) // bs))
-        tokens, hashes = request.all_token_ids, request.block_hashes
+        tokens, hashes, tag = request.all_token_ids, request.block_hashes, self.cache_tag
         run: list[KVCacheBlock] = []  # cached blocks found walking back from `end`, nearest first
         end = max_blocks
         for i in range(max_blocks - 1, -1, -1):
-            block = self.pool.get_cached_block(hashes[i], tokens[i * bs : (i + 1) * bs])
+            block = self.pool.get_cached_block(hashes[i] + tag, tokens[i * bs : (i + 1) * bs])
             if block is None:
                 run, end = [], i
                 continue
@@ -169,6 +177,15 @@ class KVCacheManager:
     def _allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] | None,
                   table: list[KVCacheBlock] | None) -> list[int] | None:
         """`allocate_slots` in general: `table` is the request's table (None before admission)."""
+        plan = self.plan_allocation(request, num_new_tokens, new_computed_blocks, table)
+        if plan.num_new_blocks > self.pool.num_free_blocks - plan.num_hits_in_free_queue:
+            return None
+        return self.commit_allocation(request, plan, table)
+
+    def plan_allocation(self, request: Request, num_new_tokens: int,
+                        new_computed_blocks: Sequence[KVCacheBlock] | None,
+                        table: list[KVCacheBlock] | None) -> AllocationPlan:
+        """What `allocate_slots` takes from the pool (nothing changes); `commit_allocation` takes it."""
         computed = list(new_computed_blocks or ())
         if computed and table is not None:
             raise ValueError(f"{request.request_id}: computed blocks can only be added at admission")
@@ -180,10 +197,19 @@ class KVCacheManager:
         num_behind = self._num_behind_window(num_computed) if table is None else 0
         taken = computed[num_behind:]  # hits behind the window are not taken (see the module docstring)
         num_hits_in_free_queue = sum(1 for b in taken if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_hits_in_free_queue:
-            return None
+        return AllocationPlan(computed, taken, num_behind, num_new_blocks, num_hits_in_free_queue,
+                              num_computed, num_tokens)
 
-        self.pool.touch(taken)
+    def commit_allocation(self, request: Request, plan: AllocationPlan, table: list[KVCacheBlock] | None,
+                          touched: bool = False) -> list[int]:
+        """Take what `plan` says (the caller checked the pool has it); the block ids appended. `touched`:
+        the caller already took its hits out of the free queue (before any new block is taken, which
+        could otherwise evict a hit still waiting there)."""
+        computed, taken, num_behind = plan.computed, plan.taken, plan.num_behind
+        num_new_blocks, num_computed, num_tokens = plan.num_new_blocks, plan.num_computed, plan.num_tokens
+        bs = self.block_size
+        if not touched:
+            self.pool.touch(taken)
         added = [NULL_BLOCK] * min(num_behind, len(computed)) + taken + self.pool.get_new_blocks(num_new_blocks)
         if table is None:
             table = self._tables[request.request_id] = []
@@ -275,5 +301,5 @@ class KVCacheManager:
                    if request.lora_name and self.pool.events is not None else None)
         for i in range(start, stop):
             if table[i] is not NULL_BLOCK:  # a block freed behind the window before its token was known
-                self.pool.cache_block(table[i], hashes[i], tokens[i * bs : (i + 1) * bs],
+                self.pool.cache_block(table[i], hashes[i] + self.cache_tag, tokens[i * bs : (i + 1) * bs],
                                       hashes[i - 1] if i else None, adapter)

@@ -29,6 +29,7 @@ from torch import nn
 from engine_svc.attention import cpu_paged
 from engine_svc.attention.backend import AttentionBackend, AttentionMetadata
 from engine_svc.distributed.parallel_state import get_pp_rank, get_pp_size, pp_layer_range
+from engine_svc.kv.groups import KVGroups, hybrid_groups
 from engine_svc.model.layers.activation import GatedActivation
 from engine_svc.model.layers.attention import Attention
 from engine_svc.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -94,6 +95,8 @@ class LlamaAttention(nn.Module):
             else None
         )
         window = variant.layer_windows[layer_idx] if variant.layer_windows else None
+        groups = hybrid_groups(variant.layer_windows)
+        self.kv_group = groups.layer_group[layer_idx] if groups is not None else 0  # its hybrid KV group
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, backend, window)
         self.sinks = make_param((self.num_heads,), dtype, self._load_sinks) if variant.attention_sinks else None
 
@@ -111,6 +114,8 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if meta.groups is not None:
+            meta = meta.groups[self.kv_group]
         qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)
         num_heads, num_qk = self.num_heads, self.num_heads + self.num_kv_heads
         if self.fused:
@@ -289,6 +294,8 @@ class LlamaForCausalLM(nn.Module):
         # Each layer's attention applies its own window (variant.layer_windows); this is the window all
         # layers share (None when some layer attends to everything), behind which KV blocks may be freed.
         self.sliding_window: int | None = kv_window(variant.layer_windows)
+        # Its layers' hybrid KV groups (engine_svc/kv/groups.py), used when the engine runs them.
+        self.kv_groups: KVGroups | None = hybrid_groups(variant.layer_windows)
 
     @property
     def is_tied(self) -> bool:

@@ -11,9 +11,9 @@ at position p sees keys p - W < k <= p), None for a full-attention layer:
 - Llama: none.
 
 `kv_window(windows)` is the window the KV cache may free blocks behind: defined only when every layer
-slides with the same window (the KV cache keeps one block table per request for all layers, so a block
-can go back to the pool only when no layer will read it again). Hybrid models (gpt-oss, Qwen2 with
-full layers below `max_window_layers`) keep every block; see docs/architecture.md.
+slides with the same window (one block table per request for all layers: a block can go back to the
+pool only when no layer will read it again). Hybrid models (gpt-oss, Qwen2/Qwen3 mixing full and
+sliding layers) get one table per attention type instead: engine_svc/kv/groups.py.
 """
 
 from __future__ import annotations

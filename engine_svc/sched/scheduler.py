@@ -51,7 +51,8 @@ Invariants:
 - `running` holds only RUNNING requests and `len(running) <= max_num_seqs`; `waiting` holds WAITING and
   PREEMPTED ones; `_compiling` WAITING_FOR_FSM ones, `_loading` WAITING_FOR_REMOTE_KVS ones. Requests in
   none of them are unknown to the scheduler.
-- A live request never has more than `min(max_model_len, num_blocks * block_size)` tokens: on add its
+- A live request never has more than `min(max_model_len, num_blocks // num_groups * block_size)` tokens
+  (`num_groups`: the KV manager's tables per request, 1 but for hybrid KV groups): on add its
   `max_total_tokens` is capped by the KV capacity too, so a request alone in the engine always fits.
 """
 
@@ -61,6 +62,7 @@ from collections.abc import Iterable, Mapping
 from itertools import repeat
 
 from engine_svc.kv.events import KVEventLog
+from engine_svc.kv.hybrid_manager import HybridKVCacheManager
 from engine_svc.kv.kv_cache_manager import KVCacheManager
 from engine_svc.kv_transfer.connector import KVConnector, plan_load
 from engine_svc.request import Request, RequestStatus
@@ -117,11 +119,13 @@ class Scheduler:
         max_loras: int = 1,
         kv_connector: KVConnector | None = None,
         sliding_window: int | None = None,
+        kv_group_windows: tuple[int | None, ...] | None = None,
     ) -> None:
         """`sliding_window`: the window every attention layer shares; the KV cache frees blocks behind it
-        (engine_svc/kv/kv_cache_manager.py). Not with `kv_connector`: blocks handed to another engine must
-        hold the whole prompt."""
-        if sliding_window is not None and kv_connector is not None:
+        (engine_svc/kv/kv_cache_manager.py). `kv_group_windows`: a hybrid model's KV groups' windows, one
+        block table per group (engine_svc/kv/hybrid_manager.py). Neither with `kv_connector`: blocks
+        handed to another engine must hold the whole prompt."""
+        if (sliding_window is not None or kv_group_windows is not None) and kv_connector is not None:
             raise ValueError("sliding-window KV freeing cannot be combined with a KV connector")
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -136,7 +140,12 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.policy = policy
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_events, sliding_window)
+        self.kv: KVCacheManager | HybridKVCacheManager
+        if kv_group_windows is not None:
+            self.kv = HybridKVCacheManager(num_blocks, block_size, kv_group_windows, enable_prefix_caching,
+                                           kv_events)
+        else:
+            self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_events, sliding_window)
         self.waiting = make_request_queue(policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every waiting or running request
@@ -191,7 +200,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ERROR
             self._emit_terminal(request, EngineError(code=ErrorCode.INVALID_ARGUMENT, message=problem))
             return
-        request.max_total_tokens = min(request.max_total_tokens, self.kv.num_blocks * self.block_size)
+        request.max_total_tokens = min(request.max_total_tokens,
+                                       self.kv.num_blocks // self.kv.num_groups * self.block_size)
         request.set_stop_tokens()
         if request.lora_name and self.lora_ids is not None:
             request.lora_id = self.lora_ids[request.lora_name]
@@ -781,7 +791,7 @@ class Scheduler:
             if request.num_tokens >= request.max_total_tokens:
                 return f"output_token_ids: the request already has its {outputs} output tokens (max_tokens)"
             n = request.num_tokens
-        blocks = -(-n // self.block_size)
+        blocks = -(-n // self.block_size) * self.kv.num_groups
         if blocks > self.kv.num_blocks:
             return (
                 f"the prompt needs {blocks} KV-cache blocks of {self.block_size} tokens, more than the "

@@ -148,7 +148,7 @@ class DecodeCudaGraphs:
         self.device = device
         self.staging = staging
         # the longest context a replay may see: the served max_model_len, in whole blocks
-        self.max_seq_len = staging.block_table.device.shape[1] * block_size
+        self.max_seq_len = staging.block_table.device.shape[1] // staging.num_groups * block_size
         self.num_replays = 0
         self.memory_bytes = 0  # device memory the captured graphs hold (set by capture)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -6,6 +6,8 @@ turns one step's schedule into flat model inputs with vectorised numpy (no per-t
 
 Invariant: for a live request, `token_ids[row, :num_tokens[row]]` are all its known tokens and
 `block_table[row, :num_blocks[row]]` its block ids; `num_computed[row]` tokens already have K/V cached.
+With hybrid KV groups (`num_groups` G > 1, engine_svc/kv/groups.py) a row holds the groups' tables
+interleaved (entry i * G + g: group g's block i), and `prepare` gives one slot mapping per group.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class StepInputs:
     seq_lens: np.ndarray  # [B]: context length after this step
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T], or [G, T] with hybrid KV groups (row g: group g's slots)
     block_table: np.ndarray  # [B, max_blocks_in_batch]
     num_decodes: int
     # Requests whose scheduled tokens reach the end of their known tokens: they sample this step.
@@ -35,9 +37,10 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_groups: int = 1) -> None:
         self.block_size = block_size
-        max_blocks = -(-max_model_len // block_size)
+        self.num_groups = num_groups
+        max_blocks = -(-max_model_len // block_size) * num_groups
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
@@ -127,9 +130,13 @@ class InputBatch:
         seq_lens = start + query_lens
         token_rows = np.repeat(rows, query_lens)
         positions = np.arange(total, dtype=np.int64) - np.repeat(query_start_loc[:-1] - start, query_lens)
-        bs = self.block_size
-        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        max_blocks = int(-(-seq_lens.max() // bs)) if len(req_ids) else 0
+        bs, groups = self.block_size, self.num_groups
+        if groups == 1:
+            slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        else:
+            columns = (positions // bs * groups)[None, :] + np.arange(groups)[:, None]
+            slot_mapping = self.block_table[token_rows[None, :], columns].astype(np.int64) * bs + positions % bs
+        max_blocks = int(-(-seq_lens.max() // bs)) * groups if len(req_ids) else 0
         return StepInputs(
             req_ids=req_ids,
             query_lens=query_lens,

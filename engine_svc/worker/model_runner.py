@@ -30,7 +30,7 @@ import math
 import numpy as np
 import torch
 
-from engine_svc.attention.backend import AttentionMetadata
+from engine_svc.attention.backend import AttentionMetadata, with_kv_groups
 from engine_svc.distributed.parallel_state import get_tp_size, stage_links, tensor_model_parallel_broadcast
 from engine_svc.lora.manager import LoRAManager
 from engine_svc.sample.columns import SamplingColumns
@@ -68,7 +68,8 @@ def profile_seq_lens(num_tokens: int, max_model_len: int, max_num_seqs: int) -> 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_num_seqs: int,
                  max_model_len: int, block_size: int, vocab_size: int, max_num_batched_tokens: int,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, kv_num_groups: int = 1) -> None:
+        """`kv_num_groups`: the hybrid KV groups whose tables the scheduler sends interleaved (1: none)."""
         max_position = getattr(model, "max_position", None)
         if max_position is not None and max_model_len > max_position:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {max_position} rotary positions "
@@ -81,6 +82,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         self.async_scheduling = async_scheduling
+        self.kv_num_groups = kv_num_groups
         self._size_for(max_model_len)
         self.sampler = Sampler()
         self.sampling_states: dict[str, RequestSamplingState] = {}
@@ -110,10 +112,11 @@ class ModelRunner:
     def _size_for(self, max_model_len: int) -> None:
         """The persistent batch, the staging buffers and the sampling columns, for `max_model_len`."""
         self.max_model_len = max_model_len
-        self.batch = InputBatch(self.max_num_seqs, max_model_len, self.block_size)
+        self.batch = InputBatch(self.max_num_seqs, max_model_len, self.block_size, self.kv_num_groups)
         self.staging = StepStaging(
             self.device, max_tokens=max(self.max_num_batched_tokens, self.max_num_seqs), max_reqs=self.max_num_seqs,
             max_blocks_per_req=self.batch.block_table.shape[1], double_buffered=self.async_scheduling,
+            num_groups=self.kv_num_groups,
         )
         self.sampling_columns = SamplingColumns(self.max_num_seqs, self.staging)
         self.feed = PlaceholderFeed(self.max_num_seqs) if self.async_scheduling else None
@@ -297,6 +300,8 @@ class ModelRunner:
             seq_lens_cpu=inputs.seq_lens.tolist(),
             num_decodes=inputs.num_decodes,
         )
+        if staged.group_slots is not None:
+            with_kv_groups(meta, staged.group_slots, self.kv_num_groups)
         stage, model = self.stage, self.model
         if stage.prev_rank is None:
             out = model(staged.input_ids, staged.positions, self.kv_caches, meta)

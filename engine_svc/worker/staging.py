@@ -26,7 +26,8 @@ On a CPU device the host array and the device tensor are one tensor (nothing is 
 `stage_inputs(..., fill=f)` calls `f(device input ids)` once they are staged, before the model reads them:
 async scheduling writes the previous step's sampled ids there (engine_svc/worker/sampled_feed.py).
 
-Inputs of a step (`stage_inputs`): token ids, positions and slots share one [3, max_tokens] int64 pair sent
+Inputs of a step (`stage_inputs`): token ids, positions and slots (one row per hybrid KV group,
+engine_svc/kv/groups.py; one without groups) share one [2 + G, max_tokens] int64 pair sent
 whole (one copy; a strided prefix would go through an unpinned temporary); query_start_loc, seq_lens, the
 block table (whole rows of the served max_model_len's width) and the sampled rows go up as prefixes. For a
 graph replay (`pad_to`) rows n..B-1 become dummy requests in place: token 0 at position 0, slot PAD_SLOT
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_svc.attention.backend import AttentionMetadata
+from engine_svc.attention.backend import AttentionMetadata, with_kv_groups
 from engine_svc.worker.input_batch import StepInputs
 
 PAD_SLOT = -1  # the KV write kernel skips negative slots
@@ -93,6 +94,7 @@ class StagedInputs:
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_table: torch.Tensor  # [B, max_blocks_per_req] int32
+    group_slots: torch.Tensor | None = None  # [G, T]: each hybrid KV group's slots (slot_mapping is row 0)
 
 
 class StepStaging:
@@ -101,9 +103,10 @@ class StepStaging:
 
     def __init__(
         self, device: torch.device, *, max_tokens: int, max_reqs: int, max_blocks_per_req: int,
-        copy: bool | None = None, double_buffered: bool = False,
+        copy: bool | None = None, double_buffered: bool = False, num_groups: int = 1,
     ) -> None:
         self.device = device
+        self.num_groups = num_groups
         self.copy = device.type == "cuda" if copy is None else copy
         self.pinned = device.type == "cuda"
         self.double_buffered = double_buffered and self.copy  # without copies host and device are one
@@ -114,8 +117,8 @@ class StepStaging:
         # Recorded after each step's last copy (one per host set when double-buffered).
         self._events = [torch.cuda.Event() if self.pinned else None for _ in range(2 if self.double_buffered else 1)]
         # Every row starts as a dummy request (see the module docstring), on the device too.
-        self.tokens = self.twin((3, max_tokens), torch.int64)  # input ids, positions, slots
-        self.tokens.host[2].fill(PAD_SLOT)
+        self.tokens = self.twin((2 + num_groups, max_tokens), torch.int64)  # input ids, positions, slots
+        self.tokens.host[2:].fill(PAD_SLOT)
         self.tokens.upload()
         self.query_start_loc = self.twin((max_reqs + 1,), torch.int32)
         self.query_start_loc.host[:] = np.arange(max_reqs + 1)
@@ -162,7 +165,7 @@ class StepStaging:
         tokens = self.tokens.host
         tokens[0, :num_tokens] = inputs.input_ids
         tokens[1, :num_tokens] = inputs.positions
-        tokens[2, :num_tokens] = inputs.slot_mapping
+        tokens[2:, :num_tokens] = inputs.slot_mapping
         self.query_start_loc.host[: n + 1] = inputs.query_start_loc
         self.seq_lens.host[:n] = inputs.seq_lens
         width = inputs.block_table.shape[1]
@@ -172,16 +175,18 @@ class StepStaging:
             if inputs.num_decodes != n or num_tokens != n or n > pad_to:
                 raise ValueError(f"padding to {pad_to} needs a decode-only step of at most {pad_to} requests")
             tokens[:2, n:pad_to] = 0
-            tokens[2, n:pad_to] = PAD_SLOT
+            tokens[2:, n:pad_to] = PAD_SLOT
             self.query_start_loc.host[n + 1 : pad_to + 1] = np.arange(n + 1, pad_to + 1)
             self.seq_lens.host[n:pad_to] = 1
             self.block_table.host[n:pad_to, 0] = 0
             rows = num_tokens = pad_to
-        ids, positions, slots = self.tokens.upload()[:, :num_tokens]
+        staged = self.tokens.upload()[:, :num_tokens]
+        ids, positions, slots = staged[0], staged[1], staged[2]
         if fill is not None:
             fill(ids)
         return StagedInputs(ids, positions, slots, self.query_start_loc.upload(rows + 1),
-                            self.seq_lens.upload(rows), self.block_table.upload(rows))
+                            self.seq_lens.upload(rows), self.block_table.upload(rows),
+                            staged[2:] if self.num_groups > 1 else None)
 
     def stage_sample_rows(self, rows: np.ndarray) -> torch.Tensor:
         """Indices [n] int64 on the device (the hidden rows to sample)."""
@@ -192,7 +197,7 @@ class StepStaging:
         """Attention metadata over the first `size` rows of the device buffers, for a graph to capture.
         Host fields are bounds / placeholders: a graph cannot see host values that change between replays
         (engine_svc/worker/cuda_graphs.py)."""
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self.tokens.device[2, :size],
             query_start_loc=self.query_start_loc.device[: size + 1],
             seq_lens=self.seq_lens.device[:size],
@@ -203,6 +208,9 @@ class StepStaging:
             seq_lens_cpu=[max_seq_len] * size,
             num_decodes=size,
         )
+        if self.num_groups > 1:
+            with_kv_groups(meta, self.tokens.device[2:, :size], self.num_groups)
+        return meta
 
     # ---- variable-size arrays ------------------------------------------------------------------------
     def stage_arrays(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:

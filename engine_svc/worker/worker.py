@@ -12,6 +12,7 @@ import logging
 import torch
 
 from engine_svc.config import EngineConfig
+from engine_svc.kv.groups import KVGroups
 from engine_svc.kv_transfer.blocks import apply_loads
 from engine_svc.lora.manager import LoRAManager
 from engine_svc.model.layers.cpu_gemm import prepack_linears, prepack_wanted
@@ -84,6 +85,7 @@ class Worker:
             vocab_size=self.model.vocab_size,
             max_num_batched_tokens=int(self.config.max_num_batched_tokens or self.config.max_model_len or 0),
             async_scheduling=self.config.resolved_async_scheduling,
+            kv_num_groups=self.kv_groups.num_groups if self.kv_groups is not None else 1,
         )
         self.runner.lora = lora
         spec = self.config.speculative
@@ -118,13 +120,28 @@ class Worker:
         return manager
 
     @property
+    def kv_groups(self) -> KVGroups | None:
+        """The hybrid KV groups this engine runs (engine_svc/kv/groups.py), None when every layer shares
+        one table."""
+        if self.config.kv_group_windows is None or self.model is None:
+            return None
+        groups: KVGroups | None = self.model.kv_groups
+        if groups is None or groups.windows != self.config.kv_group_windows:
+            raise RuntimeError(f"the model's KV groups {groups} differ from the engine's "
+                               f"{self.config.kv_group_windows}")
+        return groups
+
+    @property
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block across this rank's layers (K and V; a pipeline stage holds only its own),
-        a draft model's layers included."""
+        a draft model's layers included. With hybrid KV groups a block holds one group's layers."""
         models = [self.model]
         if self.runner is not None and self.runner.drafter is not None:
             models.append(self.runner.drafter.model)  # the draft's cache shares the target's block ids
+        groups = self.kv_groups
         per_token = sum(2 * m.num_layers * m.num_kv_heads * m.head_dim for m in models) * self.dtype.itemsize
+        if groups is not None:
+            per_token //= groups.num_groups
         return per_token * self.config.block_size
 
     def determine_num_blocks(self) -> int:
@@ -175,8 +192,14 @@ class Worker:
         assert m is not None and runner is not None
         runner.set_max_model_len(max_model_len)
         shape = m.attn_backend.kv_cache_shape(num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
-        runner.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                            for _ in range(m.num_layers)]
+        groups = self.kv_groups
+        if groups is None:
+            runner.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                                for _ in range(m.num_layers)]
+        else:  # the j-th layer of every group shares one tensor (engine_svc/kv/groups.py)
+            shared = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                      for _ in range(groups.layers_per_group)]
+            runner.kv_caches = [shared[j] for j in groups.layer_slot]
         if runner.drafter is not None:  # one more cache per draft layer, the same block ids
             d = runner.drafter.model
             shape = d.attn_backend.kv_cache_shape(num_blocks, self.config.block_size, d.num_kv_heads, d.head_dim)

@@ -22,7 +22,7 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from tests.support import Service, free_port, health_status, wait_until
+from tests.support import DeadlineClient, Service, free_port, health_status, wait_until
 
 KV_CACHE_BYTES = 32 * 1024 * 1024
 ENGINE_FLAGS = ("--dtype", "float32", "--max-num-seqs", "4", "--max-waiting", "4",
@@ -34,6 +34,22 @@ def engine_service(model: Path, port: int, log_dir: Path, *flags: str) -> Servic
     argv = [sys.executable, "-m", "engine_svc.cli", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), *ENGINE_FLAGS, *flags]
     return Service("engine", argv, port, log_dir)
+
+
+def assert_greedy_stream_equals_hf(client: DeadlineClient, model: Path, prompt: list[int], max_tokens: int) -> None:
+    """A greedy gRPC generation through `client` has transformers' tokens, and their
+    logprobs within 1e-4 (float32)."""
+    from tests.engine.test_hf_exact import hf_greedy
+
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for response in client.generate(token_ids=prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                    logprobs=0):
+        tokens.extend(response.token_ids)
+        logprobs.extend(entry.logprob for entry in response.logprobs)
+    want_tokens, want_logprobs = hf_greedy(model, prompt, max_tokens)
+    assert tokens == want_tokens
+    assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
 
 
 def frontend_service(model: Path, engine_port: int | Sequence[int], port: int, log_dir: Path,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import engine_service, frontend_service
-from tests.engine.test_hf_exact import hf_greedy, make_prompts
+from tests.e2e.conftest import assert_greedy_stream_equals_hf, engine_service, frontend_service
+from tests.engine.test_hf_exact import make_prompts
 from tests.support import DeadlineClient, free_port
 
 pytestmark = pytest.mark.slow
@@ -25,15 +25,7 @@ def test_moe_engine_behind_a_frontend_equals_transformers(make_model, tmp_path, 
     try:
         with DeadlineClient(frontend.address) as client:
             for prompt in make_prompts(12, 3, 500):
-                tokens: list[int] = []
-                logprobs: list[float] = []
-                for response in client.generate(token_ids=prompt, temperature=0, max_tokens=MAX_TOKENS,
-                                                ignore_eos=True, logprobs=0):
-                    tokens.extend(response.token_ids)
-                    logprobs.extend(entry.logprob for entry in response.logprobs)
-                want_tokens, want_logprobs = hf_greedy(model, prompt, MAX_TOKENS)
-                assert tokens == want_tokens
-                assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+                assert_greedy_stream_equals_hf(client, model, prompt, MAX_TOKENS)
     finally:
         frontend.stop()
         engine.stop()

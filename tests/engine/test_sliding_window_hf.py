@@ -7,7 +7,7 @@ speculative decoding (n-gram drafts verified as multi-token steps),
 preemption under a tiny cache and prefix-cache hits. Each run also checks that blocks really were
 freed (no request ever holds more than its window's and its step's blocks) and that every block is
 back in the pool at the end. A Qwen2 whose first layer attends to everything (hybrid) keeps its blocks
-and is exact too.
+with --disable-hybrid-kv-cache-manager and is exact too (tests/engine/test_hybrid_kv.py: its KV groups).
 """
 
 from __future__ import annotations
@@ -125,11 +125,13 @@ def test_prefix_hits_with_freed_blocks_match_transformers(mistral: Path) -> None
 
 
 def test_a_hybrid_model_keeps_its_blocks_and_matches(make_model, tmp_path_factory) -> None:
-    """Qwen2 with max_window_layers=1: layer 0 attends to everything, layer 1 slides; nothing is freed."""
+    """Qwen2 with max_window_layers=1: layer 0 attends to everything, layer 1 slides; without its KV groups
+    nothing is freed."""
     model_dir = windowed(make_model, tmp_path_factory, "qwen2", sliding_window=WINDOW, use_sliding_window=True,
                          max_window_layers=1)
     prompts = make_prompts(15, 3, 500, lo=20, hi=30)
-    llm, most = run_windowed(model_dir, prompts, None)
+    llm, most = run_windowed(model_dir, prompts, None, disable_hybrid_kv_cache_manager=True)
+    assert llm.config.kv_group_windows is None
     assert llm.engine.scheduler.kv.sliding_window is None
     # the longest prompt's blocks after its prefill, then more while decoding (freeing would drop to 3)
     assert most > -(-max(map(len, prompts)) // BS)

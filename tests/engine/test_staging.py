@@ -66,6 +66,8 @@ def test_buffers_persist_across_steps() -> None:
     first = staging.stage_inputs(_three_decodes())
     second = staging.stage_inputs(_batch_with({"x": (4, 3)}).prepare({"x": 1}))
     for a, b in zip(fields(first), fields(second)):
+        if getattr(first, a.name) is None:  # group_slots: no hybrid KV groups here
+            continue
         assert getattr(first, a.name).data_ptr() == getattr(second, b.name).data_ptr()
     assert second.input_ids.tolist() == [100 + 3] and second.seq_lens.tolist() == [4]
 
