@@ -3,9 +3,11 @@
 Accepted: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b,
 "disable_by_batch_size": n}, and {"method": "draft_model", "model": DIR, "num_speculative_tokens": k,
 "disable_by_batch_size": n} (a smaller model with the target's vocabulary, run by the same workers:
-engine_svc/worker/draft_step.py). As in vLLM, a missing bound of the lookup takes the other's value, and
+engine_svc/worker/draft_step.py), and {"method": "eagle3", "model": DIR, "num_speculative_tokens": k} (an
+EAGLE-3 head in vLLM's checkpoint layout, checked by engine_svc/spec/eagle3_head.py and run by
+engine_svc/worker/eagle3_step.py). As in vLLM, a missing bound of the lookup takes the other's value, and
 both default to 5 when neither is given; without "method", a "model" means `draft_model` (vLLM infers
-EAGLE heads from "eagle" in the model's name: those are refused by name here). `disable_by_batch_size`: no
+EAGLE heads from "eagle" in the model's name: "eagle3" for a name with "eagle3"; EAGLE-1 heads are refused). `disable_by_batch_size`: no
 request speculates in a step while that many requests (or more) are running, where verification no
 longer pays.
 
@@ -27,8 +29,8 @@ from typing import Any
 from shared_runtime import limits
 from shared_runtime.contract import EngineSamplingParams
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "suffix")
+METHODS = ("ngram", "draft_model", "eagle3")
+NOT_YET = ("eagle", "mtp", "medusa", "suffix")
 MAX_SPECULATIVE_TOKENS = 8
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
          "disable_by_batch_size")
@@ -93,9 +95,9 @@ class SpeculativeConfig:
         disable = _int(value, "disable_by_batch_size", None)
         if disable is not None and disable < 1:
             raise SpeculativeConfigError(f"--speculative-config disable_by_batch_size must be >= 1, got {disable}")
-        if method == "draft_model" and model is None:
-            raise SpeculativeConfigError('--speculative-config method "draft_model" needs "model": the draft '
-                                         "model's directory")
+        if method in ("draft_model", "eagle3") and model is None:
+            raise SpeculativeConfigError(f'--speculative-config method "{method}" needs "model": the '
+                                         f"{'draft model' if method == 'draft_model' else 'EAGLE-3 head'}'s directory")
         if method == "ngram" and model is not None:
             raise SpeculativeConfigError('--speculative-config model is not used by method "ngram"; drop it')
         return cls(method, k, low, high, disable, model)
