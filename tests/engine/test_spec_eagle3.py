@@ -53,7 +53,7 @@ def heads(looping_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     outs = generate(looping_dir, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), None)[0]
     tokens = [t for out in outs for t in out.outputs[0].token_ids[16:]]  # the cycles most prompts fall into
     frequent = max(set(tokens), key=tokens.count)
-    return {"random": make_eagle3_head(looping_dir, root / "random", draft_vocab_size=128, aux_layer_ids=AUX),
+    return {"random": make_eagle3_head(looping_dir, root / "random", draft_vocab_size=128, aux_layer_ids=AUX, std=0.3),
             "full": make_eagle3_head(looping_dir, root / "full", aux_layer_ids=AUX, seed=1, std=0.3),
             "constant": make_eagle3_head(looping_dir, root / "constant", aux_layer_ids=AUX, constant_draft=frequent)}
 
