@@ -158,6 +158,24 @@ def test_drafts_equal_the_reference_eagle3_step(name: str, looping_dir: Path, he
     assert_no_block_leaks(llm)
 
 
+def test_head_logits_cover_the_target_vocabulary_through_d2t(looping_dir: Path, heads: dict[str, Path]) -> None:  # noqa: F811
+    """Draft id i scores at target id i + d2t[i] (its lm_head row), every other target id has zero
+    probability: q of a sampled draft puts no mass outside the draft vocabulary."""
+    llm = LLM(str(looping_dir), dtype="float32", speculative_config=eagle_spec(heads["random"]))
+    head = llm.engine.executor.worker.runner.drafter.model
+    w = load_file(str(heads["random"] / "model.safetensors"))
+    targets = torch.arange(128) + w["d2t"]
+    normed = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = head.compute_logits(normed)
+    assert logits.shape == (5, 512)
+    torch.testing.assert_close(logits[:, targets], normed @ w["lm_head.weight"].T, rtol=1e-5, atol=1e-5)
+    outside = torch.ones(512, dtype=torch.bool)
+    outside[targets] = False
+    assert float(torch.softmax(logits, -1)[:, outside].sum()) == 0.0
+    assert int(outside.sum()) == 512 - 128 and bool(w["t2d"][targets].all()) and int(w["t2d"].sum()) == 128
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_eagle3_equals_plain_decoding(k: int, looping_dir: Path, heads: dict[str, Path]) -> None:  # noqa: F811
     prompts = repetitive_prompts(k, 5)
