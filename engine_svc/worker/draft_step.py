@@ -82,8 +82,7 @@ class DraftRunner:
             return
         ver_ids = [req_ids[i] for i in verifying]
         ver_rows, ends, ks = rows[verifying], known_end[verifying], num_drafts[verifying]
-        made: list[list[int]] = [[] for _ in verifying]
-        probs: list[list[torch.Tensor]] = [[] for _ in verifying]
+        made = MadeDrafts(len(verifying))
         live = list(range(len(verifying)))  # requests still drafting, as indices into ver_*
         for j in range(int(ks.max())):
             if j:  # the previous draft, at its own position, gives the next
@@ -93,15 +92,10 @@ class DraftRunner:
                                        last_of=list(range(len(live))))
             tokens, q = self._sample(hidden, [states[ver_ids[v]] for v in live])
             batch.token_ids[ver_rows[live], ends[live] + j] = tokens
-            for n, v in enumerate(live):
-                made[v].append(int(tokens[n]))
-                if q is not None:
-                    probs[v].append(q[n])
+            made.add(live, tokens, q)
+        made.hand_over(ver_ids, drafts_of, self.probs)
         for v, r in enumerate(ver_ids):
-            drafts_of[r] = made[v]
             written[r] = int(ends[v] + ks[v] - 1)
-            if probs[v]:
-                self.probs[r] = torch.stack(probs[v])
 
     def draft_probs(self, req_ids: list[str], drafts: list[list[int]]) -> torch.Tensor | None:
         """q aligned with the verification's logits rows (each request's k draft rows, then a zero row
@@ -146,6 +140,29 @@ class DraftRunner:
 
     def target_ran(self, inputs: StepInputs) -> None:
         """After the target's forward of a step: a draft model needs nothing from it."""
+
+
+class MadeDrafts:
+    """The drafts of the verifying requests (indices 0..n-1) as the passes make them, and for the random
+    ones the q of each draft."""
+
+    def __init__(self, n: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.q: list[list[torch.Tensor]] = [[] for _ in range(n)]
+
+    def add(self, live: list[int], tokens: np.ndarray, q: torch.Tensor | None) -> None:
+        """One pass's drafts: row n is request live[n]'s next draft (q None: every row greedy)."""
+        for n, v in enumerate(live):
+            self.tokens[v].append(int(tokens[n]))
+            if q is not None:
+                self.q[v].append(q[n])
+
+    def hand_over(self, req_ids: list[str], drafts_of: dict[str, list[int]], probs: dict[str, torch.Tensor]) -> None:
+        """Into the step's draft places, and each random request's q [k, vocab] for verification."""
+        for v, r in enumerate(req_ids):
+            drafts_of[r] = self.tokens[v]
+            if self.q[v]:
+                probs[r] = torch.stack(self.q[v])
 
 
 class PagedPass:

@@ -38,7 +38,7 @@ import torch
 
 from engine_svc.sample.metadata import RequestSamplingState
 from engine_svc.sched.output import SchedulerOutput
-from engine_svc.worker.draft_step import DraftRunner, PagedPass
+from engine_svc.worker.draft_step import DraftRunner, MadeDrafts, PagedPass
 from engine_svc.worker.input_batch import InputBatch, StepInputs
 
 
@@ -112,8 +112,7 @@ class Eagle3Runner(DraftRunner):
         """Draft 1 from the first pass's `normed` rows of the verifying requests, then drafts 2..k, each
         from the head over the previous draft and the previous pre-norm output."""
         ks = np.fromiter((len(drafts_of[r]) for r in ver_ids), dtype=np.int64, count=len(ver_ids))
-        made: list[list[int]] = [[] for _ in ver_ids]
-        probs: list[list[torch.Tensor]] = [[] for _ in ver_ids]
+        made = MadeDrafts(len(ver_ids))
         live = list(range(len(ver_ids)))
         for j in range(int(ks.max())):
             if j:
@@ -121,18 +120,12 @@ class Eagle3Runner(DraftRunner):
                 live = [live[n] for n in keep]
                 step = PagedPass(batch, ver_rows[live], ends[live] + (j - 1), np.ones(len(live), dtype=np.int64),
                                  self.device)
-                ids = step.up(np.array([made[v][-1] for v in live]), torch.int64)
+                ids = step.up(np.array([made.tokens[v][-1] for v in live]), torch.int64)
                 normed, prenorm = self.model(ids, step.up(step.positions, torch.int64), prenorm[keep],
                                              self.kv_caches, step.meta)
             tokens, q = self._sample(normed, [states[ver_ids[v]] for v in live])
-            for n, v in enumerate(live):
-                made[v].append(int(tokens[n]))
-                if q is not None:
-                    probs[v].append(q[n])
-        for v, r in enumerate(ver_ids):
-            drafts_of[r] = made[v]
-            if probs[v]:
-                self.probs[r] = torch.stack(probs[v])
+            made.add(live, tokens, q)
+        made.hand_over(ver_ids, drafts_of, self.probs)
 
     def _pass(self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray,
               inputs: list[torch.Tensor], last_of: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

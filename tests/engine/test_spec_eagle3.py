@@ -14,7 +14,6 @@ Oracles:
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from tests.engine.test_spec_decode import (
     generate,
     looping_dir,  # noqa: F401 (a fixture)
     repetitive_prompts,
+    served_tokens,
     stops_inside_runs,
 )
 
@@ -314,21 +314,6 @@ def test_greedy_eagle3_at_tp2_equals_plain_tp1(looping_dir: Path, heads: dict[st
 @pytest.mark.slow  # a `tandem serve` process
 def test_tandem_serve_accepts_an_eagle3_head(looping_dir: Path, heads: dict[str, Path], tmp_path: Path  # noqa: F811
                                             ) -> None:
-    from frontend_svc.client import TandemClient, collect
-    from tests.support import Service, free_port
-
     prompt = repetitive_prompts(12, 1)[0]
     plain, _ = generate(looping_dir, [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), None)
-    port, engine_port, http_port = free_port(), free_port(), free_port()
-    serve = Service("serve", [sys.executable, "-m", "entrypoints.serve", "--model", str(looping_dir),
-                              "--port", str(port), "--engine-port", str(engine_port), "--http-port", str(http_port),
-                              "--dtype", "float32", "--speculative-config",
-                              f'{{"method": "eagle3", "model": "{heads["constant"]}", "num_speculative_tokens": 3}}'],
-                    port, tmp_path).start()
-    try:
-        serve.wait_serving(120)
-        with TandemClient(f"127.0.0.1:{port}") as client:
-            got = collect(client.generate(token_ids=prompt, temperature=0, max_tokens=16, ignore_eos=True, timeout=60))[0]
-        assert got["token_ids"] == plain[0].outputs[0].token_ids
-    finally:
-        serve.stop()
+    assert served_tokens(looping_dir, eagle_spec(heads["constant"]), prompt, 16, tmp_path) == plain[0].outputs[0].token_ids
