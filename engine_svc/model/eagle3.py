@@ -65,6 +65,8 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(nn.Module):
     """See the module docstring. Parameter names are the checkpoint's (`midlayer.`, `fc.`, `norm.`, ...)."""
 
+    draft_to_target: torch.Tensor  # [draft_vocab] target id of each draft id (a buffer)
+
     packed_modules: ClassVar[dict[str, tuple[tuple[str, Any], ...]]] = {
         "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
         "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
@@ -156,7 +158,7 @@ class Eagle3Head(nn.Module):
                 raise ValueError(f"d2t in {head_dir} has {offsets.numel()} entries, draft_vocab_size is "
                                  f"{self.draft_vocab_size}")
             ids = torch.arange(self.draft_vocab_size) + offsets
-            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size or ids.unique().numel() != ids.numel():
+            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size or len(set(ids.tolist())) != ids.numel():
                 raise ValueError(f"d2t in {head_dir} maps draft ids outside [0, {self.vocab_size}) or two onto "
                                  "one target id")
             self.draft_to_target.copy_(ids)
