@@ -83,3 +83,23 @@ def make_eagle3_head(target_dir: str | Path, out_dir: str | Path, *, draft_vocab
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`tandem make-eagle3-head MODEL DIR [--draft-vocab-size N] [--aux-layer-ids A B C] [--seed S]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tandem make-eagle3-head",
+                                     description="write a random-weight EAGLE-3 head for MODEL into DIR (for "
+                                                 "--speculative-config '{\"method\": \"eagle3\", ...}')")
+    parser.add_argument("model")
+    parser.add_argument("out_dir")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="default: the target's vocab_size")
+    parser.add_argument("--aux-layer-ids", type=int, nargs=3, default=None,
+                        help="target layers the head reads (default: vLLM's 2, L/2, L-3)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = make_eagle3_head(args.model, args.out_dir, draft_vocab_size=args.draft_vocab_size,
+                           aux_layer_ids=args.aux_layer_ids, seed=args.seed)
+    print(out)
+    return 0

@@ -284,6 +284,19 @@ def test_eagle3_head_is_checked_at_start(looping_dir: Path, heads: dict[str, Pat
                             speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
 
 
+def test_tandem_make_eagle3_head_writes_a_head_the_engine_accepts(looping_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    from entrypoints.cli import main
+
+    out = tmp_path / "head"
+    assert main(["make-eagle3-head", str(looping_dir), str(out), "--draft-vocab-size", "100",
+                 "--aux-layer-ids", "0", "1", "1"]) == 0
+    config = EngineConfig.create(model=str(looping_dir), device="cpu", speculative_config=eagle_spec(out))
+    assert config.speculative is not None and config.speculative.method == "eagle3"
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["fc.weight"].shape == (64, 192) and tensors["lm_head.weight"].shape == (100, 64)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (64, 128) and tensors["d2t"].shape == (100,)
+
+
 def test_targets_without_eagle3_keep_no_aux_states(looping_dir: Path, heads: dict[str, Path]) -> None:  # noqa: F811
     plain = LLM(str(looping_dir), dtype="float32")
     plain.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
