@@ -11,6 +11,7 @@
 #                    run(command="bash bench/gpu_all.sh moe", carry=[".gpu"])   # MoE kernel tests + figures, ~2 min
 #                    run(command="bash bench/gpu_all.sh spec", carry=[".gpu"])  # speculative decoding, ~6 min
 #                    run(command="bash bench/gpu_all.sh spec_draft", carry=[".gpu"])  # draft-model speculation, ~6 min
+#                    run(command="bash bench/gpu_all.sh spec_eagle", carry=[".gpu"])  # EAGLE-3 speculation, ~5 min
 #                    run(command="bash bench/gpu_all.sh pd_tests", carry=[".gpu"])  # P/D blocks on CUDA, ~2 min
 #                    run(command="bash bench/gpu_all.sh swa_tests", carry=[".gpu"])  # sliding-window KV freeing + hybrid KV groups, ~3 min
 #
@@ -18,7 +19,7 @@
 # an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially);
 # kernels 18 s, profile 60 + 49 s, e2e 55 s, sweep 43 s (+ 75 s for its winner's e2e and table), host
 # greedy 61 s.
-# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe spec spec_draft lora pd_tests swa_tests): pass stage names to run a subset. Each
+# Stages (default: tests kernels profile e2e; also owed sweep hf host async async_tests moe spec spec_draft spec_eagle lora pd_tests swa_tests): pass stage names to run a subset. Each
 # stage has its own timeout, so one hang still leaves every other log. The device tool caps a call at 10
 # minutes and lends a session 15 minutes of device time in all: pick the stages that the session needs.
 set -uo pipefail
@@ -112,13 +113,22 @@ for s in "${stages[@]}"; do
              stage spec_draft_b1 120 python bench/spec_decode.py --method draft_model --rounds 3 --dtype bfloat16
              stage spec_draft_b32 120 python bench/spec_decode.py --method draft_model --rounds 3 --dtype bfloat16 \
                --batch-size 32 ;;
+    # EAGLE-3 (~5 min): the head's drafts equal the torch reference on CUDA (Triton attention, fused
+    # kernels), greedy == plain with random and constant heads, prefix hits, preemption; then on vs off at
+    # batch 1 and 32 with a random head for SmolLM2 (bench/spec_decode.py --method eagle3: acceptance ~0,
+    # so ms/step is the cost of the head's passes plus verification).
+    spec_eagle) stage tests_spec_eagle 240 python -m pytest -q -p no:cacheprovider --timeout 200 -rfE \
+               -m "slow or not slow" -k "not tp2 and not tandem_serve" tests/engine/test_spec_eagle3.py
+             stage spec_eagle_b1 120 python bench/spec_decode.py --method eagle3 --rounds 3 --dtype bfloat16
+             stage spec_eagle_b32 120 python bench/spec_decode.py --method eagle3 --rounds 3 --dtype bfloat16 \
+               --batch-size 32 ;;
     # LoRA (~2 min): the PEFT oracle on CUDA, then a decode step with 0 / 1 / 8 adapters (bench/lora_step.py).
     lora)    stage tests_lora 150 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE -m "slow or not slow" \
                tests/gpu/test_lora_gpu.py
              stage lora_step 150 bash -c "python -m entrypoints.cli make-demo-model /tmp/smollm2 --dtype float32 && \
                python bench/lora_step.py --model /tmp/smollm2 --device cuda --dtype bfloat16 --batch 32 --rank 16 \
                --adapters 8 --rounds 5" ;;
-    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe spec spec_draft lora pd_tests swa_tests)"; exit 2 ;;
+    *)       echo "unknown stage $s (tests owed kernels sweep profile e2e hf host async async_tests moe spec spec_draft spec_eagle lora pd_tests swa_tests)"; exit 2 ;;
   esac
 done
 echo; cat "$OUT/summary.txt"

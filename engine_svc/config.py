@@ -18,6 +18,7 @@ from typing import Any
 from engine_svc.kv_transfer.config import KV_ROLE_ALIASES, KVTransferConfig, KVTransferConfigError
 from engine_svc.lora.modules import LoRAArgumentError, check_lora_args, parse_lora_modules
 from engine_svc.spec.config import SpeculativeConfig, SpeculativeConfigError, check_draft_vocab
+from engine_svc.spec.eagle3_head import read_eagle3_head
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -239,7 +240,10 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", parsed)
         if parsed.model is not None:
             try:
-                check_draft_vocab(self.model, parsed.model)
+                if parsed.method == "eagle3":
+                    read_eagle3_head(self.model, parsed.model)
+                else:
+                    check_draft_vocab(self.model, parsed.model)
             except SpeculativeConfigError as exc:
                 raise ConfigError(str(exc)) from None
             if self.kv_transfer_config is not None:
@@ -559,7 +563,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--speculative-config", default=None,
       help='speculative decoding, as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": '
-           '"draft_model", "model": DIR, "num_speculative_tokens": 4}\' (docs/speculative.md)')
+           '"draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": 4}\' (docs/speculative.md)')
     a("--kv-transfer-config", type=_kv_transfer_config, default=None,
       help='prefill/decode disaggregation, as vLLM\'s JSON: {"kv_connector": "GrpcConnector", "kv_role": '
            '"kv_producer" | "kv_consumer" | "kv_both", "kv_lease_duration_s": 60, "kv_load_failure_policy": '

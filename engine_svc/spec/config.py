@@ -3,9 +3,11 @@
 Accepted: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b,
 "disable_by_batch_size": n}, and {"method": "draft_model", "model": DIR, "num_speculative_tokens": k,
 "disable_by_batch_size": n} (a smaller model with the target's vocabulary, run by the same workers:
-engine_svc/worker/draft_step.py). As in vLLM, a missing bound of the lookup takes the other's value, and
+engine_svc/worker/draft_step.py), and {"method": "eagle3", "model": DIR, "num_speculative_tokens": k} (an
+EAGLE-3 head in vLLM's checkpoint layout, checked by engine_svc/spec/eagle3_head.py and run by
+engine_svc/worker/eagle3_step.py). As in vLLM, a missing bound of the lookup takes the other's value, and
 both default to 5 when neither is given; without "method", a "model" means `draft_model` (vLLM infers
-EAGLE heads from "eagle" in the model's name: those are refused by name here). `disable_by_batch_size`: no
+EAGLE heads from "eagle" in the model's name: "eagle3" for a name with "eagle3"; EAGLE-1 heads are refused). `disable_by_batch_size`: no
 request speculates in a step while that many requests (or more) are running, where verification no
 longer pays.
 
@@ -14,8 +16,8 @@ scores position j of a request as if drafts 0..j-1 were its output (penalties, b
 hold per token); seeded random requests verify with their own stream and get the tokens of plain
 decoding (engine_svc/spec/rejection.py); a structured output constraint keeps only the drafts its
 grammar allows and masks every verified position (engine_svc/structured/grammar.py) - prompt-lookup
-drafts only: a draft model's drafts are made in the step itself, after the mask, so constrained requests
-decode one token a step with it.
+drafts only: a draft model's or EAGLE-3 head's drafts are made in the step itself, after the mask, so
+constrained requests decode one token a step with them.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "suffix")
+METHODS = ("ngram", "draft_model", "eagle3")
+NOT_YET = ("eagle", "mtp", "medusa", "suffix")
 MAX_SPECULATIVE_TOKENS = 8
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
          "disable_by_batch_size")
@@ -91,9 +93,9 @@ class SpeculativeConfig:
         disable = _int(value, "disable_by_batch_size", None)
         if disable is not None and disable < 1:
             raise SpeculativeConfigError(f"--speculative-config disable_by_batch_size must be >= 1, got {disable}")
-        if method == "draft_model" and model is None:
-            raise SpeculativeConfigError('--speculative-config method "draft_model" needs "model": the draft '
-                                         "model's directory")
+        if method in ("draft_model", "eagle3") and model is None:
+            raise SpeculativeConfigError(f'--speculative-config method "{method}" needs "model": the '
+                                         f"{'draft model' if method == 'draft_model' else 'EAGLE-3 head'}'s directory")
         if method == "ngram" and model is not None:
             raise SpeculativeConfigError('--speculative-config model is not used by method "ngram"; drop it')
         return cls(method, k, low, high, disable, model)

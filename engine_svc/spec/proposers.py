@@ -1,7 +1,7 @@
 """The scheduler's draft proposer for each --speculative-config method.
 
-`ngram` proposes real tokens on the scheduler's host thread (ngram.py). `draft_model` cannot: its drafts
-come from a model the workers run. For it the scheduler reserves the drafts' places instead
+`ngram` proposes real tokens on the scheduler's host thread (ngram.py). `draft_model` and `eagle3` cannot:
+their drafts come from a model the workers run. For it the scheduler reserves the drafts' places instead
 (`DraftModelSlots`: k `PENDING_DRAFT` tokens), so that it budgets and allocates 1 + k tokens exactly as
 for prompt lookup; the worker runs the draft model at the start of that step and writes the real drafts
 into the scheduled places before the target verifies them (engine_svc/worker/draft_step.py). Only the
@@ -32,6 +32,6 @@ class DraftModelSlots:
 
 
 def make_proposer(spec: SpeculativeConfig) -> Proposer:
-    if spec.method == "draft_model":
+    if spec.method in ("draft_model", "eagle3"):  # drafts made by the workers (an EAGLE-3 head: eagle3_step.py)
         return DraftModelSlots()
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -39,7 +39,7 @@ from engine_svc.sample.metadata import RequestSamplingState, build_sampling_meta
 from engine_svc.sample.sampler import processed_logits
 from engine_svc.sched.output import SchedulerOutput
 from engine_svc.spec.rejection import sample_rows, target_probs
-from engine_svc.worker.input_batch import InputBatch
+from engine_svc.worker.input_batch import InputBatch, StepInputs
 
 
 class DraftRunner:
@@ -82,8 +82,7 @@ class DraftRunner:
             return
         ver_ids = [req_ids[i] for i in verifying]
         ver_rows, ends, ks = rows[verifying], known_end[verifying], num_drafts[verifying]
-        made: list[list[int]] = [[] for _ in verifying]
-        probs: list[list[torch.Tensor]] = [[] for _ in verifying]
+        made = MadeDrafts(len(verifying))
         live = list(range(len(verifying)))  # requests still drafting, as indices into ver_*
         for j in range(int(ks.max())):
             if j:  # the previous draft, at its own position, gives the next
@@ -93,15 +92,10 @@ class DraftRunner:
                                        last_of=list(range(len(live))))
             tokens, q = self._sample(hidden, [states[ver_ids[v]] for v in live])
             batch.token_ids[ver_rows[live], ends[live] + j] = tokens
-            for n, v in enumerate(live):
-                made[v].append(int(tokens[n]))
-                if q is not None:
-                    probs[v].append(q[n])
+            made.add(live, tokens, q)
+        made.hand_over(ver_ids, drafts_of, self.probs)
         for v, r in enumerate(ver_ids):
-            drafts_of[r] = made[v]
             written[r] = int(ends[v] + ks[v] - 1)
-            if probs[v]:
-                self.probs[r] = torch.stack(probs[v])
 
     def draft_probs(self, req_ids: list[str], drafts: list[list[int]]) -> torch.Tensor | None:
         """q aligned with the verification's logits rows (each request's k draft rows, then a zero row
@@ -139,31 +133,71 @@ class DraftRunner:
         """The draft over tokens `starts[i] .. starts[i] + lens[i]` of each request (its K/V written into
         the draft's caches through the request's block table); the hidden states of the last token of
         the requests `last_of` (indices into `rows`), in that order."""
-        order = np.argsort(lens != 1, kind="stable")  # single-token requests first (the attention contract)
+        step = PagedPass(batch, rows, starts, lens, self.device)
+        ids = step.up(batch.token_ids[step.token_rows, step.positions], torch.int64)
+        hidden: torch.Tensor = self.model(ids, step.up(step.positions, torch.int64), self.kv_caches, step.meta)
+        return hidden.index_select(0, step.last_rows(last_of))
+
+    def target_ran(self, inputs: StepInputs) -> None:
+        """After the target's forward of a step: a draft model needs nothing from it."""
+
+
+class MadeDrafts:
+    """The drafts of the verifying requests (indices 0..n-1) as the passes make them, and for the random
+    ones the q of each draft."""
+
+    def __init__(self, n: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.q: list[list[torch.Tensor]] = [[] for _ in range(n)]
+
+    def add(self, live: list[int], tokens: np.ndarray, q: torch.Tensor | None) -> None:
+        """One pass's drafts: row n is request live[n]'s next draft (q None: every row greedy)."""
+        for n, v in enumerate(live):
+            self.tokens[v].append(int(tokens[n]))
+            if q is not None:
+                self.q[v].append(q[n])
+
+    def hand_over(self, req_ids: list[str], drafts_of: dict[str, list[int]], probs: dict[str, torch.Tensor]) -> None:
+        """Into the step's draft places, and each random request's q [k, vocab] for verification."""
+        for v, r in enumerate(req_ids):
+            drafts_of[r] = self.tokens[v]
+            if self.q[v]:
+                probs[r] = torch.stack(self.q[v])
+
+
+class PagedPass:
+    """One pass of a draft over tokens `starts[i] .. starts[i] + lens[i]` of the requests in `rows`:
+    the requests reordered single-token first (the attention contract), each token's batch row and
+    position (`token_rows`, `positions`, in that order) and the attention metadata over the caches
+    addressed by the requests' block tables."""
+
+    def __init__(self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                 device: torch.device) -> None:
+        self.device = device
+        self.order = order = np.argsort(lens != 1, kind="stable")
         rows, starts, lens = rows[order], starts[order], lens[order]
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        self.inverse = np.empty_like(order)
+        self.inverse[order] = np.arange(len(order))
+        self.qsl = qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lens, out=qsl[1:])
         total = int(qsl[-1])
-        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, lens)
-        token_rows = np.repeat(rows, lens)
+        self.positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, lens)
+        self.token_rows = np.repeat(rows, lens)
         bs = batch.block_size
         seq_lens = starts + lens
-        slots = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = batch.block_table[self.token_rows, self.positions // bs].astype(np.int64) * bs + self.positions % bs
         max_blocks = int(-(-seq_lens.max() // bs))
-        dev = self.device
-
-        def up(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype)
-
-        meta = AttentionMetadata(
+        up = self.up
+        self.meta = AttentionMetadata(
             slot_mapping=up(slots, torch.int64), query_start_loc=up(qsl, torch.int32),
             seq_lens=up(seq_lens, torch.int32), block_table=up(batch.block_table[rows, :max_blocks], torch.int32),
             max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()), query_lens_cpu=lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(), num_decodes=int((lens == 1).sum()),
         )
-        hidden: torch.Tensor = self.model(up(batch.token_ids[token_rows, positions], torch.int64), up(positions, torch.int64),
-                            self.kv_caches, meta)
-        last = qsl[1:][inverse[last_of]] - 1
-        return hidden.index_select(0, up(last, torch.int64))
+
+    def up(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype)
+
+    def last_rows(self, last_of: list[int]) -> torch.Tensor:
+        """Device indices of the last token of requests `last_of` (indices into the caller's `rows`)."""
+        return self.up(self.qsl[1:][self.inverse[last_of]] - 1, torch.int64)

@@ -213,6 +213,8 @@ class ModelRunner:
         feed = self.feed
         fill = feed.fill_for(inputs, self.staging) if feed is not None else None
         hidden, sample_rows = self._forward(inputs, last_token, fill)
+        if self.drafter is not None:
+            self.drafter.target_ran(inputs)  # an EAGLE-3 head keeps the target's features
         if hidden is None:  # a pipeline stage before the last: its output went to the next stage
             self.staging.end_step()
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

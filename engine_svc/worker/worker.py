@@ -21,6 +21,7 @@ from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine_svc.worker.cpu_threads import ThreadGovernor, governor_enabled, set_cpu_threads
 from engine_svc.worker.cuda_graphs import maybe_capture_decode_graphs
 from engine_svc.worker.draft_step import DraftRunner
+from engine_svc.worker.eagle3_step import Eagle3Runner, load_eagle3_runner
 from engine_svc.worker.model_runner import ModelRunner
 from engine_svc.worker.sampled_feed import PendingOutput
 
@@ -89,7 +90,12 @@ class Worker:
         )
         self.runner.lora = lora
         spec = self.config.speculative
-        if spec is not None and spec.model is not None:
+        if spec is not None and spec.method == "eagle3":
+            self.runner.drafter = load_eagle3_runner(self.config.model, spec.model, self.model, self.dtype,
+                                                     self.device, backend)
+            if prepack_wanted(self.dtype, self.device):
+                prepack_linears(self.runner.drafter.model)
+        elif spec is not None and spec.model is not None:
             self.runner.drafter = self._load_draft(spec.model, backend)
 
     def _load_draft(self, model_dir: str, backend: object) -> DraftRunner:
@@ -206,7 +212,9 @@ class Worker:
             runner.drafter.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                                         for _ in range(d.num_layers)]
         # -- CUDA graphs hook: capture decode graphs now that the cache exists (None when off) --
-        if runner.lora is None:  # LoRA steps run eagerly: the adapter selection is not captured
+        # LoRA steps run eagerly (the adapter selection is not captured), EAGLE-3 steps too (every step
+        # keeps the target's auxiliary hidden states, which a graph replay would not hand over)
+        if runner.lora is None and not isinstance(runner.drafter, Eagle3Runner):
             runner.cuda_graphs = maybe_capture_decode_graphs(
                 self.config, m, runner.kv_caches, device=self.device, staging=runner.staging,
             )

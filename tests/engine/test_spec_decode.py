@@ -57,6 +57,31 @@ def generate(model_dir: Path, prompts: list[list[int]], params: SamplingParams |
     return llm.generate(prompts, params, use_tqdm=False), llm
 
 
+def served_tokens(model_dir: Path, spec: dict[str, Any], prompt: list[int], max_tokens: int, tmp_path: Path
+                  ) -> list[int]:
+    """Greedy tokens of `prompt` from a `tandem serve` process started with `--speculative-config spec`."""
+    import json
+    import sys
+
+    from frontend_svc.client import TandemClient, collect
+    from tests.support import Service, free_port
+
+    port, engine_port, http_port = free_port(), free_port(), free_port()
+    serve = Service("serve", [sys.executable, "-m", "entrypoints.serve", "--model", str(model_dir),
+                              "--port", str(port), "--engine-port", str(engine_port), "--http-port", str(http_port),
+                              "--dtype", "float32", "--speculative-config", json.dumps(spec)],
+                    port, tmp_path).start()
+    try:
+        serve.wait_serving(120)
+        with TandemClient(f"127.0.0.1:{port}") as client:
+            got = collect(client.generate(token_ids=prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                          timeout=60))[0]
+        tokens: list[int] = got["token_ids"]
+        return tokens
+    finally:
+        serve.stop()
+
+
 def completions(outs: list) -> list[tuple]:
     return [(c.token_ids, c.finish_reason, c.stop_reason, c.text) for out in outs for c in out.outputs]
 
