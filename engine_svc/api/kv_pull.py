@@ -17,7 +17,6 @@ from hashlib import sha256
 import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
 
-from engine_svc.kv_transfer.blocks import read_blocks
 from engine_svc.kv_transfer.connector import KVConnector
 from engine_svc.kv_transfer.puller import layout_from_pb
 
@@ -46,7 +45,7 @@ async def stream_kv_blocks(connector: KVConnector | None, request: pb.PullKvBloc
             return
         num_blocks = -(-lease.num_tokens // connector.block_size)
         block_ids = lease.block_ids[request.first_block:num_blocks]
-        data = await asyncio.to_thread(read_blocks, connector.kv_caches, block_ids) if block_ids else b""
+        data = await asyncio.to_thread(connector.read_blocks, block_ids) if block_ids else b""
         digest = sha256(data).hexdigest()
         size = connector.config.kv_chunk_bytes
         starts = range(0, max(len(data), 1), size)

@@ -28,8 +28,6 @@ from engine_svc.request import Request, RequestStatus
 from shared_runtime.contract import KvTransferParams
 
 if TYPE_CHECKING:
-    import torch
-
     from engine_svc.kv_transfer.blocks import CacheLayout
 
 
@@ -61,6 +59,10 @@ def plan_load(load: PullResult, num_hit_tokens: int, num_tokens: int, block_size
     return LoadPlan(target - num_hit_tokens, hit_blocks, data, last - hit_blocks)
 
 
+def _no_cache(block_ids: list[int]) -> bytes:
+    raise RuntimeError("this connector has no KV cache to read")
+
+
 class KVConnector:
     def __init__(self, config: KVTransferConfig, block_size: int, *, leases: LeaseTable | None = None,
                  puller: KVPuller | None = None, engine_id: str = "") -> None:
@@ -71,7 +73,8 @@ class KVConnector:
         self.engine_id = engine_id
         self.host, self.port = config.kv_advertise_host, 0  # set by the server once it listens
         self.num_pulls = self.num_pull_failures = self.num_blocks_pulled = 0  # cumulative, consumer side
-        self.kv_caches: list[torch.Tensor] = []  # the cache the producer's pulls read (setup.py)
+        # The wire bytes of the given blocks, read from the cache (on any thread; setup.py)
+        self.read_blocks: Callable[[list[int]], bytes] = _no_cache
         self.layout: CacheLayout | None = None
 
     def set_wake(self, wake: Callable[[], None]) -> None:

@@ -36,12 +36,12 @@ class PullResult:
 def layout_to_pb(layout: CacheLayout) -> pb.KvCacheLayout:
     return pb.KvCacheLayout(model_name=layout.model_name, block_size=layout.block_size, dtype=layout.dtype,
                             num_layers=layout.num_layers, block_shape=list(layout.block_shape),
-                            tensor_parallel_size=layout.tensor_parallel_size)
+                            tensor_parallel_size=layout.tensor_parallel_size, num_kv_heads=layout.num_kv_heads)
 
 
 def layout_from_pb(msg: pb.KvCacheLayout) -> CacheLayout:
     return CacheLayout(msg.model_name, msg.block_size, msg.dtype, msg.num_layers, tuple(msg.block_shape),
-                       msg.tensor_parallel_size)
+                       msg.tensor_parallel_size, msg.num_kv_heads)
 
 
 class KVPuller:

@@ -6,30 +6,48 @@ import grpc
 
 from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.executor.base import Executor
+from engine_svc.executor.multiproc import MultiprocExecutor
 from engine_svc.executor.uniproc import UniprocExecutor
-from engine_svc.kv_transfer.blocks import layout_of
+from engine_svc.kv_transfer.blocks import read_blocks
 from engine_svc.kv_transfer.connector import KVConnector
 from engine_svc.kv_transfer.leases import LeaseTable
 from engine_svc.kv_transfer.puller import KVPuller
+from engine_svc.kv_transfer.shards import decode_shards, describe, layout_of
 from shared_runtime.link import MAX_MESSAGE_BYTES
 from shared_runtime.security.auth import BearerToken
 from shared_runtime.security.tls import TlsFiles
 
 
 def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
-    """The connector of an engine started with --kv-transfer-config (single device: the cache lives in
-    this process). Its engine id, address and pull credentials are set by the server once it listens."""
+    """The connector of an engine started with --kv-transfer-config. Its engine id, address and pull
+    credentials are set by the server once it listens.
+
+    One device: the cache lives in this process, and a pull reads it directly. Several ranks (TP/PP, the
+    multiprocessing executor): the ranks learn every rank's shard now (KV_DESCRIBE), and a pull asks them
+    for the blocks (KV_READ, gathered to the answer rank: shards.py), in step order."""
     kv_config = config.kv_transfer_config
     assert kv_config is not None
-    if not isinstance(executor, UniprocExecutor):
-        raise ConfigError("--kv-transfer-config needs the in-process executor (--tensor-parallel-size 1)")
-    kv_caches = executor.worker.runner.kv_caches  # type: ignore[union-attr]
-    layout = layout_of(kv_caches, config.model_name, config.block_size, config.tensor_parallel_size)
+    if isinstance(executor, UniprocExecutor):
+        worker = executor.worker
+        assert worker.runner is not None
+        shards = describe(worker.runner.kv_caches, worker.model)
+        worker.kv_shards, worker.kv_shard = shards, None
+        kv_caches = worker.runner.kv_caches
+
+        def read(block_ids: list[int]) -> bytes:
+            return read_blocks(kv_caches, block_ids)
+    elif isinstance(executor, MultiprocExecutor):
+        shards = decode_shards(executor.describe_kv())
+        read = executor.read_kv_blocks
+    else:
+        raise ConfigError(f"--kv-transfer-config cannot run under the {type(executor).__name__}: use the "
+                          "in-process executor (one device) or --distributed-executor-backend mp")
+    layout = layout_of(shards, config.model_name, config.block_size, config.tensor_parallel_size)
     connector = KVConnector(
         kv_config, config.block_size,
         leases=LeaseTable(kv_config.kv_lease_duration_s),
         puller=KVPuller(layout, timeout_s=kv_config.kv_pull_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES))
-    connector.kv_caches, connector.layout = kv_caches, layout
+    connector.read_blocks, connector.layout = read, layout
     return connector
 
 

@@ -311,9 +311,10 @@ def test_a_corrupted_transfer_is_refused_and_recomputed(producer: ServerThread, 
     transit (here: in the producer's bytes after it hashed them) is a failed pull, recomputed."""
     import engine_svc.api.kv_pull as kv_pull
 
-    real = kv_pull.read_blocks
+    connector = producer.server.servicer.core.kv_connector  # type: ignore[union-attr]
+    real = connector.read_blocks
     monkeypatch.setattr(kv_pull, "sha256", _HashOfOriginal)
-    monkeypatch.setattr(kv_pull, "read_blocks", lambda caches, ids: _flip_first_byte(real(caches, ids)))
+    monkeypatch.setattr(connector, "read_blocks", lambda ids: _flip_first_byte(real(ids)))
     want, _, _ = _run(unified, EngineCoreRequest(request_id="u-corrupt", prompt_token_ids=PROMPT,
                                                  sampling_params=EngineSamplingParams(**GREEDY)))
     first = _prefill(producer, "p-corrupt", PROMPT, GREEDY)
@@ -424,10 +425,11 @@ def test_the_engine_flags_parse_and_refuse_by_name(llama_dir: Path) -> None:
             parser.parse_args(["--model", "m", "--kv-transfer-config", bad])
     with pytest.raises(ConfigError, match="contradicts"):
         config("--kv-role", "decode", "--kv-transfer-config", '{"kv_role": "kv_producer"}')
-    with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
-        config("--kv-role", "both", "--tensor-parallel-size", "2")
-    with pytest.raises(ConfigError, match="--pipeline-parallel-size 1"):
-        config("--kv-role", "both", "--pipeline-parallel-size", "2")
+    assert config("--kv-role", "both", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2").world_size == 4
+    with pytest.raises(ConfigError, match="--distributed-executor-backend ray"):
+        config("--kv-role", "both", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
+    with pytest.raises(ConfigError, match="--nnodes > 1"):
+        config("--kv-role", "both", "--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", "29555")
 
 
 def test_a_lease_ends_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:

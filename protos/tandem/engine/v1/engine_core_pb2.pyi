@@ -493,20 +493,22 @@ class TokenizerChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., sha256: _Optional[str] = ..., total_size: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class KvCacheLayout(_message.Message):
-    __slots__ = ("model_name", "block_size", "dtype", "num_layers", "block_shape", "tensor_parallel_size")
+    __slots__ = ("model_name", "block_size", "dtype", "num_layers", "block_shape", "tensor_parallel_size", "num_kv_heads")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     block_size: int
     dtype: str
     num_layers: int
     block_shape: _containers.RepeatedScalarFieldContainer[int]
     tensor_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_shape: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    num_kv_heads: int
+    def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_shape: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class PullKvBlocksRequest(_message.Message):
     __slots__ = ("request_id", "first_block", "layout", "lora_name")
