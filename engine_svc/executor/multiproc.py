@@ -68,7 +68,7 @@ from engine_svc.executor.nodes import (
 )
 from engine_svc.executor.shm_queue import PeerDiedError, ShmBroadcastQueue
 from engine_svc.executor.worker_proc import DEFAULT_WORKER_CLS, WorkerArgs, answer_rank, worker_main
-from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
