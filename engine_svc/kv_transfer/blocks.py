@@ -76,14 +76,16 @@ def read_shard(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Ten
     return out.view(len(block_ids), -1).view(torch.uint8)
 
 
-def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> bytes:
-    """The bytes of `block_ids` of a one-rank cache (module docstring), through host memory."""
-    return host_bytes(read_shard(kv_caches, block_ids))
+def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> memoryview:
+    """The bytes of `block_ids` of a one-rank cache (module docstring), in host memory: a view of the
+    host buffer they were gathered into (no copy into a bytes object)."""
+    host = read_shard(kv_caches, block_ids).cpu().contiguous().view(-1)
+    return host.numpy().data
 
 
 def host_bytes(data: torch.Tensor) -> bytes:
     """A uint8 tensor's bytes, copied to host memory first if it lives on a device."""
-    return bytes(memoryview(data.cpu().contiguous().view(-1).numpy()))
+    return bytes(data.cpu().contiguous().view(-1).numpy().data)
 
 
 def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes,

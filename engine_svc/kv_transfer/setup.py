@@ -13,6 +13,7 @@ from engine_svc.kv_transfer.connector import KVConnector
 from engine_svc.kv_transfer.leases import LeaseTable
 from engine_svc.kv_transfer.puller import KVPuller
 from engine_svc.kv_transfer.shards import decode_shards, describe, layout_of
+from engine_svc.kv_transfer.side_channel import SideChannelServer
 from shared_runtime.link import MAX_MESSAGE_BYTES
 from shared_runtime.security.auth import BearerToken
 from shared_runtime.security.tls import TlsFiles
@@ -34,7 +35,7 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
         worker.kv_shards, worker.kv_shard = shards, None
         kv_caches = worker.runner.kv_caches
 
-        def read(block_ids: list[int]) -> bytes:
+        def read(block_ids: list[int]) -> bytes | memoryview:
             return read_blocks(kv_caches, block_ids)
     elif isinstance(executor, MultiprocExecutor):
         shards = decode_shards(executor.describe_kv())
@@ -65,6 +66,12 @@ def advertise(connector: KVConnector, engine_id: str, host: str, port: int, toke
     if tls is not None and tls.enabled and connector.puller is not None:
         connector.puller.credentials = lambda: pull_credentials(tls)
         connector.puller.ssl_server_name = connector.config.kv_ssl_server_name
+    side_port = connector.config.kv_side_channel_port
+    if side_port >= 0 and connector.leases is not None:
+        if tls is not None and tls.enabled:
+            raise ConfigError("kv_transfer_config.kv_side_channel_port: the side channel is plain TCP, and this "
+                              "engine serves TLS: drop the key (pulls then stay in the TLS stream)")
+        connector.side_channel = SideChannelServer(host or "0.0.0.0", side_port)
 
 
 def pull_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
