@@ -47,7 +47,7 @@ ENGINE_FLAGS = ("--dtype", "float32", "--max-num-seqs", "16", "--kv-cache-memory
 
 # ---- transfer throughput -----------------------------------------------------------------------------
 def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 1024,
-             producer_process: bool = False) -> None:
+             producer_process: bool = False, side_channel: bool = False) -> None:
     from engine_svc.api.server import EngineServer
     from engine_svc.config import EngineConfig
     from engine_svc.kv_transfer.config import KVTransferConfig
@@ -59,7 +59,8 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
     config = EngineConfig.create(model=str(model), dtype="float32", device="cpu", max_num_seqs=4,
                                  kv_cache_memory_bytes=512 << 20,
                                  kv_transfer_config=KVTransferConfig(kv_role="kv_producer",
-                                                                     kv_chunk_bytes=chunk_kib << 10))
+                                                                     kv_chunk_bytes=chunk_kib << 10,
+                                                                     kv_side_channel_port=0 if side_channel else -1))
     server = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
     wait_until(lambda: engine_idle(server.address), 120, "producer up", retry_on=(grpc.RpcError,))
     core = server.server.servicer.core  # type: ignore[union-attr]
@@ -69,7 +70,8 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
     remote = None
     if producer_process:  # the same producer in a process of its own: the two ends share no GIL
         port = free_port()
-        kv = json.dumps({"kv_role": "kv_producer", "kv_chunk_bytes": chunk_kib << 10})
+        kv = json.dumps({"kv_role": "kv_producer", "kv_chunk_bytes": chunk_kib << 10,
+                         "kv_side_channel_port": 0 if side_channel else -1})
         remote = Service("producer", [sys.executable, "-m", "engine_svc.cli", "--model", str(model), "--host",
                                       "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-num-seqs", "4",
                                       "--kv-cache-memory-bytes", str(512 << 20), "--metrics-port", "0",
@@ -78,7 +80,8 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
         address = remote.address
     rng = random.Random(0)
     print(f"block: {puller.layout.block_bytes / 1024:.0f} KiB over {puller.layout.num_layers} layers; "
-          f"chunks of {config.kv_transfer_config.kv_chunk_bytes >> 10} KiB")  # type: ignore[union-attr]
+          f"chunks of {config.kv_transfer_config.kv_chunk_bytes >> 10} KiB; "  # type: ignore[union-attr]
+          f"{'side channel' if side_channel else 'in the gRPC stream'}")
     for length in lengths:
         pulls, copies, nbytes = [], [], 0
         for r in range(repeats):
@@ -217,6 +220,8 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk-kib", type=int, default=1024, help="the producer's kv_chunk_bytes, in KiB")
+    p.add_argument("--side-channel", action="store_true",
+                   help="--transfer: the producer sends the bytes over its TCP side channel (kv_side_channel_port 0)")
     p.add_argument("--producer-process", action="store_true",
                    help="pull from a producer engine in a process of its own (default: in this process)")
     p.add_argument("--mix", action="store_true")
@@ -229,7 +234,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
     if args.transfer:
-        transfer(args.model, args.lengths, args.repeats, args.chunk_kib, args.producer_process)
+        transfer(args.model, args.lengths, args.repeats, args.chunk_kib, args.producer_process, args.side_channel)
     if args.mix:
         mix(args.model, args)
 

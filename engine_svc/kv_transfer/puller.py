@@ -153,8 +153,7 @@ class KVPuller:
                     num_blocks, num_tokens = chunk.num_blocks, chunk.num_tokens
                 if chunk.side_ticket and side is None:  # the bytes over the producer's side channel
                     side = receive(params.remote_host, chunk.side_port, chunk.side_ticket,
-                                   num_blocks * self.layout.block_bytes, self.timeout_s)
-                    digest.update(side)
+                                   num_blocks * self.layout.block_bytes, self.timeout_s, digest)
                 if chunk.data:
                     digest.update(chunk.data)
                     parts.append(chunk.data)

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import queue
 import secrets
 import socket
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 TICKET_BYTES = 32
 _HANDSHAKE_TIMEOUT_S = 10.0
+_HASH_STEP = 4 << 20  # the consumer hashes what arrived in steps of this many bytes
 
 
 @dataclass
@@ -110,18 +113,37 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def receive(host: str, port: int, ticket: bytes, size: int, timeout_s: float) -> bytearray:
+def receive(host: str, port: int, ticket: bytes, size: int, timeout_s: float, digest: Any = None) -> bytearray:
     """The consumer's side: connect, present `ticket`, read exactly `size` bytes (ValueError if the producer
-    sends fewer or more)."""
-    with socket.create_connection((host, port), timeout=timeout_s) as conn:
-        conn.sendall(ticket)
-        buf = bytearray(size)
-        view, got = memoryview(buf), 0
-        while got < size:
-            r = conn.recv_into(view[got:], min(size - got, 4 << 20))
-            if not r:
-                raise ValueError(f"the side channel closed after {got} of {size} bytes")
-            got += r
-        if conn.recv(1):
-            raise ValueError(f"the side channel sent more than the {size} bytes of the pull")
+    sends fewer or more). `digest` (a hashlib object), if given, is updated with the bytes on a thread of
+    its own while they arrive (hashing releases the GIL, so it overlaps the receive)."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+    hasher = None
+    if digest is not None:
+        def hash_ranges() -> None:
+            while (span := ranges.get()) is not None:
+                digest.update(view[span[0]:span[1]])
+
+        hasher = threading.Thread(target=hash_ranges, daemon=True, name="kv-side-hash")
+        hasher.start()
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.sendall(ticket)
+            got = hashed = 0
+            while got < size:
+                r = conn.recv_into(view[got:], min(size - got, 4 << 20))
+                if not r:
+                    raise ValueError(f"the side channel closed after {got} of {size} bytes")
+                got += r
+                if got - hashed >= _HASH_STEP or got == size:
+                    ranges.put((hashed, got))
+                    hashed = got
+            if conn.recv(1):
+                raise ValueError(f"the side channel sent more than the {size} bytes of the pull")
+    finally:
+        ranges.put(None)
+        if hasher is not None:
+            hasher.join()
     return buf
