@@ -55,6 +55,7 @@ class KVPuller:
         # TLS to the producer (an engine serving TLS pulls over TLS: `pull_credentials`), else plaintext
         self.credentials: Callable[[], grpc.ChannelCredentials] | None = None
         self.ssl_server_name = ""  # under TLS, the name the producer's certificate must carry ("": its host)
+        self.offer_side_channel = True  # offer the producer's side channel when pulling in plaintext
         self.on_done = on_done
         self._lock = threading.Lock()
         self._calls: dict[str, Any] = {}  # request id -> its call (None until it started), while pulling
@@ -122,7 +123,7 @@ class KVPuller:
         """The pull's request: the side channel is offered only when the pull itself is plaintext."""
         return pb.PullKvBlocksRequest(request_id=remote_request_id, first_block=first_block,
                                       layout=layout_to_pb(self.layout), lora_name=lora_name,
-                                      accept_side_channel=self.credentials is None)
+                                      accept_side_channel=self.offer_side_channel and self.credentials is None)
 
     def _fetch(self, request_id: str, params: KvTransferParams, first_block: int, lora_name: str) -> PullResult:
         options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", self.max_message_bytes)]
