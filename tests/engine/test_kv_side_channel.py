@@ -154,3 +154,25 @@ def test_tls_and_the_side_channel_do_not_mix(llama_dir: Path, tmp_path: Path) ->
     assert puller._request("x", 0, "").accept_side_channel is False
     puller.credentials = None
     assert puller._request("x", 0, "").accept_side_channel is True
+
+
+def test_a_ticket_is_good_for_one_connection_until_withdrawn() -> None:
+    """The server alone: a ticket serves one connection (a second gets nothing even before the pull's stream
+    ends), and a withdrawn ticket serves none."""
+    from engine_svc.kv_transfer.side_channel import SideChannelServer, receive
+
+    server = SideChannelServer("127.0.0.1", 0)
+    try:
+        data = bytes(range(256)) * 1000
+        ticket, transfer = server.offer(data)
+        assert receive("127.0.0.1", server.port, ticket, len(data), 10) == data
+        assert transfer.done.wait(10) and transfer.error is None and server.num_sent == 1
+        assert _side_read(server.port, ticket) == b""  # used
+        server.withdraw(ticket)
+        late, _ = server.offer(data)
+        server.withdraw(late)
+        assert _side_read(server.port, late) == b""
+        with pytest.raises(ValueError, match="closed after 0 of"):
+            receive("127.0.0.1", server.port, late, len(data), 10)
+    finally:
+        server.close()
