@@ -17,7 +17,6 @@ import pytest
 from tandem.engine.v1 import engine_core_pb2 as epb
 from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
-from engine_svc.api.server import EngineServer
 from engine_svc.config import ConfigError
 from engine_svc.core import EngineCore
 from engine_svc.kv_transfer.config import KVTransferConfig
@@ -37,6 +36,8 @@ from tests.engine.test_kv_transfer import (
     _logprob_rows,
     _prefill,
     _run,
+    _serve,
+    _stop,
 )
 from tests.engine_stream import engine_idle
 from tests.support import wait_until
@@ -44,12 +45,9 @@ from tests.support import wait_until
 
 @pytest.fixture(scope="module")
 def side_producer(llama_dir: Path) -> Iterator[ServerThread]:
-    config = _config(llama_dir, KVTransferConfig(kv_role="kv_producer", kv_side_channel_port=0))
-    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
-    wait_until(lambda: engine_idle(running.address), 60, "producer up", retry_on=(grpc.RpcError,))
+    running = _serve(_config(llama_dir, KVTransferConfig(kv_role="kv_producer", kv_side_channel_port=0)))
     yield running
-    running.begin_drain()
-    assert running.join(15) == 0
+    _stop(running)
 
 
 @pytest.fixture(scope="module")

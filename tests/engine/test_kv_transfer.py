@@ -49,14 +49,23 @@ def _config(model: Path, kv: KVTransferConfig | None = None, block_size: int = B
                                kv_transfer_config=kv, **more)
 
 
+def _serve(config: EngineConfig) -> ServerThread:
+    """A served engine on loopback, up and idle."""
+    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
+    wait_until(lambda: engine_idle(running.address), 90, "producer up", retry_on=(grpc.RpcError,))
+    return running
+
+
+def _stop(running: ServerThread) -> None:
+    running.begin_drain()
+    assert running.join(30) == 0
+
+
 @pytest.fixture(scope="module")
 def producer(llama_dir: Path) -> Iterator[ServerThread]:
-    config = _config(llama_dir, KVTransferConfig(kv_role="kv_producer", kv_lease_duration_s=60))
-    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
-    wait_until(lambda: engine_idle(running.address), 60, "producer up", retry_on=(grpc.RpcError,))
+    running = _serve(_config(llama_dir, KVTransferConfig(kv_role="kv_producer", kv_lease_duration_s=60)))
     yield running
-    running.begin_drain()
-    assert running.join(15) == 0
+    _stop(running)
 
 
 @pytest.fixture(scope="module")

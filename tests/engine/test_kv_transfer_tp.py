@@ -19,7 +19,6 @@ import grpc
 import pytest
 import torch
 
-from engine_svc.api.server import EngineServer
 from engine_svc.core import EngineCore
 from engine_svc.kv_transfer.blocks import read_shard
 from engine_svc.kv_transfer.config import KVTransferConfig
@@ -37,23 +36,14 @@ from tests.engine.test_kv_transfer import (
     _prefill,
     _pull,
     _run,
+    _serve,
+    _stop,
 )
 from tests.engine_stream import EngineStream, engine_idle, engine_load
 from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 BUSY_PROMPT, BUSY_TOKENS = [7, 8, 9, 10, 11, 12, 13, 14], 160  # 42 blocks, and 5 kept by a prefill: < 64
-
-
-def _serve(config: Any) -> ServerThread:
-    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
-    wait_until(lambda: engine_idle(running.address), 90, "producer up", retry_on=(grpc.RpcError,))
-    return running
-
-
-def _stop(running: ServerThread) -> None:
-    running.begin_drain()
-    assert running.join(30) == 0
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +76,22 @@ def _assert_close(got: list[Any], want: list[Any]) -> None:
         assert list(g.top_token_ids) == list(w.top_token_ids)
 
 
+def _continue_and_check(consumer: EngineCore, request_id: str, first: Any, want: tuple[list[int], list[Any]],
+                        pulled: int, failures: int) -> None:
+    """Continue `first` (the producer's output) on `consumer`: the one engine's tokens (`want`), logprobs within
+    1e-4, `pulled` blocks pulled and `failures` pulls failed."""
+    rest, rest_logprobs, _ = _run(consumer, _decode_request(request_id, PROMPT, GREEDY, first), timeout=60)
+    assert list(first.new_token_ids) + rest == want[0]
+    _assert_close(list(first.new_logprobs) + rest_logprobs, want[1])
+    connector = consumer.kv_connector
+    assert connector is not None and (connector.num_blocks_pulled, connector.num_pull_failures) == (pulled, failures)
+
+
 def test_tp2_producer_to_tp2_consumer_equals_one_engine(tp_producer: ServerThread, one_engine: EngineCore,
                                                         llama_dir: Path) -> None:
-    want, want_logprobs = _expected(one_engine, "u-tp")
+    want = _expected(one_engine, "u-tp")
     first = _prefill(tp_producer, "p-tp", PROMPT, GREEDY)
-    assert list(first.new_token_ids) == want[:1]
+    assert list(first.new_token_ids) == want[0][:1]
     assert engine_load(tp_producer.address).num_free_blocks == NUM_BLOCKS - 5  # held for the pull
     consumer = _tp_consumer(llama_dir, tensor_parallel_size=2)
     busy_want, _ = _expected(one_engine, "u-busy", BUSY_PROMPT, max_tokens=BUSY_TOKENS)
@@ -100,13 +101,9 @@ def test_tp2_producer_to_tp2_consumer_equals_one_engine(tp_producer: ServerThrea
         busy.add("busy", BUSY_PROMPT, max_tokens=BUSY_TOKENS)
         busy.wait(lambda: bool(busy.tokens("busy")), timeout=30, what="the busy request's first token")
         assert busy.last("busy") is None
-        rest, rest_logprobs, _ = _run(consumer, _decode_request("d-tp", PROMPT, GREEDY, first), timeout=60)
-        assert list(first.new_token_ids) + rest == want
-        _assert_close(list(first.new_logprobs) + rest_logprobs, want_logprobs)
+        _continue_and_check(consumer, "d-tp", first, want, pulled=5, failures=0)
         busy.wait_finished("busy", timeout=60)
         assert busy.tokens("busy") == busy_want
-        connector = consumer.kv_connector
-        assert connector is not None and (connector.num_blocks_pulled, connector.num_pull_failures) == (5, 0)
         assert consumer.scheduler.get_stats().prefix_cache_hits == 0
         assert _all_free(consumer)
     finally:
@@ -153,7 +150,7 @@ def _probe(prompt: list[int]) -> Any:
 
 def test_unequal_tp_is_refused_by_name_and_recomputed(tp_producer: ServerThread, one_engine: EngineCore,
                                                       llama_dir: Path) -> None:
-    want, want_logprobs = _expected(one_engine, "u-uneq")
+    want = _expected(one_engine, "u-uneq")
     first = _prefill(tp_producer, "p-uneq", PROMPT, GREEDY)
     consumer = _tp_consumer(llama_dir)  # one device
     try:
@@ -164,11 +161,7 @@ def test_unequal_tp_is_refused_by_name_and_recomputed(tp_producer: ServerThread,
         assert "tensor_parallel_size is 2 here and 1 on the caller" in (refused.value.details() or "")
         wait_until(lambda: engine_idle(tp_producer.address), 15, "a refused pull frees the blocks")
         first = _prefill(tp_producer, "p-uneq2", PROMPT, GREEDY)
-        rest, rest_logprobs, _ = _run(consumer, _decode_request("d-uneq", PROMPT, GREEDY, first), timeout=60)
-        assert list(first.new_token_ids) + rest == want
-        _assert_close(list(first.new_logprobs) + rest_logprobs, want_logprobs)
-        connector = consumer.kv_connector
-        assert connector is not None and (connector.num_pull_failures, connector.num_blocks_pulled) == (1, 0)
+        _continue_and_check(consumer, "d-uneq", first, want, pulled=0, failures=1)
         assert _all_free(consumer)
     finally:
         consumer.shutdown()
@@ -177,7 +170,7 @@ def test_unequal_tp_is_refused_by_name_and_recomputed(tp_producer: ServerThread,
 
 @pytest.mark.slow
 def test_a_dead_tp_producer_is_recomputed_by_a_tp_consumer(one_engine: EngineCore, llama_dir: Path) -> None:
-    want, want_logprobs = _expected(one_engine, "u-dead")
+    want = _expected(one_engine, "u-dead")
     producer = _serve(_config(llama_dir, KVTransferConfig(kv_role="kv_producer"), tensor_parallel_size=2))
     try:
         first = _prefill(producer, "p-dead", PROMPT, GREEDY)
@@ -185,11 +178,7 @@ def test_a_dead_tp_producer_is_recomputed_by_a_tp_consumer(one_engine: EngineCor
         _stop(producer)  # the producer (and its worker processes) gone, its K/V with it
     consumer = _tp_consumer(llama_dir, tensor_parallel_size=2)
     try:
-        rest, rest_logprobs, _ = _run(consumer, _decode_request("d-dead", PROMPT, GREEDY, first), timeout=60)
-        assert list(first.new_token_ids) + rest == want
-        _assert_close(list(first.new_logprobs) + rest_logprobs, want_logprobs)
-        connector = consumer.kv_connector
-        assert connector is not None and (connector.num_pull_failures, connector.num_blocks_pulled) == (1, 0)
+        _continue_and_check(consumer, "d-dead", first, want, pulled=0, failures=1)
         assert _all_free(consumer)
     finally:
         consumer.shutdown()
@@ -202,18 +191,14 @@ def test_a_pipeline_producer_feeds_a_one_device_consumer(make_model: Any) -> Non
     model = make_model("llama", num_layers=3)
     one = EngineCore(_config(model))
     try:
-        want, want_logprobs = _expected(one, "u-pp")
+        want = _expected(one, "u-pp")
     finally:
         one.shutdown()
     producer = _serve(_config(model, KVTransferConfig(kv_role="kv_producer"), pipeline_parallel_size=2))
     consumer = _tp_consumer(model)
     try:
         first = _prefill(producer, "p-pp", PROMPT, GREEDY)
-        rest, rest_logprobs, _ = _run(consumer, _decode_request("d-pp", PROMPT, GREEDY, first), timeout=60)
-        assert list(first.new_token_ids) + rest == want
-        _assert_close(list(first.new_logprobs) + rest_logprobs, want_logprobs)
-        connector = consumer.kv_connector
-        assert connector is not None and (connector.num_blocks_pulled, connector.num_pull_failures) == (5, 0)
+        _continue_and_check(consumer, "d-pp", first, want, pulled=5, failures=0)
         wait_until(lambda: engine_idle(producer.address), 15, "the producer's blocks freed after the pull")
         assert _all_free(consumer)
     finally:
