@@ -29,7 +29,7 @@ class PullResult:
     request_id: str
     first_block: int  # the first block of the producer's table the data starts at
     num_tokens: int  # tokens whose K/V the producer's whole table holds
-    data: bytes | bytearray | None  # None when the pull failed
+    data: bytes | memoryview | None  # None when the pull failed
     error: str | None = None
     num_blocks: int = 0  # blocks in data
 
@@ -145,7 +145,7 @@ class KVPuller:
                     return PullResult(request_id, first_block, 0, None, "cancelled")
                 self._calls[request_id] = call
             parts: list[bytes] = []
-            side: bytearray | None = None
+            side: memoryview | None = None
             digest = hashlib.sha256()
             num_blocks = num_tokens = -1
             sent_digest = ""

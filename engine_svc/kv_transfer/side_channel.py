@@ -22,6 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
+
 TICKET_BYTES = 32
 _HANDSHAKE_TIMEOUT_S = 10.0
 _HASH_STEP = 4 << 20  # the consumer hashes what arrived in steps of this many bytes
@@ -113,12 +115,12 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def receive(host: str, port: int, ticket: bytes, size: int, timeout_s: float, digest: Any = None) -> bytearray:
+def receive(host: str, port: int, ticket: bytes, size: int, timeout_s: float, digest: Any = None) -> memoryview:
     """The consumer's side: connect, present `ticket`, read exactly `size` bytes (ValueError if the producer
-    sends fewer or more). `digest` (a hashlib object), if given, is updated with the bytes on a thread of
-    its own while they arrive (hashing releases the GIL, so it overlaps the receive)."""
-    buf = bytearray(size)
-    view = memoryview(buf)
+    sends fewer or more) into a buffer of their own, which is returned. `digest` (a hashlib object), if
+    given, is updated with the bytes on a thread of its own while they arrive (hashing releases the GIL, so
+    it overlaps the receive). The buffer is not zeroed first (`bytearray(size)` would write it once more)."""
+    view = numpy.empty(size, dtype=numpy.uint8).data
     ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
     hasher = None
     if digest is not None:
@@ -146,4 +148,4 @@ def receive(host: str, port: int, ticket: bytes, size: int, timeout_s: float, di
         ranges.put(None)
         if hasher is not None:
             hasher.join()
-    return buf
+    return view
