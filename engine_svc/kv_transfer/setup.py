@@ -71,7 +71,7 @@ def advertise(connector: KVConnector, engine_id: str, host: str, port: int, toke
         if tls is not None and tls.enabled:
             raise ConfigError("kv_transfer_config.kv_side_channel_port: the side channel is plain TCP, and this "
                               "engine serves TLS: drop the key (pulls then stay in the TLS stream)")
-        connector.side_channel = SideChannelServer(host or "0.0.0.0", side_port)
+        connector.side_channel = SideChannelServer(host, side_port)
 
 
 def pull_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:

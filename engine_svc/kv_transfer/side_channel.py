@@ -43,7 +43,14 @@ class SideChannelServer:
     """The producer's listener: one thread accepting, one thread per connection sending."""
 
     def __init__(self, host: str, port: int) -> None:
-        self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        """Listen on `host` (the engine's bind host; "", "0.0.0.0", "::" or "[::]": every address) and `port`
+        (0: any free one, then in `port`)."""
+        host = host.strip("[]")
+        if host in ("", "::"):
+            self._sock = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True) \
+                if socket.has_dualstack_ipv6() else socket.create_server(("0.0.0.0", port))
+        else:
+            self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.port = int(self._sock.getsockname()[1])
         self._lock = threading.Lock()
         self._pending: dict[bytes, Transfer] = {}
