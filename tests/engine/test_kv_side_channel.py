@@ -28,12 +28,12 @@ from tests.engine.test_kv_transfer import (
     GREEDY,
     PROMPT,
     _all_free,
+    _assert_close,
     _config,
     _consumer,
     _decode_request,
     _flip_first_byte,
     _HashOfOriginal,
-    _logprob_rows,
     _prefill,
     _run,
     _serve,
@@ -50,15 +50,16 @@ def side_producer(llama_dir: Path) -> Iterator[ServerThread]:
     _stop(running)
 
 
-@pytest.fixture(scope="module")
-def one_engine(llama_dir: Path) -> EngineCore:
-    return EngineCore(_config(llama_dir))
-
-
 def _side(producer: ServerThread) -> object:
     side = producer.server.servicer.core.kv_connector.side_channel  # type: ignore[union-attr]
     assert side is not None
     return side
+
+
+@pytest.fixture(scope="module")
+def one_engine(llama_dir: Path) -> EngineCore:
+    """One engine without P/D: the oracle."""
+    return EngineCore(_config(llama_dir))
 
 
 def test_the_bytes_take_the_side_channel_and_the_output_is_exact(side_producer: ServerThread,
@@ -72,7 +73,7 @@ def test_the_bytes_take_the_side_channel_and_the_output_is_exact(side_producer: 
     try:
         rest, rest_logprobs, _ = _run(consumer, _decode_request("d-side", PROMPT, GREEDY, first))
         assert list(first.new_token_ids) + rest == want
-        assert _logprob_rows(list(first.new_logprobs) + rest_logprobs) == _logprob_rows(want_logprobs)
+        _assert_close(list(first.new_logprobs) + rest_logprobs, want_logprobs)
         connector = consumer.kv_connector
         assert connector is not None and (connector.num_blocks_pulled, connector.num_pull_failures) == (5, 0)
         assert side.num_sent == sent_before + 1  # type: ignore[attr-defined]

@@ -130,6 +130,15 @@ def _all_free(core: EngineCore) -> bool:
     return kv.num_free_blocks == kv.num_blocks and kv.usage == 0
 
 
+def _assert_close(got: list[Any], want: list[Any]) -> None:
+    """Same tokens and top tokens, logprobs within 1e-4 (another batch shape, another TP or a prefix-cache
+    hit in the oracle sums in another order)."""
+    assert [e.token_id for e in got] == [e.token_id for e in want]
+    for g, w in zip(got, want, strict=True):
+        assert abs(g.logprob - w.logprob) < 1e-4
+        assert list(g.top_token_ids) == list(w.top_token_ids)
+
+
 def _logprob_rows(entries: list[Any]) -> list[tuple[Any, ...]]:
     return [(e.token_id, e.logprob, e.rank, list(e.top_token_ids), list(e.top_logprobs)) for e in entries]
 

@@ -31,6 +31,7 @@ from tests.engine.test_kv_transfer import (
     NUM_BLOCKS,
     PROMPT,
     _all_free,
+    _assert_close,
     _config,
     _decode_request,
     _prefill,
@@ -67,13 +68,6 @@ def _expected(core: EngineCore, request_id: str, prompt: list[int] = PROMPT,
     tokens, logprobs, _ = _run(core, EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt,
                                                         sampling_params=EngineSamplingParams(**{**GREEDY, **params})))
     return tokens, logprobs
-
-
-def _assert_close(got: list[Any], want: list[Any]) -> None:
-    assert [e.token_id for e in got] == [e.token_id for e in want]
-    for g, w in zip(got, want, strict=True):
-        assert abs(g.logprob - w.logprob) < 1e-4
-        assert list(g.top_token_ids) == list(w.top_token_ids)
 
 
 def _continue_and_check(consumer: EngineCore, request_id: str, first: Any, want: tuple[list[int], list[Any]],
