@@ -32,12 +32,11 @@ from tests.engine.test_kv_transfer import (
     _config,
     _consumer,
     _decode_request,
-    _flip_first_byte,
-    _HashOfOriginal,
     _prefill,
     _run,
     _serve,
     _stop,
+    check_corrupted_pull_is_recomputed,
 )
 from tests.engine_stream import engine_idle
 from tests.support import wait_until
@@ -85,24 +84,7 @@ def test_the_bytes_take_the_side_channel_and_the_output_is_exact(side_producer: 
 
 def test_a_corrupted_side_transfer_is_refused_and_recomputed(side_producer: ServerThread, one_engine: EngineCore,
                                                              llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine_svc.api.kv_pull as kv_pull
-
-    connector = side_producer.server.servicer.core.kv_connector  # type: ignore[union-attr]
-    real = connector.read_blocks
-    monkeypatch.setattr(kv_pull, "sha256", _HashOfOriginal)
-    monkeypatch.setattr(connector, "read_blocks", lambda ids: _flip_first_byte(real(ids)))
-    want, _, _ = _run(one_engine, EngineCoreRequest(request_id="u-side-bad", prompt_token_ids=PROMPT,
-                                                    sampling_params=EngineSamplingParams(**GREEDY)))
-    first = _prefill(side_producer, "p-side-bad", PROMPT, GREEDY)
-    consumer = _consumer(llama_dir)
-    try:
-        rest, _, _ = _run(consumer, _decode_request("d-side-bad", PROMPT, GREEDY, first))
-        assert list(first.new_token_ids) + rest == want
-        assert consumer.kv_connector is not None
-        assert (consumer.kv_connector.num_pull_failures, consumer.kv_connector.num_blocks_pulled) == (1, 0)
-    finally:
-        consumer.shutdown()
-    wait_until(lambda: engine_idle(side_producer.address), 15, "the producer's blocks freed")
+    check_corrupted_pull_is_recomputed(side_producer, one_engine, llama_dir, monkeypatch, "side-bad")
 
 
 def test_a_wrong_ticket_gets_nothing_and_the_right_one_works_once(side_producer: ServerThread) -> None:

@@ -327,21 +327,30 @@ def test_a_corrupted_transfer_is_refused_and_recomputed(producer: ServerThread, 
                                                         llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The consumer checks the SHA-256 the producer sends against the bytes it got: a flipped byte in
     transit (here: in the producer's bytes after it hashed them) is a failed pull, recomputed."""
+    check_corrupted_pull_is_recomputed(producer, unified, llama_dir, monkeypatch, "corrupt")
+
+
+def check_corrupted_pull_is_recomputed(producer: ServerThread, unified: EngineCore, model: Path,
+                                       monkeypatch: pytest.MonkeyPatch, tag: str) -> None:
+    """A byte of the producer's blocks flipped after it hashed them: the consumer's pull fails its
+    SHA-256 check and the request is recomputed, exactly; the producer's lease ends."""
     import engine_svc.api.kv_pull as kv_pull
 
     connector = producer.server.servicer.core.kv_connector  # type: ignore[union-attr]
     real = connector.read_blocks
     monkeypatch.setattr(kv_pull, "sha256", _HashOfOriginal)
     monkeypatch.setattr(connector, "read_blocks", lambda ids: _flip_first_byte(real(ids)))
-    want, _, _ = _run(unified, EngineCoreRequest(request_id="u-corrupt", prompt_token_ids=PROMPT,
+    want, _, _ = _run(unified, EngineCoreRequest(request_id=f"u-{tag}", prompt_token_ids=PROMPT,
                                                  sampling_params=EngineSamplingParams(**GREEDY)))
-    first = _prefill(producer, "p-corrupt", PROMPT, GREEDY)
-    consumer = _consumer(llama_dir)
-    rest, _, _ = _run(consumer, _decode_request("d-corrupt", PROMPT, GREEDY, first))
-    assert list(first.new_token_ids) + rest == want
-    connector = consumer.kv_connector
-    assert connector is not None and (connector.num_pull_failures, connector.num_blocks_pulled) == (1, 0)
-    consumer.shutdown()
+    first = _prefill(producer, f"p-{tag}", PROMPT, GREEDY)
+    consumer = _consumer(model)
+    try:
+        rest, _, _ = _run(consumer, _decode_request(f"d-{tag}", PROMPT, GREEDY, first))
+        assert list(first.new_token_ids) + rest == want
+        pulled = consumer.kv_connector
+        assert pulled is not None and (pulled.num_pull_failures, pulled.num_blocks_pulled) == (1, 0)
+    finally:
+        consumer.shutdown()
     wait_until(lambda: engine_idle(producer.address), 15, "the producer's blocks freed")
 
 
