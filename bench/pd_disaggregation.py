@@ -47,7 +47,7 @@ ENGINE_FLAGS = ("--dtype", "float32", "--max-num-seqs", "16", "--kv-cache-memory
 
 # ---- transfer throughput -----------------------------------------------------------------------------
 def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 1024,
-             producer_process: bool = False) -> None:
+             producer_process: bool = False, side_channel: bool = False) -> None:
     from engine_svc.api.server import EngineServer
     from engine_svc.config import EngineConfig
     from engine_svc.kv_transfer.config import KVTransferConfig
@@ -59,7 +59,8 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
     config = EngineConfig.create(model=str(model), dtype="float32", device="cpu", max_num_seqs=4,
                                  kv_cache_memory_bytes=512 << 20,
                                  kv_transfer_config=KVTransferConfig(kv_role="kv_producer",
-                                                                     kv_chunk_bytes=chunk_kib << 10))
+                                                                     kv_chunk_bytes=chunk_kib << 10,
+                                                                     kv_side_channel_port=0 if side_channel else -1))
     server = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
     wait_until(lambda: engine_idle(server.address), 120, "producer up", retry_on=(grpc.RpcError,))
     core = server.server.servicer.core  # type: ignore[union-attr]
@@ -69,7 +70,8 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
     remote = None
     if producer_process:  # the same producer in a process of its own: the two ends share no GIL
         port = free_port()
-        kv = json.dumps({"kv_role": "kv_producer", "kv_chunk_bytes": chunk_kib << 10})
+        kv = json.dumps({"kv_role": "kv_producer", "kv_chunk_bytes": chunk_kib << 10,
+                         "kv_side_channel_port": 0 if side_channel else -1})
         remote = Service("producer", [sys.executable, "-m", "engine_svc.cli", "--model", str(model), "--host",
                                       "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-num-seqs", "4",
                                       "--kv-cache-memory-bytes", str(512 << 20), "--metrics-port", "0",
@@ -78,11 +80,15 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
         address = remote.address
     rng = random.Random(0)
     print(f"block: {puller.layout.block_bytes / 1024:.0f} KiB over {puller.layout.num_layers} layers; "
-          f"chunks of {config.kv_transfer_config.kv_chunk_bytes >> 10} KiB")  # type: ignore[union-attr]
+          f"chunks of {config.kv_transfer_config.kv_chunk_bytes >> 10} KiB; "  # type: ignore[union-attr]
+          f"{'gRPC stream and side channel, alternated' if side_channel else 'in the gRPC stream'}")
+    modes = ("grpc", "side") if side_channel else ("grpc",)  # side: alternated with grpc, pull by pull
     for length in lengths:
-        pulls, copies, nbytes = [], [], 0
-        for r in range(repeats):
-            rid = f"t{length}-{r}"
+        pulls: dict[str, list[float]] = {m: [] for m in modes}
+        ratios: dict[str, list[float]] = {m: [] for m in modes}  # memcpy time / pull time, measured back to back
+        nbytes = 0
+        for r, mode in itertools.product(range(repeats), modes):
+            rid = f"t{length}-{r}-{mode}"
             with grpc.insecure_channel(address) as channel:
                 stream = EngineStream(channel)
                 stream.send(epb.EngineCoreRequest(
@@ -92,20 +98,25 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
                 stream.wait_finished(rid, timeout=300)
                 stream.close()
             params = KvTransferParams(remote_host="127.0.0.1", remote_port=port, remote_request_id=rid)
+            puller.offer_side_channel = mode == "side"
             start = time.perf_counter()
             result = puller.pull_now(rid, params, 0)
-            pulls.append(time.perf_counter() - start)
+            pull = time.perf_counter() - start
             assert result.data is not None, result.error
             data = result.data
             nbytes = len(data)
             start = time.perf_counter()
             bytearray(data)  # a plain copy of the same bytes
-            copies.append(time.perf_counter() - start)
-        pull, copy = statistics.median(pulls), statistics.median(copies)
-        print(f"prompt {length:5d} tokens, {nbytes / 2**20:7.1f} MiB: pull {nbytes / pull / 2**20:7.0f} MiB/s "
-              f"({pull * 1000:6.1f} ms, spread {min(pulls) * 1000:.1f}-{max(pulls) * 1000:.1f}), memcpy "
-              f"{nbytes / copy / 2**20:7.0f} MiB/s; pull/memcpy {copy / pull:5.1%}; "
-              f"{pull * 1000 / length * 1000:6.1f} ms per 1,000 tokens")
+            copy = time.perf_counter() - start
+            pulls[mode].append(pull)
+            ratios[mode].append(copy / pull)
+        for mode in modes:
+            pull = statistics.median(pulls[mode])
+            print(f"prompt {length:5d} tokens, {nbytes / 2**20:7.1f} MiB, {mode:4s}: pull "
+                  f"{nbytes / pull / 2**20:7.0f} MiB/s ({pull * 1000:6.1f} ms, spread "
+                  f"{min(pulls[mode]) * 1000:.1f}-{max(pulls[mode]) * 1000:.1f}); pull/memcpy median "
+                  f"{statistics.median(ratios[mode]):5.1%} (spread {min(ratios[mode]):.1%}-{max(ratios[mode]):.1%}); "
+                  f"{pull * 1000 / length * 1000:6.1f} ms per 1,000 tokens")
     if remote is not None:
         remote.stop()
     logs.cleanup()
@@ -217,6 +228,9 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk-kib", type=int, default=1024, help="the producer's kv_chunk_bytes, in KiB")
+    p.add_argument("--side-channel", action="store_true",
+                   help="--transfer: the producer has a TCP side channel (kv_side_channel_port 0); pulls alternate "
+                        "between the gRPC stream and the side channel")
     p.add_argument("--producer-process", action="store_true",
                    help="pull from a producer engine in a process of its own (default: in this process)")
     p.add_argument("--mix", action="store_true")
@@ -229,7 +243,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
     if args.transfer:
-        transfer(args.model, args.lengths, args.repeats, args.chunk_kib, args.producer_process)
+        transfer(args.model, args.lengths, args.repeats, args.chunk_kib, args.producer_process, args.side_channel)
     if args.mix:
         mix(args.model, args)
 

@@ -186,5 +186,7 @@ class EngineCore:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.grammars.shutdown()
         self.executor.shutdown()

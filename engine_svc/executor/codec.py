@@ -6,6 +6,10 @@ Commands (engine -> every worker, through the broadcast queue):
                               rank 0 answers with an empty ack
     EXECUTE      SchedulerOutput                         rank 0 answers with `ModelRunnerOutput`
     SHUTDOWN     no body      leave the busy loop (no answer)
+    KV_DESCRIBE  no body      P/D: every rank's K/V shard (an all-gather); the answer rank answers with them
+                              (engine_svc/kv_transfer/shards.py)
+    KV_READ      list[int]    P/D: those blocks, each rank's shard gathered to the answer rank, which
+                              answers with their wire bytes
 
 Responses (rank 0 -> engine) carry no op byte: the engine knows which command it is waiting for.
 Decoders accept any buffer (bytes or a memoryview into shared memory); decoded objects own their data.
@@ -26,6 +30,8 @@ class Op(IntEnum):
     INIT_CACHE = 2
     EXECUTE = 3
     SHUTDOWN = 4
+    KV_DESCRIBE = 5
+    KV_READ = 6
 
 
 class WorkerInfo(msgspec.Struct, array_like=True):
@@ -54,6 +60,8 @@ _BODY_DECODERS: dict[Op, msgspec.msgpack.Decoder[Any] | None] = {
     Op.INIT_CACHE: _cache_spec_decoder,
     Op.EXECUTE: _so_decoder,
     Op.SHUTDOWN: None,
+    Op.KV_DESCRIBE: None,
+    Op.KV_READ: msgspec.msgpack.Decoder(list[int]),
 }
 
 

@@ -68,7 +68,7 @@ from engine_svc.executor.nodes import (
 )
 from engine_svc.executor.shm_queue import PeerDiedError, ShmBroadcastQueue
 from engine_svc.executor.worker_proc import DEFAULT_WORKER_CLS, WorkerArgs, answer_rank, worker_main
-from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -91,21 +91,23 @@ def free_tcp_port() -> int:
 
 
 class AnswerFuture:
-    """Rank 0's answer to one EXECUTE command, read from the answer pipe when asked for."""
+    """The answer rank's answer to one command (EXECUTE: a `ModelRunnerOutput`), read from the answer pipe
+    when asked for, by whichever thread asks first (answers come in command order)."""
 
-    def __init__(self, executor: MultiprocExecutor) -> None:
+    def __init__(self, executor: MultiprocExecutor, decode: Callable[[bytes], Any] = decode_runner_output) -> None:
         self._executor = executor
-        self._output: ModelRunnerOutput | None = None
+        self._decode = decode
+        self._output: Any = None
 
-    def result(self) -> ModelRunnerOutput:
+    def result(self) -> Any:
         while self._output is None:
-            self._executor._read_answer()
+            self._executor._read_answer(self)
         return self._output
 
     def done(self) -> bool:
         return self._output is not None or self._executor._answer_waiting(self)
 
-    def _set(self, output: ModelRunnerOutput) -> None:
+    def _set(self, output: Any) -> None:
         self._output = output
 
 
@@ -125,7 +127,10 @@ class MultiprocExecutor(WorkerInfoExecutor):
             len(self.ranks), COMMAND_CHUNKS, COMMAND_CHUNK_BYTES, liveness_interval=liveness_interval
         )
         self._procs: list[BaseProcess] = []
-        self._owed: deque[AnswerFuture] = deque()  # EXECUTE commands sent, answers not read yet, in order
+        self._owed: deque[AnswerFuture] = deque()  # commands sent, answers not read yet, in order
+        # Commands may come from the engine core's thread and, for P/D pulls (`read_kv_blocks`), from the
+        # server's: sending a command and queueing its future, and reading an answer, happen under it.
+        self._answer_lock = threading.RLock()
         self._conns: list[Connection] = []  # answer pipe, then each rank's status pipe
         self._failing: list[bool] = []  # non-empty once failing: headless nodes then get no SHUTDOWN
         self._finalizer = weakref.finalize(self, _teardown, self._procs, self._conns, self._commands, self._nodes,
@@ -196,19 +201,43 @@ class MultiprocExecutor(WorkerInfoExecutor):
         self._call_and_wait(None)
 
     def submit(self, scheduler_output: SchedulerOutput) -> StepFuture:
-        self._call(encode_command(Op.EXECUTE, scheduler_output))
-        future = AnswerFuture(self)
-        self._owed.append(future)
+        return self._submit(encode_command(Op.EXECUTE, scheduler_output), decode_runner_output)
+
+    def describe_kv(self) -> bytes:
+        """P/D: every rank's K/V shard (engine_svc/kv_transfer/shards.py), encoded; each rank keeps its own."""
+        return cast(bytes, self._submit(encode_command(Op.KV_DESCRIBE), bytes).result())
+
+    def read_kv_blocks(self, block_ids: list[int]) -> bytes:
+        """P/D: the wire bytes of `block_ids`, gathered from every rank after the steps submitted before.
+        Safe to call from any thread (the engine core keeps stepping meanwhile)."""
+        return cast(bytes, self._submit(encode_command(Op.KV_READ, block_ids), bytes).result())
+
+    def _submit(self, command: bytearray, decode: Callable[[bytes], Any]) -> AnswerFuture:
+        future = AnswerFuture(self, decode)
+        with self._answer_lock:
+            self._call(command)
+            self._owed.append(future)
         return future
 
-    def _read_answer(self) -> None:
-        """Read the oldest answer still owed into its future."""
-        self._owed[0]._set(self._call_and_wait(decode_runner_output))  # type: ignore[arg-type]
-        self._owed.popleft()
+    def _read_answer(self, waiting: AnswerFuture) -> None:
+        """Read the oldest answer still owed into its future (unless `waiting`'s came meanwhile)."""
+        with self._answer_lock:
+            if waiting._output is not None:
+                return
+            head = self._owed[0]
+            head._set(self._call_and_wait(head._decode))
+            self._owed.popleft()
 
     def _answer_waiting(self, future: AnswerFuture) -> bool:
-        """Whether `future` is next in line and its answer can be read without blocking."""
-        return bool(self._owed) and self._owed[0] is future and self._answers is not None and self._answers.poll()
+        """Whether `future` is next in line and its answer can be read without blocking (False while
+        another thread reads an answer)."""
+        if not self._answer_lock.acquire(blocking=False):
+            return False
+        try:
+            return (bool(self._owed) and self._owed[0] is future and self._answers is not None
+                    and self._answers.poll())
+        finally:
+            self._answer_lock.release()
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if a worker is dead (cheap: one waitpid per worker) or after shutdown."""

@@ -176,6 +176,12 @@ class CommandRunner:
             spec = cast(CacheSpec, body)
             worker.initialize_cache(spec.num_blocks, spec.max_model_len)
             return ACK
+        if op in (Op.KV_DESCRIBE, Op.KV_READ):  # P/D disaggregation: collectives over every rank
+            from engine_svc.kv_transfer.shards import describe_worker, read_worker_blocks
+
+            if op is Op.KV_DESCRIBE:
+                return describe_worker(worker)
+            return read_worker_blocks(worker, cast(list[int], body), answer_rank(worker.config))
         raise ValueError(f"{op.name} is not run by a worker")
 
 

@@ -1,9 +1,12 @@
 """The worker side of the connector: K/V blocks as bytes, read from and written into the paged cache.
 
-A block's bytes are its layers in order, each layer's block as the cache holds it (`cache[:, block]`:
-key and value, in the attention backend's layout). Both sides of a transfer hold the same layout
-(`CacheLayout`, checked when the pull starts), so bytes written are bytes read. A read copies the blocks
-to host memory (`.cpu()`: on CUDA this is the staging copy through host memory; RDMA is out of scope).
+A block's bytes on the wire are its shards in wire order (shards.py: TP rank by TP rank, and within one
+TP rank its pipeline stages in order), each shard its layers in order, each layer's block as the cache
+holds it (`cache[:, block]`: key and value, in the attention backend's layout). With one rank the block
+is its layers in order. Both sides of a transfer hold the same layout (`CacheLayout`, checked when the
+pull starts), so bytes written are bytes read; a rank writes its own shard (`ShardSlice`) of each block.
+A read to host memory (`read_blocks`) is, on CUDA, the staging copy through host memory (RDMA is out of
+scope).
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from engine_svc.sched.output import KVBlockLoad
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """What two engines must share for blocks to move between them (tandem.engine.v1.KvCacheLayout)."""
+    """What two engines must share for blocks to move between them (tandem.engine.v1.KvCacheLayout).
+    `block_shape` is one rank's block of one layer (its share of the KV heads); `num_layers` counts every
+    layer of the model, whatever the pipeline stages (they may differ between the two engines: the wire
+    order puts a TP rank's stages back in layer order)."""
 
     model_name: str
     block_size: int
@@ -25,54 +31,82 @@ class CacheLayout:
     num_layers: int
     block_shape: tuple[int, ...]
     tensor_parallel_size: int = 1
+    num_kv_heads: int = 0  # the model's, over all TP ranks (0: not reported)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block over all layers."""
+        """Bytes of one block over all layers and all TP ranks (as it travels)."""
         elements = 1
         for dim in self.block_shape:
             elements *= dim
-        return self.num_layers * elements * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.tensor_parallel_size * self.num_layers * elements * itemsize
 
     def mismatch(self, other: CacheLayout) -> str | None:
         """The first field where `other` differs, as a message naming both values (None: equal)."""
-        for name in ("model_name", "block_size", "dtype", "num_layers", "block_shape", "tensor_parallel_size"):
+        for name in ("model_name", "num_kv_heads", "tensor_parallel_size", "block_size", "dtype", "num_layers",
+                     "block_shape"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
-                return f"KV cache layouts differ: {name} is {mine!r} here and {theirs!r} on the caller"
+                more = (" (K/V moves only between equal tensor-parallel sizes; unequal ones would need the "
+                        "heads re-sharded, which this connector does not do)" if name == "tensor_parallel_size"
+                        else "")
+                return f"KV cache layouts differ: {name} is {mine!r} here and {theirs!r} on the caller{more}"
         return None
 
 
-def layout_of(kv_caches: list[torch.Tensor], model_name: str, block_size: int, tp: int = 1) -> CacheLayout:
-    """The layout of an allocated cache (one tensor per layer, blocks along dim 1)."""
-    first = kv_caches[0]
-    shape = (first.shape[0], *first.shape[2:])
-    return CacheLayout(model_name, block_size, str(first.dtype).removeprefix("torch."), len(kv_caches),
-                       tuple(int(d) for d in shape), tp)
+@dataclass(frozen=True)
+class ShardSlice:
+    """Where one rank's shard lies in a block's wire bytes: `size` bytes from `offset`, of `total`."""
+
+    offset: int
+    size: int
+    total: int
 
 
-def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> bytes:
-    """The bytes of `block_ids`, block by block (module docstring): one gather per layer into a host
-    buffer in wire order, then one copy into bytes."""
+def read_shard(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """This rank's shard of `block_ids`, block by block, as a uint8 tensor (blocks, shard bytes) on the
+    cache's device: one gather per layer."""
     first = kv_caches[0]
     index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
-    out = torch.empty((len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:]), dtype=first.dtype)
+    out = torch.empty((len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:]), dtype=first.dtype,
+                      device=first.device)
     for layer, cache in enumerate(kv_caches):
-        out[:, layer] = cache.index_select(1, index).transpose(0, 1)  # on CUDA: the copy to host
-    return bytes(memoryview(out.view(-1).view(torch.uint8).numpy()))
+        out[:, layer] = cache.index_select(1, index).transpose(0, 1)
+    return out.view(len(block_ids), -1).view(torch.uint8)
 
 
-def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes) -> None:
-    """Write `data` (as `read_blocks` returns it, for as many blocks) into `block_ids`."""
+def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> memoryview:
+    """The bytes of `block_ids` of a one-rank cache (module docstring), in host memory: a view of the
+    host buffer they were gathered into (no copy into a bytes object)."""
+    host = read_shard(kv_caches, block_ids).cpu().contiguous().view(-1)
+    return host.numpy().data
+
+
+def host_bytes(data: torch.Tensor) -> bytes:
+    """A uint8 tensor's bytes, copied to host memory first if it lives on a device."""
+    return bytes(data.cpu().contiguous().view(-1).numpy().data)
+
+
+def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes,
+                 shard: ShardSlice | None = None) -> None:
+    """Write this rank's `shard` of `data` (wire bytes for as many blocks; None: all of each block) into
+    `block_ids`."""
     first = kv_caches[0]
     shape = (len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:])
-    host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(first.dtype).view(shape)
+    host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(block_ids), -1)
+    if shard is not None:
+        if host.shape[1] != shard.total:
+            raise ValueError(f"pulled blocks of {host.shape[1]} bytes, expected {shard.total}")
+        host = host[:, shard.offset:shard.offset + shard.size].contiguous()
+    blocks = host.view(first.dtype).view(shape)
     index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
     for layer, cache in enumerate(kv_caches):
-        cache[:, index] = host[:, layer].transpose(0, 1).to(first.device)
+        cache[:, index] = blocks[:, layer].transpose(0, 1).to(first.device)
 
 
-def apply_loads(kv_caches: list[torch.Tensor], loads: list[KVBlockLoad]) -> None:
-    """The worker's part of a step that admits pulled requests: their blocks, before the forward pass."""
+def apply_loads(kv_caches: list[torch.Tensor], loads: list[KVBlockLoad], shard: ShardSlice | None = None) -> None:
+    """The worker's part of a step that admits pulled requests: their blocks (this rank's `shard` of them),
+    before the forward pass."""
     for load in loads:
-        write_blocks(kv_caches, load.block_ids, load.data)
+        write_blocks(kv_caches, load.block_ids, load.data, shard)

@@ -37,6 +37,9 @@ class KVTransferConfig:
     # Under TLS, the name producers' certificates carry (they are verified against it instead of the host
     # pulled from: pod addresses come and go; e.g. the engines' Service name); default: that host.
     kv_ssl_server_name: str = ""
+    # A producer's plain TCP side channel for the bytes of pulls (side_channel.py): -1 none (the bytes go in
+    # the gRPC stream), 0 any free port, else that port (open it to consumers beside the gRPC port).
+    kv_side_channel_port: int = -1
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +52,9 @@ class KVTransferConfig:
             raise KVTransferConfigError("kv_transfer_config.kv_lease_duration_s must be > 0")
         if not self.kv_pull_timeout_s > 0:
             raise KVTransferConfigError("kv_transfer_config.kv_pull_timeout_s must be > 0")
+        if not -1 <= self.kv_side_channel_port <= 65535:
+            raise KVTransferConfigError("kv_transfer_config.kv_side_channel_port must be -1 (none), 0 (any free "
+                                        "port) or a port number")
         if not 1024 <= self.kv_chunk_bytes <= 16 << 20:
             raise KVTransferConfigError("kv_transfer_config.kv_chunk_bytes must be in [1024, 16 MiB]")
 

@@ -28,9 +28,8 @@ from engine_svc.request import Request, RequestStatus
 from shared_runtime.contract import KvTransferParams
 
 if TYPE_CHECKING:
-    import torch
-
     from engine_svc.kv_transfer.blocks import CacheLayout
+    from engine_svc.kv_transfer.side_channel import SideChannelServer
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,12 @@ def plan_load(load: PullResult, num_hit_tokens: int, num_tokens: int, block_size
         return LoadPlan(0, hit_blocks, b"")
     block_bytes = len(load.data) // load.num_blocks
     last = -(-target // block_size)
-    data = load.data[(hit_blocks - load.first_block) * block_bytes:(last - load.first_block) * block_bytes]
+    data = bytes(memoryview(load.data)[(hit_blocks - load.first_block) * block_bytes:(last - load.first_block) * block_bytes])
     return LoadPlan(target - num_hit_tokens, hit_blocks, data, last - hit_blocks)
+
+
+def _no_cache(block_ids: list[int]) -> bytes:
+    raise RuntimeError("this connector has no KV cache to read")
 
 
 class KVConnector:
@@ -71,8 +74,10 @@ class KVConnector:
         self.engine_id = engine_id
         self.host, self.port = config.kv_advertise_host, 0  # set by the server once it listens
         self.num_pulls = self.num_pull_failures = self.num_blocks_pulled = 0  # cumulative, consumer side
-        self.kv_caches: list[torch.Tensor] = []  # the cache the producer's pulls read (setup.py)
+        # The wire bytes of the given blocks, read from the cache (on any thread; setup.py)
+        self.read_blocks: Callable[[list[int]], bytes | memoryview] = _no_cache
         self.layout: CacheLayout | None = None
+        self.side_channel: SideChannelServer | None = None  # a producer's, when configured (setup.advertise)
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """`wake` is called from other threads when a pull or a lease ends (the busy loop's inbox)."""
@@ -80,6 +85,11 @@ class KVConnector:
             self.leases.on_ended = wake
         if self.puller is not None:
             self.puller.on_done = wake
+
+    def close(self) -> None:
+        """The engine stops: the side channel stops listening."""
+        if self.side_channel is not None:
+            self.side_channel.close()
 
     # ---- producer ------------------------------------------------------------------------------------
     def wants_hold(self, request: Request) -> bool:

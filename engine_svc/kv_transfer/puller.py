@@ -20,6 +20,7 @@ from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 from engine_svc.kv_transfer.blocks import CacheLayout
+from engine_svc.kv_transfer.side_channel import receive
 from shared_runtime.contract import KvTransferParams
 
 
@@ -28,7 +29,7 @@ class PullResult:
     request_id: str
     first_block: int  # the first block of the producer's table the data starts at
     num_tokens: int  # tokens whose K/V the producer's whole table holds
-    data: bytes | None  # None when the pull failed
+    data: bytes | memoryview | None  # None when the pull failed
     error: str | None = None
     num_blocks: int = 0  # blocks in data
 
@@ -36,12 +37,12 @@ class PullResult:
 def layout_to_pb(layout: CacheLayout) -> pb.KvCacheLayout:
     return pb.KvCacheLayout(model_name=layout.model_name, block_size=layout.block_size, dtype=layout.dtype,
                             num_layers=layout.num_layers, block_shape=list(layout.block_shape),
-                            tensor_parallel_size=layout.tensor_parallel_size)
+                            tensor_parallel_size=layout.tensor_parallel_size, num_kv_heads=layout.num_kv_heads)
 
 
 def layout_from_pb(msg: pb.KvCacheLayout) -> CacheLayout:
     return CacheLayout(msg.model_name, msg.block_size, msg.dtype, msg.num_layers, tuple(msg.block_shape),
-                       msg.tensor_parallel_size)
+                       msg.tensor_parallel_size, msg.num_kv_heads)
 
 
 class KVPuller:
@@ -54,6 +55,7 @@ class KVPuller:
         # TLS to the producer (an engine serving TLS pulls over TLS: `pull_credentials`), else plaintext
         self.credentials: Callable[[], grpc.ChannelCredentials] | None = None
         self.ssl_server_name = ""  # under TLS, the name the producer's certificate must carry ("": its host)
+        self.offer_side_channel = True  # offer the producer's side channel when pulling in plaintext
         self.on_done = on_done
         self._lock = threading.Lock()
         self._calls: dict[str, Any] = {}  # request id -> its call (None until it started), while pulling
@@ -117,11 +119,16 @@ class KVPuller:
             self._done.append(result)
         self.on_done()
 
+    def _request(self, remote_request_id: str, first_block: int, lora_name: str) -> pb.PullKvBlocksRequest:
+        """The pull's request: the side channel is offered only when the pull itself is plaintext."""
+        return pb.PullKvBlocksRequest(request_id=remote_request_id, first_block=first_block,
+                                      layout=layout_to_pb(self.layout), lora_name=lora_name,
+                                      accept_side_channel=self.offer_side_channel and self.credentials is None)
+
     def _fetch(self, request_id: str, params: KvTransferParams, first_block: int, lora_name: str) -> PullResult:
-        options = [("grpc.max_receive_message_length", self.max_message_bytes)]
+        options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", self.max_message_bytes)]
         metadata = [("authorization", self.authorization())] if self.authorization is not None else []
-        request = pb.PullKvBlocksRequest(request_id=params.remote_request_id, first_block=first_block,
-                                         layout=layout_to_pb(self.layout), lora_name=lora_name)
+        request = self._request(params.remote_request_id, first_block, lora_name)
         target = f"{params.remote_host}:{params.remote_port}"
         if self.credentials is None:
             channel = grpc.insecure_channel(target, options=options)
@@ -138,16 +145,23 @@ class KVPuller:
                     return PullResult(request_id, first_block, 0, None, "cancelled")
                 self._calls[request_id] = call
             parts: list[bytes] = []
+            side: memoryview | None = None
             digest = hashlib.sha256()
             num_blocks = num_tokens = -1
             sent_digest = ""
             for chunk in call:
                 if num_blocks < 0:
                     num_blocks, num_tokens = chunk.num_blocks, chunk.num_tokens
-                digest.update(chunk.data)
-                parts.append(chunk.data)
+                if chunk.side_ticket and side is None:  # the bytes over the producer's side channel
+                    side = receive(params.remote_host, chunk.side_port, chunk.side_ticket,
+                                   num_blocks * self.layout.block_bytes, self.timeout_s, digest)
+                if chunk.data:
+                    digest.update(chunk.data)
+                    parts.append(chunk.data)
                 sent_digest = chunk.sha256 or sent_digest
-        data = b"".join(parts)
+        if side is not None and parts:
+            raise ValueError("the producer sent bytes both in the stream and over the side channel")
+        data = side if side is not None else b"".join(parts)
         expected = num_blocks * self.layout.block_bytes
         if num_blocks < 0 or len(data) != expected:
             raise ValueError(f"the producer sent {len(data)} bytes for {num_blocks} blocks, expected {expected}")

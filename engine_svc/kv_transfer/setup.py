@@ -6,30 +6,49 @@ import grpc
 
 from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.executor.base import Executor
+from engine_svc.executor.multiproc import MultiprocExecutor
 from engine_svc.executor.uniproc import UniprocExecutor
-from engine_svc.kv_transfer.blocks import layout_of
+from engine_svc.kv_transfer.blocks import read_blocks
 from engine_svc.kv_transfer.connector import KVConnector
 from engine_svc.kv_transfer.leases import LeaseTable
 from engine_svc.kv_transfer.puller import KVPuller
+from engine_svc.kv_transfer.shards import decode_shards, describe, layout_of
+from engine_svc.kv_transfer.side_channel import SideChannelServer
 from shared_runtime.link import MAX_MESSAGE_BYTES
 from shared_runtime.security.auth import BearerToken
 from shared_runtime.security.tls import TlsFiles
 
 
 def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
-    """The connector of an engine started with --kv-transfer-config (single device: the cache lives in
-    this process). Its engine id, address and pull credentials are set by the server once it listens."""
+    """The connector of an engine started with --kv-transfer-config. Its engine id, address and pull
+    credentials are set by the server once it listens.
+
+    One device: the cache lives in this process, and a pull reads it directly. Several ranks (TP/PP, the
+    multiprocessing executor): the ranks learn every rank's shard now (KV_DESCRIBE), and a pull asks them
+    for the blocks (KV_READ, gathered to the answer rank: shards.py), in step order."""
     kv_config = config.kv_transfer_config
     assert kv_config is not None
-    if not isinstance(executor, UniprocExecutor):
-        raise ConfigError("--kv-transfer-config needs the in-process executor (--tensor-parallel-size 1)")
-    kv_caches = executor.worker.runner.kv_caches  # type: ignore[union-attr]
-    layout = layout_of(kv_caches, config.model_name, config.block_size, config.tensor_parallel_size)
+    if isinstance(executor, UniprocExecutor):
+        worker = executor.worker
+        assert worker.runner is not None
+        shards = describe(worker.runner.kv_caches, worker.model)
+        worker.kv_shards, worker.kv_shard = shards, None
+        kv_caches = worker.runner.kv_caches
+
+        def read(block_ids: list[int]) -> bytes | memoryview:
+            return read_blocks(kv_caches, block_ids)
+    elif isinstance(executor, MultiprocExecutor):
+        shards = decode_shards(executor.describe_kv())
+        read = executor.read_kv_blocks
+    else:
+        raise ConfigError(f"--kv-transfer-config cannot run under the {type(executor).__name__}: use the "
+                          "in-process executor (one device) or --distributed-executor-backend mp")
+    layout = layout_of(shards, config.model_name, config.block_size, config.tensor_parallel_size)
     connector = KVConnector(
         kv_config, config.block_size,
         leases=LeaseTable(kv_config.kv_lease_duration_s),
         puller=KVPuller(layout, timeout_s=kv_config.kv_pull_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES))
-    connector.kv_caches, connector.layout = kv_caches, layout
+    connector.read_blocks, connector.layout = read, layout
     return connector
 
 
@@ -47,6 +66,12 @@ def advertise(connector: KVConnector, engine_id: str, host: str, port: int, toke
     if tls is not None and tls.enabled and connector.puller is not None:
         connector.puller.credentials = lambda: pull_credentials(tls)
         connector.puller.ssl_server_name = connector.config.kv_ssl_server_name
+    side_port = connector.config.kv_side_channel_port
+    if side_port >= 0 and connector.leases is not None:
+        if tls is not None and tls.enabled:
+            raise ConfigError("kv_transfer_config.kv_side_channel_port: the side channel is plain TCP, and this "
+                              "engine serves TLS: drop the key (pulls then stay in the TLS stream)")
+        connector.side_channel = SideChannelServer(host, side_port)
 
 
 def pull_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:

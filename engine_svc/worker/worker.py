@@ -13,7 +13,8 @@ import torch
 
 from engine_svc.config import EngineConfig
 from engine_svc.kv.groups import KVGroups
-from engine_svc.kv_transfer.blocks import apply_loads
+from engine_svc.kv_transfer.blocks import ShardSlice, apply_loads
+from engine_svc.kv_transfer.shards import RankShard
 from engine_svc.lora.manager import LoRAManager
 from engine_svc.model.layers.cpu_gemm import prepack_linears, prepack_wanted
 from engine_svc.model.registry import resolve_dtype
@@ -46,6 +47,8 @@ class Worker:
         self.dtype = resolve_dtype(config.torch_dtype_name)
         self.model: torch.nn.Module | None = None
         self.runner: ModelRunner | None = None
+        self.kv_shard: ShardSlice | None = None  # P/D: this rank's part of a pulled block (kv_transfer/shards.py)
+        self.kv_shards: list[RankShard] = []
 
     def _init_device(self) -> torch.device:
         if self.config.device == "cuda":
@@ -244,7 +247,7 @@ class Worker:
         if self.governor is not None and self.governor.observe():
             self._apply_threads()
         if so.kv_loads:  # P/D disaggregation: pulled K/V of the requests this step admits, before they run
-            apply_loads(self.runner.kv_caches, so.kv_loads)
+            apply_loads(self.runner.kv_caches, so.kv_loads, self.kv_shard)
         if so.lora_loads or so.lora_drops:  # adapters loaded / unloaded at run time (lora/registry.py)
             assert self.runner.lora is not None
             self.runner.lora.apply(so.lora_loads, so.lora_drops)

@@ -49,14 +49,23 @@ def _config(model: Path, kv: KVTransferConfig | None = None, block_size: int = B
                                kv_transfer_config=kv, **more)
 
 
+def _serve(config: EngineConfig) -> ServerThread:
+    """A served engine on loopback, up and idle."""
+    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
+    wait_until(lambda: engine_idle(running.address), 90, "producer up", retry_on=(grpc.RpcError,))
+    return running
+
+
+def _stop(running: ServerThread) -> None:
+    running.begin_drain()
+    assert running.join(30) == 0
+
+
 @pytest.fixture(scope="module")
 def producer(llama_dir: Path) -> Iterator[ServerThread]:
-    config = _config(llama_dir, KVTransferConfig(kv_role="kv_producer", kv_lease_duration_s=60))
-    running = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
-    wait_until(lambda: engine_idle(running.address), 60, "producer up", retry_on=(grpc.RpcError,))
+    running = _serve(_config(llama_dir, KVTransferConfig(kv_role="kv_producer", kv_lease_duration_s=60)))
     yield running
-    running.begin_drain()
-    assert running.join(15) == 0
+    _stop(running)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +128,15 @@ def _decode_request(request_id: str, prompt: list[int], params: dict[str, Any], 
 def _all_free(core: EngineCore) -> bool:
     kv = core.scheduler.kv
     return kv.num_free_blocks == kv.num_blocks and kv.usage == 0
+
+
+def _assert_close(got: list[Any], want: list[Any]) -> None:
+    """Same tokens and top tokens, logprobs within 1e-4 (another batch shape, another TP or a prefix-cache
+    hit in the oracle sums in another order)."""
+    assert [e.token_id for e in got] == [e.token_id for e in want]
+    for g, w in zip(got, want, strict=True):
+        assert abs(g.logprob - w.logprob) < 1e-4
+        assert list(g.top_token_ids) == list(w.top_token_ids)
 
 
 def _logprob_rows(entries: list[Any]) -> list[tuple[Any, ...]]:
@@ -309,20 +327,30 @@ def test_a_corrupted_transfer_is_refused_and_recomputed(producer: ServerThread, 
                                                         llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The consumer checks the SHA-256 the producer sends against the bytes it got: a flipped byte in
     transit (here: in the producer's bytes after it hashed them) is a failed pull, recomputed."""
+    check_corrupted_pull_is_recomputed(producer, unified, llama_dir, monkeypatch, "corrupt")
+
+
+def check_corrupted_pull_is_recomputed(producer: ServerThread, unified: EngineCore, model: Path,
+                                       monkeypatch: pytest.MonkeyPatch, tag: str) -> None:
+    """A byte of the producer's blocks flipped after it hashed them: the consumer's pull fails its
+    SHA-256 check and the request is recomputed, exactly; the producer's lease ends."""
     import engine_svc.api.kv_pull as kv_pull
 
-    real = kv_pull.read_blocks
+    connector = producer.server.servicer.core.kv_connector  # type: ignore[union-attr]
+    real = connector.read_blocks
     monkeypatch.setattr(kv_pull, "sha256", _HashOfOriginal)
-    monkeypatch.setattr(kv_pull, "read_blocks", lambda caches, ids: _flip_first_byte(real(caches, ids)))
-    want, _, _ = _run(unified, EngineCoreRequest(request_id="u-corrupt", prompt_token_ids=PROMPT,
+    monkeypatch.setattr(connector, "read_blocks", lambda ids: _flip_first_byte(real(ids)))
+    want, _, _ = _run(unified, EngineCoreRequest(request_id=f"u-{tag}", prompt_token_ids=PROMPT,
                                                  sampling_params=EngineSamplingParams(**GREEDY)))
-    first = _prefill(producer, "p-corrupt", PROMPT, GREEDY)
-    consumer = _consumer(llama_dir)
-    rest, _, _ = _run(consumer, _decode_request("d-corrupt", PROMPT, GREEDY, first))
-    assert list(first.new_token_ids) + rest == want
-    connector = consumer.kv_connector
-    assert connector is not None and (connector.num_pull_failures, connector.num_blocks_pulled) == (1, 0)
-    consumer.shutdown()
+    first = _prefill(producer, f"p-{tag}", PROMPT, GREEDY)
+    consumer = _consumer(model)
+    try:
+        rest, _, _ = _run(consumer, _decode_request(f"d-{tag}", PROMPT, GREEDY, first))
+        assert list(first.new_token_ids) + rest == want
+        pulled = consumer.kv_connector
+        assert pulled is not None and (pulled.num_pull_failures, pulled.num_blocks_pulled) == (1, 0)
+    finally:
+        consumer.shutdown()
     wait_until(lambda: engine_idle(producer.address), 15, "the producer's blocks freed")
 
 
@@ -424,10 +452,11 @@ def test_the_engine_flags_parse_and_refuse_by_name(llama_dir: Path) -> None:
             parser.parse_args(["--model", "m", "--kv-transfer-config", bad])
     with pytest.raises(ConfigError, match="contradicts"):
         config("--kv-role", "decode", "--kv-transfer-config", '{"kv_role": "kv_producer"}')
-    with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
-        config("--kv-role", "both", "--tensor-parallel-size", "2")
-    with pytest.raises(ConfigError, match="--pipeline-parallel-size 1"):
-        config("--kv-role", "both", "--pipeline-parallel-size", "2")
+    assert config("--kv-role", "both", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2").world_size == 4
+    with pytest.raises(ConfigError, match="--distributed-executor-backend ray"):
+        config("--kv-role", "both", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray")
+    with pytest.raises(ConfigError, match="--nnodes > 1"):
+        config("--kv-role", "both", "--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", "29555")
 
 
 def test_a_lease_ends_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:

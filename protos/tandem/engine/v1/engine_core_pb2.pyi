@@ -525,41 +525,49 @@ class TokenizerChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., sha256: _Optional[str] = ..., total_size: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class KvCacheLayout(_message.Message):
-    __slots__ = ("model_name", "block_size", "dtype", "num_layers", "block_shape", "tensor_parallel_size")
+    __slots__ = ("model_name", "block_size", "dtype", "num_layers", "block_shape", "tensor_parallel_size", "num_kv_heads")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     block_size: int
     dtype: str
     num_layers: int
     block_shape: _containers.RepeatedScalarFieldContainer[int]
     tensor_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_shape: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    num_kv_heads: int
+    def __init__(self, model_name: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_shape: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class PullKvBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "first_block", "layout", "lora_name")
+    __slots__ = ("request_id", "first_block", "layout", "lora_name", "accept_side_channel")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_SIDE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_block: int
     layout: KvCacheLayout
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., layout: _Optional[_Union[KvCacheLayout, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    accept_side_channel: bool
+    def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., layout: _Optional[_Union[KvCacheLayout, _Mapping]] = ..., lora_name: _Optional[str] = ..., accept_side_channel: _Optional[bool] = ...) -> None: ...
 
 class KvBlocksChunk(_message.Message):
-    __slots__ = ("data", "num_blocks", "num_tokens", "sha256")
+    __slots__ = ("data", "num_blocks", "num_tokens", "sha256", "side_port", "side_ticket")
     DATA_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIDE_PORT_FIELD_NUMBER: _ClassVar[int]
+    SIDE_TICKET_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     num_blocks: int
     num_tokens: int
     sha256: str
-    def __init__(self, data: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    side_port: int
+    side_ticket: bytes
+    def __init__(self, data: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sha256: _Optional[str] = ..., side_port: _Optional[int] = ..., side_ticket: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,158 @@
+"""A plain TCP side channel for the bytes of a pull; gRPC (`PullKvBlocks`) keeps the control.
+
+A consumer that pulls in plaintext offers it (`PullKvBlocksRequest.accept_side_channel`); a producer with
+a side channel (`kv_side_channel_port` >= 0) takes the offer: the stream's first chunk names the port and a
+one-time ticket (32 random bytes) instead of carrying data; the consumer connects to the producer's host
+on that port, sends the ticket, and receives exactly the pull's bytes, sent from the producer's buffer in
+one `sendall` (no per-chunk messages, no copies into protobufs); the stream's last chunk then carries the
+SHA-256 of the bytes as on the gRPC path. The ticket travels over the authenticated gRPC stream and is good
+for one connection, only while that stream is open (`withdraw` ends it, closing a transfer in progress);
+a connection without a live ticket is closed unread. Plaintext only: an engine serving TLS may not run one
+(refused at start), and a consumer pulling over TLS never offers it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import queue
+import secrets
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy
+
+TICKET_BYTES = 32
+_HANDSHAKE_TIMEOUT_S = 10.0
+_HASH_STEP = 4 << 20  # the consumer hashes what arrived in steps of this many bytes
+
+
+@dataclass
+class Transfer:
+    """One offered pull: its bytes, and when its connection finished (`done`; `error` says if it failed)."""
+
+    data: bytes | bytearray | memoryview
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    conn: socket.socket | None = None
+
+
+class SideChannelServer:
+    """The producer's listener: one thread accepting, one thread per connection sending."""
+
+    def __init__(self, host: str, port: int) -> None:
+        """Listen on `host` (the engine's bind host; "", "0.0.0.0", "::" or "[::]": every address) and `port`
+        (0: any free one, then in `port`)."""
+        host = host.strip("[]")
+        if host in ("", "::"):
+            self._sock = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True) \
+                if socket.has_dualstack_ipv6() else socket.create_server(("0.0.0.0", port))
+        else:
+            self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.port = int(self._sock.getsockname()[1])
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, Transfer] = {}
+        self._closed = False
+        self.num_sent = 0  # transfers sent whole (cumulative)
+        threading.Thread(target=self._accept, daemon=True, name="kv-side-channel").start()
+
+    def offer(self, data: bytes | bytearray | memoryview) -> tuple[bytes, Transfer]:
+        """A ticket for `data` (good for one connection until `withdraw`)."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        transfer = Transfer(data)
+        with self._lock:
+            self._pending[ticket] = transfer
+        return ticket, transfer
+
+    def withdraw(self, ticket: bytes) -> None:
+        """The pull's stream ended: the ticket is void, and a transfer still sending is cut off."""
+        with self._lock:
+            transfer = self._pending.pop(ticket, None)
+        if transfer is not None and transfer.conn is not None and not transfer.done.is_set():
+            with contextlib.suppress(OSError):
+                transfer.conn.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kv-side-send").start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            transfer = None
+            try:
+                conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+                ticket = _recv_exactly(conn, TICKET_BYTES)
+                with self._lock:
+                    transfer = next((t for k, t in self._pending.items() if hmac.compare_digest(k, ticket)), None)
+                    if transfer is None or transfer.conn is not None:
+                        return  # unknown, withdrawn or already used: closed unread
+                    transfer.conn = conn
+                conn.settimeout(None)
+                conn.sendall(transfer.data)
+                conn.shutdown(socket.SHUT_WR)
+                with self._lock:
+                    self.num_sent += 1
+            except OSError as exc:
+                if transfer is not None:
+                    transfer.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if transfer is not None:
+                    transfer.done.set()
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        r = conn.recv_into(view[got:])
+        if not r:
+            raise ConnectionError(f"the peer closed after {got} of {n} bytes")
+        got += r
+    return bytes(buf)
+
+
+def receive(host: str, port: int, ticket: bytes, size: int, timeout_s: float, digest: Any = None) -> memoryview:
+    """The consumer's side: connect, present `ticket`, read exactly `size` bytes (ValueError if the producer
+    sends fewer or more) into a buffer of their own, which is returned. `digest` (a hashlib object), if
+    given, is updated with the bytes on a thread of its own while they arrive (hashing releases the GIL, so
+    it overlaps the receive). The buffer is not zeroed first (`bytearray(size)` would write it once more)."""
+    view = numpy.empty(size, dtype=numpy.uint8).data
+    ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+    hasher = None
+    if digest is not None:
+        def hash_ranges() -> None:
+            while (span := ranges.get()) is not None:
+                digest.update(view[span[0]:span[1]])
+
+        hasher = threading.Thread(target=hash_ranges, daemon=True, name="kv-side-hash")
+        hasher.start()
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.sendall(ticket)
+            got = hashed = 0
+            while got < size:
+                r = conn.recv_into(view[got:], min(size - got, 4 << 20))
+                if not r:
+                    raise ValueError(f"the side channel closed after {got} of {size} bytes")
+                got += r
+                if got - hashed >= _HASH_STEP or got == size:
+                    ranges.put((hashed, got))
+                    hashed = got
+            if conn.recv(1):
+                raise ValueError(f"the side channel sent more than the {size} bytes of the pull")
+    finally:
+        ranges.put(None)
+        if hasher is not None:
+            hasher.join()
+    return view
