@@ -112,8 +112,9 @@ class Worker:
         from engine_svc.lora.manager import load_adapters
 
         cfg = self.config
+        tokens = max(int(cfg.max_num_batched_tokens or cfg.max_model_len or 0), cfg.max_num_seqs)  # the runner's
         manager = LoRAManager(self.model, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,  # type: ignore[arg-type]
-                              device=self.device, dtype=self.dtype)
+                              device=self.device, dtype=self.dtype, max_num_tokens=tokens)
         load_adapters(manager, cfg.lora_modules)
         return manager
 
@@ -183,7 +184,7 @@ class Worker:
             runner.drafter.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                                         for _ in range(d.num_layers)]
         # -- CUDA graphs hook: capture decode graphs now that the cache exists (None when off) --
-        if runner.lora is None:  # LoRA steps run eagerly: the adapter selection is not captured
+        if runner.lora is None or runner.lora.graph_safe:  # the torch LoRA path decides on host values: eager
             runner.cuda_graphs = maybe_capture_decode_graphs(
                 self.config, m, runner.kv_caches, device=self.device, staging=runner.staging,
             )
