@@ -34,12 +34,16 @@ output columns; row layers: A's input columns), and a row layer adds its delta b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kernels._triton import HAS_TRITON
 from kernels.lora_mapping import build_mapping, mapping_size, split_mapping
+
+if TYPE_CHECKING:
+    from engine_svc.worker.staging import StepStaging, Twin
 
 
 def kernels_wanted(device: torch.device) -> bool:
@@ -78,6 +82,7 @@ class StepLoRA:
                 raise ValueError("StepLoRA(kernels=True) needs slots >= 1 and capacity >= 1")
             size = mapping_size(capacity, slots)
             self._host = np.zeros(size, dtype=np.int32)
+            self._twin: Twin | None = None
             self.mapping_buffer = torch.zeros(size, dtype=torch.int32, device=device)
             self.mapping = split_mapping(self.mapping_buffer, capacity, slots)
 
@@ -121,9 +126,21 @@ class StepLoRA:
         if full:
             self.group_rows = self.group_gather
 
+    def use_staging(self, staging: StepStaging) -> None:
+        """Send the mapping through a pair of the worker's step staging (engine_svc/worker/staging.py:
+        pinned host array, asynchronous copy, reuse guarded by its step events) instead of a synchronous
+        copy. Call once, before any CUDA graph is captured: the device buffer is replaced here, never later."""
+        self._twin = staging.twin((len(self._host),), torch.int32)
+        self.mapping_buffer = self._twin.device
+        self.mapping = split_mapping(self.mapping_buffer, self.capacity, self.slots)
+
     def _write_mapping(self, token_slots: np.ndarray) -> None:
-        """The kernels' mapping into the fixed device buffer, in place (a synchronous copy: the host array
-        is reused next step)."""
+        """The kernels' mapping into the fixed device buffer, in place: through the staging pair when bound
+        (within the runner's begin_step / end_step), else a synchronous copy (the host array is reused)."""
+        if self._twin is not None:
+            build_mapping(token_slots, self.slots, self.capacity, out=self._twin.host)
+            self._twin.upload()
+            return
         build_mapping(token_slots, self.slots, self.capacity, out=self._host)
         self.mapping_buffer.copy_(torch.from_numpy(self._host))
 

@@ -86,6 +86,8 @@ class Worker:
             async_scheduling=self.config.resolved_async_scheduling,
         )
         self.runner.lora = lora
+        if lora is not None and lora.step.kernels:  # the kernels' token mapping goes up with the step's inputs
+            lora.step.use_staging(self.runner.staging)
         spec = self.config.speculative
         if spec is not None and spec.model is not None:
             self.runner.drafter = self._load_draft(spec.model, backend)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine_svc.lora.slots import LoRASlots, StepLoRA, kernels_wanted
+from engine_svc.worker.staging import StepStaging
 from kernels import lora_expand, lora_shrink
 from kernels._triton import HAS_TRITON
 
@@ -28,9 +29,16 @@ def _adapter(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(width, D_IN, generator=gen), b
 
 
-def test_kernel_path_equals_the_torch_path_with_fixed_buffers(device) -> None:
+@pytest.mark.parametrize("staged", [False, True])
+def test_kernel_path_equals_the_torch_path_with_fixed_buffers(device, staged: bool) -> None:
+    """`staged`: the mapping goes up through the worker's double-buffered step staging (a copy between
+    two tensors on CPU), as in an engine; else by a synchronous copy."""
     gen = torch.Generator().manual_seed(0)
     k_step = StepLoRA(kernels=True, slots=SLOTS, capacity=CAPACITY, device=device)
+    staging = StepStaging(device, max_tokens=CAPACITY, max_reqs=4, max_blocks_per_req=1, copy=True,
+                          double_buffered=True)
+    if staged:
+        k_step.use_staging(staging)
     t_step = StepLoRA()
     k_slots = LoRASlots(k_step, SLOTS, RANK, D_IN, SUBS, torch.float32, device)
     t_slots = LoRASlots(t_step, SLOTS, RANK, D_IN, SUBS, torch.float32, device)
@@ -54,7 +62,11 @@ def test_kernel_path_equals_the_torch_path_with_fixed_buffers(device) -> None:
             t_slots.load(1, a.to(device), b.to(device))
             continue
         slots_np = np.array(token_slots)
+        staging.begin_step()
+        copies = staging.num_copies
         k_step.plan(slots_np, torch.float32, device)
+        assert staging.num_copies == copies + staged
+        staging.end_step()
         t_step.plan(slots_np, torch.float32, device)
         x = torch.randn(len(token_slots), D_IN, generator=gen).to(device)
         base = torch.randn(len(token_slots), sum(SUBS), generator=gen).to(device)
