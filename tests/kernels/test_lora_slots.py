@@ -50,7 +50,9 @@ def test_kernel_path_equals_the_torch_path_with_fixed_buffers(device, staged: bo
     addresses = (k_step.mapping_buffer.data_ptr(), k_slots.a.data_ptr(), k_slots.b.data_ptr())
     steps = [
         [0, -1, 2, 2, 1, 0, -1, 2, 1],  # mixed, grouped on the torch path
-        [1, 1, 1, 1, 1, -1, 1],  # one slot beside base tokens (one-hot)
+        [1, 1, 1, 1, 1, -1, 1],  # slot 1 beside base tokens (one-hot over two slots)
+        [0, -1, 0, 0, -1],  # slot 0 beside base tokens (one-hot, one slot: base rows masked)
+        [2, 2, 2],  # every token on one slot
         [-1, -1],  # no adapter: the kernels still launch, with zero counts
         "swap",  # a new adapter copied into slot 1
         [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],  # uneven (one-hot over three slots)
