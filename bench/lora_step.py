@@ -1,5 +1,5 @@
 """What LoRA adapters cost a decode step: engine step times in process (CPU, or --device cuda), base vs
-1 vs 8 adapters. On CUDA the base engine replays CUDA graphs and the LoRA engine runs eagerly.
+1 vs 8 adapters. On CUDA both engines replay CUDA graphs (the LoRA one through the Triton shrink/expand).
 
 `--batch` requests decode together (short prompts, greedy). Four cases, alternated round by round in one
 process so that a shared machine's noise hits them alike:
