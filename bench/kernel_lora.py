@@ -7,7 +7,7 @@ For the fused qkv projection of a model shape (Llama-3-8B: hidden 4096, q 4096, 
 - `kernels`: kernels/lora_shrink.py then kernels/lora_expand.py (one launch each);
 - `torch one-hot`: engine_svc/lora/slots.py's torch path (every token times every slot's A, masked, one
   GEMM through the block-diagonal B).
-Both timed eager (CUDA events, median of 50), outputs compared (max abs diff). Printed: microseconds, the
+Both timed eager (bench/kernel_moe.py's CUDA-event timer, median of 50), outputs compared (max abs diff). Printed: microseconds, the
 bytes the kernels must move (each used slot's A and B once, x, xa twice, out twice) over their time as
 GB/s, and torch / kernels.
 """
@@ -16,32 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
 import torch
+from kernel_moe import time_ms
 
 from engine_svc.lora.slots import LoRASlots, StepLoRA
 
 SHAPES = {"llama3-8b": (4096, [4096, 1024, 1024]), "smollm2-135m": (576, [576, 192, 192])}
-
-
-def _time(fn: Callable[[], object], reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -75,8 +61,8 @@ def main() -> None:
             base = torch.randn(tokens, d_out, device=dev, dtype=dtype)
             outs = {k: layer(x, base.clone()) for k, layer in layers.items()}
             diff = (outs[True].float() - outs[False].float()).abs().max().item()
-            t_kernel = _time(lambda layer=layers[True], x=x, base=base: layer(x, base))
-            t_torch = _time(lambda layer=layers[False], x=x, base=base: layer(x, base))
+            t_kernel = 1000 * time_ms(lambda layer=layers[True], x=x, base=base: layer(x, base), reps=50)
+            t_torch = 1000 * time_ms(lambda layer=layers[False], x=x, base=base: layer(x, base), reps=50)
             used = min(tokens, args.slots)
             moved = (used * (width * d_in + args.rank * d_out) * 2 + tokens * d_in * 2 + 2 * tokens * width * 4
                      + 2 * tokens * d_out * 2)
