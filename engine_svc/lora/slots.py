@@ -4,11 +4,8 @@ Each LoRA-capable linear layer owns `LoRASlots` with S = --max-loras slots, R = 
 sub-projections of its output (q, k, v of the fused qkv layer; gate, up; or the whole output), W = P*R:
 - `a [S, W, in]`: an adapter's q_proj A in rank rows 0..r of the first rank block, its k_proj in the
   second, ...;
-- `b [S, W or R, out]`: B^T with the adapter's scaling folded in, sub-projection p's columns at
-  `offsets[p] .. offsets[p+1]`. The torch path keeps it block-diagonal ([S, W, out]: rank block p feeds
-  only p's columns, zeros elsewhere) so that one GEMM expands every sub-projection; the kernel path keeps
-  it compact ([S, R, out]: rank rows of every p side by side), since its kernel picks p's rank block itself.
-  `parts[p]` is p's [S, R, out_p] view either way.
+- `b [S, R, out]`: B^T with the adapter's scaling folded in, sub-projection p's columns at
+  `offsets[p] .. offsets[p+1]` (`parts[p]`, its [S, R, out_p] view), fed by rank block p of `a`.
 A smaller rank or an untargeted projection is zero padding, which adds exact zeros. Shapes never change:
 swapping an adapter in is a copy into its slot's storage (addresses never change).
 
@@ -19,13 +16,12 @@ ways, chosen per device when the step object is made (kernels) or per step (the 
   device buffer rewritten in place each step; they always launch (a step without adapter tokens has zero
   counts), so the launches are the same for every step of a batch size and a CUDA graph can capture them;
 - torch, grouped (a decode batch whose adapter tokens split evenly enough over two or more slots): the
-  adapter tokens gathered into an [n, L] grid slot by slot, xa = bmm(grid, a[:n]^T), delta = bmm(xa,
-  b[:n]) (every sub-projection at once), scattered back with index_add_;
+  adapter tokens gathered into an [n, L] grid slot by slot, xa = bmm(grid, a[:n]^T), then per
+  sub-projection bmm(xa's rank block p, parts[p][:n]) scattered back into p's columns with index_add_;
 - torch, one-hot (one slot, or an uneven mix such as a long prefill beside decodes): xa = x @ a[:n]^T for
   every slot in use, the other slots' columns zeroed by the one-hot (skipped when every token is on the
-  one slot), then out += xa @ b[:n], one GEMM for every slot and sub-projection (through the
-  block-diagonal B: P times the FLOPs of separate GEMMs per sub-projection, which are few next to the
-  base matmul for the one slot this layout is chosen for; an uneven mix of several slots pays n*P times).
+  one slot), then per sub-projection out[:, cols of p] += xa's rank blocks p @ parts[p][:n] (strided
+  views, no copies for one slot).
 A base-model token has no grid place, an all-zero one-hot row and no mapping entry, so its output is
 exactly the base output. Under tensor parallelism the slots hold this rank's shards (column layers: B's
 output columns; row layers: A's input columns), and a row layer adds its delta before the all-reduce.
@@ -157,10 +153,8 @@ class LoRASlots:
         self.offsets = [0, *np.cumsum(self.sub_sizes).tolist()]
         out_features = self.offsets[-1]
         self.a = torch.zeros(num_slots, self.width, in_features, dtype=dtype, device=device)
-        compact = step.kernels or len(sub_sizes) == 1
-        self.b = torch.zeros(num_slots, rank if compact else self.width, out_features, dtype=dtype, device=device)
-        self.parts = [self.b[:, 0 if compact else p * rank : (1 if compact else p + 1) * rank, lo:hi]
-                      for p, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:]))]
+        self.b = torch.zeros(num_slots, rank, out_features, dtype=dtype, device=device)
+        self.parts = [self.b[:, :, lo:hi] for lo, hi in zip(self.offsets, self.offsets[1:])]
         if step.kernels:
             self.offsets_device = torch.tensor(self.offsets, dtype=torch.int32, device=device)
             self.max_width = max(self.sub_sizes)
@@ -194,17 +188,26 @@ class LoRASlots:
         xa = torch.matmul(x, self.a[:n].reshape(n * self.width, -1).t())
         if step.onehot_needed:
             xa.view(tokens, n, self.width).mul_(onehot.view(tokens, n, 1))
-        return out.addmm_(xa, self.b[:n].reshape(n * self.b.shape[1], -1))  # every sub-projection at once
+        rank, blocks = self.rank, xa.view(tokens, n, len(self.parts), self.rank)
+        for p, (part, lo, hi) in enumerate(zip(self.parts, self.offsets, self.offsets[1:])):
+            xa_p = xa[:, p * rank : (p + 1) * rank] if n == 1 else blocks[:, :, p].reshape(tokens, n * rank)
+            target = out if len(self.parts) == 1 else out[:, lo:hi]
+            target.addmm_(xa_p, part[:n].reshape(n * rank, hi - lo))
+        return out
 
     def _grouped(self, x: torch.Tensor, out: torch.Tensor, step: StepLoRA) -> torch.Tensor:
         n, length = step.num_slots, step.group_len
         assert step.group_gather is not None and step.group_rows is not None
         grid = x.index_select(0, step.group_gather).view(n, length, -1)
         xa = torch.bmm(grid, self.a[:n].transpose(1, 2))  # [n, L, W]
-        delta = torch.bmm(xa, self.b[:n]).view(n * length, -1)  # every sub-projection's columns
-        if step.group_pos is not None:
-            delta = delta.index_select(0, step.group_pos)
-        return out.index_add_(0, step.group_rows, delta)
+        rank = self.rank
+        for p, (part, lo, hi) in enumerate(zip(self.parts, self.offsets, self.offsets[1:])):
+            delta = torch.bmm(xa[:, :, p * rank : (p + 1) * rank], part[:n]).view(n * length, hi - lo)
+            if step.group_pos is not None:
+                delta = delta.index_select(0, step.group_pos)
+            target = out if len(self.parts) == 1 else out[:, lo:hi]
+            target.index_add_(0, step.group_rows, delta)
+        return out
 
     def _kernels(self, x: torch.Tensor, out: torch.Tensor, step: StepLoRA) -> torch.Tensor:
         from kernels.lora_expand import lora_expand
