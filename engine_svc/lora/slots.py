@@ -213,6 +213,8 @@ class LoRASlots:
         from kernels.lora_expand import lora_expand
         from kernels.lora_shrink import lora_shrink
 
+        if x.stride(-1) != 1:  # the kernels read rows with unit column stride
+            x = x.contiguous()
         xa = torch.empty(x.shape[0], self.width, dtype=torch.float32, device=x.device)
         lora_shrink(x, self.a, xa, step.mapping)
         return lora_expand(xa, self.b, out, step.mapping, self.offsets_device, self.max_width)
