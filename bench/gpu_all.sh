@@ -14,6 +14,7 @@
 #                    run(command="bash bench/gpu_all.sh spec_eagle", carry=[".gpu"])  # EAGLE-3 speculation, ~5 min
 #                    run(command="bash bench/gpu_all.sh pd_tests", carry=[".gpu"])  # P/D blocks on CUDA, ~2 min
 #                    run(command="bash bench/gpu_all.sh swa_tests", carry=[".gpu"])  # sliding-window KV freeing + hybrid KV groups, ~3 min
+#                    run(command="bash bench/gpu_all.sh lora", carry=[".gpu"])  # LoRA kernels, graphs, figures, ~4 min
 #
 # Measured on an H200 (2026-11-27): the kernel tests take ~20 s over 8 xdist workers; the tests that build
 # an engine on CUDA are slow (one with two engines took 33 s alone; 6 of 13 ran in 200 s serially);
@@ -122,9 +123,12 @@ for s in "${stages[@]}"; do
              stage spec_eagle_b1 120 python bench/spec_decode.py --method eagle3 --rounds 3 --dtype bfloat16
              stage spec_eagle_b32 120 python bench/spec_decode.py --method eagle3 --rounds 3 --dtype bfloat16 \
                --batch-size 32 ;;
-    # LoRA (~2 min): the PEFT oracle on CUDA, then a decode step with 0 / 1 / 8 adapters (bench/lora_step.py).
-    lora)    stage tests_lora 150 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE -m "slow or not slow" \
-               tests/gpu/test_lora_gpu.py
+    # LoRA (~3 min): the kernels vs the torch reference, the PEFT oracle on CUDA with the kernels and CUDA
+    # graphs, graphs vs eager with adapters swapped between replays, the kernels' bandwidth, then a decode
+    # step with 0 / 1 / 8 adapters (bench/lora_step.py; both engines replay graphs).
+    lora)    stage tests_lora 200 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE -m "slow or not slow" \
+               tests/kernels/test_lora.py tests/kernels/test_lora_slots.py tests/gpu/test_lora_gpu.py
+             stage kernel_lora 60 python bench/kernel_lora.py
              stage lora_step 150 bash -c "python -m entrypoints.cli make-demo-model /tmp/smollm2 --dtype float32 && \
                python bench/lora_step.py --model /tmp/smollm2 --device cuda --dtype bfloat16 --batch 32 --rank 16 \
                --adapters 8 --rounds 5" ;;

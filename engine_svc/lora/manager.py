@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine_svc.lora.peft_dir import PeftAdapter, module_shapes
-from engine_svc.lora.slots import LoRASlots, StepLoRA
+from engine_svc.lora.slots import LoRASlots, StepLoRA, kernels_wanted
 from engine_svc.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -51,10 +51,15 @@ HostLayout = list[tuple[torch.Tensor, torch.Tensor] | None]  # per target: (a [W
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, *, max_loras: int, max_lora_rank: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, max_num_tokens: int = 0,
+                 kernels: bool | None = None) -> None:
+        """`max_num_tokens`: the most tokens one step holds (the kernels' mapping capacity); `kernels`:
+        the Triton shrink/expand (default: on CUDA when Triton is installed, `kernels_wanted`)."""
         self.max_loras, self.rank = max_loras, max_lora_rank
         self.device, self.dtype = device, dtype
-        self.step = StepLoRA()
+        use_kernels = kernels_wanted(device) if kernels is None else kernels
+        self.step = (StepLoRA(kernels=True, slots=max_loras, capacity=max_num_tokens, device=device)
+                     if use_kernels else StepLoRA())
         self.targets = self._attach(model)
         self.num_layers = len(model.model.layers)  # type: ignore[union-attr, arg-type]
         present = {m for t in self.targets for m, _ in t.modules}
@@ -76,6 +81,12 @@ class LoRAManager:
                 linear.lora = slots
                 targets.append(_Target(i, linear, modules, slots))
         return targets
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a CUDA graph may capture the LoRA layers: with the kernels every step launches the same
+        work, reading the token mapping and the slot weights from buffers whose addresses never change."""
+        return self.step.kernels
 
     # ---- host side ----------------------------------------------------------------------------------
     def add(self, lora_id: int, adapter: PeftAdapter) -> None:

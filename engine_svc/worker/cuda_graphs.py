@@ -9,6 +9,8 @@ What is captured:
   rows of real requests;
 - decode-only steps: every scheduled request has q_len == 1. A step with any prefill chunk, or with
   more requests than the largest captured size, runs eagerly (`graph_batch_size`);
+- with --enable-lora, the LoRA layers too when they run the Triton kernels (`LoRAManager.graph_safe`:
+  slot weights and the token mapping are fixed buffers, written before each replay);
 - batch sizes `capture_sizes(max_num_seqs)`, largest first, all graphs sharing one memory pool; a batch
   of n requests replays the smallest captured size B >= n.
 

@@ -284,13 +284,13 @@ class ModelRunner:
         first_rows = (inputs.num_decodes == len(last_token) == len(inputs.req_ids)
                       or bool(np.array_equal(last_token, np.arange(len(last_token)))))
         rows = None if first_rows else self.staging.stage_sample_rows(last_token)
+        if self.lora is not None:  # this step's adapters into device slots, and each token's slot (graphs too)
+            self.lora.prepare(np.repeat(self.row_lora[inputs.rows], inputs.query_lens))
         if self.cuda_graphs is not None:
             size = self.cuda_graphs.size_for(inputs)
             if size is not None:
                 return self.cuda_graphs.replay(inputs, size, fill), rows
         staged = self.staging.stage_inputs(inputs, fill=fill)
-        if self.lora is not None:  # this step's adapters into device slots, and each token's slot
-            self.lora.prepare(np.repeat(self.row_lora[inputs.rows], inputs.query_lens))
         meta = AttentionMetadata(
             slot_mapping=staged.slot_mapping,
             query_start_loc=staged.query_start_loc,

@@ -92,6 +92,8 @@ class Worker:
             kv_num_groups=self.kv_groups.num_groups if self.kv_groups is not None else 1,
         )
         self.runner.lora = lora
+        if lora is not None and lora.step.kernels:  # the kernels' token mapping goes up with the step's inputs
+            lora.step.use_staging(self.runner.staging)
         spec = self.config.speculative
         if spec is not None and spec.method == "eagle3":
             self.runner.drafter = load_eagle3_runner(self.config.model, spec.model, self.model, self.dtype,
@@ -123,8 +125,9 @@ class Worker:
         from engine_svc.lora.manager import load_adapters
 
         cfg = self.config
+        tokens = max(int(cfg.max_num_batched_tokens or cfg.max_model_len or 0), cfg.max_num_seqs)  # the runner's
         manager = LoRAManager(self.model, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,  # type: ignore[arg-type]
-                              device=self.device, dtype=self.dtype)
+                              device=self.device, dtype=self.dtype, max_num_tokens=tokens)
         load_adapters(manager, cfg.lora_modules)
         return manager
 
@@ -215,9 +218,9 @@ class Worker:
             runner.drafter.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                                         for _ in range(d.num_layers)]
         # -- CUDA graphs hook: capture decode graphs now that the cache exists (None when off) --
-        # LoRA steps run eagerly (the adapter selection is not captured), EAGLE-3 steps too (every step
-        # keeps the target's auxiliary hidden states, which a graph replay would not hand over)
-        if runner.lora is None and not isinstance(runner.drafter, Eagle3Runner):
+        # EAGLE-3 steps run eagerly (every step keeps the target's auxiliary hidden states, which a graph
+        # replay would not hand over); so do LoRA steps on the torch path (it decides on host values)
+        if (runner.lora is None or runner.lora.graph_safe) and not isinstance(runner.drafter, Eagle3Runner):
             runner.cuda_graphs = maybe_capture_decode_graphs(
                 self.config, m, runner.kv_caches, device=self.device, staging=runner.staging,
             )

@@ -79,7 +79,7 @@ def test_slots_swap_lru_among_adapters_the_step_does_not_use(adapters) -> None:
     qkv = manager.targets[0].slots
     layout = manager.host[3][0]
     assert layout is not None and torch.equal(qkv.a[0], layout[0])
-    assert torch.equal(qkv.b[1][0], layout[1][8:16, 64:96])  # k_proj: the second rank block, the k columns
+    assert torch.equal(qkv.parts[1][0], layout[1][8:16, 64:96])  # k_proj: the second rank block, the k columns
     manager.prepare(np.array([1, 3]))  # 2 is not used by this step: it goes, 3 stays
     assert dict(manager.slot_of) == {3: 0, 1: 1}
     manager.prepare(np.array([1]))  # 3 is now the least recently used
