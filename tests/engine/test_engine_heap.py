@@ -52,7 +52,8 @@ def test_the_engine_cli_asks_for_it(monkeypatch, llama_dir) -> None:
     monkeypatch.setattr(engine_svc.telemetry, "EngineTelemetry", Telemetry)
     args = argparse.Namespace(metrics_port=0, host="127.0.0.1", port=0, max_waiting=None, drain_grace_period=1.0,
                               health_port=0, max_message_bytes=1 << 20, enable_kv_cache_events=False,
-                              kv_events_buffer=8, max_kv_event_subscribers=128, max_tokenizer_downloads=32)
+                              kv_events_buffer=8, max_kv_event_subscribers=128, max_tokenizer_downloads=32,
+                              disable_log_stats=False, log_stats_interval=10.0)
     config = EngineConfig.create(model=str(llama_dir), device="cpu", dtype="float32")
     assert asyncio.run(server_cli._serve(config, args, None, (None, None))) == 0
     assert built["settle_heap_when_ready"] is True
