@@ -308,9 +308,6 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory-bytes must be positive")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError("--num-gpu-blocks-override must be >= 1")
-        if self.kv_transfer_config is not None and self.nnodes > 1:
-            raise ConfigError("--kv-transfer-config cannot be combined with --nnodes > 1 (yet): the ranks that "
-                              "read and write K/V for other engines must share one node with the engine")
 
     def _check_executor_backend(self) -> None:
         backend = self.distributed_executor_backend
@@ -325,9 +322,6 @@ class EngineConfig:
         if backend == "ray" and self.nnodes > 1:
             raise ConfigError("--distributed-executor-backend ray places the workers on the Ray cluster's nodes "
                               "itself: drop --nnodes/--node-rank (they are the mp backend's)")
-        if backend == "ray" and self.kv_transfer_config is not None:
-            raise ConfigError("--kv-transfer-config cannot run under --distributed-executor-backend ray (yet): use "
-                              "mp (the default for several ranks) or uni")
 
     @property
     def executor_backend(self) -> str:

@@ -128,6 +128,7 @@ class RayExecutor(WorkerInfoExecutor):
         self._info: WorkerInfo | None = None
         self._failure: str | None = None
         self._fail_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one broadcast at a time: every rank sees commands in one order
         self._pings: list[Any] = []
         self._last_ping = 0.0
         self._actors: list[Any] = []
@@ -175,6 +176,16 @@ class RayExecutor(WorkerInfoExecutor):
     def submit(self, scheduler_output: SchedulerOutput) -> StepFuture:
         return RayStepFuture(self, self._send(Op.EXECUTE, scheduler_output), self._answer)
 
+    def describe_kv(self) -> bytes:
+        """P/D: every rank's K/V shard (engine_svc/kv_transfer/shards.py), encoded; each rank keeps its own."""
+        return self._broadcast(Op.KV_DESCRIBE)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> bytes:
+        """P/D: the wire bytes of `block_ids`, gathered from every rank after the steps submitted before.
+        Safe to call from any thread (the engine core keeps stepping meanwhile): the command is one more
+        broadcast in every actor's order, and waiting for it waits for nothing else."""
+        return self._broadcast(Op.KV_READ, block_ids)
+
     def check_health(self) -> None:
         """Raise WorkerDiedError after a failure or shutdown, or if an actor is found dead: pings sent at
         most once a second are checked without waiting (an actor busy with a step answers later)."""
@@ -196,12 +207,16 @@ class RayExecutor(WorkerInfoExecutor):
     # ---- plumbing ----------------------------------------------------------------------------------
     def _send(self, op: Op, body: object = None) -> list[Any]:
         """Broadcast one command to every actor's `run`, in rank order: inline in each call when small (Ray
-        then ships it with the call), else stored once and passed by reference (each actor fetches it)."""
+        then ships it with the call), else stored once and passed by reference (each actor fetches it).
+        Broadcasts from several threads (the step loop, a P/D pull) never interleave: Ray keeps one
+        caller's calls to an actor in submission order, so every actor then runs every command in one
+        order and the collectives inside line up."""
         if not self._finalizer.alive:
             raise WorkerDiedError(self._failure or "the Ray executor is shut down")
         payload = bytes(encode_command(op, body))
         command = payload if len(payload) <= INLINE_COMMAND_BYTES else ray.put(payload)
-        return [actor.run.remote(command) for actor in self._actors]
+        with self._send_lock:
+            return [actor.run.remote(command) for actor in self._actors]
 
     def _broadcast(self, op: Op, body: object = None) -> bytes:
         """Broadcast one command and wait for it: the answer rank's answer."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import grpc
 
 from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.executor.base import Executor
-from engine_svc.executor.multiproc import MultiprocExecutor
 from engine_svc.executor.uniproc import UniprocExecutor
 from engine_svc.kv_transfer.blocks import read_blocks
 from engine_svc.kv_transfer.connector import KVConnector
@@ -19,13 +20,22 @@ from shared_runtime.security.auth import BearerToken
 from shared_runtime.security.tls import TlsFiles
 
 
+@runtime_checkable
+class ShardedKVExecutor(Protocol):
+    """An executor whose ranks hold the K/V (multiproc, Ray): they answer KV_DESCRIBE and KV_READ."""
+
+    def describe_kv(self) -> bytes: ...
+
+    def read_kv_blocks(self, block_ids: list[int]) -> bytes: ...
+
+
 def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
     """The connector of an engine started with --kv-transfer-config. Its engine id, address and pull
     credentials are set by the server once it listens.
 
     One device: the cache lives in this process, and a pull reads it directly. Several ranks (TP/PP, the
-    multiprocessing executor): the ranks learn every rank's shard now (KV_DESCRIBE), and a pull asks them
-    for the blocks (KV_READ, gathered to the answer rank: shards.py), in step order."""
+    multiprocessing or the Ray executor): the ranks learn every rank's shard now (KV_DESCRIBE), and a pull
+    asks them for the blocks (KV_READ, gathered to the answer rank: shards.py), in step order."""
     kv_config = config.kv_transfer_config
     assert kv_config is not None
     if isinstance(executor, UniprocExecutor):
@@ -37,12 +47,12 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
 
         def read(block_ids: list[int]) -> bytes | memoryview:
             return read_blocks(kv_caches, block_ids)
-    elif isinstance(executor, MultiprocExecutor):
+    elif isinstance(executor, ShardedKVExecutor):
         shards = decode_shards(executor.describe_kv())
         read = executor.read_kv_blocks
     else:
         raise ConfigError(f"--kv-transfer-config cannot run under the {type(executor).__name__}: use the "
-                          "in-process executor (one device) or --distributed-executor-backend mp")
+                          "in-process executor (one device) or --distributed-executor-backend mp or ray")
     layout = layout_of(shards, config.model_name, config.block_size, config.tensor_parallel_size)
     connector = KVConnector(
         kv_config, config.block_size,

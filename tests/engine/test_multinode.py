@@ -165,3 +165,43 @@ def test_a_headless_node_with_other_flags_is_refused_at_join(make_model, headles
                                               r"\(node 0: 1, node 1: 2\); --pipeline-parallel-size"):
         LLM(str(model), nnodes=2, master_port=port, pipeline_parallel_size=2, **ENGINE_ARGS)
     assert headless[0].wait(60) == 1
+
+
+def test_a_producer_spanning_two_nodes_feeds_a_decode_engine_exactly(make_model, headless) -> None:
+    """P/D across nodes: a producer whose two pipeline stages live on two nodes (the answering last stage on
+    the headless one) keeps a prefill's blocks; a one-device consumer pulls them — KV_DESCRIBE and KV_READ
+    broadcast to both nodes, the stages' shards gathered to the headless answer rank, the bytes relayed back
+    over the node link — and decodes the tokens of one engine alone; the producer's blocks come back."""
+    from engine_svc.api.server import EngineServer
+    from engine_svc.core import EngineCore
+    from engine_svc.kv_transfer.config import KVTransferConfig
+    from tests.engine.test_engine_server import ServerThread
+    from tests.engine.test_kv_transfer import GREEDY as PD_GREEDY
+    from tests.engine.test_kv_transfer import PROMPT, _config, _prefill, _stop
+    from tests.engine.test_kv_transfer_tp import _continue_and_check, _expected
+    from tests.engine_stream import engine_idle, engine_load
+    from tests.support import wait_until
+
+    model = make_model("llama", num_layers=3)
+    one_engine = EngineCore(_config(model))
+    want = _expected(one_engine, "u-nodes")
+    one_engine.shutdown()
+    port = two_free_ports()
+    headless.append(start_headless(model, port, "--pipeline-parallel-size", "2"))
+    config = EngineConfig.create(model=str(model), nnodes=2, master_port=port, pipeline_parallel_size=2,
+                                 kv_transfer_config=KVTransferConfig(kv_role="kv_producer"), **ENGINE_ARGS)
+    producer = ServerThread(EngineServer(config, host="127.0.0.1", port=0)).start()
+    consumer = None
+    try:
+        wait_until(lambda: engine_idle(producer.address), 120, "the two-node producer up", retry_on=(Exception,))
+        first = _prefill(producer, "p-nodes", PROMPT, PD_GREEDY)
+        assert list(first.new_token_ids) == want[0][:1]
+        assert engine_load(producer.address).num_free_blocks == 32 - 5  # held for the pull
+        consumer = EngineCore(_config(model, KVTransferConfig(kv_role="kv_consumer", kv_pull_timeout_s=30)))
+        _continue_and_check(consumer, "d-nodes", first, want, pulled=5, failures=0)
+        wait_until(lambda: engine_idle(producer.address), 30, "the producer's blocks freed after the pull")
+    finally:
+        if consumer is not None:
+            consumer.shutdown()
+        _stop(producer)
+    assert headless[0].wait(30) == 0

@@ -24,6 +24,7 @@ import ray
 
 from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.executor import ray_executor
+from engine_svc.executor.codec import Op
 from engine_svc.executor.multiproc import WorkerDiedError
 from engine_svc.executor.ray_executor import RayExecutor, connect_ray
 from engine_svc.executor.worker_proc import FAULT_ENV
@@ -217,3 +218,42 @@ def test_an_idle_actor_death_is_noticed_by_the_health_check(ray_session, make_mo
         assert_actors_gone(executor.worker_pids)
     finally:
         executor.shutdown()
+
+
+def test_broadcasts_from_two_threads_reach_every_actor_in_one_order() -> None:
+    """The step loop and a P/D pull's thread broadcast at once: each actor must see the commands in the same
+    order (the collectives inside them pair up rank by rank), so one broadcast's calls are never split by
+    another's. Fake actors record what they are sent; submitting a call yields the GIL between ranks."""
+    import threading
+
+    class Recorder:
+        def __init__(self, seen: list[bytes]) -> None:
+            self.seen = seen
+
+        def remote(self, command: bytes) -> None:
+            time.sleep(0.001)  # another thread's broadcast may run here
+            self.seen.append(command)
+
+    class FakeActor:
+        def __init__(self) -> None:
+            self.seen: list[bytes] = []
+            self.run = Recorder(self.seen)
+
+    executor = RayExecutor.__new__(RayExecutor)
+    actors = [FakeActor() for _ in range(4)]
+    executor._actors = actors
+    executor._send_lock = threading.Lock()
+    executor._failure = None
+    executor._finalizer = type("Alive", (), {"alive": True})()
+
+    def broadcast(block_ids: list[int]) -> None:
+        for _ in range(20):
+            executor._send(Op.KV_READ, block_ids)
+
+    threads = [threading.Thread(target=broadcast, args=([n],)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(actors[0].seen) == 60
+    assert all(actor.seen == actors[0].seen for actor in actors)
