@@ -108,11 +108,13 @@ def test_prefix_hit_is_what_every_window_allows() -> None:
 
 # ---- against transformers ----------------------------------------------------------------------------------
 def with_windows(make_model, tmp_path_factory, arch: str, num_layers: int, **fields: Any) -> Path:
-    """A tiny model of `num_layers` layers whose config sets the window and `fields`."""
+    """A tiny model of `num_layers` layers whose config sets the window and `fields` (no `layer_types`
+    unless given: transformers and the engine then derive it from `max_window_layers`)."""
     src = make_model(arch, num_layers=num_layers)
     dst = tmp_path_factory.mktemp(f"{arch}-groups") / "model"
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
+    config.pop("layer_types", None)
     (dst / "config.json").write_text(json.dumps({**config, "sliding_window": WINDOW, "use_sliding_window": True,
                                                  **fields}))
     return dst
@@ -134,10 +136,11 @@ def qwen2_2_4(make_model, tmp_path_factory) -> Path:
 GROUPS = {"qwen3_1_3": (None, WINDOW, WINDOW, WINDOW), "qwen2_2_4": (None, WINDOW, WINDOW)}
 
 
-def run_groups(model_dir: Path, prompts: list[list[int]], groups: tuple[int | None, ...],
-               **engine_args: Any) -> tuple[LLM, list[list[int]], list[int]]:
-    """Generate greedily with these KV groups, recording after every step the most real blocks any
-    running request held in each group; check no block leaked. (llm, outputs, most per group)."""
+def run_groups(model_dir: Path, prompts: list[list[int]], groups: tuple[int | None, ...], rounds: int = 1,
+               **engine_args: Any) -> tuple[LLM, list, list[int]]:
+    """Generate greedily with these KV groups, the prompts in `rounds` calls one after another (later
+    ones may hit earlier ones' blocks), recording after every step the most real blocks any running
+    request held in each group; check no block leaked. (llm, outputs, most per group)."""
     llm = LLM(str(model_dir), dtype="float32", block_size=BS, **engine_args)
     assert llm.config.kv_group_windows == groups
     kv = llm.engine.scheduler.kv
@@ -152,7 +155,8 @@ def run_groups(model_dir: Path, prompts: list[list[int]], groups: tuple[int | No
         return out
 
     llm.engine.step = recording_step  # type: ignore[method-assign]
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    size = -(-len(prompts) // rounds)
+    outs = [o for i in range(0, len(prompts), size) for o in llm.generate(prompts[i : i + size], GREEDY, use_tqdm=False)]
     assert_no_block_leaks(llm)
     return llm, outs, most
 
@@ -173,11 +177,11 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
 def test_unequal_groups_match_transformers(request, model: str, prefix_caching: bool) -> None:
     """16-token steps (chunked prefill), 72 pool blocks: freed sliding blocks are handed out again while
     their old owners run. The sliding groups held at most their window's and step's blocks, the full
-    group the longest request's whole context; the shared prefix hit."""
+    group the longest request's whole context; the second round's prompts hit the first's prefix."""
     model_dir, groups = request.getfixturevalue(model), GROUPS[model]
     prompts = shared_prefix_prompts(31)
-    _, outs, most = run_groups(model_dir, prompts, groups, max_num_batched_tokens=16, num_gpu_blocks_override=72,
-                               enable_prefix_caching=prefix_caching)
+    _, outs, most = run_groups(model_dir, prompts, groups, rounds=2, max_num_batched_tokens=16,
+                               num_gpu_blocks_override=72, enable_prefix_caching=prefix_caching)
     assert_greedy_matches_hf(model_dir, prompts, outs)
     full, *sliding = most
     assert max(sliding) <= window_bound(WINDOW, 16) < full
@@ -186,9 +190,10 @@ def test_unequal_groups_match_transformers(request, model: str, prefix_caching: 
 
 
 def test_preemption_and_async_scheduling_with_unequal_groups(qwen3_1_3: Path) -> None:
-    """Thirty blocks for five requests over four groups: preempted and resumed while freeing."""
+    """44 blocks (eleven blocks of positions over four groups) for five requests: preempted and resumed
+    while freeing."""
     prompts = make_prompts(32, 5, 500, lo=14, hi=26)
-    llm, outs, _ = run_groups(qwen3_1_3, prompts, GROUPS["qwen3_1_3"], num_gpu_blocks_override=30,
+    llm, outs, _ = run_groups(qwen3_1_3, prompts, GROUPS["qwen3_1_3"], num_gpu_blocks_override=44,
                               max_num_batched_tokens=16, async_scheduling=True)
     assert_greedy_matches_hf(qwen3_1_3, prompts, outs)
     assert llm.engine.get_stats().num_preemptions > 0
@@ -245,10 +250,11 @@ def test_two_windows_match_one_table(two_windows: Path) -> None:
     held at most its own window's blocks."""
     prompts = shared_prefix_prompts(35)
     args = dict(max_num_batched_tokens=16, num_gpu_blocks_override=80)
-    _, outs, most = run_groups(two_windows, prompts, (None, 4, 12, 12), **args)
+    _, outs, most = run_groups(two_windows, prompts, (None, 4, 12, 12), rounds=2, **args)
     one_table = LLM(str(two_windows), dtype="float32", block_size=BS, disable_hybrid_kv_cache_manager=True, **args)
     assert one_table.config.kv_group_windows is None
-    want = one_table.generate(prompts, GREEDY, use_tqdm=False)
+    want = one_table.generate(prompts[:3], GREEDY, use_tqdm=False) + one_table.generate(prompts[3:], GREEDY,
+                                                                                         use_tqdm=False)
     for got, expected in zip(outs, want):
         assert got.outputs[0].token_ids == expected.outputs[0].token_ids
         assert [e.logprob for e in got.outputs[0].logprobs] == pytest.approx(
