@@ -482,9 +482,9 @@ def resolve_kv_groups(config: EngineConfig, windows: tuple[int | None, ...]) -> 
         raise ConfigError(f"--kv-transfer-config moves one KV block table per request, but this model mixes "
                           f"attention types (KV groups with windows {windows}): drop --kv-transfer-config {escape}")
     if spec is not None and spec.model is not None and windows[0] is not None:
-        raise ConfigError(f"--speculative-config with a draft model needs a full-attention layer's KV group, but "
-                          f"every layer of this model slides (KV groups with windows {windows}): drop the draft "
-                          f"model {escape}")
+        raise ConfigError(f"--speculative-config with a draft model or EAGLE-3 head needs a full-attention layer's "
+                          f"KV group, but every layer of this model slides (KV groups with windows {windows}): "
+                          f"drop the draft {escape}")
     return windows
 
 

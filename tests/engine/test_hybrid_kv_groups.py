@@ -7,10 +7,11 @@ group allows (the bound lowered group after group until none lowers it). Then ti
 whose `layer_types` / `max_window_layers` give 1 full + 3 sliding layers (groups of 1) and 2 full + 4
 sliding (groups of 2), window 8, blocks of 4: float32 greedy tokens and logprobs equal transformers' with
 chunked prefill, prefix caching (shared prefixes hit) and a pool small enough that freed blocks are
-handed out again at once; preemption with async scheduling; pipeline stages; a draft model. Two windows
-(transformers' configs give one window for every sliding layer, so the engine's per-layer windows are
-set through `layer_windows`): the same tokens and logprobs as one table keeping every block. Each run
-records the most real blocks any running request held in each group.
+handed out again at once; preemption with async scheduling; pipeline stages; a draft model and an
+EAGLE-3 head (their caches addressed through group 0's table). Two windows (transformers' configs give
+one window for every sliding layer, so the engine's per-layer windows are set through `layer_windows`):
+the same tokens and logprobs as one table keeping every block. Each run records the most real blocks any
+running request held in each group.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.kv.hybrid_manager import HybridKVCacheManager
 from engine_svc.kv.kv_cache_manager import NULL_BLOCK
 from entrypoints import LLM, SamplingParams
+from entrypoints.eagle3_head import make_eagle3_head
 from tests.engine.test_hf_exact import (
     MAX_TOKENS,
     assert_greedy_matches_hf,
@@ -36,6 +38,7 @@ from tests.engine.test_hf_exact import (
     make_prompts,
 )
 from tests.engine.test_kv_cache_manager import req
+from tests.engine.test_spec_eagle3 import record_drafts, reference_drafts
 
 WINDOW, BS = 8, 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
@@ -48,8 +51,9 @@ def held(kv: HybridKVCacheManager, request_id: str) -> list[int]:
 
 # ---- the manager -------------------------------------------------------------------------------------------
 def test_decode_gives_each_sliding_groups_blocks_back_behind_its_window() -> None:
-    """1 full + 3 sliding groups (W 8) and a second window (W 16): one request decoding token by token;
-    after each step every sliding group holds only the blocks its window reads and the step's."""
+    """Groups (None, 8, 8, 16): a full group, two sliding over 8 and one over 16; one request decoding
+    token by token: after each step every sliding group holds only the blocks its window reads and the
+    step's, the full group every block; all come back at the end."""
     kv = HybridKVCacheManager(200, BS, (None, 8, 8, 16), enable_prefix_caching=False)
     a = req("a", list(range(5, 17)))  # 12-token prompt
     assert kv.allocate_slots(a, 12) is not None
@@ -172,8 +176,11 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
     return prompts[:3] + [prompts[0][:20] + tail for tail in make_prompts(seed + 1, 3, 500, lo=2, hi=25)]
 
 
-@pytest.mark.parametrize(("model", "prefix_caching"), [("qwen3_1_3", True), ("qwen2_2_4", True),
-                                                       ("qwen3_1_3", False)])
+@pytest.mark.parametrize(("model", "prefix_caching"), [
+    ("qwen3_1_3", True),
+    pytest.param("qwen2_2_4", True, marks=pytest.mark.slow),
+    pytest.param("qwen3_1_3", False, marks=pytest.mark.slow),
+])
 def test_unequal_groups_match_transformers(request, model: str, prefix_caching: bool) -> None:
     """16-token steps (chunked prefill), 72 pool blocks: freed sliding blocks are handed out again while
     their old owners run. The sliding groups held at most their window's and step's blocks, the full
@@ -209,6 +216,23 @@ def test_draft_model_with_unequal_groups(qwen3_1_3: Path) -> None:
     assert_greedy_matches_hf(qwen3_1_3, prompts, outs)
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.slow
+def test_eagle3_head_with_unequal_groups(qwen3_1_3: Path, tmp_path: Path) -> None:
+    """An EAGLE-3 head on the hybrid target, its K/V over group 0's table: every draft equals the
+    reference EAGLE-3 step on transformers' hidden states (test_spec_eagle3.py), through chunked prefill."""
+    head = make_eagle3_head(qwen3_1_3, tmp_path / "head", aux_layer_ids=[1, 2, 3], seed=1, std=0.3)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    llm = LLM(str(qwen3_1_3), dtype="float32", block_size=BS, max_num_batched_tokens=16, speculative_config=spec,
+              enable_prefix_caching=False)
+    assert llm.config.kv_group_windows == GROUPS["qwen3_1_3"]
+    seen = record_drafts(llm)
+    prompts = make_prompts(36, 3, 500, lo=18, hi=30)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert len(seen) >= 3 * 3
+    assert all(drafts == reference_drafts(qwen3_1_3, head, tokens, len(drafts)) for tokens, drafts in seen)
+    assert_no_block_leaks(llm)
 
 
 @pytest.mark.slow
