@@ -196,6 +196,21 @@ def test_unequal_groups_match_transformers(request, model: str, prefix_caching: 
     assert (sum(o.num_cached_tokens for o in outs) > 0) == prefix_caching
 
 
+@pytest.mark.parametrize("model", ["qwen3_1_3", "qwen2_2_4"])
+def test_the_pool_has_num_groups_times_the_blocks_in_the_same_memory(request, model: str) -> None:
+    """A pool block holds one group's layers (no padding): the KV memory of 40 one-table blocks (every
+    layer) gives 40 x num_groups pool blocks."""
+    model_dir = request.getfixturevalue(model)
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    layer_block = 2 * config["num_key_value_heads"] * head_dim * 4 * BS  # K and V, float32
+    memory = 40 * config["num_hidden_layers"] * layer_block
+    for hybrid in (True, False):
+        llm = LLM(str(model_dir), dtype="float32", block_size=BS, kv_cache_memory_bytes=memory,
+                  disable_hybrid_kv_cache_manager=not hybrid)
+        assert llm.engine.num_blocks == 40 * (len(GROUPS[model]) if hybrid else 1)
+
+
 def test_preemption_and_async_scheduling_with_unequal_groups(qwen3_1_3: Path) -> None:
     """44 blocks (eleven blocks of positions over four groups) for five requests: preempted and resumed
     while freeing."""
