@@ -221,6 +221,7 @@ def test_preemption_and_async_scheduling_with_unequal_groups(qwen3_1_3: Path) ->
     assert llm.engine.get_stats().num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_draft_model_with_unequal_groups(qwen3_1_3: Path) -> None:
     """The target as its own draft, over group 0's (full) table: every greedy draft is accepted only if
     the draft's K/V sits where it reads it; the tokens are transformers'."""
