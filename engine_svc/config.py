@@ -213,8 +213,9 @@ class EngineConfig:
     # The window every attention layer slides over (engine_svc/model/windows.py): the KV cache frees blocks
     # behind it. None: some layer attends to the whole context, so every block is kept.
     kv_sliding_window: int | None = field(default=None, compare=False)
-    # A hybrid model's KV groups' windows (engine_svc/kv/groups.py: full layers, sliding layers), each with
-    # its own block table per request; None: one table for every layer (resolve_kv_groups says when).
+    # A hybrid model's KV groups' windows (engine_svc/kv/groups.py: None a full group, else its window),
+    # each with its own block table per request; None: one table for every layer (no window, one window
+    # for every layer, or --disable-hybrid-kv-cache-manager); resolve_kv_groups refuses what cannot run.
     kv_group_windows: tuple[int | None, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -463,18 +464,22 @@ def _kv_group_windows(arch: str, hf_config: dict[str, Any]) -> tuple[int | None,
     return None if groups is None else groups.windows
 
 
-def resolve_kv_groups(config: EngineConfig, windows: tuple[int | None, ...]) -> tuple[int | None, ...] | None:
-    """The hybrid model's KV groups, or None (every layer keeps every block, as before the groups) where
-    they are not built for the engine's other settings: a KV connector (P/D: a pulled prompt needs all
-    its blocks in one table), a draft model (its cache shares the target's one table), pipeline stages."""
+def resolve_kv_groups(config: EngineConfig, windows: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """The hybrid model's KV groups, checked against the engine's other settings. Pipeline stages and a
+    draft model run with them (a stage allocates its layers' cache slots; the draft addresses group 0's
+    table, which must be a full-attention group). Refused (ConfigError naming both flags): a KV connector
+    (P/D moves one block table per request) and a draft model over a model without full-attention
+    layers; --disable-hybrid-kv-cache-manager (one table, every block kept) runs both."""
     spec = config.speculative
-    why = ("--kv-transfer-config is set" if config.kv_transfer_config is not None else
-           "a draft model is set" if spec is not None and spec.model is not None else
-           "--pipeline-parallel-size > 1" if config.pipeline_parallel_size > 1 else None)
-    if why is None:
-        return windows
-    logger.info("hybrid model: its sliding layers keep every KV block, since %s", why)
-    return None
+    escape = "or pass --disable-hybrid-kv-cache-manager (every layer keeps every KV block, one table)"
+    if config.kv_transfer_config is not None:
+        raise ConfigError(f"--kv-transfer-config moves one KV block table per request, but this model mixes "
+                          f"attention types (KV groups with windows {windows}): drop --kv-transfer-config {escape}")
+    if spec is not None and spec.model is not None and windows[0] is not None:
+        raise ConfigError(f"--speculative-config with a draft model or EAGLE-3 head needs a full-attention layer's "
+                          f"KV group, but every layer of this model slides (KV groups with windows {windows}): "
+                          f"drop the draft {escape}")
+    return windows
 
 
 def _auto_device() -> str:

@@ -1,9 +1,9 @@
 """Block tables per KV group over one shared pool, for hybrid models (engine_svc/kv/groups.py).
 
-One `KVCacheManager` per group, all over one `BlockPool`: group 0 (full attention) keeps a block for
-every block of positions; group 1 (sliding window W) gives back, before each allocation, its blocks
-wholly below q0 - W + 1 for a step computing from q0 = num_computed_tokens, leaving `NULL_BLOCK` in their
-entries (kv_cache_manager.py says why the workers need not be told). This class coordinates them:
+One `KVCacheManager` per group, all over one `BlockPool`: a full-attention group keeps a block for every
+block of positions; a sliding group (window W, each its own) gives back, before each allocation, its
+blocks wholly below q0 - W + 1 for a step computing from q0 = num_computed_tokens, leaving `NULL_BLOCK` in
+their entries (kv_cache_manager.py says why the workers need not be told). This class coordinates them:
 - Every group's table has one entry per block of positions: the tables grow together, so a step that
   needs n more blocks of positions takes n blocks per group (and the hits it claims), all or none.
 - The pool's free count is the one budget: the scheduler admits and preempts by it, and a request of T
@@ -12,12 +12,15 @@ entries (kv_cache_manager.py says why the workers need not be told). This class 
 - `free` returns every block the request holds in any group (finish, abort, preemption).
 - Block ids and prefix hits are interleaved (entry i * num_groups + g: group g's block i), as the
   workers receive the tables.
-- Prefix caching (vLLM's `find_longest_cache_hit` for a full and a sliding group): each group caches its
-  blocks under the block hash, the sliding group's with a tag appended (`cache_tag`), so the two groups'
-  blocks of one prefix are told apart. A hit of L blocks needs blocks 0 .. L - 1 cached in the full
-  group and, in the sliding group, the blocks that position L * block_size's window reads (the full
-  group's leading run bounds the sliding group's search; the full hit is cut to the sliding one). The
-  counters count each admission once (the full group's).
+- Prefix caching (vLLM's `find_longest_cache_hit` over several attention types): each group caches its
+  blocks under the block hash with its own tag appended (`cache_tag`: none for group 0, byte g for group
+  g), so the groups' blocks of one prefix are told apart (and KV events report group 0's only). A hit of
+  L blocks needs, in each full group, blocks 0 .. L - 1 cached and, in each sliding group, the blocks
+  that position L * block_size's window reads. Each group's `longest_hit` is the longest hit it allows
+  up to a bound; the bound starts at the prompt's blocks and is lowered group after group until a pass
+  over every group leaves it unchanged (a full group allows every shorter hit; a sliding group is asked
+  again under the lower bound, since its window blocks move). The counters count each admission once
+  (group 0's).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ class HybridKVCacheManager(PoolGauges):
 
     def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None],
                  enable_prefix_caching: bool = True, events: KVEventLog | None = None) -> None:
-        if tuple(w is None for w in windows) != (True, False):
-            raise ValueError(f"hybrid KV groups are a full group and a sliding one, got windows {windows}")
+        if len(windows) < 2 or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"hybrid KV groups need two groups or more, each full or a positive window, "
+                             f"got windows {tuple(windows)}")
         self.block_size = block_size
         self.windows = tuple(windows)
         self.num_groups = len(self.windows)
@@ -45,15 +49,15 @@ class HybridKVCacheManager(PoolGauges):
         self.groups = [KVCacheManager(num_blocks, block_size, enable_prefix_caching, sliding_window=w,
                                       pool=self.pool, cache_tag=bytes((g,)) if g else b"")
                        for g, w in enumerate(self.windows)]
-        self._full, self._sliding = self.groups
+        self._sliding = [g for g in self.groups if g.sliding_window is not None]
 
     @property
     def prefix_cache_queries(self) -> int:
-        return self._full.prefix_cache_queries
+        return self.groups[0].prefix_cache_queries
 
     @property
     def prefix_cache_hits(self) -> int:
-        return self._full.prefix_cache_hits
+        return self.groups[0].prefix_cache_hits
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's interleaved tables from flat index `start` on ([] for an unknown request)."""
@@ -65,15 +69,25 @@ class HybridKVCacheManager(PoolGauges):
         return flat[start % n :]
 
     def hash_blocks(self, request: Request) -> None:
-        self._full.hash_blocks(request)
+        self.groups[0].hash_blocks(request)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest prefix cached for every group, as (interleaved blocks, num_tokens); pure lookup."""
-        full, num_tokens = self._full.get_computed_blocks(request)
-        if not full:
+        first = self.groups[0]
+        if not first.uses_lookup(request):
             return [], 0
-        sliding, num_tokens = self._sliding.window_hit(request, len(full))
-        return [b for pair in zip(full, sliding) for b in pair], num_tokens
+        first.hash_blocks(request)
+        bound = (request.num_tokens - 1) // self.block_size
+        hits: list[list[KVCacheBlock]] = []  # each group's hit of `bound` blocks, groups 0 .. len - 1
+        while bound and len(hits) < self.num_groups:
+            found = self.groups[len(hits)].longest_hit(request, bound)
+            if len(found) < bound:  # a lower bound: every group is asked again under it
+                bound, hits = len(found), []
+                continue
+            hits.append(found)
+        if not bound:
+            return [], 0
+        return [b for row in zip(*hits) for b in row], bound * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] | None = None) -> list[int] | None:
@@ -81,14 +95,15 @@ class HybridKVCacheManager(PoolGauges):
         the sliding group gives back what lies behind its window. Returns the interleaved ids appended
         (hits first), or None (nothing taken) when the pool has fewer free blocks than the groups need."""
         rid = request.request_id
-        full_table, sliding_table = tables = [g._tables.get(rid) for g in self.groups]
+        tables = [g._tables.get(rid) for g in self.groups]
         num_computed = request.num_computed_tokens
-        if sliding_table is not None:
-            self._sliding._free_behind_window(rid, sliding_table, num_computed)
-        if full_table is not None and not new_computed_blocks:
+        if tables[0] is not None:
+            for g in self._sliding:
+                g._free_behind_window(rid, g._tables[rid], num_computed)
+        if tables[0] is not None and not new_computed_blocks:
             # Fast path (a decode, most steps): no group takes a block or caches one.
             num_tokens, bs = num_computed + num_new_tokens, self.block_size
-            if num_tokens <= len(full_table) * bs and (num_tokens // bs == num_computed // bs
+            if num_tokens <= len(tables[0]) * bs and (num_tokens // bs == num_computed // bs
                                                        or not self.enable_prefix_caching):
                 return []
         hits = list(new_computed_blocks or ())

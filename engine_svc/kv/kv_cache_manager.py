@@ -110,21 +110,25 @@ class KVCacheManager(PoolGauges):
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, as (blocks, num_tokens). Pure lookup: takes no
         references; pass the blocks to `allocate_slots` to claim them."""
-        if not self._uses_lookup(request):
+        if not self.uses_lookup(request):
             return [], 0
         self.hash_blocks(request)
-        bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
+        hits = self.longest_hit(request, (request.num_tokens - 1) // self.block_size)
+        return hits, len(hits) * self.block_size
+
+    def longest_hit(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
+        """The longest run of this table's leading blocks cached for the request, at most `max_blocks`
+        (under a sliding window, `window_hit`'s). `request.block_hashes` must be current."""
         if self.sliding_window is not None:
-            return self.window_hit(request, max_blocks)
-        tokens = request.all_token_ids
+            return self.window_hit(request, max_blocks)[0]
+        bs, tokens = self.block_size, request.all_token_ids
         hits: list[KVCacheBlock] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             block = self.pool.get_cached_block(block_hash + self.cache_tag, tokens[i * bs : (i + 1) * bs])
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+        return hits
 
     def window_hit(self, request: Request, max_blocks: int) -> tuple[list[KVCacheBlock], int]:
         """The longest hit under a sliding window (vLLM's rule): L blocks are a hit when the
@@ -257,11 +261,11 @@ class KVCacheManager(PoolGauges):
         self._num_freed[request_id] = behind
         self.pool.free_blocks(b for b in freed if b is not NULL_BLOCK)
 
-    def _uses_lookup(self, request: Request) -> bool:
+    def uses_lookup(self, request: Request) -> bool:
         return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
 
     def _count_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
-        if self._uses_lookup(request):
+        if self.uses_lookup(request):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
 

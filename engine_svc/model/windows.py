@@ -13,7 +13,8 @@ at position p sees keys p - W < k <= p), None for a full-attention layer:
 `kv_window(windows)` is the window the KV cache may free blocks behind: defined only when every layer
 slides with the same window (one block table per request for all layers: a block can go back to the
 pool only when no layer will read it again). Hybrid models (gpt-oss, Qwen2/Qwen3 mixing full and
-sliding layers) get one table per attention type instead: engine_svc/kv/groups.py.
+sliding layers, layers over different windows) get KV groups of one attention type each, each with its
+own table, instead: engine_svc/kv/groups.py.
 """
 
 from __future__ import annotations

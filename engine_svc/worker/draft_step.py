@@ -12,7 +12,8 @@ allocates their KV slots. At the start of that step, before the target's forward
    target then verifies them in the same step) and keeps each draft's distribution q for verification.
 
 The draft's KV cache: one cache tensor per draft layer with the target's block count, addressed through
-the target's block tables and slots (the scheduler's block ids name a block of both caches). The draft
+the target's block tables and slots (the scheduler's block ids name a block of both caches); with hybrid
+KV groups (engine_svc/kv/groups.py), through group 0's, a full-attention group that keeps every block. The draft
 writes K/V exactly where the target does, for the same tokens, so a block holds draft K/V wherever it
 holds target K/V: a prefix-cache hit, a preempted request's recomputation and a freed block's reuse keep
 both in step. Invariant per live request: the draft's K/V is valid for positions `< seen`, where
@@ -183,14 +184,17 @@ class PagedPass:
         total = int(qsl[-1])
         self.positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - starts, lens)
         self.token_rows = np.repeat(rows, lens)
-        bs = batch.block_size
+        bs, groups = batch.block_size, batch.num_groups
         seq_lens = starts + lens
-        slots = batch.block_table[self.token_rows, self.positions // bs].astype(np.int64) * bs + self.positions % bs
+        # With hybrid KV groups the draft addresses group 0's table (a full group: every block is kept),
+        # entries 0, G, 2G, ... of the interleaved row
+        slots = (batch.block_table[self.token_rows, self.positions // bs * groups].astype(np.int64) * bs
+                 + self.positions % bs)
         max_blocks = int(-(-seq_lens.max() // bs))
         up = self.up
         self.meta = AttentionMetadata(
             slot_mapping=up(slots, torch.int64), query_start_loc=up(qsl, torch.int32),
-            seq_lens=up(seq_lens, torch.int32), block_table=up(batch.block_table[rows, :max_blocks], torch.int32),
+            seq_lens=up(seq_lens, torch.int32), block_table=up(batch.block_table[rows, : max_blocks * groups : groups], torch.int32),
             max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()), query_lens_cpu=lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(), num_decodes=int((lens == 1).sum()),
         )

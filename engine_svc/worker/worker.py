@@ -143,17 +143,24 @@ class Worker:
                                f"{self.config.kv_group_windows}")
         return groups
 
+    def _stage_slots(self, groups: KVGroups) -> tuple[int, ...]:
+        """The cache slots of this rank's layers, in layer order (a pipeline stage holds some layers)."""
+        assert self.model is not None
+        return groups.layer_slot[self.model.model.start_layer : self.model.model.end_layer]
+
     @property
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block across this rank's layers (K and V; a pipeline stage holds only its own),
-        a draft model's layers included. With hybrid KV groups a block holds one group's layers."""
-        models = [self.model]
-        if self.runner is not None and self.runner.drafter is not None:
-            models.append(self.runner.drafter.model)  # the draft's cache shares the target's block ids
+        a draft model's layers included. With hybrid KV groups a block holds one group's layers: one
+        cache tensor per slot this rank's layers use (engine_svc/kv/groups.py)."""
+        m = self.model
+        assert m is not None
+        per_layer = 2 * m.num_kv_heads * m.head_dim * self.dtype.itemsize
         groups = self.kv_groups
-        per_token = sum(2 * m.num_layers * m.num_kv_heads * m.head_dim for m in models) * self.dtype.itemsize
-        if groups is not None:
-            per_token //= groups.num_groups
+        per_token = per_layer * (m.num_layers if groups is None else len(set(self._stage_slots(groups))))
+        if self.runner is not None and self.runner.drafter is not None:
+            d = self.runner.drafter.model  # the draft's cache: every pool block, whatever its group
+            per_token += 2 * d.num_layers * d.num_kv_heads * d.head_dim * self.dtype.itemsize
         return per_token * self.config.block_size
 
     def determine_num_blocks(self) -> int:
@@ -209,9 +216,9 @@ class Worker:
             runner.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                                 for _ in range(m.num_layers)]
         else:  # the j-th layer of every group shares one tensor (engine_svc/kv/groups.py)
-            shared = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                      for _ in range(groups.layers_per_group)]
-            runner.kv_caches = [shared[j] for j in groups.layer_slot]
+            slots = self._stage_slots(groups)
+            shared = {j: torch.zeros(shape, dtype=self.dtype, device=self.device) for j in sorted(set(slots))}
+            runner.kv_caches = [shared[j] for j in slots]
         if runner.drafter is not None:  # one more cache per draft layer, the same block ids
             d = runner.drafter.model
             shape = d.attn_backend.kv_cache_shape(num_blocks, self.config.block_size, d.num_kv_heads, d.head_dim)

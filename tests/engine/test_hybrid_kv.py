@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_svc.config import EngineConfig
+from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.kv.block_hash import hash_block_tokens
 from engine_svc.kv.events import KVEventLog, StoredBlock
 from engine_svc.kv.groups import hybrid_groups
@@ -48,8 +48,23 @@ def test_groups_pair_the_layers_of_each_type() -> None:
     assert groups is not None and groups.windows == (None, 8)
     assert groups.layer_group == (1, 0, 1, 0) and groups.layer_slot == (0, 0, 1, 1)
     assert groups.layers_per_group == 2
-    for one_table in (None, (8, 8), (None, None), (8, None, None), (8, 4, None, None)):
+    for one_table in (None, (8, 8), (None, None)):
         assert hybrid_groups(one_table) is None
+
+
+def test_unequal_counts_and_several_windows_split_into_groups_of_equal_size() -> None:
+    """Group size: the counts' greatest common divisor; full groups first, then windows smallest first."""
+    two_ten = hybrid_groups((None, None, *(8,) * 10))  # 2 full + 10 sliding: groups of 2
+    assert two_ten is not None and two_ten.windows == (None, 8, 8, 8, 8, 8)
+    assert two_ten.layer_group == (0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5) and two_ten.layer_slot == (0, 1) * 6
+    one_three = hybrid_groups((8, None, 8, 8))  # 1 full + 3 sliding: groups of 1
+    assert one_three is not None and one_three.windows == (None, 8, 8, 8)
+    assert one_three.layer_group == (1, 0, 2, 3) and one_three.layer_slot == (0,) * 4
+    mixed = hybrid_groups((16, None, 4, 16, None, 4, 16, 16))  # 2 full, 2 of W 4, 4 of W 16: groups of 2
+    assert mixed is not None and mixed.windows == (None, 4, 16, 16) and mixed.layers_per_group == 2
+    assert mixed.layer_group == (2, 0, 1, 2, 0, 1, 3, 3) and mixed.layer_slot == (0, 0, 0, 1, 1, 1, 0, 1)
+    no_full = hybrid_groups((4, 16, 16, 4))
+    assert no_full is not None and no_full.windows == (4, 16) and no_full.layer_slot == (0, 0, 1, 1)
 
 
 def test_sliding_group_frees_behind_its_window_while_the_full_group_keeps_all() -> None:
@@ -196,10 +211,14 @@ def test_speculative_decoding_with_groups_matches_transformers(qwen3: Path) -> N
 
 
 def test_groups_are_used_only_where_they_fit(gpt_oss: Path) -> None:
-    """--disable-hybrid-kv-cache-manager and P/D (a KV connector) keep one table for every layer."""
+    """--disable-hybrid-kv-cache-manager keeps one table for every layer; P/D (a KV connector moves one
+    table per request) is refused naming both flags, and runs with one table."""
     assert EngineConfig.create(model=str(gpt_oss)).kv_group_windows == (None, WINDOW)
     assert EngineConfig.create(model=str(gpt_oss), disable_hybrid_kv_cache_manager=True).kv_group_windows is None
-    pd = EngineConfig.create(model=str(gpt_oss), kv_transfer_config=KVTransferConfig(kv_role="kv_producer"))
+    producer = KVTransferConfig(kv_role="kv_producer")
+    with pytest.raises(ConfigError, match=r"--kv-transfer-config.*--disable-hybrid-kv-cache-manager"):
+        EngineConfig.create(model=str(gpt_oss), kv_transfer_config=producer)
+    pd = EngineConfig.create(model=str(gpt_oss), kv_transfer_config=producer, disable_hybrid_kv_cache_manager=True)
     assert pd.kv_group_windows is None
 
 
