@@ -464,22 +464,22 @@ def _kv_group_windows(arch: str, hf_config: dict[str, Any]) -> tuple[int | None,
     return None if groups is None else groups.windows
 
 
-def resolve_kv_groups(config: EngineConfig, windows: tuple[int | None, ...]) -> tuple[int | None, ...]:
-    """The hybrid model's KV groups, checked against the engine's other settings. Pipeline stages and a
-    draft model run with them (a stage allocates its layers' cache slots; the draft addresses group 0's
-    table, which must be a full-attention group). Refused (ConfigError naming both flags): a KV connector
-    (P/D moves one block table per request) and a draft model over a model without full-attention
-    layers; --disable-hybrid-kv-cache-manager (one table, every block kept) runs both."""
+def resolve_kv_groups(config: EngineConfig, windows: tuple[int | None, ...]) -> tuple[int | None, ...] | None:
+    """The hybrid model's KV groups, or None (one table: every layer keeps every block) where they are not
+    built for the engine's other settings, as vLLM turns its hybrid allocator off for them: a KV connector
+    (P/D moves one block table per request) and a draft model or EAGLE-3 head over a model whose every
+    layer slides (the draft addresses group 0's table, which must be a full-attention group). Pipeline
+    stages and a draft model over a full group run with the groups."""
     spec = config.speculative
-    escape = "or pass --disable-hybrid-kv-cache-manager (every layer keeps every KV block, one table)"
-    if config.kv_transfer_config is not None:
-        raise ConfigError(f"--kv-transfer-config moves one KV block table per request, but this model mixes "
-                          f"attention types (KV groups with windows {windows}): drop --kv-transfer-config {escape}")
-    if spec is not None and spec.model is not None and windows[0] is not None:
-        raise ConfigError(f"--speculative-config with a draft model or EAGLE-3 head needs a full-attention layer's "
-                          f"KV group, but every layer of this model slides (KV groups with windows {windows}): "
-                          f"drop the draft {escape}")
-    return windows
+    why = ("--kv-transfer-config is set (P/D moves one block table per request)"
+           if config.kv_transfer_config is not None else
+           "--speculative-config has a draft model or EAGLE-3 head and no layer attends in full"
+           if spec is not None and spec.model is not None and windows[0] is not None else None)
+    if why is None:
+        return windows
+    logger.info("hybrid model: one KV block table for every layer (its sliding layers keep every block), since %s",
+                why)
+    return None
 
 
 def _auto_device() -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_svc.config import ConfigError, EngineConfig
+from engine_svc.config import EngineConfig
 from engine_svc.kv.block_hash import hash_block_tokens
 from engine_svc.kv.events import KVEventLog, StoredBlock
 from engine_svc.kv.groups import hybrid_groups
@@ -211,15 +211,12 @@ def test_speculative_decoding_with_groups_matches_transformers(qwen3: Path) -> N
 
 
 def test_groups_are_used_only_where_they_fit(gpt_oss: Path) -> None:
-    """--disable-hybrid-kv-cache-manager keeps one table for every layer; P/D (a KV connector moves one
-    table per request) is refused naming both flags, and runs with one table."""
+    """--disable-hybrid-kv-cache-manager keeps one table for every layer; so does P/D (a KV connector moves
+    one table per request), as vLLM turns its hybrid allocator off with a connector."""
     assert EngineConfig.create(model=str(gpt_oss)).kv_group_windows == (None, WINDOW)
     assert EngineConfig.create(model=str(gpt_oss), disable_hybrid_kv_cache_manager=True).kv_group_windows is None
     producer = KVTransferConfig(kv_role="kv_producer")
-    with pytest.raises(ConfigError, match=r"--kv-transfer-config.*--disable-hybrid-kv-cache-manager"):
-        EngineConfig.create(model=str(gpt_oss), kv_transfer_config=producer)
-    pd = EngineConfig.create(model=str(gpt_oss), kv_transfer_config=producer, disable_hybrid_kv_cache_manager=True)
-    assert pd.kv_group_windows is None
+    assert EngineConfig.create(model=str(gpt_oss), kv_transfer_config=producer).kv_group_windows is None
 
 
 def _prefix_run(gpt_oss: Path, evict) -> list[int]:
