@@ -88,13 +88,15 @@ def host_bytes(data: torch.Tensor) -> bytes:
     return bytes(data.cpu().contiguous().view(-1).numpy().data)
 
 
-def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes,
+def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes | bytearray | memoryview,
                  shard: ShardSlice | None = None) -> None:
     """Write this rank's `shard` of `data` (wire bytes for as many blocks; None: all of each block) into
-    `block_ids`."""
+    `block_ids`. A writable `data` (a pull's buffer) is read in place; a read-only one is copied first
+    (torch reads buffers only through writable views)."""
     first = kv_caches[0]
     shape = (len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:])
-    host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(block_ids), -1)
+    view = memoryview(data)
+    host = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8).view(len(block_ids), -1)
     if shard is not None:
         if host.shape[1] != shard.total:
             raise ValueError(f"pulled blocks of {host.shape[1]} bytes, expected {shard.total}")

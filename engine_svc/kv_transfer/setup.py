@@ -49,6 +49,7 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
         leases=LeaseTable(kv_config.kv_lease_duration_s),
         puller=KVPuller(layout, timeout_s=kv_config.kv_pull_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES))
     connector.read_blocks, connector.layout = read, layout
+    connector.reads_in_pieces = isinstance(executor, UniprocExecutor)  # a read of ranks is a command to them
     return connector
 
 

@@ -1,0 +1,54 @@
+"""The producer's bytes of one pull, span by span (the checksum spans of checksum.py).
+
+Iterating a `PullSource` reads each span's blocks from the cache only when the sender asks for it, so the
+gather of span i+1 overlaps the consumer's receive of span i, and sums each span (CRC-32) right after
+reading it, while its bytes are still in the CPU's cache. When the cache is split over worker processes
+(`in_pieces=False`: each read is a command through the workers, in step order), all blocks are read at
+once and then cut into spans. Every span holds `blocks_per_span` whole blocks (the last may hold fewer);
+after a whole iteration `crcs` holds one sum per span. `stop()` makes an iteration in progress end before
+its next span (the pull was withdrawn).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator
+
+from engine_svc.kv_transfer.checksum import blocks_per_span
+
+ReadBlocks = Callable[[list[int]], bytes | memoryview]
+
+
+class PullSource:
+    def __init__(self, read: ReadBlocks, block_ids: list[int], block_bytes: int, *, in_pieces: bool = True) -> None:
+        self.read = read
+        self.block_ids = block_ids
+        self.block_bytes = block_bytes
+        self.in_pieces = in_pieces
+        self.span_blocks = blocks_per_span(block_bytes)
+        self.span_bytes = self.span_blocks * block_bytes
+        self.size = len(block_ids) * block_bytes
+        self.crcs: list[int] = []
+        self._stopped = False
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def __iter__(self) -> Iterator[memoryview]:
+        step = self.span_blocks
+        whole = None if self.in_pieces or not self.block_ids else self._read(self.block_ids)
+        for first in range(0, len(self.block_ids), step):
+            if self._stopped:
+                return
+            if whole is None:
+                span = self._read(self.block_ids[first:first + step])
+            else:
+                span = whole[first * self.block_bytes:(first + step) * self.block_bytes]
+            self.crcs.append(zlib.crc32(span))
+            yield span
+
+    def _read(self, block_ids: list[int]) -> memoryview:
+        data = memoryview(self.read(block_ids)).cast("B")
+        if len(data) != len(block_ids) * self.block_bytes:
+            raise RuntimeError(f"read {len(data)} bytes for {len(block_ids)} blocks of {self.block_bytes}")
+        return data
