@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from engine_svc.kv_transfer.config import KVTransferConfig
 from engine_svc.kv_transfer.leases import LeaseTable
 from engine_svc.kv_transfer.puller import KVPuller, PullResult
+from engine_svc.kv_transfer.source import ReadBlocks
 from engine_svc.request import Request, RequestStatus
 from shared_runtime.contract import KvTransferParams
 
@@ -64,7 +65,7 @@ def plan_load(load: PullResult, num_hit_tokens: int, num_tokens: int, block_size
     return LoadPlan(target - num_hit_tokens, hit_blocks, data, last - hit_blocks)
 
 
-def _no_cache(block_ids: list[int]) -> bytes:
+def _no_cache(block_ids: list[int], out: memoryview | None) -> bytes:
     raise RuntimeError("this connector has no KV cache to read")
 
 
@@ -78,8 +79,9 @@ class KVConnector:
         self.engine_id = engine_id
         self.host, self.port = config.kv_advertise_host, 0  # set by the server once it listens
         self.num_pulls = self.num_pull_failures = self.num_blocks_pulled = 0  # cumulative, consumer side
-        # The wire bytes of the given blocks, read from the cache (on any thread; setup.py)
-        self.read_blocks: Callable[[list[int]], bytes | memoryview] = _no_cache
+        # The wire bytes of the given blocks, read from the cache (on any thread; into the given buffer
+        # when there is one and the cache is in this process; setup.py)
+        self.read_blocks: ReadBlocks = _no_cache
         self.reads_in_pieces = True  # whether a pull reads its blocks span by span (False: all at once)
         self.layout: CacheLayout | None = None
         self.side_channel: SideChannelServer | None = None  # a producer's, when configured (setup.advertise)

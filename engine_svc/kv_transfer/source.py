@@ -2,11 +2,13 @@
 
 Iterating a `PullSource` reads each span's blocks from the cache only when the sender asks for it, so the
 gather of span i+1 overlaps the consumer's receive of span i, and sums each span (CRC-32) right after
-reading it, while its bytes are still in the CPU's cache. When the cache is split over worker processes
-(`in_pieces=False`: each read is a command through the workers, in step order), all blocks are read at
-once and then cut into spans. Every span holds `blocks_per_span` whole blocks (the last may hold fewer);
-after a whole iteration `crcs` holds one sum per span. `stop()` makes an iteration in progress end before
-its next span (the pull was withdrawn).
+reading it, while its bytes are still in the CPU's cache. Every span is gathered into the same staging
+buffer of one span's size (fresh host memory costs a page fault per page, more than the copy itself), so
+a span is valid only until the next one is asked for: the sender sends or copies it first. When the cache
+is split over worker processes (`in_pieces=False`: each read is a command through the workers, in step
+order), all blocks are read at once and then cut into spans. Every span holds `blocks_per_span` whole
+blocks (the last may hold fewer); after a whole iteration `crcs` holds one sum per span. `stop()` makes
+an iteration in progress end before its next span (the pull was withdrawn).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterator
 
+import numpy
+
 from engine_svc.kv_transfer.checksum import blocks_per_span
 
-ReadBlocks = Callable[[list[int]], bytes | memoryview]
+# The wire bytes of these blocks, gathered into the given buffer when there is one (the result views it)
+ReadBlocks = Callable[[list[int], memoryview | None], bytes | memoryview]
 
 
 class PullSource:
@@ -36,19 +41,20 @@ class PullSource:
 
     def __iter__(self) -> Iterator[memoryview]:
         step = self.span_blocks
-        whole = None if self.in_pieces or not self.block_ids else self._read(self.block_ids)
+        whole = None if self.in_pieces or not self.block_ids else self._read(self.block_ids, None)
+        staging = numpy.empty(self.span_bytes if whole is None and self.block_ids else 0, dtype=numpy.uint8).data
         for first in range(0, len(self.block_ids), step):
             if self._stopped:
                 return
             if whole is None:
-                span = self._read(self.block_ids[first:first + step])
+                span = self._read(self.block_ids[first:first + step], staging)
             else:
                 span = whole[first * self.block_bytes:(first + step) * self.block_bytes]
             self.crcs.append(zlib.crc32(span))
             yield span
 
-    def _read(self, block_ids: list[int]) -> memoryview:
-        data = memoryview(self.read(block_ids)).cast("B")
+    def _read(self, block_ids: list[int], out: memoryview | None) -> memoryview:
+        data = memoryview(self.read(block_ids, out)).cast("B")
         if len(data) != len(block_ids) * self.block_bytes:
             raise RuntimeError(f"read {len(data)} bytes for {len(block_ids)} blocks of {self.block_bytes}")
         return data

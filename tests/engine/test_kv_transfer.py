@@ -332,16 +332,15 @@ def test_a_corrupted_transfer_is_refused_and_recomputed(producer: ServerThread, 
 
 def check_corrupted_pull_is_recomputed(producer: ServerThread, unified: EngineCore, model: Path,
                                        monkeypatch: pytest.MonkeyPatch, tag: str) -> None:
-    """A byte of the producer's last span flipped after it summed it: the consumer's pull fails its
+    """A bit of the producer's first span flipped after it summed it: the consumer's pull fails its
     CRC-32 check and the request is recomputed, exactly; the producer's lease ends."""
     from engine_svc.kv_transfer.source import PullSource
 
     real = PullSource.__iter__
 
     def corrupted(self: PullSource) -> Iterator[bytes | memoryview]:
-        spans = list(real(self))
-        for index, span in enumerate(spans):
-            if index == len(spans) - 1:
+        for index, span in enumerate(real(self)):
+            if index == 0:
                 flipped = bytearray(span)
                 flipped[len(flipped) // 2] ^= 0x01
                 yield flipped
