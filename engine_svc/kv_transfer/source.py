@@ -40,16 +40,23 @@ class PullSource:
         self._stopped = True
 
     def __iter__(self) -> Iterator[memoryview]:
+        if not self.in_pieces:
+            yield from self._cut(self._read(self.block_ids, None) if self.block_ids else memoryview(b""))
+            return
         step = self.span_blocks
-        whole = None if self.in_pieces or not self.block_ids else self._read(self.block_ids, None)
-        staging = numpy.empty(self.span_bytes if whole is None and self.block_ids else 0, dtype=numpy.uint8).data
+        staging = numpy.empty(self.span_bytes if self.block_ids else 0, dtype=numpy.uint8).data
         for first in range(0, len(self.block_ids), step):
             if self._stopped:
                 return
-            if whole is None:
-                span = self._read(self.block_ids[first:first + step], staging)
-            else:
-                span = whole[first * self.block_bytes:(first + step) * self.block_bytes]
+            span = self._read(self.block_ids[first:first + step], staging)
+            self.crcs.append(zlib.crc32(span))
+            yield span
+
+    def _cut(self, whole: memoryview) -> Iterator[memoryview]:
+        for start in range(0, len(whole), self.span_bytes):
+            if self._stopped:
+                return
+            span = whole[start:start + self.span_bytes]
             self.crcs.append(zlib.crc32(span))
             yield span
 
