@@ -4,7 +4,10 @@
 there (max_tokens=1, keep the blocks), then pull its blocks over PullKvBlocks on loopback (the consumer's
 own client, engine_svc/kv_transfer/puller.py) and time it against a plain memory copy of the same bytes.
 Reports MB/s of both, their ratio, and the pull's time per 1,000 prompt tokens (what disaggregation adds
-before the second token: the first comes from the prefill engine).
+before the second token: the first comes from the prefill engine). Two copies are the reference:
+`bytearray()` of the bytes (what earlier rounds reported; fresh 4 KiB pages, a page fault each) and a
+copy into a fresh numpy array (numpy asks for transparent huge pages on large arrays, as the pull's own
+buffers do), each timed right after its pull.
 
 `--mix`: a decode stream's inter-token latency while long prompts arrive, unified vs disaggregated:
 `--streams` short-prompt streams decode `--stream-tokens` tokens each while `--long` long prompts
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
 import grpc  # noqa: E402
+import numpy  # noqa: E402
 from tandem.engine.v1 import engine_core_pb2 as epb  # noqa: E402
 from tandem.v1 import generation_pb2 as pb  # noqa: E402
 from tandem.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
@@ -79,6 +83,7 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
         remote.wait_serving()
         address = remote.address
     rng = random.Random(0)
+    vocab = min(40000, json.loads((model / "config.json").read_text()).get("vocab_size", 40000))
     print(f"block: {puller.layout.block_bytes / 1024:.0f} KiB over {puller.layout.num_layers} layers; "
           f"chunks of {config.kv_transfer_config.kv_chunk_bytes >> 10} KiB; "  # type: ignore[union-attr]
           f"{'gRPC stream and side channel, alternated' if side_channel else 'in the gRPC stream'}")
@@ -86,13 +91,14 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
     for length in lengths:
         pulls: dict[str, list[float]] = {m: [] for m in modes}
         ratios: dict[str, list[float]] = {m: [] for m in modes}  # memcpy time / pull time, measured back to back
+        ratios_np: dict[str, list[float]] = {m: [] for m in modes}  # the same against a copy into numpy memory
         nbytes = 0
         for r, mode in itertools.product(range(repeats), modes):
             rid = f"t{length}-{r}-{mode}"
             with grpc.insecure_channel(address) as channel:
                 stream = EngineStream(channel)
                 stream.send(epb.EngineCoreRequest(
-                    request_id=rid, prompt_token_ids=[rng.randrange(100, 40000) for _ in range(length)],
+                    request_id=rid, prompt_token_ids=[rng.randrange(vocab // 4, vocab) for _ in range(length)],
                     sampling_params=epb.EngineSamplingParams(temperature=0, max_tokens=1),
                     kv_transfer_params=epb.KvTransferParams(do_remote_decode=True)))
                 stream.wait_finished(rid, timeout=300)
@@ -108,14 +114,20 @@ def transfer(model: Path, lengths: list[int], repeats: int, chunk_kib: int = 102
             start = time.perf_counter()
             bytearray(data)  # a plain copy of the same bytes
             copy = time.perf_counter() - start
+            start = time.perf_counter()
+            numpy.copyto(numpy.empty(nbytes, dtype=numpy.uint8), numpy.frombuffer(data, dtype=numpy.uint8))
+            copy_np = time.perf_counter() - start
             pulls[mode].append(pull)
             ratios[mode].append(copy / pull)
+            ratios_np[mode].append(copy_np / pull)
         for mode in modes:
             pull = statistics.median(pulls[mode])
             print(f"prompt {length:5d} tokens, {nbytes / 2**20:7.1f} MiB, {mode:4s}: pull "
                   f"{nbytes / pull / 2**20:7.0f} MiB/s ({pull * 1000:6.1f} ms, spread "
                   f"{min(pulls[mode]) * 1000:.1f}-{max(pulls[mode]) * 1000:.1f}); pull/memcpy median "
-                  f"{statistics.median(ratios[mode]):5.1%} (spread {min(ratios[mode]):.1%}-{max(ratios[mode]):.1%}); "
+                  f"{statistics.median(ratios[mode]):5.1%} (spread {min(ratios[mode]):.1%}-{max(ratios[mode]):.1%}), "
+                  f"pull/numpy copy {statistics.median(ratios_np[mode]):5.1%} "
+                  f"(spread {min(ratios_np[mode]):.1%}-{max(ratios_np[mode]):.1%}); "
                   f"{pull * 1000 / length * 1000:6.1f} ms per 1,000 tokens")
     if remote is not None:
         remote.stop()

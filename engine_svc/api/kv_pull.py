@@ -3,24 +3,25 @@ prefill to the consumer engine that pulls them (engine_svc/kv_transfer/).
 
 The call takes the lease first (NOT_FOUND when there is none: never made, pulled, aborted or expired), so
 that every pull, however it ends - a refused layout, a cancelled stream, the last chunk sent - ends its
-lease exactly once and the blocks go back to the pool. The blocks are copied to host memory off the event
-loop, then sent in chunks of at most `kv_chunk_bytes`, the first naming the block and token counts, the
-last carrying the SHA-256 of all the bytes - or, when the caller accepts it and this engine has one, the
-bytes go over the side channel (engine_svc/kv_transfer/side_channel.py) and the stream carries the
-counts, the ticket and the SHA-256 only.
+lease exactly once and the blocks go back to the pool. The blocks are read into host memory span by span
+off the event loop (engine_svc/kv_transfer/source.py), each span sent in chunks of at most
+`kv_chunk_bytes` as soon as it is read; the first chunk names the block and token counts and the checksum
+span, the last carries each span's CRC-32 (engine_svc/kv_transfer/checksum.py) - or, when the caller
+accepts it and this engine has one, the bytes go over the side channel
+(engine_svc/kv_transfer/side_channel.py) and the stream carries the counts, the ticket and the sums only.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from hashlib import sha256
 
 import grpc
 from tandem.engine.v1 import engine_core_pb2 as pb
 
 from engine_svc.kv_transfer.connector import KVConnector
 from engine_svc.kv_transfer.puller import layout_from_pb
+from engine_svc.kv_transfer.source import PullSource
 
 
 async def stream_kv_blocks(connector: KVConnector | None, request: pb.PullKvBlocksRequest,
@@ -47,31 +48,30 @@ async def stream_kv_blocks(connector: KVConnector | None, request: pb.PullKvBloc
             return
         num_blocks = -(-lease.num_tokens // connector.block_size)
         block_ids = lease.block_ids[request.first_block:num_blocks]
-        data = await asyncio.to_thread(connector.read_blocks, block_ids) if block_ids else b""
-        side = connector.side_channel if request.accept_side_channel and data else None
+        source = PullSource(connector.read_blocks, block_ids, connector.layout.block_bytes,
+                            in_pieces=connector.reads_in_pieces)
+        header = {"num_blocks": len(block_ids), "num_tokens": lease.num_tokens,
+                  "checksum_span_bytes": source.span_bytes}
+        side = connector.side_channel if request.accept_side_channel and block_ids else None
         if side is not None:  # the bytes over the side channel, the control here
-            ticket, transfer = side.offer(data)
+            ticket, transfer = side.offer(source)
             try:
-                yield pb.KvBlocksChunk(num_blocks=len(block_ids), num_tokens=lease.num_tokens, side_port=side.port,
-                                       side_ticket=ticket)
-                digest = await asyncio.to_thread(lambda: sha256(data).hexdigest())  # while the bytes travel
+                yield pb.KvBlocksChunk(side_port=side.port, side_ticket=ticket, **header)
                 if not await asyncio.to_thread(transfer.done.wait, connector.config.kv_pull_timeout_s):
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the side channel was not read in time")
                 if transfer.error is not None:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"the side channel failed: {transfer.error}")
-                yield pb.KvBlocksChunk(sha256=digest)
+                yield pb.KvBlocksChunk(span_crc32=source.crcs)
             finally:
+                source.stop()
                 side.withdraw(ticket)
             return
-        digest = sha256(data).hexdigest()
         size = connector.config.kv_chunk_bytes
-        starts = range(0, max(len(data), 1), size)
-        for start in starts:
-            chunk = pb.KvBlocksChunk(data=bytes(data[start:start + size]))
-            if start == 0:
-                chunk.num_blocks, chunk.num_tokens = len(block_ids), lease.num_tokens
-            if start == starts[-1]:
-                chunk.sha256 = digest
-            yield chunk
+        spans = iter(source)
+        while (span := await asyncio.to_thread(next, spans, None)) is not None:
+            for start in range(0, len(span), size):
+                yield pb.KvBlocksChunk(data=bytes(span[start:start + size]), **header)
+                header = {}
+        yield pb.KvBlocksChunk(span_crc32=source.crcs, **header)
     finally:
         leases.end_pull(request.request_id)

@@ -64,23 +64,39 @@ class ShardSlice:
     total: int
 
 
-def read_shard(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+def read_shard(kv_caches: list[torch.Tensor], block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's shard of `block_ids`, block by block, as a uint8 tensor (blocks, shard bytes) on the
-    cache's device: one gather per layer."""
+    cache's device: one gather per layer and cache part (key, value), written in place into `out` when
+    given (a contiguous uint8 tensor on that device of at least that many bytes; the result views it)."""
     first = kv_caches[0]
     index = torch.tensor(block_ids, dtype=torch.long, device=first.device)
-    out = torch.empty((len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:]), dtype=first.dtype,
-                      device=first.device)
+    shape = (len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:])
+    if out is None:
+        blocks = torch.empty(shape, dtype=first.dtype, device=first.device)
+    else:
+        blocks = out.view(-1)[:len(block_ids) * len(kv_caches) * first[:, 0].nbytes].view(first.dtype).view(shape)
     for layer, cache in enumerate(kv_caches):
-        out[:, layer] = cache.index_select(1, index).transpose(0, 1)
-    return out.view(len(block_ids), -1).view(torch.uint8)
+        for part in range(first.shape[0]):
+            torch.index_select(cache[part], 0, index, out=blocks[:, layer, part])
+    return blocks.view(len(block_ids), -1).view(torch.uint8)
 
 
-def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> memoryview:
+def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], out: memoryview | None = None) -> memoryview:
     """The bytes of `block_ids` of a one-rank cache (module docstring), in host memory: a view of the
-    host buffer they were gathered into (no copy into a bytes object)."""
-    host = read_shard(kv_caches, block_ids).cpu().contiguous().view(-1)
-    return host.numpy().data
+    host buffer they were gathered into (no copy into a bytes object). With `out` (a writable buffer of
+    at least their size, reused from read to read: fresh host memory costs a page fault per page) they
+    are gathered into it - on CUDA through a device buffer - and the result views it."""
+    device = kv_caches[0].device
+    if out is None:
+        return read_shard(kv_caches, block_ids).cpu().contiguous().view(-1).numpy().data
+    host = torch.frombuffer(out, dtype=torch.uint8)
+    if device.type == "cpu":
+        data = read_shard(kv_caches, block_ids, host).view(-1)
+    else:
+        shard = read_shard(kv_caches, block_ids).view(-1)
+        data = host[:shard.numel()]
+        data.copy_(shard)
+    return out[:data.numel()]
 
 
 def host_bytes(data: torch.Tensor) -> bytes:
@@ -88,13 +104,15 @@ def host_bytes(data: torch.Tensor) -> bytes:
     return bytes(data.cpu().contiguous().view(-1).numpy().data)
 
 
-def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes,
+def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: bytes | bytearray | memoryview,
                  shard: ShardSlice | None = None) -> None:
     """Write this rank's `shard` of `data` (wire bytes for as many blocks; None: all of each block) into
-    `block_ids`."""
+    `block_ids`. A writable `data` (a pull's buffer) is read in place; a read-only one is copied first
+    (torch reads buffers only through writable views)."""
     first = kv_caches[0]
     shape = (len(block_ids), len(kv_caches), first.shape[0], *first.shape[2:])
-    host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(block_ids), -1)
+    view = memoryview(data)
+    host = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8).view(len(block_ids), -1)
     if shard is not None:
         if host.shape[1] != shard.total:
             raise ValueError(f"pulled blocks of {host.shape[1]} bytes, expected {shard.total}")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from engine_svc.kv_transfer.config import KVTransferConfig
 from engine_svc.kv_transfer.leases import LeaseTable
 from engine_svc.kv_transfer.puller import KVPuller, PullResult
+from engine_svc.kv_transfer.source import ReadBlocks
 from engine_svc.request import Request, RequestStatus
 from shared_runtime.contract import KvTransferParams
 
@@ -35,12 +36,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LoadPlan:
     """What an admission takes from a pull: `num_tokens` computed tokens beyond the prefix-cache hit,
-    written into the request's `num_blocks` blocks from `first_block` on (`data`: those blocks' bytes)."""
+    written into the request's `num_blocks` blocks from `first_block` on (`data`: those blocks' bytes, a
+    view of the pull's buffer, not a copy)."""
 
     num_tokens: int
     first_block: int
-    data: bytes
+    data: memoryview
     num_blocks: int = 0
+
+
+_NOTHING = memoryview(b"")
 
 
 def plan_load(load: PullResult, num_hit_tokens: int, num_tokens: int, block_size: int) -> LoadPlan:
@@ -49,18 +54,18 @@ def plan_load(load: PullResult, num_hit_tokens: int, num_tokens: int, block_size
     pulled blocks start."""
     hit_blocks = num_hit_tokens // block_size
     if load.data is None or not load.num_blocks or hit_blocks < load.first_block:
-        return LoadPlan(0, hit_blocks, b"")
+        return LoadPlan(0, hit_blocks, _NOTHING)
     end_block = load.first_block + load.num_blocks
     target = min(load.num_tokens, num_tokens - 1, end_block * block_size)
     if target <= num_hit_tokens:
-        return LoadPlan(0, hit_blocks, b"")
+        return LoadPlan(0, hit_blocks, _NOTHING)
     block_bytes = len(load.data) // load.num_blocks
     last = -(-target // block_size)
-    data = bytes(memoryview(load.data)[(hit_blocks - load.first_block) * block_bytes:(last - load.first_block) * block_bytes])
+    data = load.data[(hit_blocks - load.first_block) * block_bytes:(last - load.first_block) * block_bytes]
     return LoadPlan(target - num_hit_tokens, hit_blocks, data, last - hit_blocks)
 
 
-def _no_cache(block_ids: list[int]) -> bytes:
+def _no_cache(block_ids: list[int], out: memoryview | None) -> bytes:
     raise RuntimeError("this connector has no KV cache to read")
 
 
@@ -74,8 +79,10 @@ class KVConnector:
         self.engine_id = engine_id
         self.host, self.port = config.kv_advertise_host, 0  # set by the server once it listens
         self.num_pulls = self.num_pull_failures = self.num_blocks_pulled = 0  # cumulative, consumer side
-        # The wire bytes of the given blocks, read from the cache (on any thread; setup.py)
-        self.read_blocks: Callable[[list[int]], bytes | memoryview] = _no_cache
+        # The wire bytes of the given blocks, read from the cache (on any thread; into the given buffer
+        # when there is one and the cache is in this process; setup.py)
+        self.read_blocks: ReadBlocks = _no_cache
+        self.reads_in_pieces = True  # whether a pull reads its blocks span by span (False: all at once)
         self.layout: CacheLayout | None = None
         self.side_channel: SideChannelServer | None = None  # a producer's, when configured (setup.advertise)
 

@@ -1,5 +1,6 @@
-"""The consumer's pulls: one thread per pull, each a `PullKvBlocks` stream from the producer into host
-memory, checked (block count, byte count, SHA-256) before the scheduler may use it.
+"""The consumer's pulls: one thread per pull, each a `PullKvBlocks` stream from the producer into one
+host buffer of the pull's size (chunk by chunk from the stream, or straight from the side channel),
+checked (block count, byte count, each span's CRC-32: checksum.py) before the scheduler may use it.
 
 Every `start` ends in exactly one `PullResult` in `take_done` (bytes, or an error saying why), unless it
 was cancelled first (then nothing comes). `on_done` is called from the pull's thread when a result is
@@ -9,17 +10,19 @@ one is given (engines in one deployment share it), over TLS when the engine serv
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy
 from tandem.engine.v1 import engine_core_pb2 as pb
 from tandem.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 from engine_svc.kv_transfer.blocks import CacheLayout
+from engine_svc.kv_transfer.checksum import SpanSums, first_mismatch
 from engine_svc.kv_transfer.side_channel import receive
 from shared_runtime.contract import KvTransferParams
 
@@ -29,7 +32,7 @@ class PullResult:
     request_id: str
     first_block: int  # the first block of the producer's table the data starts at
     num_tokens: int  # tokens whose K/V the producer's whole table holds
-    data: bytes | memoryview | None  # None when the pull failed
+    data: memoryview | None  # a writable buffer of the bytes; None when the pull failed
     error: str | None = None
     num_blocks: int = 0  # blocks in data
 
@@ -144,27 +147,35 @@ class KVPuller:
                     call.cancel()
                     return PullResult(request_id, first_block, 0, None, "cancelled")
                 self._calls[request_id] = call
-            parts: list[bytes] = []
-            side: memoryview | None = None
-            digest = hashlib.sha256()
-            num_blocks = num_tokens = -1
-            sent_digest = ""
-            for chunk in call:
-                if num_blocks < 0:
-                    num_blocks, num_tokens = chunk.num_blocks, chunk.num_tokens
-                if chunk.side_ticket and side is None:  # the bytes over the producer's side channel
-                    side = receive(params.remote_host, chunk.side_port, chunk.side_ticket,
-                                   num_blocks * self.layout.block_bytes, self.timeout_s, digest)
-                if chunk.data:
-                    digest.update(chunk.data)
-                    parts.append(chunk.data)
-                sent_digest = chunk.sha256 or sent_digest
-        if side is not None and parts:
-            raise ValueError("the producer sent bytes both in the stream and over the side channel")
-        data = side if side is not None else b"".join(parts)
-        expected = num_blocks * self.layout.block_bytes
-        if num_blocks < 0 or len(data) != expected:
-            raise ValueError(f"the producer sent {len(data)} bytes for {num_blocks} blocks, expected {expected}")
-        if sent_digest != digest.hexdigest():
-            raise ValueError("checksum mismatch: the blocks were corrupted in transit")
-        return PullResult(request_id, first_block, num_tokens, data, None, num_blocks)
+            size = got = num_tokens = 0
+            sent_crcs: list[int] = []
+            side = False
+            buffer = memoryview(bytearray())
+            sums: SpanSums | None = None
+            with contextlib.ExitStack() as stack:  # the sums' thread ends with the pull, however it ends
+                for chunk in call:
+                    if sums is None:  # the first chunk: the counts
+                        size = chunk.num_blocks * self.layout.block_bytes
+                        num_tokens = chunk.num_tokens
+                        buffer = numpy.empty(size, dtype=numpy.uint8).data  # unzeroed: every byte is written
+                        sums = stack.enter_context(SpanSums(buffer, chunk.checksum_span_bytes))
+                    if chunk.side_ticket and not side:  # the bytes over the producer's side channel
+                        receive(params.remote_host, chunk.side_port, chunk.side_ticket, buffer, self.timeout_s, sums)
+                        side, got = True, size
+                    if chunk.data:
+                        if side or got + len(chunk.data) > size:
+                            raise ValueError(f"the producer sent more than the {size} bytes of "
+                                             f"{size // self.layout.block_bytes} blocks")
+                        buffer[got:got + len(chunk.data)] = chunk.data
+                        got += len(chunk.data)
+                        sums.arrived(got)
+                    sent_crcs = list(chunk.span_crc32) or sent_crcs
+        if sums is None:
+            raise ValueError("the producer's stream ended before its first chunk")
+        if got != size:
+            raise ValueError(f"the producer sent {got} bytes for {size // self.layout.block_bytes} blocks, "
+                             f"expected {size}")
+        problem = first_mismatch(sums.crcs, sent_crcs, sums.span_bytes, size)
+        if problem is not None:
+            raise ValueError(problem)
+        return PullResult(request_id, first_block, num_tokens, buffer, None, size // self.layout.block_bytes)

@@ -45,11 +45,13 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
         worker.kv_shards, worker.kv_shard = shards, None
         kv_caches = worker.runner.kv_caches
 
-        def read(block_ids: list[int]) -> bytes | memoryview:
-            return read_blocks(kv_caches, block_ids)
+        def read(block_ids: list[int], out: memoryview | None) -> bytes | memoryview:
+            return read_blocks(kv_caches, block_ids, out)
     elif isinstance(executor, ShardedKVExecutor):
         shards = decode_shards(executor.describe_kv())
-        read = executor.read_kv_blocks
+
+        def read(block_ids: list[int], out: memoryview | None) -> bytes | memoryview:
+            return executor.read_kv_blocks(block_ids)  # the answer rank's bytes; `out` unused
     else:
         raise ConfigError(f"--kv-transfer-config cannot run under the {type(executor).__name__}: use the "
                           "in-process executor (one device) or --distributed-executor-backend mp or ray")
@@ -59,6 +61,7 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
         leases=LeaseTable(kv_config.kv_lease_duration_s),
         puller=KVPuller(layout, timeout_s=kv_config.kv_pull_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES))
     connector.read_blocks, connector.layout = read, layout
+    connector.reads_in_pieces = isinstance(executor, UniprocExecutor)  # a read of ranks is a command to them
     return connector
 
 

@@ -3,9 +3,10 @@
 A consumer that pulls in plaintext offers it (`PullKvBlocksRequest.accept_side_channel`); a producer with
 a side channel (`kv_side_channel_port` >= 0) takes the offer: the stream's first chunk names the port and a
 one-time ticket (32 random bytes) instead of carrying data; the consumer connects to the producer's host
-on that port, sends the ticket, and receives exactly the pull's bytes, sent from the producer's buffer in
-one `sendall` (no per-chunk messages, no copies into protobufs); the stream's last chunk then carries the
-SHA-256 of the bytes as on the gRPC path. The ticket travels over the authenticated gRPC stream and is good
+on that port, sends the ticket, and receives exactly the pull's bytes, sent span by span from the host
+buffers the producer gathers them into (source.py: no per-chunk messages, no copies into protobufs) and
+received straight into the consumer's buffer; the stream's last chunk then carries the spans' CRC-32 sums
+as on the gRPC path (checksum.py). The ticket travels over the authenticated gRPC stream and is good
 for one connection, only while that stream is open (`withdraw` ends it, closing a transfer in progress);
 a connection without a live ticket is closed unread. Plaintext only: an engine serving TLS may not run one
 (refused at start), and a consumer pulling over TLS never offers it.
@@ -15,25 +16,25 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import queue
 import secrets
 import socket
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy
+from engine_svc.kv_transfer.checksum import SpanSums
 
 TICKET_BYTES = 32
 _HANDSHAKE_TIMEOUT_S = 10.0
-_HASH_STEP = 4 << 20  # the consumer hashes what arrived in steps of this many bytes
+_RECV_STEP = 4 << 20  # the most one recv_into asks for
 
 
 @dataclass
 class Transfer:
-    """One offered pull: its bytes, and when its connection finished (`done`; `error` says if it failed)."""
+    """One offered pull: its bytes, piece by piece (read when sent), and when its connection finished
+    (`done`; `error` says if it failed)."""
 
-    data: bytes | bytearray | memoryview
+    pieces: Iterable[bytes | bytearray | memoryview]
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     conn: socket.socket | None = None
@@ -58,10 +59,11 @@ class SideChannelServer:
         self.num_sent = 0  # transfers sent whole (cumulative)
         threading.Thread(target=self._accept, daemon=True, name="kv-side-channel").start()
 
-    def offer(self, data: bytes | bytearray | memoryview) -> tuple[bytes, Transfer]:
-        """A ticket for `data` (good for one connection until `withdraw`)."""
+    def offer(self, pieces: Iterable[bytes | bytearray | memoryview]) -> tuple[bytes, Transfer]:
+        """A ticket for the bytes of `pieces`, iterated once when the consumer connects (good for one
+        connection until `withdraw`)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
-        transfer = Transfer(data)
+        transfer = Transfer(pieces)
         with self._lock:
             self._pending[ticket] = transfer
         return ticket, transfer
@@ -99,11 +101,12 @@ class SideChannelServer:
                         return  # unknown, withdrawn or already used: closed unread
                     transfer.conn = conn
                 conn.settimeout(None)
-                conn.sendall(transfer.data)
+                for piece in transfer.pieces:
+                    conn.sendall(piece)
                 conn.shutdown(socket.SHUT_WR)
                 with self._lock:
                     self.num_sent += 1
-            except OSError as exc:
+            except Exception as exc:  # a failed read of the cache too: the consumer sees the bytes stop short
                 if transfer is not None:
                     transfer.error = f"{type(exc).__name__}: {exc}"
             finally:
@@ -122,37 +125,21 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def receive(host: str, port: int, ticket: bytes, size: int, timeout_s: float, digest: Any = None) -> memoryview:
-    """The consumer's side: connect, present `ticket`, read exactly `size` bytes (ValueError if the producer
-    sends fewer or more) into a buffer of their own, which is returned. `digest` (a hashlib object), if
-    given, is updated with the bytes on a thread of its own while they arrive (hashing releases the GIL, so
-    it overlaps the receive). The buffer is not zeroed first (`bytearray(size)` would write it once more)."""
-    view = numpy.empty(size, dtype=numpy.uint8).data
-    ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
-    hasher = None
-    if digest is not None:
-        def hash_ranges() -> None:
-            while (span := ranges.get()) is not None:
-                digest.update(view[span[0]:span[1]])
-
-        hasher = threading.Thread(target=hash_ranges, daemon=True, name="kv-side-hash")
-        hasher.start()
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as conn:
-            conn.sendall(ticket)
-            got = hashed = 0
-            while got < size:
-                r = conn.recv_into(view[got:], min(size - got, 4 << 20))
-                if not r:
-                    raise ValueError(f"the side channel closed after {got} of {size} bytes")
-                got += r
-                if got - hashed >= _HASH_STEP or got == size:
-                    ranges.put((hashed, got))
-                    hashed = got
-            if conn.recv(1):
-                raise ValueError(f"the side channel sent more than the {size} bytes of the pull")
-    finally:
-        ranges.put(None)
-        if hasher is not None:
-            hasher.join()
-    return view
+def receive(host: str, port: int, ticket: bytes, buffer: memoryview, timeout_s: float,
+            sums: SpanSums | None = None) -> None:
+    """The consumer's side: connect, present `ticket`, read exactly `len(buffer)` bytes straight into
+    `buffer` (ValueError if the producer sends fewer or more). `sums`, if given, is told of each step of
+    bytes as it arrives (it sums them on its own thread while the rest arrives)."""
+    size = len(buffer)
+    with socket.create_connection((host, port), timeout=timeout_s) as conn:
+        conn.sendall(ticket)
+        got = 0
+        while got < size:
+            r = conn.recv_into(buffer[got:], min(size - got, _RECV_STEP))
+            if not r:
+                raise ValueError(f"the side channel closed after {got} of {size} bytes")
+            got += r
+            if sums is not None:
+                sums.arrived(got)
+        if conn.recv(1):
+            raise ValueError(f"the side channel sent more than the {size} bytes of the pull")

@@ -21,6 +21,8 @@ These are msgspec structs so the multiproc executor can broadcast them without p
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shared_runtime.contract import EngineSamplingParams
@@ -58,10 +60,13 @@ class GrammarBitmask(msgspec.Struct, kw_only=True, array_like=True, gc=False):
 
 class KVBlockLoad(msgspec.Struct, array_like=True, gc=False):
     """Pulled K/V (P/D disaggregation, engine_svc/kv_transfer/) that a step writes into the cache before
-    its forward pass: `data` holds `len(block_ids)` blocks in engine_svc/kv_transfer/blocks.py's format."""
+    its forward pass: `data` holds `len(block_ids)` blocks in engine_svc/kv_transfer/blocks.py's format.
+    In one process it is a memoryview of the pull's buffer (no copy); it travels to worker processes as
+    msgpack bin and is decoded as `bytes` they own (executor/codec.py). Typed `Any` because msgspec takes
+    no union of bytes-like types."""
 
     block_ids: list[int]
-    data: bytes
+    data: Any  # bytes | memoryview
 
 
 class LoRALoad(msgspec.Struct, array_like=True, gc=False):

@@ -2,7 +2,7 @@
 `kv_side_channel_port` sends a plaintext consumer the bytes over plain TCP, gRPC keeping the control.
 
 Exact against one engine like the gRPC path (tests/engine/test_kv_transfer.py), the bytes really take the
-side channel, a corrupted transfer is refused by its SHA-256 and recomputed, a wrong ticket gets nothing, a
+side channel, a corrupted transfer is refused by its spans' CRC-32 and recomputed, a wrong ticket gets nothing, a
 pull over TLS never offers it, and an engine serving TLS refuses the key at start.
 """
 
@@ -19,6 +19,7 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 
 from engine_svc.config import ConfigError
 from engine_svc.core import EngineCore
+from engine_svc.kv_transfer.checksum import SpanSums, span_crcs
 from engine_svc.kv_transfer.config import KVTransferConfig
 from engine_svc.kv_transfer.puller import layout_to_pb
 from engine_svc.kv_transfer.side_channel import TICKET_BYTES
@@ -98,10 +99,11 @@ def test_a_wrong_ticket_gets_nothing_and_the_right_one_works_once(side_producer:
         assert first.side_port == port and len(first.side_ticket) == TICKET_BYTES and not first.data
         assert _side_read(port, bytes(TICKET_BYTES)) == b""  # closed unread
         size = first.num_blocks * side_producer.server.servicer.core.kv_connector.layout.block_bytes  # type: ignore[union-attr]
-        assert len(_side_read(port, first.side_ticket)) == size
+        data = _side_read(port, first.side_ticket)
+        assert len(data) == size and first.checksum_span_bytes > 0
         assert _side_read(port, first.side_ticket) == b""  # used
         last = next(call)
-        assert len(last.sha256) == 64 and not last.data
+        assert list(last.span_crc32) == span_crcs(data, first.checksum_span_bytes) and not last.data
     wait_until(lambda: engine_idle(side_producer.address), 15, "the pull ended the lease")
 
 
@@ -145,8 +147,11 @@ def test_a_ticket_is_good_for_one_connection_until_withdrawn() -> None:
     server = SideChannelServer("127.0.0.1", 0)
     try:
         data = bytes(range(256)) * 1000
-        ticket, transfer = server.offer(data)
-        assert receive("127.0.0.1", server.port, ticket, len(data), 10) == data
+        ticket, transfer = server.offer([data[:1000], memoryview(data)[1000:]])
+        buffer = memoryview(bytearray(len(data)))
+        with SpanSums(buffer, 4096) as sums:
+            receive("127.0.0.1", server.port, ticket, buffer, 10, sums)
+        assert buffer == data and sums.crcs == span_crcs(data, 4096)
         assert transfer.done.wait(10) and transfer.error is None and server.num_sent == 1
         assert _side_read(server.port, ticket) == b""  # used
         server.withdraw(ticket)
@@ -154,6 +159,6 @@ def test_a_ticket_is_good_for_one_connection_until_withdrawn() -> None:
         server.withdraw(late)
         assert _side_read(server.port, late) == b""
         with pytest.raises(ValueError, match="closed after 0 of"):
-            receive("127.0.0.1", server.port, late, len(data), 10)
+            receive("127.0.0.1", server.port, late, memoryview(bytearray(len(data))), 10)
     finally:
         server.close()

@@ -325,21 +325,29 @@ def _unused_port() -> int:
 
 def test_a_corrupted_transfer_is_refused_and_recomputed(producer: ServerThread, unified: EngineCore,
                                                         llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The consumer checks the SHA-256 the producer sends against the bytes it got: a flipped byte in
-    transit (here: in the producer's bytes after it hashed them) is a failed pull, recomputed."""
+    """The consumer checks each span's CRC-32 the producer sends against the bytes it got: a flipped byte
+    in transit (here: in the producer's span after it summed it) is a failed pull, recomputed."""
     check_corrupted_pull_is_recomputed(producer, unified, llama_dir, monkeypatch, "corrupt")
 
 
 def check_corrupted_pull_is_recomputed(producer: ServerThread, unified: EngineCore, model: Path,
                                        monkeypatch: pytest.MonkeyPatch, tag: str) -> None:
-    """A byte of the producer's blocks flipped after it hashed them: the consumer's pull fails its
-    SHA-256 check and the request is recomputed, exactly; the producer's lease ends."""
-    import engine_svc.api.kv_pull as kv_pull
+    """A bit of the producer's first span flipped after it summed it: the consumer's pull fails its
+    CRC-32 check and the request is recomputed, exactly; the producer's lease ends."""
+    from engine_svc.kv_transfer.source import PullSource
 
-    connector = producer.server.servicer.core.kv_connector  # type: ignore[union-attr]
-    real = connector.read_blocks
-    monkeypatch.setattr(kv_pull, "sha256", _HashOfOriginal)
-    monkeypatch.setattr(connector, "read_blocks", lambda ids: _flip_first_byte(real(ids)))
+    real = PullSource.__iter__
+
+    def corrupted(self: PullSource) -> Iterator[bytes | memoryview]:
+        for index, span in enumerate(real(self)):
+            if index == 0:
+                flipped = bytearray(span)
+                flipped[len(flipped) // 2] ^= 0x01
+                yield flipped
+            else:
+                yield span
+
+    monkeypatch.setattr(PullSource, "__iter__", corrupted)
     want, _, _ = _run(unified, EngineCoreRequest(request_id=f"u-{tag}", prompt_token_ids=PROMPT,
                                                  sampling_params=EngineSamplingParams(**GREEDY)))
     first = _prefill(producer, f"p-{tag}", PROMPT, GREEDY)
@@ -352,27 +360,6 @@ def check_corrupted_pull_is_recomputed(producer: ServerThread, unified: EngineCo
     finally:
         consumer.shutdown()
     wait_until(lambda: engine_idle(producer.address), 15, "the producer's blocks freed")
-
-
-_ORIGINALS: dict[bytes, bytes] = {}
-
-
-def _flip_first_byte(data: bytes) -> bytes:
-    corrupted = bytes([data[0] ^ 0xFF]) + data[1:]
-    _ORIGINALS[corrupted] = data
-    return corrupted
-
-
-class _HashOfOriginal:
-    """hashlib.sha256 as the producer sees it here: the digest of the bytes before they were corrupted."""
-
-    def __init__(self, data: bytes = b"") -> None:
-        import hashlib
-
-        self._hash = hashlib.sha256(_ORIGINALS.get(data, data))
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
 
 
 def test_pulls_present_the_engine_token(llama_dir: Path, unified: EngineCore, tmp_path: Path) -> None:

@@ -33,6 +33,21 @@ def test_blocks_round_trip_through_host_memory_bit_exact() -> None:
         assert not t[:, 3:].any()
 
 
+def test_a_read_into_a_host_staging_buffer_equals_a_fresh_read() -> None:
+    """The producer's span reads (source.py) gather on the device and copy into a reused host buffer."""
+    import numpy
+
+    from engine_svc.kv_transfer.blocks import read_blocks
+
+    torch.manual_seed(0)
+    source = [torch.randn(2, 40, 16, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    fresh = bytes(read_blocks(source, [3, 17, 5]))
+    staging = numpy.full(len(fresh) + 64, 0xAB, dtype=numpy.uint8).data
+    for block_ids in ([8, 1], [3, 17, 5]):  # a second read into the same buffer overwrites the first
+        into = read_blocks(source, block_ids, staging)
+    assert bytes(into) == fresh and bytes(staging[len(fresh):]) == b"\xab" * 64
+
+
 def _config(model: Path, kv: Any = None) -> Any:
     from engine_svc.config import EngineConfig
 

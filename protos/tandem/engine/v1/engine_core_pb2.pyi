@@ -557,17 +557,19 @@ class PullKvBlocksRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_block: _Optional[int] = ..., layout: _Optional[_Union[KvCacheLayout, _Mapping]] = ..., lora_name: _Optional[str] = ..., accept_side_channel: _Optional[bool] = ...) -> None: ...
 
 class KvBlocksChunk(_message.Message):
-    __slots__ = ("data", "num_blocks", "num_tokens", "sha256", "side_port", "side_ticket")
+    __slots__ = ("data", "num_blocks", "num_tokens", "checksum_span_bytes", "span_crc32", "side_port", "side_ticket")
     DATA_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_SPAN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPAN_CRC32_FIELD_NUMBER: _ClassVar[int]
     SIDE_PORT_FIELD_NUMBER: _ClassVar[int]
     SIDE_TICKET_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     num_blocks: int
     num_tokens: int
-    sha256: str
+    checksum_span_bytes: int
+    span_crc32: _containers.RepeatedScalarFieldContainer[int]
     side_port: int
     side_ticket: bytes
-    def __init__(self, data: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., sha256: _Optional[str] = ..., side_port: _Optional[int] = ..., side_ticket: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., checksum_span_bytes: _Optional[int] = ..., span_crc32: _Optional[_Iterable[int]] = ..., side_port: _Optional[int] = ..., side_ticket: _Optional[bytes] = ...) -> None: ...

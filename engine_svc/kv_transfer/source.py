@@ -1,0 +1,67 @@
+"""The producer's bytes of one pull, span by span (the checksum spans of checksum.py).
+
+Iterating a `PullSource` reads each span's blocks from the cache only when the sender asks for it, so the
+gather of span i+1 overlaps the consumer's receive of span i, and sums each span (CRC-32) right after
+reading it, while its bytes are still in the CPU's cache. Every span is gathered into the same staging
+buffer of one span's size (fresh host memory costs a page fault per page, more than the copy itself), so
+a span is valid only until the next one is asked for: the sender sends or copies it first. When the cache
+is split over worker processes (`in_pieces=False`: each read is a command through the workers, in step
+order), all blocks are read at once and then cut into spans. Every span holds `blocks_per_span` whole
+blocks (the last may hold fewer); after a whole iteration `crcs` holds one sum per span. `stop()` makes
+an iteration in progress end before its next span (the pull was withdrawn).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator
+
+import numpy
+
+from engine_svc.kv_transfer.checksum import blocks_per_span
+
+# The wire bytes of these blocks, gathered into the given buffer when there is one (the result views it)
+ReadBlocks = Callable[[list[int], memoryview | None], bytes | memoryview]
+
+
+class PullSource:
+    def __init__(self, read: ReadBlocks, block_ids: list[int], block_bytes: int, *, in_pieces: bool = True) -> None:
+        self.read = read
+        self.block_ids = block_ids
+        self.block_bytes = block_bytes
+        self.in_pieces = in_pieces
+        self.span_blocks = blocks_per_span(block_bytes)
+        self.span_bytes = self.span_blocks * block_bytes
+        self.size = len(block_ids) * block_bytes
+        self.crcs: list[int] = []
+        self._stopped = False
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def __iter__(self) -> Iterator[memoryview]:
+        if not self.in_pieces:
+            yield from self._cut(self._read(self.block_ids, None) if self.block_ids else memoryview(b""))
+            return
+        step = self.span_blocks
+        staging = numpy.empty(self.span_bytes if self.block_ids else 0, dtype=numpy.uint8).data
+        for first in range(0, len(self.block_ids), step):
+            if self._stopped:
+                return
+            span = self._read(self.block_ids[first:first + step], staging)
+            self.crcs.append(zlib.crc32(span))
+            yield span
+
+    def _cut(self, whole: memoryview) -> Iterator[memoryview]:
+        for start in range(0, len(whole), self.span_bytes):
+            if self._stopped:
+                return
+            span = whole[start:start + self.span_bytes]
+            self.crcs.append(zlib.crc32(span))
+            yield span
+
+    def _read(self, block_ids: list[int], out: memoryview | None) -> memoryview:
+        data = memoryview(self.read(block_ids, out)).cast("B")
+        if len(data) != len(block_ids) * self.block_bytes:
+            raise RuntimeError(f"read {len(data)} bytes for {len(block_ids)} blocks of {self.block_bytes}")
+        return data
