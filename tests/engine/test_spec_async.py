@@ -21,8 +21,10 @@ import pytest
 
 from engine_svc.core import EngineCore
 from engine_svc.sched.scheduler import Scheduler
+from engine_svc.spec.proposers import PENDING_DRAFT
 from entrypoints import LLM, SamplingParams
 from entrypoints.layer_draft import make_layer_draft
+from shared_runtime.contract import FinishReason
 from tests.engine.test_async_scheduling import core_requests, make_core, step_all, summary
 from tests.engine.test_hf_exact import assert_no_block_leaks
 from tests.engine.test_spec_decode import (
@@ -31,6 +33,7 @@ from tests.engine.test_spec_decode import (
     completions,
     looping_dir,  # noqa: F401 (a fixture)
     repetitive_prompts,
+    stops_inside_runs,
 )
 from tests.engine.test_spec_eagle3 import eagle_spec, heads  # noqa: F401 (a fixture)
 
@@ -67,12 +70,14 @@ def draft_dir(looping_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return make_layer_draft(looping_dir, tmp_path_factory.mktemp("draft") / "near", 2, scale_attention=0.5)
 
 
-def spec_of(method: str, draft_dir: Path, heads: dict[str, Path], k: int) -> dict[str, Any]:  # noqa: F811
+def spec_of(method: str, draft_dir: Path, heads: dict[str, Path], k: int, head: str = "random"  # noqa: F811
+            ) -> dict[str, Any]:
+    """`head`: the EAGLE-3 head (`constant` proposes the looping model's most frequent token: accepted)."""
     if method == "ngram":
         return {**NGRAM, "num_speculative_tokens": k}
     if method == "draft_model":
         return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
-    return eagle_spec(heads["random"], k)
+    return eagle_spec(heads[head], k)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
@@ -97,3 +102,130 @@ def test_greedy_async_speculation_equals_plain_sync_decoding(method: str, model:
     if model == "looping" and method != "eagle3":
         assert stats.spec_decode_num_accepted_tokens > 0.5 * stats.spec_decode_num_draft_tokens
     assert_no_block_leaks(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_stops_and_max_tokens_inside_accepted_runs(method: str, looping_dir: Path, draft_dir: Path,  # noqa: F811
+                                                   heads: dict[str, Path]) -> None:  # noqa: F811
+    """A stop id deep in the cycle, a stop string and max_tokens 23 end each request where plain
+    synchronous decoding ends it, with drafts being accepted around them."""
+    prompts, params, cycle_token, stop_string = stops_inside_runs(looping_dir)
+    plain, _, _ = run(looping_dir, prompts, params, None, False)
+    got, llm, spy = run(looping_dir, prompts, params, spec_of(method, draft_dir, heads, 4, "constant"), True)
+    assert completions(got) == completions(plain)
+    assert plain[0].outputs[0].stop_reason == cycle_token and len(plain[2].outputs[0].token_ids) == 23
+    assert plain[1].outputs[0].stop_reason == stop_string
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0 and spy.overlapped > 0
+    assert_no_block_leaks(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_gives_the_tokens_of_plain_and_sync_speculative_decoding(
+        method: str, looping_dir: Path, draft_dir: Path, heads: dict[str, Path]) -> None:  # noqa: F811
+    """Seeded requests beside unseeded and penalised ones: their tokens are plain decoding's and
+    synchronous speculation's."""
+    prompts = repetitive_prompts(2, 4)
+    seeded = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=24, ignore_eos=True, top_k=20, logprobs=1)
+              for i in range(2)]
+    others = [SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.2)]
+    plain, _, _ = run(looping_dir, prompts[:2], seeded, None, False)
+    batch = [prompts[2], prompts[0], prompts[3], prompts[1]]
+    params = [others[0], seeded[0], others[1], seeded[1]]
+    spec = spec_of(method, draft_dir, heads, 3)
+    sync_spec, _, _ = run(looping_dir, batch, params, spec, False, **SMALL_STEPS)
+    got, llm, spy = run(looping_dir, batch, params, spec, True, **SMALL_STEPS)
+    assert completions([got[1], got[3]]) == completions([sync_spec[1], sync_spec[3]]) == completions(plain)
+    assert_same_logprobs(plain, [got[1], got[3]])
+    assert completions([got[2]]) == completions([sync_spec[2]])  # greedy with a penalty
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0 and spy.overlapped > 0
+    assert_no_block_leaks(llm)
+
+
+def step_with_aborts(core: EngineCore, abort_at: dict[str, int]) -> dict[str, list]:
+    """Step until done; abort request r once it has at least abort_at[r] tokens (runs bring several)."""
+    seen: dict[str, list] = {}
+    counts: dict[str, int] = {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            seen.setdefault(out.request_id, []).append(out)
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+            if counts[out.request_id] >= abort_at.get(out.request_id, 1 << 30) and not out.finish_reason:
+                core.abort_requests([out.request_id])
+    return seen
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_eos_aborts_and_preemptions_with_verifications_in_flight_free_every_block(
+        method: str, looping_dir: Path, draft_dir: Path, heads: dict[str, Path]) -> None:  # noqa: F811
+    """16 blocks of 4 tokens for 6 requests: verifying requests are preempted with a verification in
+    flight; an EOS inside an accepted run, aborts right after a run; the others' tokens are plain
+    decoding's, and every block is back at the end."""
+    prompts = repetitive_prompts(9, 6)
+    reference = make_core(looping_dir, False, **SMALL_STEPS)
+    for req in core_requests(prompts, temperature=0.0, max_tokens=30, ignore_eos=True):
+        reference.add_request(req)
+    greedy = summary(step_all(reference))
+    reference.shutdown()
+    eos = greedy["r0"][0][12]  # deep in r0's cycle
+    core = make_core(looping_dir, True, speculative_config=spec_of(method, draft_dir, heads, 3),
+                     num_gpu_blocks_override=16, **SMALL_STEPS)
+    spy = OverlapSpy(core.scheduler)
+    for req in core_requests(prompts, temperature=0.0, max_tokens=30):
+        req.eos_token_ids = [eos] if req.request_id == "r0" else []
+        core.add_request(req)
+    got = summary(step_with_aborts(core, {"r1": 5, "r2": 1}))
+    stats = core.get_stats()
+    assert stats.num_free_blocks == core.num_blocks and not core.has_unfinished_requests()
+    assert stats.num_preemptions > 0 and stats.spec_decode_num_drafts > 0 and spy.overlapped > 0
+    core.shutdown()
+    r0 = greedy["r0"][0]
+    assert got["r0"] == (r0[: r0.index(eos) + 1], FinishReason.STOP)
+    for r in ("r1", "r2"):
+        tokens, finish = got[r]
+        assert finish == FinishReason.ABORT and tokens == greedy[r][0][: len(tokens)]
+    assert {r: got[r] for r in ("r3", "r4", "r5")} == {r: greedy[r] for r in ("r3", "r4", "r5")}
+
+
+def test_async_scheduling_with_speculation_is_accepted_and_the_scheduler_reserves_places(llama_dir: Path) -> None:
+    """The combination once refused is a valid configuration; under it the scheduler proposes nothing
+    itself (no proposer): drafts come from the workers, into PENDING_DRAFT places."""
+    from engine_svc.config import EngineConfig
+
+    cfg = EngineConfig.create(model=str(llama_dir), async_scheduling=True,
+                              speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    assert cfg.resolved_async_scheduling and cfg.speculative is not None
+    core = EngineCore(cfg)
+    try:
+        assert core.scheduler._proposer is None
+        core.add_request(core_requests([[5, 6, 7, 5, 6]], temperature=0.0, max_tokens=6, ignore_eos=True)[0])
+        first = core.scheduler.schedule()  # the prefill
+        assert not first.scheduled_spec_decode_tokens
+        core.scheduler.steps_in_flight = True
+        second = core.scheduler.schedule()  # the prefill's token in flight: 1 + 2 places over it
+        assert second.num_scheduled_tokens == {"r0": 3}
+        assert second.scheduled_spec_decode_tokens == {"r0": [PENDING_DRAFT, PENDING_DRAFT]}
+        request = core.scheduler.requests["r0"]
+        assert (request.num_output_placeholders, request.num_spec_in_flight) == (4, 2)
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.slow  # two worker processes over gloo
+def test_tp2_async_prompt_lookup_equals_plain_tp1(looping_dir: Path) -> None:  # noqa: F811
+    """Each rank expands rank 0's runs and proposes from them: greedy tokens and logprobs are plain
+    decoding's; sampled requests beside them run too (their runs broadcast)."""
+    prompts = repetitive_prompts(8, 4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    params = [greedy] * 3 + [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)]
+    plain, _, _ = run(looping_dir, prompts[:3], greedy, None, False, **SMALL_STEPS)
+    got, llm, spy = run(looping_dir, prompts, params, NGRAM, True, tensor_parallel_size=2, **SMALL_STEPS)
+    try:
+        assert completions(got[:3]) == completions(plain)
+        assert_same_logprobs(plain, got[:3])
+        assert len(got[3].outputs[0].token_ids) == 24
+        assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0 and spy.overlapped > 0
+        assert_no_block_leaks(llm)
+    finally:
+        llm.engine.shutdown()
