@@ -33,6 +33,12 @@ ends by a token in flight (EOS, a stop id, an abort, a stop string) has had at m
 scheduled; that step's output for it is dropped. A request preempted while its sample is in flight still
 gets that token (as vLLM does), and is not admitted again while a step in flight holds it. Outputs of a
 step for an ended request whose id was reused since (`_stale`) are dropped.
+Speculative decoding under async scheduling: a request that decodes next gets k `PENDING_DRAFT` places
+(`_draft_places`, for every method: the workers propose the drafts) over its horizon; a verifying step
+counts 1 + k placeholders, as if all its places were accepted (`num_spec_in_flight`: the k), so the next
+step is laid out past them; its diff sends one placeholder for the whole run. `_on_verified` gives back
+the rejected places (placeholders and `num_computed_tokens`), which makes the step in flight's count
+exact; the worker corrects that step's positions itself (engine_svc/worker/spec_async.py).
 
 Structured outputs (engine_svc/structured/): a request with a constraint waits in WAITING_FOR_FSM (in
 `_compiling`, not in `waiting`) until its grammar compiles off this thread; each `schedule` first moves

@@ -7,7 +7,9 @@ next diff overwrites them with the tokens it accepts). After the forward, `verif
 hidden states of all 1 + k positions of each verifying request into logits and runs the rejection sampler
 (engine_svc/spec/rejection.py) on them, with the draft model's q when drafts came from one (draft_step.py); the other sampling requests of the step sample as in a plain step,
 through the runner's own sampler. Verification steps have queries longer than one token, so they never
-replay a decode CUDA graph.
+replay a decode CUDA graph. Under async scheduling the drafts are the runner's own (spec_async.py: prompt
+lookup may fill fewer than the step's places; a request with places but no drafts samples as a plain row
+and its run is that one token), and with TP every rank takes rank 0's runs.
 """
 
 from __future__ import annotations
