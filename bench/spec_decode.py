@@ -62,9 +62,10 @@ def run_workload(llm: Any, prompts: tuple[str, ...], batch_size: int, max_tokens
     steps = [0]
     inner = llm.engine.scheduler.schedule
 
-    def counting() -> Any:
-        steps[0] += 1
-        return inner()
+    def counting() -> Any:  # steps that ran something (async scheduling also plans empty ones)
+        so = inner()
+        steps[0] += not so.is_empty
+        return so
 
     llm.engine.scheduler.schedule = counting
     tokens, start = 0, time.perf_counter()

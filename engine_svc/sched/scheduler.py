@@ -685,7 +685,9 @@ class Scheduler:
         request.spec_token_ids = []
         if not preempted:
             request.num_computed_tokens -= num_rejected
-        self.spec_stats.observe(num_drafts if num_drafts is not None else len(drafts), num_accepted)
+        drafted = len(drafts) if num_drafts is None else num_drafts
+        if drafted:  # places the workers found no draft for are no verification (as unproposed ones)
+            self.spec_stats.observe(drafted, num_accepted)
         output = self._on_sampled(request, run[0], logprobs[0] if logprobs else None)
         for i in range(1, len(run)):
             if request.is_finished:

@@ -15,6 +15,9 @@ sampled in its previous step; `PlaceholderFeed` (sampled_feed.py) writes those i
 inputs, and `execute_model` returns a `PendingOutput` without reading the sampled ids back: the step has
 no host sync at all, and the host reads them while the next step runs. With TP every rank then feeds
 rank 0's ids (broadcast after sampling), as the scheduler's diffs do without async scheduling.
+With speculative decoding as well, a placeholder standing for a run this runner verified is expanded on
+the host, the row's `num_computed` corrected for the rejected places, and the drafts proposed here
+(`AsyncSpeculation`, spec_async.py); such steps read the previous step's tokens on the host first.
 Pipeline parallelism: a stage after the first receives the previous stage's hidden states and
 residual instead of embedding the input ids; a stage before the last sends its output on and returns
 an empty output (only the last stage samples, answers, and computes prompt logprobs). Every stage keeps

@@ -145,9 +145,14 @@ def test_async_places_are_reconciled_and_each_run_reaches_the_workers_once(make_
     # s3 runs positions 7..10 (the workers correct them): exact once s2's 2 rejected places are given back.
     assert (req.num_computed_tokens, req.num_output_placeholders, req.num_spec_in_flight) == (11, 4, 3)
     assert sched._num_tokens_sent["a"] == 8  # the workers hold 1..8 once s3's placeholder is expanded
-    sched.update_from_output(s3, verified(s3, {"a": [9]}))  # all 3 rejected
+    stats = sched.spec_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)
+    no_drafts = verified(s3, {"a": [9]})
+    no_drafts.spec_num_drafts = {"a": 0}  # the workers found no draft for s3's places: all 3 given back
+    sched.update_from_output(s3, no_drafts)
     assert (req.num_computed_tokens, req.num_output_placeholders, req.num_spec_in_flight) == (8, 0, 0)
     assert req.num_tokens == 9
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)  # not a verification
 
 
 def test_async_run_of_a_request_left_out_of_the_next_step_goes_in_its_diff(make_sched: MakeSched) -> None:
