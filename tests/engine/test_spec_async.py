@@ -33,6 +33,7 @@ from tests.engine.test_spec_decode import (
     completions,
     looping_dir,  # noqa: F401 (a fixture)
     repetitive_prompts,
+    served_tokens,
     stops_inside_runs,
 )
 from tests.engine.test_spec_eagle3 import eagle_spec, heads  # noqa: F401 (a fixture)
@@ -230,3 +231,12 @@ def test_tp2_async_prompt_lookup_equals_plain_tp1(looping_dir: Path) -> None:  #
         assert_no_block_leaks(llm)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.slow  # a `tandem serve` process
+def test_tandem_serve_with_async_scheduling_and_prompt_lookup(looping_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    prompt = repetitive_prompts(12, 1)[0]
+    plain, _, _ = run(looping_dir, [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), None,
+                      False)
+    served = served_tokens(looping_dir, NGRAM, prompt, 16, tmp_path, ("--async-scheduling",))
+    assert served == plain[0].outputs[0].token_ids
