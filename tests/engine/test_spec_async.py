@@ -14,6 +14,7 @@ previous step is in flight (a `StepSpy` on the scheduler counts them).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from engine_svc.sched.scheduler import Scheduler
 from engine_svc.spec.proposers import PENDING_DRAFT
 from entrypoints import LLM, SamplingParams
 from entrypoints.layer_draft import make_layer_draft
-from shared_runtime.contract import FinishReason
+from shared_runtime.contract import FinishReason, StructuredOutputs
 from tests.engine.test_async_scheduling import core_requests, make_core, step_all, summary
 from tests.engine.test_hf_exact import assert_no_block_leaks
 from tests.engine.test_spec_decode import (
@@ -240,3 +241,19 @@ def test_tandem_serve_with_async_scheduling_and_prompt_lookup(looping_dir: Path,
                       False)
     served = served_tokens(looping_dir, NGRAM, prompt, 16, tmp_path, ("--async-scheduling",))
     assert served == plain[0].outputs[0].token_ids
+
+
+def test_constrained_requests_beside_speculating_ones(looping_dir: Path) -> None:  # noqa: F811
+    """A constrained request (regex, seeded) and a speculating one in the same steps: the constrained one
+    gets no draft places (its bitmask rows would need the drafts) and its tokens are plain sync
+    decoding's; the other's too, with drafts accepted."""
+    number = r"[1-9][0-9]{0,3}-[a-c]{2}"
+    prompts = repetitive_prompts(6, 2)
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured_outputs=StructuredOutputs(regex=number)),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    plain, _, _ = run(looping_dir, prompts, params, None, False)
+    got, llm, spy = run(looping_dir, prompts, params, NGRAM, True)
+    assert completions(got) == completions(plain)
+    assert re.fullmatch(number, got[0].outputs[0].text)
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0 and spy.overlapped > 0
+    assert_no_block_leaks(llm)
