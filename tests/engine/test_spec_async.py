@@ -23,6 +23,7 @@ import pytest
 from engine_svc.core import EngineCore
 from engine_svc.sched.scheduler import Scheduler
 from engine_svc.spec.proposers import PENDING_DRAFT
+from engine_svc.worker.worker import Worker
 from entrypoints import LLM, SamplingParams
 from entrypoints.layer_draft import make_layer_draft
 from shared_runtime.contract import FinishReason, StructuredOutputs
@@ -257,3 +258,44 @@ def test_constrained_requests_beside_speculating_ones(looping_dir: Path) -> None
     assert re.fullmatch(number, got[0].outputs[0].text)
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0 and spy.overlapped > 0
     assert_no_block_leaks(llm)
+
+
+class SkewedVerifierWorker(Worker):
+    """A real worker whose rank 1 ends every verified run with token 0 whatever its logits say: each rank
+    expands its runs into its own next step under async scheduling, so every rank must take rank 0's."""
+
+    def load_model(self) -> None:
+        super().load_model()
+        if self.rank == 1:
+            import engine_svc.worker.spec_step as spec_step
+
+            verify = spec_step.verify
+
+            def skewed(*args: Any, **kwargs: Any) -> list[list[int]]:
+                return [[*run[:-1], 0] for run in verify(*args, **kwargs)]
+
+            spec_step.verify = skewed
+
+
+@pytest.mark.slow  # two worker processes over gloo
+def test_tp2_ranks_expand_rank0s_runs(looping_dir: Path) -> None:  # noqa: F811
+    from engine_svc.config import EngineConfig
+    from engine_svc.executor.multiproc import MultiprocExecutor
+
+    prompts = repetitive_prompts(8, 3)
+    reference = make_core(looping_dir, False, **SMALL_STEPS)
+    for req in core_requests(prompts, temperature=0.0, max_tokens=24, ignore_eos=True):
+        reference.add_request(req)
+    expected = summary(step_all(reference))
+    reference.shutdown()
+    config = EngineConfig.create(model=str(looping_dir), dtype="float32", device="cpu", tensor_parallel_size=2,
+                                 async_scheduling=True, speculative_config=NGRAM, **SMALL_STEPS)
+    core = EngineCore(config, MultiprocExecutor(config, worker_cls=f"{__name__}:SkewedVerifierWorker"))
+    try:
+        for req in core_requests(prompts, temperature=0.0, max_tokens=24, ignore_eos=True):
+            core.add_request(req)
+        got = summary(step_all(core))
+        assert core.get_stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        core.shutdown()
+    assert got == expected
