@@ -38,7 +38,8 @@ Speculative decoding under async scheduling: a request that decodes next gets k 
 counts 1 + k placeholders, as if all its places were accepted (`num_spec_in_flight`: the k), so the next
 step is laid out past them; its diff sends one placeholder for the whole run. `_on_verified` gives back
 the rejected places (placeholders and `num_computed_tokens`), which makes the step in flight's count
-exact; the worker corrects that step's positions itself (engine_svc/worker/spec_async.py).
+exact; the worker corrects that step's positions itself (engine_svc/worker/spec_async.py). A request
+whose places in flight could reach `max_total_tokens` is left out until its run is known (the rule above).
 
 Structured outputs (engine_svc/structured/): a request with a constraint waits in WAITING_FOR_FSM (in
 `_compiling`, not in `waiting`) until its grammar compiles off this thread; each `schedule` first moves
