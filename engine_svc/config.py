@@ -250,9 +250,6 @@ class EngineConfig:
             if self.kv_transfer_config is not None:
                 raise ConfigError("--speculative-config with a draft model cannot be combined with "
                                   "--kv-transfer-config (yet): the draft's K/V does not travel with the target's")
-        if self.resolved_async_scheduling:
-            raise ConfigError("--speculative-config cannot be combined with --async-scheduling (yet): drop one "
-                              "of them (drafts are proposed from the tokens each step samples)")
         if self.pipeline_parallel_size > 1:
             raise ConfigError("--speculative-config cannot be combined with --pipeline-parallel-size > 1 (yet): "
                               "drafts are proposed from each step's tokens, which the pipeline has in flight")

@@ -10,7 +10,9 @@ With steps in flight (the engine core's batch queue), `num_output_placeholders` 
 request will sample in scheduled steps whose results the scheduler has not seen yet; under async scheduling
 the scheduler computes those positions before it knows their ids (vLLM's output placeholders), so the
 request's scheduling horizon is `num_tokens + num_output_placeholders`. `last_scheduled_step` is the id of
-the last step that scheduled it.
+the last step that scheduled it. With speculative decoding under async scheduling a verifying step counts
+1 + k placeholders (as if its k draft places were all accepted); `num_spec_in_flight` is the k's of those
+steps, so that `num_output_placeholders - num_spec_in_flight` is the number of sampling steps in flight.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class Request:
         self.num_preemptions: int = 0
         self.num_output_placeholders: int = 0  # samples scheduled whose token the scheduler has not seen yet
         self.last_scheduled_step: int = -1  # SchedulerOutput.step_id of its last schedule
+        self.num_spec_in_flight: int = 0  # draft places among num_output_placeholders (async speculation)
         self.stop_token_id: int | None = None
         self.spec_token_ids: list[int] = []  # drafts to verify when next scheduled (speculative decoding)
         # Largest total length this request may reach: prompt + max_tokens, capped by the context.

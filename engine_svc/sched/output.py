@@ -15,6 +15,11 @@ Async scheduling (`--async-scheduling`): the scheduler plans a step before it ha
 the step before it samples. A diff then appends `PLACEHOLDER_TOKEN` for each such token (only ever the
 last token of a decode): the worker feeds the id it sampled itself in its previous step, on the device
 (engine_svc/worker/sampled_feed.py), and learns its value on the host while the step runs.
+With speculative decoding as well, a request whose previous step verified drafts gets one placeholder
+for that step's whole run (its accepted drafts and the token after them), its `num_computed_tokens`
+counts that step's draft places as if all were accepted (the worker, which knows the run, subtracts the
+rejected ones: engine_svc/worker/spec_async.py), and its `scheduled_spec_decode_tokens` are
+`PENDING_DRAFT` places that the worker fills with drafts it proposes itself.
 
 These are msgspec structs so the multiproc executor can broadcast them without pickle.
 """
@@ -145,3 +150,6 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False)
     # logprobs of each of those tokens.
     spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     spec_logprobs: dict[str, list[tuple[float, int, list[int], list[float]]]] = msgspec.field(default_factory=dict)
+    # Verified requests whose workers proposed fewer drafts than the step's places (async scheduling with
+    # prompt lookup): the drafts proposed, for the acceptance counters. Absent: as many as places.
+    spec_num_drafts: dict[str, int] = msgspec.field(default_factory=dict)

@@ -33,6 +33,13 @@ ends by a token in flight (EOS, a stop id, an abort, a stop string) has had at m
 scheduled; that step's output for it is dropped. A request preempted while its sample is in flight still
 gets that token (as vLLM does), and is not admitted again while a step in flight holds it. Outputs of a
 step for an ended request whose id was reused since (`_stale`) are dropped.
+Speculative decoding under async scheduling: a request that decodes next gets k `PENDING_DRAFT` places
+(`_draft_places`, for every method: the workers propose the drafts) over its horizon; a verifying step
+counts 1 + k placeholders, as if all its places were accepted (`num_spec_in_flight`: the k), so the next
+step is laid out past them; its diff sends one placeholder for the whole run. `_on_verified` gives back
+the rejected places (placeholders and `num_computed_tokens`), which makes the step in flight's count
+exact; the worker corrects that step's positions itself (engine_svc/worker/spec_async.py). A request
+whose places in flight could reach `max_total_tokens` is left out until its run is known (the rule above).
 
 Structured outputs (engine_svc/structured/): a request with a constraint waits in WAITING_FOR_FSM (in
 `_compiling`, not in `waiting`) until its grammar compiles off this thread; each `schedule` first moves
@@ -78,8 +85,8 @@ from engine_svc.sched.output import (
     SchedulerOutput,
 )
 from engine_svc.sched.request_queue import make_request_queue
-from engine_svc.spec.config import SpeculativeConfig
-from engine_svc.spec.proposers import make_proposer
+from engine_svc.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from engine_svc.spec.proposers import PENDING_DRAFT, make_proposer
 from engine_svc.spec.stats import SpecDecodeStats
 from engine_svc.structured.bitmask import BitmaskFiller
 from engine_svc.structured.compiler import GrammarCompilers, GrammarError
@@ -96,6 +103,7 @@ from shared_runtime.contract import (
 )
 
 SampledLogprobs = tuple[float, int, list[int], list[float]]
+_PLACES = [[PENDING_DRAFT] * k for k in range(MAX_SPECULATIVE_TOKENS + 1)]  # shared, never mutated
 
 
 class Scheduler:
@@ -174,11 +182,10 @@ class Scheduler:
         self._last_updated_step = 0
         self._stale: dict[str, int] = {}  # ended request id -> last step that scheduled it, while in flight
         # Speculative decoding (engine_svc/spec/): drafts proposed after each step, verified in the next.
-        if speculative is not None and async_scheduling:
-            raise ValueError("--speculative-config cannot be combined with --async-scheduling yet: drafts are "
-                             "proposed from the tokens a step samples, which async scheduling has not seen")
+        # Under async scheduling the scheduler only reserves draft places; the workers propose the drafts.
         self.speculative = speculative
-        self._proposer = make_proposer(speculative) if speculative is not None else None
+        self._spec_async = speculative is not None and async_scheduling
+        self._proposer = make_proposer(speculative) if speculative is not None and not async_scheduling else None
         self._verified_extra = 0  # tokens beyond the first in this step's verified outputs
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         # LoRA (--enable-lora): adapter name -> id, and the per-step adapter budget; None when LoRA is off.
@@ -347,7 +354,7 @@ class Scheduler:
         preempted = False
         i = 0
         running, max_model_len, allocate = self.running, self.max_model_len, self.kv.allocate_slots
-        async_, in_flight = self.async_scheduling, self.steps_in_flight
+        async_, in_flight, spec_async = self.async_scheduling, self.steps_in_flight, self._spec_async
         while i < len(running) and budget > 0:
             request = running[i]
             n = len(request.all_token_ids)
@@ -357,6 +364,10 @@ class Scheduler:
                     i += 1
                     continue
                 n += placeholders
+                if spec_async:
+                    n += self._draft_places(request, n)
+            elif spec_async:
+                n += self._draft_places(request, n)
             elif request.spec_token_ids and n - request.num_computed_tokens == 1:
                 n += len(request.spec_token_ids)  # a decode verifying drafts: 1 + k tokens
             if n > max_model_len:  # (a compare, not a min() call: this runs per request per step)
@@ -471,29 +482,31 @@ class Scheduler:
         prompt_tokens: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
         requests, tokens_sent_of, blocks_sent_of = self.requests, self._num_tokens_sent, self._num_blocks_sent
-        kv, step_id, in_flight = self.kv, self._step_id, self.steps_in_flight
+        kv, step_id, in_flight, spec_async = self.kv, self._step_id, self.steps_in_flight, self._spec_async
         for request_id, n in scheduled.items():
             request = requests[request_id]
             tokens = request.all_token_ids
             num_tokens = len(tokens)
-            # Past num_tokens only under async scheduling: the tokens in flight, sent as placeholders.
+            # Past num_tokens only under async scheduling: the tokens in flight. The workers get one
+            # placeholder per sampling step in flight (`sent`): a verifying step's whole run is one.
             horizon = num_tokens + request.num_output_placeholders if in_flight else num_tokens
+            sent = horizon - request.num_spec_in_flight
             tokens_sent = tokens_sent_of.get(request_id)
             if tokens_sent is None:
                 new_reqs.append(self._new_request_data(request))
                 blocks_sent_of[request_id] = len(new_reqs[-1].block_ids)
             else:
-                one_token = tokens_sent == horizon - 1
+                one_token = tokens_sent == sent - 1
                 new_blocks = ([] if one_token and request_id not in grown
                               else kv.get_block_ids(request_id, blocks_sent_of[request_id]))
                 if one_token and not new_blocks:
                     decode_ids.append(request_id)
-                    decode_tokens.append(tokens[-1] if horizon == num_tokens else PLACEHOLDER_TOKEN)
+                    decode_tokens.append(tokens[-1] if sent == num_tokens else PLACEHOLDER_TOKEN)
                     decode_computed.append(request.num_computed_tokens)
                 else:
                     new_tokens = tokens[tokens_sent:]
-                    if horizon > num_tokens:
-                        new_tokens += [PLACEHOLDER_TOKEN] * (horizon - max(tokens_sent, num_tokens))
+                    if sent > num_tokens:
+                        new_tokens += [PLACEHOLDER_TOKEN] * (sent - max(tokens_sent, num_tokens))
                     cached_reqs.append(
                         CachedRequestData(
                             req_id=request_id,
@@ -504,17 +517,22 @@ class Scheduler:
                     )
                     if new_blocks:
                         blocks_sent_of[request_id] += len(new_blocks)
-            tokens_sent_of[request_id] = horizon
+            tokens_sent_of[request_id] = sent
             start = request.num_computed_tokens
             if start < len(request.prompt_token_ids):
                 prompt_tokens[request_id] = min(len(request.prompt_token_ids) - start, n)
             request.num_computed_tokens = start + n
-            if request.spec_token_ids and start + n > num_tokens:  # drafts scheduled past the known tokens
-                spec_tokens[request_id] = request.spec_token_ids[: start + n - num_tokens]
+            num_places = start + n - horizon  # drafts scheduled past the known tokens (and those in flight)
+            if request.spec_token_ids and num_places > 0:
+                spec_tokens[request_id] = request.spec_token_ids[:num_places]
             if in_flight:
                 request.last_scheduled_step = step_id
-                if start + n == horizon:  # it samples this step
-                    request.num_output_placeholders += 1
+                if num_places >= 0:  # it samples this step: one token, and as many as its drafts accepted
+                    if num_places and spec_async:
+                        request.num_output_placeholders += 1 + num_places
+                        request.num_spec_in_flight += num_places
+                    else:
+                        request.num_output_placeholders += 1
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -581,7 +599,8 @@ class Scheduler:
                 continue  # ended (aborted, or finished by a token of an earlier step) since it was scheduled
             if runs and request_id in runs:
                 outputs.append(self._on_verified(request, scheduler_output.scheduled_spec_decode_tokens[request_id],
-                                                 runs[request_id], model_runner_output.spec_logprobs.get(request_id)))
+                                                 runs[request_id], model_runner_output.spec_logprobs.get(request_id),
+                                                 step, model_runner_output.spec_num_drafts.get(request_id)))
                 continue
             if not in_flight:
                 outputs.append(on_sampled(request, token, row))
@@ -598,7 +617,7 @@ class Scheduler:
         if stale:
             for request_id in [r for r, last in stale.items() if last <= step]:
                 del stale[request_id]
-        if self._proposer is not None:
+        if self._proposer is not None:  # (under async scheduling, places are reserved in `schedule`)
             self._propose_drafts()
 
         self._last_step = (scheduler_output.total_num_scheduled_tokens, num_prompt_tokens, num_sampled)
@@ -642,15 +661,34 @@ class Scheduler:
         return output
 
     def _on_verified(self, request: Request, drafts: list[int], run: list[int],
-                     logprobs: list[SampledLogprobs] | None) -> EngineCoreOutput:
-        """Apply a verification: `run` is the accepted drafts then the token the target sampled. The
-        rejected drafts' positions are given back first (their K/V is garbage: computed again next step,
-        their slots reused), then the tokens are appended one by one with every stop check, and the ones
-        after a stop are dropped. One output carries them all."""
+                     logprobs: list[SampledLogprobs] | None, step: int, num_drafts: int | None) -> EngineCoreOutput:
+        """Apply a verification of step `step`: `drafts` are the draft places scheduled, `run` the
+        accepted drafts then the token the target sampled. The rejected drafts' positions are given back
+        first (their K/V is garbage: computed again next step, their slots reused), then the tokens are
+        appended one by one with every stop check, and the ones after a stop are dropped. One output
+        carries them all. `num_drafts`: the drafts the workers proposed into the places (fewer when
+        prompt lookup found fewer; None: as many as places), for the acceptance counters.
+
+        Under async scheduling the step's 1 + k placeholders are given back too; a step scheduled since
+        (still in flight) was laid out as if every place were accepted: the workers correct its positions
+        themselves, and here `num_computed_tokens` loses the rejected places, which makes it exact for the
+        step in flight. When that step carried the placeholder standing for this run, the workers hold the
+        whole run (`_num_tokens_sent` grows by the accepted drafts); otherwise the next diff sends it."""
         num_accepted = len(run) - 1
-        request.num_computed_tokens -= len(drafts) - num_accepted
+        num_rejected = len(drafts) - num_accepted
+        preempted = False
+        if self.steps_in_flight and request.num_output_placeholders:  # async: this step's places in flight
+            request.num_output_placeholders -= len(drafts) + 1
+            request.num_spec_in_flight -= len(drafts)
+            preempted = request.status is not RequestStatus.RUNNING  # since scheduled: the run stands
+            if request.last_scheduled_step > step and request.request_id in self._num_tokens_sent:
+                self._num_tokens_sent[request.request_id] += num_accepted  # one placeholder sent for the run
         request.spec_token_ids = []
-        self.spec_stats.observe(len(drafts), num_accepted)
+        if not preempted:
+            request.num_computed_tokens -= num_rejected
+        drafted = len(drafts) if num_drafts is None else num_drafts
+        if drafted:  # places the workers found no draft for are no verification (as unproposed ones)
+            self.spec_stats.observe(drafted, num_accepted)
         output = self._on_sampled(request, run[0], logprobs[0] if logprobs else None)
         for i in range(1, len(run)):
             if request.is_finished:
@@ -663,9 +701,27 @@ class Scheduler:
             if more.events:
                 output.events = [*output.events, *more.events]
         self._verified_extra += len(output.new_token_ids) - 1
-        if not request.is_finished and self.kv.enable_prefix_caching:
+        if preempted and request.is_finished:
+            self.waiting.remove(request)
+        elif not request.is_finished and self.kv.enable_prefix_caching and not preempted:
             self.kv.cache_late_blocks(request)  # blocks the accepted tokens filled (allocated with drafts)
         return output
+
+    def _draft_places(self, request: Request, horizon: int) -> int:
+        """Async speculation: the draft places a running request gets this step (0 unless it decodes
+        next, every token up to `horizon` computed but the last), as `spec_token_ids`. Capped so that
+        the run cannot pass max_total_tokens even if every place in flight is accepted; none for a
+        constrained request (its bitmask rows need the drafts) and none in a step with
+        `disable_by_batch_size` or more requests running."""
+        spec = self.speculative
+        assert spec is not None
+        k = min(spec.num_speculative_tokens, request.max_total_tokens - horizon - 1)
+        if (k <= 0 or request.num_computed_tokens != horizon - 1 or request.grammar is not None
+                or (spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size)):
+            request.spec_token_ids = []
+            return 0
+        request.spec_token_ids = _PLACES[k]
+        return k
 
     def _propose_drafts(self) -> None:
         """Drafts for each running request that may speculate and decodes next step (its known tokens

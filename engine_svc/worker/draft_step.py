@@ -8,7 +8,7 @@ allocates their KV slots. At the start of that step, before the target's forward
    draft never fed itself): positions `seen .. known_end` where `known_end` is where the request's known
    tokens computed by this step end. For a request that verifies, the last of them gives draft 1;
 2. runs k - 1 more single-token passes over the drafts just made, each giving the next draft;
-3. writes the drafts into the step's `scheduled_spec_decode_tokens` and the persistent batch (the
+3. writes the drafts into the runner's copy of the step's draft places and the persistent batch (the
    target then verifies them in the same step) and keeps each draft's distribution q for verification.
 
 The draft's KV cache: one cache tensor per draft layer with the target's block count, addressed through
@@ -62,10 +62,11 @@ class DraftRunner:
         self.written.pop(req_id, None)
         self.probs.pop(req_id, None)
 
-    def run(self, so: SchedulerOutput, batch: InputBatch, states: dict[str, RequestSamplingState]) -> None:
-        """The draft's passes of step `so` (see the module docstring); fills the step's draft places."""
+    def run(self, so: SchedulerOutput, batch: InputBatch, states: dict[str, RequestSamplingState],
+            drafts_of: dict[str, list[int]]) -> None:
+        """The draft's passes of step `so` (see the module docstring); fills `drafts_of`, the runner's
+        copy of the step's draft places (`so` itself stays as the scheduler sent it)."""
         self.probs.clear()
-        drafts_of = so.scheduled_spec_decode_tokens
         req_ids = list(so.num_scheduled_tokens)
         rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         computed = batch.num_computed[rows]

@@ -67,10 +67,12 @@ class Eagle3Runner(DraftRunner):
         for i, req_id in enumerate(inputs.req_ids):
             self.pending[req_id] = (combined[int(qsl[i]):int(qsl[i + 1])], int(starts[i]))
 
-    def run(self, so: SchedulerOutput, batch: InputBatch, states: dict[str, RequestSamplingState]) -> None:
-        """The head's passes of step `so` (see the module docstring); fills the step's draft places."""
+    def run(self, so: SchedulerOutput, batch: InputBatch, states: dict[str, RequestSamplingState],
+            drafts_of: dict[str, list[int]]) -> None:
+        """The head's passes of step `so` (see the module docstring); fills `drafts_of`, the runner's
+        copy of the step's draft places."""
         self.probs.clear()
-        drafts_of, written, pending = so.scheduled_spec_decode_tokens, self.written, self.pending
+        written, pending = self.written, self.pending
         req_ids = list(so.num_scheduled_tokens)
         rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         computed = batch.num_computed[rows]

@@ -15,6 +15,9 @@ sampled in its previous step; `PlaceholderFeed` (sampled_feed.py) writes those i
 inputs, and `execute_model` returns a `PendingOutput` without reading the sampled ids back: the step has
 no host sync at all, and the host reads them while the next step runs. With TP every rank then feeds
 rank 0's ids (broadcast after sampling), as the scheduler's diffs do without async scheduling.
+With speculative decoding as well, a placeholder standing for a run this runner verified is expanded on
+the host, the row's `num_computed` corrected for the rejected places, and the drafts proposed here
+(`AsyncSpeculation`, spec_async.py); such steps read the previous step's tokens on the host first.
 Pipeline parallelism: a stage after the first receives the previous stage's hidden states and
 residual instead of embedding the input ids; a stage before the last sends its output on and returns
 an empty output (only the last stage samples, answers, and computes prompt logprobs). Every stage keeps
@@ -48,6 +51,7 @@ from engine_svc.worker.cuda_graphs import DecodeCudaGraphs
 from engine_svc.worker.draft_step import DraftRunner
 from engine_svc.worker.input_batch import InputBatch, StepInputs
 from engine_svc.worker.sampled_feed import Fill, PendingOutput, PlaceholderFeed
+from engine_svc.worker.spec_async import AsyncSpeculation
 from engine_svc.worker.spec_step import put_drafts, verified_output
 from engine_svc.worker.staging import StepStaging
 
@@ -98,6 +102,8 @@ class ModelRunner:
         self.row_lora = np.zeros(max_num_seqs, dtype=np.int64)
         # Speculative decoding with a draft model (set by Worker.load_model): drafts made in the step.
         self.drafter: DraftRunner | None = None
+        # Speculative decoding under async scheduling (set by Worker.load_model): runs and drafts kept here.
+        self.spec_async: AsyncSpeculation | None = None
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """Size the persistent batch (and what CUDA graphs read) for the max_model_len the engine serves,
@@ -140,10 +146,16 @@ class ModelRunner:
         self._apply_decodes(so.decode_req_ids, so.decode_token_ids, so.decode_num_computed_tokens)
 
     def _note_placeholder(self, req_id: str, tokens: list[int]) -> list[int]:
-        """Tell the feed where a diff's placeholder went (only ever its last token); the tokens before it."""
+        """Tell the feed where a diff's placeholder went (only ever its last token); the tokens before it.
+        A placeholder for a run this runner verified becomes that run at once (spec_async.py); the tokens
+        before it and the run are returned then."""
         if self.feed is None or tokens.count(PLACEHOLDER_TOKEN) != 1:
             raise RuntimeError(f"request {req_id!r}: unexpected placeholder tokens {tokens} "
                                f"(async scheduling {'on' if self.feed else 'off'} in this worker)")
+        if self.spec_async is not None:
+            run = self.spec_async.expand(self.batch, req_id)
+            if run is not None:
+                return tokens[:-1] + run
         row = self.batch.row_of[req_id]
         self.feed.note(req_id, row, int(self.batch.num_tokens[row]) - 1)
         return tokens[:-1]
@@ -157,8 +169,13 @@ class ModelRunner:
         states = self.sampling_states
         if self.feed is not None and PLACEHOLDER_TOKEN in tokens:  # async scheduling
             rows, feed, num_tokens = self.batch.row_of, self.feed, self.batch.num_tokens
+            spec = self.spec_async
             for req_id, token in zip(req_ids, tokens):
                 if token == PLACEHOLDER_TOKEN:
+                    run = spec.expand(self.batch, req_id) if spec is not None else None
+                    if run is not None:  # it verified drafts in this runner's last step
+                        states[req_id].output_token_ids.extend(run)
+                        continue
                     row = rows[req_id]
                     feed.note(req_id, row, int(num_tokens[row]) - 1)
                 else:
@@ -200,13 +217,21 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | PendingOutput:
         """Run one step. Returns its output, or under async scheduling a `PendingOutput` (no host sync)."""
         self._update_states(so)
-        if self.drafter is not None and so.total_num_scheduled_tokens:
-            self.drafter.run(so, self.batch, self.sampling_states)  # fills the step's draft places
-        if so.scheduled_spec_decode_tokens:
-            put_drafts(self.batch, so.scheduled_spec_decode_tokens)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        inputs = self.batch.prepare(so.num_scheduled_tokens)
+        places = so.scheduled_spec_decode_tokens
+        drafts = {r: list(d) for r, d in places.items()} if places else places  # ours: the scheduler's stay
+        num_scheduled = so.num_scheduled_tokens
+        if self.feed is not None and self.feed.num_noted and (places or self.drafter is not None):
+            self.feed.resolve(self.batch, self.sampling_states)  # drafts are made from the tokens on the host
+        if self.drafter is not None:
+            self.drafter.run(so, self.batch, self.sampling_states, drafts)  # fills the step's draft places
+        elif places and self.spec_async is not None and self.spec_async.proposer is not None:
+            drafts = self.spec_async.propose(self.batch, places)
+            num_scheduled = _fewer_drafts(num_scheduled, places, drafts)
+        if drafts:
+            put_drafts(self.batch, drafts)
+        inputs = self.batch.prepare(num_scheduled)
         sample_idx = np.flatnonzero(inputs.sample_mask)
         last_token = inputs.query_start_loc[1:][sample_idx] - 1  # the hidden row each sampling request reads
         self.staging.begin_step()
@@ -226,10 +251,20 @@ class ModelRunner:
             self.staging.end_step()
             if feed is not None:
                 feed.record(torch.empty(0, dtype=torch.int64, device=self.device), sample_idx, None)
+                if self.spec_async is not None:
+                    self.spec_async.clear()
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[-1] * len(req_ids),
                                      prompt_logprobs=prompt_logprobs)
-        if so.scheduled_spec_decode_tokens:  # speculative decoding: verify the drafts (spec_step.py)
-            return verified_output(self, so, inputs, sample_idx, hidden, prompt_logprobs)
+        if places:  # speculative decoding: verify the drafts (spec_step.py)
+            verified = verified_output(self, so, drafts, inputs, sample_idx, hidden, prompt_logprobs)
+            if feed is not None:  # async scheduling: the next step's placeholders stand for these tokens
+                feed.record(torch.tensor([verified.sampled_token_ids[i] for i in sample_idx.tolist()],
+                                         dtype=torch.int64, device=self.device), inputs.rows[sample_idx], None)
+                if self.spec_async is not None:
+                    self.spec_async.record(verified.spec_token_ids, places)
+            return verified
+        if self.spec_async is not None:
+            self.spec_async.clear()
         # Python ints, not numpy scalars, index the per-request lists and dicts below; when every row
         # samples (a decode step), the sampling rows are the batch order itself.
         every_row = len(sample_idx) == len(req_ids)
@@ -388,6 +423,17 @@ class ModelRunner:
             del logits
         del caches, hidden
         return cache_bytes
+
+
+def _fewer_drafts(num_scheduled: dict[str, int], places: dict[str, list[int]],
+                  drafts: dict[str, list[int]]) -> dict[str, int]:
+    """The step's tokens per request when some requests got fewer drafts than places (prompt lookup
+    under async scheduling): each runs 1 + its drafts after its known tokens. `num_scheduled` itself
+    when none did (it is the scheduler's: never changed)."""
+    short = {r: len(p) - len(drafts[r]) for r, p in places.items() if len(drafts[r]) < len(p)}
+    if not short:
+        return num_scheduled
+    return {r: n - short.get(r, 0) for r, n in num_scheduled.items()}
 
 
 class PlainRows:

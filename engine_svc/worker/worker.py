@@ -19,12 +19,14 @@ from engine_svc.lora.manager import LoRAManager
 from engine_svc.model.layers.cpu_gemm import prepack_linears, prepack_wanted
 from engine_svc.model.registry import resolve_dtype
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.spec.ngram import NgramProposer
 from engine_svc.worker.cpu_threads import ThreadGovernor, governor_enabled, set_cpu_threads
 from engine_svc.worker.cuda_graphs import maybe_capture_decode_graphs
 from engine_svc.worker.draft_step import DraftRunner
 from engine_svc.worker.eagle3_step import Eagle3Runner, load_eagle3_runner
 from engine_svc.worker.model_runner import ModelRunner
 from engine_svc.worker.sampled_feed import PendingOutput
+from engine_svc.worker.spec_async import AsyncSpeculation
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,9 @@ class Worker:
                 prepack_linears(self.runner.drafter.model)
         elif spec is not None and spec.model is not None:
             self.runner.drafter = self._load_draft(spec.model, backend)
+        if spec is not None and self.runner.feed is not None:  # async scheduling: drafts made here (spec_async.py)
+            self.runner.spec_async = AsyncSpeculation(
+                NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram" else None)
 
     def _load_draft(self, model_dir: str, backend: object) -> DraftRunner:
         """The draft model of --speculative-config (draft_model), loaded like the target, same dtype."""

@@ -57,9 +57,10 @@ def generate(model_dir: Path, prompts: list[list[int]], params: SamplingParams |
     return llm.generate(prompts, params, use_tqdm=False), llm
 
 
-def served_tokens(model_dir: Path, spec: dict[str, Any], prompt: list[int], max_tokens: int, tmp_path: Path
-                  ) -> list[int]:
-    """Greedy tokens of `prompt` from a `tandem serve` process started with `--speculative-config spec`."""
+def served_tokens(model_dir: Path, spec: dict[str, Any], prompt: list[int], max_tokens: int, tmp_path: Path,
+                  extra_args: tuple[str, ...] = ()) -> list[int]:
+    """Greedy tokens of `prompt` from a `tandem serve` process started with `--speculative-config spec`
+    (and `extra_args`)."""
     import json
     import sys
 
@@ -69,7 +70,7 @@ def served_tokens(model_dir: Path, spec: dict[str, Any], prompt: list[int], max_
     port, engine_port, http_port = free_port(), free_port(), free_port()
     serve = Service("serve", [sys.executable, "-m", "entrypoints.serve", "--model", str(model_dir),
                               "--port", str(port), "--engine-port", str(engine_port), "--http-port", str(http_port),
-                              "--dtype", "float32", "--speculative-config", json.dumps(spec)],
+                              "--dtype", "float32", "--speculative-config", json.dumps(spec), *extra_args],
                     port, tmp_path).start()
     try:
         serve.wait_serving(120)

@@ -127,9 +127,9 @@ def record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
     seen: list[tuple[list[int], list[int]]] = []
     run = drafter.run
 
-    def recording(so: Any, batch: Any, states: Any) -> None:
-        run(so, batch, states)
-        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+    def recording(so: Any, batch: Any, states: Any, drafts_of: dict[str, list[int]]) -> None:
+        run(so, batch, states, drafts_of)
+        for req_id, drafts in drafts_of.items():
             row = batch.row_of[req_id]
             seen.append((batch.token_ids[row, : int(batch.num_tokens[row])].tolist(), list(drafts)))
 

@@ -154,10 +154,12 @@ def test_speculation_with_pipeline_parallelism_is_refused_naming_both_flags(llam
                             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
-def test_speculation_with_async_scheduling_is_refused_naming_both_flags(llama_dir) -> None:
-    with pytest.raises(ConfigError, match=r"--speculative-config.*--async-scheduling"):
-        EngineConfig.create(model=str(llama_dir), async_scheduling=True,
-                            speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+def test_speculation_with_async_scheduling_is_accepted_and_still_checked(llama_dir) -> None:
+    cfg = EngineConfig.create(model=str(llama_dir), async_scheduling=True,
+                              speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    assert cfg.resolved_async_scheduling and cfg.speculative is not None  # test_spec_async.py runs it
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        EngineConfig.create(model=str(llama_dir), async_scheduling=True, speculative_config='{"method": "ngram"}')
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         EngineConfig.create(model=str(llama_dir), speculative_config='{"method": "ngram"}')
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine_svc.sched.output import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
 from engine_svc.sched.scheduler import Scheduler
 from engine_svc.spec.config import SpeculativeConfig
+from engine_svc.spec.proposers import PENDING_DRAFT
 from shared_runtime.contract import FinishReason
 from tests.engine.test_scheduler import EMPTY_RUN, MakeSched, add, step
 
@@ -117,3 +118,58 @@ def test_preemption_with_drafts_scheduled_returns_every_block(make_sched: MakeSc
     assert preempted > 0 and not sched.has_unfinished_requests()
     assert a.num_output_tokens == 12 and b.num_output_tokens == 12
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+# ---- async scheduling: draft places over the step in flight ---------------------------------------------
+def diffs(so: SchedulerOutput) -> list[tuple[str, list[int], int]]:
+    return [(d.req_id, d.new_token_ids, d.num_computed_tokens) for d in so.cached_diffs()]
+
+
+def test_async_places_are_reconciled_and_each_run_reaches_the_workers_once(make_sched: MakeSched) -> None:
+    """Under async scheduling: 1 + k places over the token in flight, a verifying step counted as if all
+    its places were accepted, its rejected places given back when its run arrives, and the next diff
+    carrying one placeholder for that run (the workers expand it themselves: spec_async.py)."""
+    sched = make_sched(async_scheduling=True, num_blocks=16)
+    req = add(sched, "a", [1, 2, 3, 4, 5], max_tokens=12)
+    s1 = sched.schedule()  # the prefill; its token is in flight
+    s2 = sched.schedule()
+    assert s2.num_scheduled_tokens == {"a": 4} and s2.scheduled_spec_decode_tokens == {"a": [PENDING_DRAFT] * 3}
+    assert diffs(s2) == [("a", [PLACEHOLDER_TOKEN], 5)]
+    assert (req.num_computed_tokens, req.num_output_placeholders, req.num_spec_in_flight) == (9, 5, 3)
+    sched.update_from_output(s1, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[6]))
+    s3 = sched.schedule()  # s2 in flight: one placeholder for its whole run, then 3 new places
+    assert s3.num_scheduled_tokens == {"a": 4}
+    assert diffs(s3) == [("a", [PLACEHOLDER_TOKEN], 9)]  # computed as if s2's places were all accepted
+    out = sched.update_from_output(s2, verified(s2, {"a": [7, 8]}))  # 1 of 3 accepted
+    assert out.outputs[0].new_token_ids == [7, 8] and req.all_token_ids[5:] == [6, 7, 8]
+    # s3 runs positions 7..10 (the workers correct them): exact once s2's 2 rejected places are given back.
+    assert (req.num_computed_tokens, req.num_output_placeholders, req.num_spec_in_flight) == (11, 4, 3)
+    assert sched._num_tokens_sent["a"] == 8  # the workers hold 1..8 once s3's placeholder is expanded
+    stats = sched.spec_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)
+    no_drafts = verified(s3, {"a": [9]})
+    no_drafts.spec_num_drafts = {"a": 0}  # the workers found no draft for s3's places: all 3 given back
+    sched.update_from_output(s3, no_drafts)
+    assert (req.num_computed_tokens, req.num_output_placeholders, req.num_spec_in_flight) == (8, 0, 0)
+    assert req.num_tokens == 9
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)  # not a verification
+
+
+def test_async_run_of_a_request_left_out_of_the_next_step_goes_in_its_diff(make_sched: MakeSched) -> None:
+    """A request whose places in flight reach max_tokens is left out of the next step; its run then
+    reaches the workers as real tokens in its next diff, not as a placeholder."""
+    sched = make_sched(async_scheduling=True, num_blocks=16)
+    req = add(sched, "a", [1, 2, 3, 4, 5], max_tokens=5)  # at most 10 tokens
+    s1 = sched.schedule()
+    s2 = sched.schedule()  # 3 places: if all accepted, the request reaches 10 tokens
+    assert s2.scheduled_spec_decode_tokens == {"a": [PENDING_DRAFT] * 3}
+    sched.update_from_output(s1, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[6]))
+    s3 = sched.schedule()
+    assert "a" not in s3.num_scheduled_tokens  # its token in flight may end it
+    sched.update_from_output(s3, EMPTY_RUN)
+    sched.update_from_output(s2, verified(s2, {"a": [7, 8]}))
+    s4 = sched.schedule()
+    assert diffs(s4) == [("a", [7, 8], 7)]
+    assert s4.num_scheduled_tokens == {"a": 2} and s4.scheduled_spec_decode_tokens == {"a": [PENDING_DRAFT]}
+    sched.update_from_output(s4, verified(s4, {"a": [9, 10]}))
+    assert req.is_finished and req.output_token_ids == [6, 7, 8, 9, 10]
