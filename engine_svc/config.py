@@ -247,9 +247,10 @@ class EngineConfig:
                     check_draft_vocab(self.model, parsed.model)
             except SpeculativeConfigError as exc:
                 raise ConfigError(str(exc)) from None
-            if self.kv_transfer_config is not None:
-                raise ConfigError("--speculative-config with a draft model cannot be combined with "
-                                  "--kv-transfer-config (yet): the draft's K/V does not travel with the target's")
+            if self.kv_transfer_config is not None and parsed.method == "eagle3":
+                raise ConfigError("--speculative-config with an EAGLE-3 head cannot be combined with "
+                                  "--kv-transfer-config (yet): the head needs the target's hidden states of every "
+                                  "position, which a pulled prompt's K/V does not bring")
         if self.pipeline_parallel_size > 1:
             raise ConfigError("--speculative-config cannot be combined with --pipeline-parallel-size > 1 (yet): "
                               "drafts are proposed from each step's tokens, which the pipeline has in flight")

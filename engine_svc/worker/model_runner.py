@@ -102,6 +102,7 @@ class ModelRunner:
         self.row_lora = np.zeros(max_num_seqs, dtype=np.int64)
         # Speculative decoding with a draft model (set by Worker.load_model): drafts made in the step.
         self.drafter: DraftRunner | None = None
+        self.pulled_blocks: set[int] = set()  # blocks this step's P/D loads wrote (the target's K/V only)
         # Speculative decoding under async scheduling (set by Worker.load_model): runs and drafts kept here.
         self.spec_async: AsyncSpeculation | None = None
 
@@ -200,7 +201,18 @@ class ModelRunner:
         if new.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs_wanted[new.req_id] = new.sampling_params.prompt_logprobs
         if self.drafter is not None:
-            self.drafter.add(new.req_id, new.num_computed_tokens)
+            self.drafter.add(new.req_id, self._draft_cached(new))
+
+    def _draft_cached(self, new: NewRequestData) -> int:
+        """How many of a joining request's cached tokens have the draft's K/V too: a local prefix hit's
+        blocks hold it (written beside the target's), blocks pulled from another engine this step do not
+        (P/D moves the target's K/V), so the draft catches up from the first pulled block on."""
+        if self.pulled_blocks:
+            bs = self.batch.block_size
+            for i, block in enumerate(new.block_ids[: -(-new.num_computed_tokens // bs)]):
+                if block in self.pulled_blocks:
+                    return i * bs
+        return new.num_computed_tokens
 
     def _drop(self, req_id: str) -> None:
         self.batch.remove(req_id)

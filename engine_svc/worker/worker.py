@@ -263,6 +263,7 @@ class Worker:
             self._apply_threads()
         if so.kv_loads:  # P/D disaggregation: pulled K/V of the requests this step admits, before they run
             apply_loads(self.runner.kv_caches, so.kv_loads, self.kv_shard)
+        self.runner.pulled_blocks = {b for load in so.kv_loads for b in load.block_ids} if so.kv_loads else set()
         if so.lora_loads or so.lora_drops:  # adapters loaded / unloaded at run time (lora/registry.py)
             assert self.runner.lora is not None
             self.runner.lora.apply(so.lora_loads, so.lora_drops)

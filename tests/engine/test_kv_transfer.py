@@ -169,6 +169,32 @@ def test_prefill_there_decode_here_equals_one_engine(producer: ServerThread, uni
     consumer.shutdown()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_consumer_with_a_draft_model_drafts_over_the_pulled_prompt(producer: ServerThread, unified: EngineCore,
+                                                                     llama_dir: Path, async_scheduling: bool) -> None:
+    """A decode engine that speculates with a draft model: the pulled blocks bring the target's K/V only, so
+    its draft catches up over the pulled prompt in the request's first step. The target as its own draft
+    makes every greedy draft right exactly when the draft's K/V is: all are accepted, and the tokens are
+    one engine's."""
+    want, want_logprobs, _ = _run(unified, EngineCoreRequest(
+        request_id=f"u-draft-{async_scheduling}", prompt_token_ids=PROMPT, sampling_params=EngineSamplingParams(**GREEDY)))
+    first = _prefill(producer, f"p-draft-{async_scheduling}", PROMPT, GREEDY)
+    spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3}
+    consumer = EngineCore(_config(llama_dir, KVTransferConfig(kv_role="kv_consumer", kv_pull_timeout_s=10),
+                                  speculative_config=spec, async_scheduling=async_scheduling))
+    try:
+        rest, rest_logprobs, _ = _run(consumer, _decode_request("d-draft", PROMPT, GREEDY, first))
+        assert list(first.new_token_ids) + rest == want
+        _assert_close(list(first.new_logprobs) + rest_logprobs, want_logprobs)
+        connector, stats = consumer.kv_connector, consumer.scheduler.spec_stats
+        assert connector is not None and (connector.num_blocks_pulled, connector.num_pull_failures) == (5, 0)
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+        assert _all_free(consumer)
+    finally:
+        consumer.shutdown()
+    wait_until(lambda: engine_idle(producer.address), 15, "the producer's blocks freed after the pull")
+
+
 def test_the_consumer_pulls_only_what_its_prefix_cache_lacks(producer: ServerThread, unified: EngineCore,
                                                             llama_dir: Path) -> None:
     consumer = _consumer(llama_dir)

@@ -285,6 +285,11 @@ def test_eagle3_head_is_checked_at_start(looping_dir: Path, heads: dict[str, Pat
     with pytest.raises(ConfigError, match=r'method "eagle3" needs "model"'):
         EngineConfig.create(model=str(looping_dir), device="cpu",
                             speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    from engine_svc.kv_transfer.config import KVTransferConfig
+
+    with pytest.raises(ConfigError, match=r"EAGLE-3 head cannot be combined with --kv-transfer-config"):
+        EngineConfig.create(model=str(looping_dir), device="cpu", speculative_config=eagle_spec(heads["random"]),
+                            kv_transfer_config=KVTransferConfig(kv_role="kv_consumer"))
 
 
 def test_tandem_make_eagle3_head_writes_a_head_the_engine_accepts(looping_dir: Path, tmp_path: Path) -> None:  # noqa: F811
