@@ -9,12 +9,15 @@ sub-projections of its output (q, k, v of the fused qkv layer; gate, up; or the 
 A smaller rank or an untargeted projection is zero padding, which adds exact zeros. Shapes never change:
 swapping an adapter in is a copy into its slot's storage (addresses never change).
 
-The step's token -> slot selection (`StepLoRA`, set once per step for all layers) is applied one of three
-ways, chosen per device when the step object is made (kernels) or per step (the torch layouts):
+The step's token -> slot selection (`StepLoRA`, set once per step for all layers) is applied one of four
+ways, chosen per device when the step object is made (kernels) or per step (native, the torch layouts):
 - kernels (CUDA with Triton): kernels/lora_shrink.py then kernels/lora_expand.py, one launch each for
   every slot and sub-projection, reading the token mapping (kernels/lora_mapping.py) from one fixed
   device buffer rewritten in place each step; they always launch (a step without adapter tokens has zero
   counts), so the launches are the same for every step of a batch size and a CUDA graph can capture them;
+- native (CPU, the op of engine_svc/lora/cpu_native.py built, at most NATIVE_MAX_TOKENS tokens): the
+  kernels' mapping (kernels/lora_mapping.py) as CPU tensors, and one op call per layer that adds every
+  adapter token's delta in place (each slot's A and B read once for all its tokens);
 - torch, grouped (a decode batch whose adapter tokens split evenly enough over two or more slots): the
   adapter tokens gathered into an [n, L] grid slot by slot, xa = bmm(grid, a[:n]^T), then per
   sub-projection bmm(xa's rank block p, parts[p][:n]) scattered back into p's columns with index_add_;
@@ -36,8 +39,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kernels._triton import HAS_TRITON
 from engine_svc.lora.cpu_native import NATIVE_MAX_TOKENS
+from kernels._triton import HAS_TRITON
 from kernels.lora_mapping import LoRAMapping, build_mapping, mapping_size, split_mapping
 
 if TYPE_CHECKING:
@@ -54,7 +57,8 @@ class StepLoRA:
 
     `num_slots` = 1 + the highest slot any token of the step uses (0: no token has an adapter). With
     `kernels`, `mapping` views one fixed device buffer (capacity tokens, `slots` slots) that `plan`
-    rewrites in place; otherwise one of the torch layouts:
+    rewrites in place; with `native` (the built CPU op) and a step of at most NATIVE_MAX_TOKENS tokens,
+    `native_mapping` is that mapping for the slots in use, as CPU tensors; otherwise one of the torch layouts:
     - grouped (`group_rows` set): row s*L + k of the [n, L] grid is the k-th token on slot s
       (`group_gather[i]` = token index of grid position i, unused positions gather token 0;
       `group_pos` = the grid positions of the adapter tokens, None when the grid has no unused position,
