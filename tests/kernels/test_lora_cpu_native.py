@@ -164,3 +164,18 @@ def test_native_op_chosen_by_device_and_switch(op, monkeypatch) -> None:
         assert cpu_native.native() is None
     finally:
         cpu_native.native.cache_clear()
+
+
+def test_slots_api_with_transposed_input_and_output(op) -> None:
+    """x and out of column stride != 1 (the op reads unit-stride rows): the delta still lands in out."""
+    native_step, torch_step, (n_slots, t_slots) = _slots_pair(op, 3, 4, 24, [16, 8], seed=9)
+    token_slots = np.array([2, 0, -1, 1, 0], dtype=np.int64)
+    for step in (native_step, torch_step):
+        step.plan(token_slots, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(10)
+    x_t, out_t = torch.randn(24, 5, generator=gen), torch.randn(24, 5, generator=gen)
+    want = t_slots(x_t.t().contiguous(), out_t.t().contiguous())
+    out = out_t.t()  # a view of out_t: written through
+    got = n_slots(x_t.t(), out)
+    assert got is out
+    torch.testing.assert_close(out_t.t(), want, **TOL[torch.float32])
