@@ -31,6 +31,7 @@ $(STAMP): $(BIN)/python pyproject.toml package.json
 	# (needs g++; without one the engine keeps its torch ops, so a failed build does not fail the install).
 	$(BIN)/python -m engine_svc.attention.cpu_paged || echo "native CPU ops not built: torch path"
 	$(BIN)/python -m engine_svc.model.layers.moe_cpu || echo "native MoE op not built: torch path"
+	$(BIN)/python -m engine_svc.lora.cpu_native || echo "native LoRA op not built: torch path"
 	touch $(STAMP)
 
 install: $(STAMP)

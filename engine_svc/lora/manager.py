@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_svc.lora.cpu_native import native_for
 from engine_svc.lora.peft_dir import PeftAdapter, module_shapes
 from engine_svc.lora.slots import LoRASlots, StepLoRA, kernels_wanted
 from engine_svc.model.layers.linear import (
@@ -52,14 +53,16 @@ HostLayout = list[tuple[torch.Tensor, torch.Tensor] | None]  # per target: (a [W
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, *, max_loras: int, max_lora_rank: int,
                  device: torch.device, dtype: torch.dtype, max_num_tokens: int = 0,
-                 kernels: bool | None = None) -> None:
+                 kernels: bool | None = None, native: bool | None = None) -> None:
         """`max_num_tokens`: the most tokens one step holds (the kernels' mapping capacity); `kernels`:
-        the Triton shrink/expand (default: on CUDA when Triton is installed, `kernels_wanted`)."""
+        the Triton shrink/expand (default: on CUDA when Triton is installed, `kernels_wanted`); `native`:
+        the native CPU op for short steps where the kernels do not serve (default: on CPU when it is built,
+        `cpu_native.native_for`; False: the torch layouts only)."""
         self.max_loras, self.rank = max_loras, max_lora_rank
         self.device, self.dtype = device, dtype
         use_kernels = kernels_wanted(device) if kernels is None else kernels
         self.step = (StepLoRA(kernels=True, slots=max_loras, capacity=max_num_tokens, device=device)
-                     if use_kernels else StepLoRA())
+                     if use_kernels else StepLoRA(native=None if native is False else native_for(device, dtype)))
         self.targets = self._attach(model)
         self.num_layers = len(model.model.layers)  # type: ignore[union-attr, arg-type]
         present = {m for t in self.targets for m, _ in t.modules}

@@ -9,12 +9,15 @@ sub-projections of its output (q, k, v of the fused qkv layer; gate, up; or the 
 A smaller rank or an untargeted projection is zero padding, which adds exact zeros. Shapes never change:
 swapping an adapter in is a copy into its slot's storage (addresses never change).
 
-The step's token -> slot selection (`StepLoRA`, set once per step for all layers) is applied one of three
-ways, chosen per device when the step object is made (kernels) or per step (the torch layouts):
+The step's token -> slot selection (`StepLoRA`, set once per step for all layers) is applied one of four
+ways, chosen per device when the step object is made (kernels) or per step (native, the torch layouts):
 - kernels (CUDA with Triton): kernels/lora_shrink.py then kernels/lora_expand.py, one launch each for
   every slot and sub-projection, reading the token mapping (kernels/lora_mapping.py) from one fixed
   device buffer rewritten in place each step; they always launch (a step without adapter tokens has zero
   counts), so the launches are the same for every step of a batch size and a CUDA graph can capture them;
+- native (CPU, the op of engine_svc/lora/cpu_native.py built, at most NATIVE_MAX_TOKENS tokens): the
+  kernels' mapping (kernels/lora_mapping.py) as CPU tensors, and one op call per layer that adds every
+  adapter token's delta in place (each slot's A and B read once for all its tokens);
 - torch, grouped (a decode batch whose adapter tokens split evenly enough over two or more slots): the
   adapter tokens gathered into an [n, L] grid slot by slot, xa = bmm(grid, a[:n]^T), then per
   sub-projection bmm(xa's rank block p, parts[p][:n]) scattered back into p's columns with index_add_;
@@ -30,13 +33,15 @@ output columns; row layers: A's input columns), and a row layer adds its delta b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from engine_svc.lora.cpu_native import NATIVE_MAX_TOKENS
 from kernels._triton import HAS_TRITON
-from kernels.lora_mapping import build_mapping, mapping_size, split_mapping
+from kernels.lora_mapping import LoRAMapping, build_mapping, mapping_size, split_mapping
 
 if TYPE_CHECKING:
     from engine_svc.worker.staging import StepStaging, Twin
@@ -52,7 +57,8 @@ class StepLoRA:
 
     `num_slots` = 1 + the highest slot any token of the step uses (0: no token has an adapter). With
     `kernels`, `mapping` views one fixed device buffer (capacity tokens, `slots` slots) that `plan`
-    rewrites in place; otherwise one of the torch layouts:
+    rewrites in place; with `native` (the built CPU op) and a step of at most NATIVE_MAX_TOKENS tokens,
+    `native_mapping` is that mapping for the slots in use, as CPU tensors; otherwise one of the torch layouts:
     - grouped (`group_rows` set): row s*L + k of the [n, L] grid is the k-th token on slot s
       (`group_gather[i]` = token index of grid position i, unused positions gather token 0;
       `group_pos` = the grid positions of the adapter tokens, None when the grid has no unused position,
@@ -63,8 +69,10 @@ class StepLoRA:
     GROUPED_MAX_PADDING = 2  # grouped while n * L <= this many times the adapter tokens
 
     def __init__(self, *, kernels: bool = False, slots: int = 0, capacity: int = 0,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, native: ModuleType | None = None) -> None:
         self.kernels = kernels
+        self.native = None if kernels else native
+        self.native_mapping: LoRAMapping | None = None
         self.num_slots = 0
         self.onehot: torch.Tensor | None = None
         self.onehot_needed = True
@@ -85,6 +93,7 @@ class StepLoRA:
     def set(self, onehot: torch.Tensor | None) -> None:
         """The one-hot layout (None: no adapter this step)."""
         self.onehot, self.group_rows, self.onehot_needed = onehot, None, True
+        self.native_mapping = None
         self.num_slots = 0 if onehot is None else onehot.shape[1]
         if onehot is None and self.kernels:
             self._write_mapping(np.full(0, -1, dtype=np.int64))
@@ -101,6 +110,12 @@ class StepLoRA:
             return
         slots = token_slots[adapter_tokens]
         n = int(slots.max()) + 1
+        if self.native is not None and len(token_slots) <= NATIVE_MAX_TOKENS:
+            self.set(None)
+            capacity = len(token_slots)
+            mapping = torch.from_numpy(build_mapping(token_slots, n, capacity))
+            self.native_mapping, self.num_slots = split_mapping(mapping, capacity, n), n
+            return
         counts = np.bincount(slots, minlength=n)
         length = int(counts.max())
         if n == 1 or n * length > self.GROUPED_MAX_PADDING * len(adapter_tokens):
@@ -180,6 +195,8 @@ class LoRASlots:
         n = step.num_slots
         if n == 0:
             return out
+        if step.native_mapping is not None:
+            return self._native(x, out, step)
         if step.group_rows is not None:
             return self._grouped(x, out, step)
         onehot = step.onehot
@@ -193,6 +210,17 @@ class LoRASlots:
             xa_p = xa[:, p * rank : (p + 1) * rank] if n == 1 else blocks[:, :, p].reshape(tokens, n * rank)
             target = out if len(self.parts) == 1 else out[:, lo:hi]
             target.addmm_(xa_p, part[:n].reshape(n * rank, hi - lo))
+        return out
+
+    def _native(self, x: torch.Tensor, out: torch.Tensor, step: StepLoRA) -> torch.Tensor:
+        op, m = step.native, step.native_mapping
+        assert op is not None and m is not None
+        if x.stride(-1) != 1:  # the op reads rows with unit column stride
+            x = x.contiguous()
+        target = out if out.stride(-1) == 1 else out.contiguous()
+        op.lora_add_(x, target, self.a, self.b, self.offsets, m.sorted_tokens, m.counts, m.starts)
+        if target is not out:
+            out.copy_(target)
         return out
 
     def _grouped(self, x: torch.Tensor, out: torch.Tensor, step: StepLoRA) -> torch.Tensor:

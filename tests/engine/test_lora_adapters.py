@@ -68,7 +68,7 @@ def _model(model_dir: Path) -> torch.nn.Module:
 def test_slots_swap_lru_among_adapters_the_step_does_not_use(adapters) -> None:
     model_dir, dirs = adapters
     manager = LoRAManager(_model(model_dir), max_loras=2, max_lora_rank=8, device=torch.device("cpu"),
-                          dtype=torch.float32)
+                          dtype=torch.float32, native=False)  # the torch one-hot layout, checked below
     load_adapters(manager, [(f"a{i}", str(d)) for i, d in enumerate(dirs)])
     manager.prepare(np.array([1, 2, 0, 2]))
     assert dict(manager.slot_of) == {1: 0, 2: 1}
