@@ -12,13 +12,9 @@ One local Ray cluster for the module (4 CPUs: two engines of two actors each), t
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 
 from engine_svc.core import EngineCore
 from engine_svc.kv_transfer.config import KVTransferConfig
@@ -33,6 +29,7 @@ from tests.engine.test_kv_transfer import (
     _stop,
 )
 from tests.engine.test_kv_transfer_tp import BUSY_PROMPT, BUSY_TOKENS, _continue_and_check, _expected
+from tests.engine.test_ray_executor import ray_session  # noqa: F401 (a fixture: one local Ray cluster)
 from tests.engine_stream import EngineStream, engine_idle, engine_load
 from tests.support import wait_until
 
@@ -40,18 +37,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 RAY = dict(distributed_executor_backend="ray", tensor_parallel_size=2)
 
 
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[None]:
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray puts sockets under it
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=temp_dir)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def test_a_ray_tp2_producer_feeds_a_ray_tp2_consumer_exactly(ray_session: None, llama_dir: Path) -> None:
+def test_a_ray_tp2_producer_feeds_a_ray_tp2_consumer_exactly(ray_session: None, llama_dir: Path) -> None:  # noqa: F811
     one_engine = EngineCore(_config(llama_dir))
     want = _expected(one_engine, "u-ray")
     busy_want, _ = _expected(one_engine, "u-busy", BUSY_PROMPT, max_tokens=BUSY_TOKENS)

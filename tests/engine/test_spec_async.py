@@ -38,10 +38,10 @@ from tests.engine.test_spec_decode import (
     served_tokens,
     stops_inside_runs,
 )
+from tests.engine.test_spec_draft_model import SMALL_STEPS  # drafts cross blocks; prompts in chunks
 from tests.engine.test_spec_eagle3 import eagle_spec, heads  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
-SMALL_STEPS = dict(block_size=4, max_num_batched_tokens=32)  # drafts cross blocks; prompts in chunks
 
 
 class OverlapSpy:
