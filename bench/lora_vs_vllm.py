@@ -28,6 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("base", "1 adapter", "n adapters")
+RESULT = "RESULT "  # the worker's answer line (both systems print their own lines too)
 
 
 def _measure(system: str, model: str, adapters: list[str], batch: int, tokens: int, rank: int) -> dict[str, float]:
@@ -43,7 +44,8 @@ def _measure(system: str, model: str, adapters: list[str], batch: int, tokens: i
         llm = LLM(model, dtype="float32", enable_lora=True, max_loras=len(adapters), max_lora_rank=rank,
                   max_num_seqs=batch)
     requests = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(adapters)]
-    prompts = [[100 + (7 * i + j) % 500 for j in range(8)] for i in range(batch)]
+    ids = [[100 + (7 * i + j) % 500 for j in range(8)] for i in range(batch)]
+    prompts: list[Any] = [{"prompt_token_ids": t} for t in ids] if system == "vllm" else ids
     on = {"base": [None] * batch, "1 adapter": [requests[0]] * batch,
           "n adapters": [requests[i % len(requests)] for i in range(batch)]}
 
@@ -72,7 +74,8 @@ def main() -> None:
     parser.add_argument("--adapter-paths", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_measure(args.worker, args.model, args.adapter_paths, args.batch, args.tokens, args.rank)))
+        result = _measure(args.worker, args.model, args.adapter_paths, args.batch, args.tokens, args.rank)
+        print(RESULT + json.dumps(result), flush=True)
         return
 
     sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "bench")]
@@ -89,8 +92,11 @@ def main() -> None:
                         "--adapter-paths", *paths]
                 proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
                 if proc.returncode != 0:
-                    sys.exit(f"{system} failed:\n{proc.stderr[-3000:]}")
-                result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+                    log = Path(tmp).parent / f"lora-vs-vllm-{system}.log"
+                    log.write_text(proc.stderr)
+                    sys.exit(f"{system} failed (its whole stderr: {log}):\n{proc.stderr[-3000:]}")
+                line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT))
+                result: dict[str, Any] = json.loads(line[len(RESULT):])
                 steps[system].append(result)
                 cells = ", ".join(f"{c} {result[c] * 1e3:.1f} ms ({result[c] / result['base']:.3f}x)" for c in CASES)
                 print(f"round {rnd + 1} {system:6s}: {cells}", flush=True)
