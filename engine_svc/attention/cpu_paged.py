@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("cpu_paged_decode.cpp", "cpu_fused_ops.cpp")  # compiled; cpu_math.h is included by both
 _HEADERS = ("cpu_math.h",)
+MATH_HEADER = _CSRC / "cpu_math.h"  # the scalar helpers every native op includes (`build(headers=...)`)
 _DTYPES = (torch.float32, torch.bfloat16)
 _NAME = "tandem_cpu_ops"
 # -fopenmp: at::parallel_for is an OpenMP region compiled into the op (torch's CPU wheel parallelises with
@@ -62,19 +63,20 @@ def can_build() -> bool:
 
 
 def build_key(csrc: Path = _CSRC, name: str = _NAME, sources: tuple[str, ...] = _SOURCES,
-              headers: tuple[str, ...] = _HEADERS) -> str:
-    """What a built module depends on, hashed: its name, the sources' and headers' bytes, the flags, torch's
-    version, the Python ABI and the machine. The same for every clone of the same code on one machine."""
+              headers: tuple[str | Path, ...] = _HEADERS) -> str:
+    """What a built module depends on, hashed: its name, the sources' and headers' names and bytes, the
+    flags, torch's version, the Python ABI and the machine. The same for every clone of the same code on one
+    machine (a header given by absolute path, e.g. `MATH_HEADER`, counts by its file name)."""
     digest = hashlib.sha256(name.encode() + b"\0")
     for file in (*sources, *headers):
-        digest.update(file.encode() + b"\0" + (csrc / file).read_bytes() + b"\0")
+        digest.update(Path(file).name.encode() + b"\0" + (csrc / file).read_bytes() + b"\0")
     for part in (*_FLAGS, torch.__version__, sys.implementation.cache_tag, platform.machine()):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
 
 
 def build_directory(csrc: Path = _CSRC, name: str = _NAME, sources: tuple[str, ...] = _SOURCES,
-                    headers: tuple[str, ...] = _HEADERS) -> Path:
+                    headers: tuple[str | Path, ...] = _HEADERS) -> Path:
     """The cache folder of one build: torch's extension cache, named by `build_key`."""
     from torch.utils import cpp_extension
 
@@ -100,9 +102,10 @@ def load_from(csrc: Path) -> ModuleType | None:
     return module
 
 
-def build(name: str, csrc: Path, sources: tuple[str, ...], headers: tuple[str, ...],
+def build(name: str, csrc: Path, sources: tuple[str, ...], headers: tuple[str | Path, ...],
           fallback: str) -> ModuleType | None:
-    """The extension `name` compiled from `sources` (files of `csrc`, which may include `headers`) with this
+    """The extension `name` compiled from `sources` (files of `csrc`, which may include `headers`: files of
+    `csrc`, or absolute paths such as `MATH_HEADER`, included by file name) with this
     module's flags: imported from its cache folder when any clone built it there, else compiled there first
     (the files are copied in, so the build never names a clone's path). None, logged with what stays in
     torch (`fallback`), when it cannot be built."""
@@ -140,13 +143,13 @@ def _import_built(where: Path, name: str) -> ModuleType | None:
     return module
 
 
-def _copy_sources(csrc: Path, files: tuple[str, ...], into: Path) -> Path:
-    """`files` copied from `csrc` into `into` (files whose bytes are already there are left alone, so their
-    modification times stay); returns `into`."""
+def _copy_sources(csrc: Path, files: tuple[str | Path, ...], into: Path) -> Path:
+    """`files` (of `csrc`, or absolute paths) copied into `into` by file name (files whose bytes are already
+    there are left alone, so their modification times stay); returns `into`."""
     into.mkdir(parents=True, exist_ok=True)
     for file in files:
         data = (csrc / file).read_bytes()
-        target = into / file
+        target = into / Path(file).name
         if not target.is_file() or target.read_bytes() != data:
             tmp = target.with_suffix(target.suffix + f".{os.getpid()}.tmp")
             tmp.write_bytes(data)

@@ -31,7 +31,8 @@ def native() -> ModuleType | None:
     """The built native LoRA op, or None (switched off, or no compiler: the torch paths run)."""
     if os.environ.get(NATIVE_ENV, "1") == "0" or not cpu_paged.enabled():
         return None
-    return cpu_paged.build("tandem_cpu_lora", _CSRC, ("cpu_lora.cpp",), (), "LoRA deltas")
+    return cpu_paged.build("tandem_cpu_lora", _CSRC, ("cpu_lora.cpp",), (cpu_paged.MATH_HEADER,),
+                           "LoRA deltas")
 
 
 def native_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:

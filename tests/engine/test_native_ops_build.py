@@ -60,3 +60,16 @@ def test_a_second_clone_loads_the_built_module_without_compiling(tmp_path: Path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert str(library) in out.stdout
     assert library.stat().st_mtime_ns == built_at  # nothing rebuilt it
+
+
+def test_a_shared_header_keys_the_build_by_name_and_bytes(tmp_path: Path) -> None:
+    """The LoRA and MoE ops include the attention ops' cpu_math.h by absolute path (`MATH_HEADER`): a clone
+    elsewhere gets the same folder, a changed header a new one."""
+    lora_csrc = Path(cpu_paged.__file__).parents[1] / "lora" / "csrc"
+    sources = ("cpu_lora.cpp",)
+    key = cpu_paged.build_key(lora_csrc, "tandem_cpu_lora", sources, (cpu_paged.MATH_HEADER,))
+    same = _clone_of_csrc(tmp_path, "elsewhere") / "cpu_math.h"
+    assert cpu_paged.build_key(lora_csrc, "tandem_cpu_lora", sources, (same,)) == key
+    same.write_text(same.read_text() + "\n// changed\n")
+    assert cpu_paged.build_key(lora_csrc, "tandem_cpu_lora", sources, (same,)) != key
+    assert cpu_paged.build_key(lora_csrc, "tandem_cpu_lora", sources, ()) != key

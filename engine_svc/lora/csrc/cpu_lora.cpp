@@ -14,6 +14,8 @@
 // read once for all the slot's tokens. x and out may have any row stride (their columns are unit-stride).
 #include <torch/extension.h>
 
+#include "cpu_math.h"
+
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__)
@@ -28,13 +30,7 @@
 
 namespace {
 
-inline float as_float(float x) { return x; }
-inline float as_float(at::BFloat16 x) {  // exact: a bfloat16 is the top half of a float32
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(float));
-  return f;
-}
+using tandem::as_float;  // cpu_math.h
 
 constexpr int64_t kTok = 4;           // tokens per register block
 constexpr int64_t kRow = 4;           // A rows per register block (shrink)

@@ -43,7 +43,7 @@ def native() -> ModuleType | None:
     """The built native MoE op, or None (switched off, or no compiler: the torch path runs)."""
     if os.environ.get(NATIVE_ENV, "1") == "0" or not cpu_paged.enabled():
         return None
-    return cpu_paged.build("tandem_cpu_moe", _CSRC, ("cpu_moe.cpp",), (), "MoE experts")
+    return cpu_paged.build("tandem_cpu_moe", _CSRC, ("cpu_moe.cpp",), (cpu_paged.MATH_HEADER,), "MoE experts")
 
 
 def _act(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:

@@ -14,6 +14,8 @@
 // exact, sums float32, as the portable loop).
 #include <torch/extension.h>
 
+#include "cpu_math.h"
+
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -29,13 +31,7 @@
 
 namespace {
 
-inline float as_float(float x) { return x; }
-inline float as_float(at::BFloat16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(float));
-  return f;
-}
+using tandem::as_float;  // cpu_math.h
 template <typename T>
 inline float rounded(float x) {  // x rounded to T, back in float32
   return as_float(static_cast<T>(x));
