@@ -122,7 +122,7 @@ def cache_views(kv_caches: list[torch.Tensor]) -> BlockViews | None:
     parts, num_blocks = int(first.shape[0]), int(first.shape[1])
     run = first[0, 0].nbytes  # one part of one block of one layer
     # numpy's array keeps its tensor alive, the memoryview its array
-    flats = [memoryview(c.view(-1).view(torch.uint8).numpy()) for c in kv_caches]
+    flats = [c.view(-1).view(torch.uint8).numpy().data for c in kv_caches]
     part_starts = [part * num_blocks * run for part in range(parts)]
 
     def views(block_ids: list[int]) -> list[memoryview]:

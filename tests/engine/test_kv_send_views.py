@@ -6,6 +6,7 @@ in order however `sendmsg` cuts it (batches of IOV_MAX buffers, short writes ins
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 
@@ -104,7 +105,7 @@ class _ShortWrites:
 def test_every_byte_goes_in_order_across_batches_and_short_writes(most: int) -> None:
     data = bytes(range(256)) * 2
     cuts = [0, 5, 5, 17, 40, 41, 100, 256, 300, 511, 512]  # an empty view, one-byte views, uneven sizes
-    views = [memoryview(data)[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    views = [memoryview(data)[a:b] for a, b in itertools.pairwise(cuts)]
     sock = _ShortWrites(most)
     send_views(sock, views, iov_max=3)  # type: ignore[arg-type]
     assert bytes(sock.got) == data
