@@ -128,6 +128,9 @@ class SideChannelServer:
                     transfer.error = f"{type(exc).__name__}: {exc}"
             finally:
                 if transfer is not None:
+                    close = getattr(transfer.pieces, "close", None)
+                    if close is not None:  # a generator left mid-way ends here (its threads with it), not later
+                        close()
                     transfer.done.set()
 
 

@@ -154,3 +154,21 @@ def test_a_cut_connection_ends_the_send_with_an_error() -> None:
         assert transfer.done.wait(10) and transfer.error is not None
     finally:
         server.close()
+
+
+def test_a_failed_send_closes_the_source_on_the_sending_thread() -> None:
+    """The producer's iteration (and its summing thread) ends when the send fails, before `done` is set."""
+    caches = [torch.zeros(2, 200, 16, 4, 64) for _ in range(4)]
+    source = _source(caches, list(range(200)))
+    pieces = source.pieces()
+    server = SideChannelServer("127.0.0.1", 0)
+    try:
+        ticket, transfer = server.offer(pieces)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(ticket)
+            conn.recv(1000)
+        assert transfer.done.wait(10) and transfer.error is not None
+        assert pieces.gi_frame is None  # closed
+        assert not [t for t in threading.enumerate() if t.name == "kv-send-crc"]
+    finally:
+        server.close()
