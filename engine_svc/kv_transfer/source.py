@@ -22,7 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import numpy
 
@@ -63,7 +63,7 @@ class PullSource:
             self.crcs.append(zlib.crc32(span))
             yield span
 
-    def pieces(self) -> Iterator[list[memoryview]]:
+    def pieces(self) -> Generator[list[memoryview], None, None]:
         """Each span as the buffers that make it, in wire order (module docstring). With `views`, the sums
         run on a thread of their own beside the send (the blocks do not change while they are held)."""
         if self.views is None or not self.in_pieces:

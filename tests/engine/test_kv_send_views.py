@@ -6,6 +6,7 @@ in order however `sendmsg` cuts it (batches of IOV_MAX buffers, short writes ins
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import socket
 import threading
@@ -168,7 +169,7 @@ def test_a_failed_send_closes_the_source_on_the_sending_thread() -> None:
             conn.sendall(ticket)
             conn.recv(1000)
         assert transfer.done.wait(10) and transfer.error is not None
-        assert pieces.gi_frame is None  # closed
+        assert inspect.getgeneratorstate(pieces) == inspect.GEN_CLOSED
         assert not [t for t in threading.enumerate() if t.name == "kv-send-crc"]
     finally:
         server.close()
