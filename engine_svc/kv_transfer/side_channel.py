@@ -129,7 +129,7 @@ class SideChannelServer:
             finally:
                 if transfer is not None:
                     close = getattr(transfer.pieces, "close", None)
-                    if close is not None:  # a generator left mid-way ends here (its threads with it), not later
+                    if close is not None:  # a generator left mid-way ends here, not on whatever thread drops it
                         close()
                     transfer.done.set()
 

@@ -19,8 +19,6 @@ Without `views` each span is the staging span alone, as `__iter__` yields it.
 
 from __future__ import annotations
 
-import queue
-import threading
 import zlib
 from collections.abc import Callable, Generator, Iterator
 
@@ -64,38 +62,27 @@ class PullSource:
             yield span
 
     def pieces(self) -> Generator[list[memoryview], None, None]:
-        """Each span as the buffers that make it, in wire order (module docstring). With `views`, the sums
-        run on a thread of their own beside the send (the blocks do not change while they are held)."""
+        """Each span as the buffers that make it, in wire order (module docstring), summed before it is
+        yielded."""
         if self.views is None or not self.in_pieces:
             for span in self:
                 yield [span]
             return
-        spans: queue.SimpleQueue[list[memoryview] | None] = queue.SimpleQueue()
-        summer = threading.Thread(target=self._sum, args=(spans,), daemon=True, name="kv-send-crc")
-        summer.start()
-        try:
-            step = self.span_blocks
-            for first in range(0, len(self.block_ids), step):
-                if self._stopped:
-                    return
-                block_ids = self.block_ids[first:first + step]
-                views = self.views(block_ids)
-                size = sum(len(view) for view in views)
-                if size != len(block_ids) * self.block_bytes:
-                    raise RuntimeError(f"the cache's views hold {size} bytes for {len(block_ids)} blocks of "
-                                       f"{self.block_bytes}")
-                spans.put(views)
-                yield views
-        finally:
-            spans.put(None)
-            summer.join()  # `crcs` is whole when the iteration is
-
-    def _sum(self, spans: queue.SimpleQueue[list[memoryview] | None]) -> None:
-        while (views := spans.get()) is not None:
-            crc = 0
+        step = self.span_blocks
+        for first in range(0, len(self.block_ids), step):
+            if self._stopped:
+                return
+            block_ids = self.block_ids[first:first + step]
+            views = self.views(block_ids)
+            crc = size = 0
             for view in views:
                 crc = zlib.crc32(view, crc)
+                size += len(view)
+            if size != len(block_ids) * self.block_bytes:
+                raise RuntimeError(f"the cache's views hold {size} bytes for {len(block_ids)} blocks of "
+                                   f"{self.block_bytes}")
             self.crcs.append(crc)
+            yield views
 
     def _cut(self, whole: memoryview) -> Iterator[memoryview]:
         for start in range(0, len(whole), self.span_bytes):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import socket
-import threading
 
 import pytest
 import torch
@@ -74,17 +73,15 @@ def test_a_layout_that_cannot_be_sent_as_it_lies_falls_back_to_the_staging_copy(
     assert b"".join(b"".join(views) for views in spans) == bytes(read_blocks(caches, block_ids))
 
 
-def test_a_stopped_source_sends_no_further_span_and_its_summer_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stopped_source_sends_no_further_span(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(source_module, "blocks_per_span", lambda block_bytes: 1)
     caches = _caches()
     source = _source(caches, [1, 2, 3, 4])
-    before = {t.name for t in threading.enumerate()}
     spans = source.pieces()
     next(spans)
     source.stop()
     assert list(spans) == []
     assert source.crcs == span_crcs(bytes(read_blocks(caches, [1])), source.span_bytes)
-    assert "kv-send-crc" not in {t.name for t in threading.enumerate()} - before
 
 
 class _ShortWrites:
@@ -158,7 +155,8 @@ def test_a_cut_connection_ends_the_send_with_an_error() -> None:
 
 
 def test_a_failed_send_closes_the_source_on_the_sending_thread() -> None:
-    """The producer's iteration (and its summing thread) ends when the send fails, before `done` is set."""
+    """The producer's iteration ends (closed) when the send fails, before `done` is set - not whenever the
+    transfer is dropped, on whatever thread drops it."""
     caches = [torch.zeros(2, 200, 16, 4, 64) for _ in range(4)]
     source = _source(caches, list(range(200)))
     pieces = source.pieces()
@@ -170,6 +168,5 @@ def test_a_failed_send_closes_the_source_on_the_sending_thread() -> None:
             conn.recv(1000)
         assert transfer.done.wait(10) and transfer.error is not None
         assert inspect.getgeneratorstate(pieces) == inspect.GEN_CLOSED
-        assert not [t for t in threading.enumerate() if t.name == "kv-send-crc"]
     finally:
         server.close()
