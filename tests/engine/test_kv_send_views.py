@@ -58,13 +58,14 @@ def test_views_are_the_cache_itself_not_a_copy() -> None:
 
 
 def test_a_layout_that_cannot_be_sent_as_it_lies_falls_back_to_the_staging_copy() -> None:
-    """A layer tensor that is not contiguous (here: a transposed view), or shaped unlike the first: no
-    views, and the spans are the staging buffer's bytes, as before."""
+    """A layer tensor that is not contiguous (here: a transposed view), shaped unlike the first, or not in
+    host memory: no views, and the spans are the staging buffer's bytes, as before."""
     caches = _caches()
     strided = [c.transpose(3, 4).contiguous().transpose(3, 4) for c in caches]  # same values, other strides
     assert cache_views(strided) is None
     assert cache_views([caches[0], torch.randn(2, 20, 4, 2, 4)]) is None
     assert cache_views([]) is None
+    assert cache_views([torch.empty(2, 20, 4, 2, 8, device="meta")]) is None  # not in host memory (a GPU's cache)
     block_ids = [9, 1, 4]
     source = PullSource(lambda ids, out: read_blocks(strided, ids, out), block_ids,
                         len(read_blocks(strided, [0])), views=cache_views(strided))
