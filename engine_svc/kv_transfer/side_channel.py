@@ -6,8 +6,8 @@ one-time ticket (32 random bytes) instead of carrying data; the consumer connect
 on that port, sends the ticket, and receives exactly the pull's bytes, sent span by span (source.py: no
 per-chunk messages, no copies into protobufs) - a span that is a list of buffers (the cache's own memory,
 block part by block part) goes out in `sendmsg` calls of up to IOV_MAX buffers each, with no copy on the
-producer's side - and received straight into the consumer's buffer; the stream's last chunk then carries the spans' CRC-32 sums
-as on the gRPC path (checksum.py). The ticket travels over the authenticated gRPC stream and is good
+producer's side - and received straight into the consumer's buffer; the stream's last chunk then carries
+the spans' CRC-32 sums as on the gRPC path (checksum.py). The ticket travels over the authenticated gRPC stream and is good
 for one connection, only while that stream is open (`withdraw` ends it, closing a transfer in progress);
 a connection without a live ticket is closed unread. Plaintext only: an engine serving TLS may not run one
 (refused at start), and a consumer pulling over TLS never offers it.
