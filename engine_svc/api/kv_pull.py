@@ -8,7 +8,8 @@ off the event loop (engine_svc/kv_transfer/source.py), each span sent in chunks 
 `kv_chunk_bytes` as soon as it is read; the first chunk names the block and token counts and the checksum
 span, the last carries each span's CRC-32 (engine_svc/kv_transfer/checksum.py) - or, when the caller
 accepts it and this engine has one, the bytes go over the side channel
-(engine_svc/kv_transfer/side_channel.py) and the stream carries the counts, the ticket and the sums only.
+(engine_svc/kv_transfer/side_channel.py), straight from the cache's memory when it allows
+(`KVConnector.block_views`), and the stream carries the counts, the ticket and the sums only.
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ async def stream_kv_blocks(connector: KVConnector | None, request: pb.PullKvBloc
         num_blocks = -(-lease.num_tokens // connector.block_size)
         block_ids = lease.block_ids[request.first_block:num_blocks]
         source = PullSource(connector.read_blocks, block_ids, connector.layout.block_bytes,
-                            in_pieces=connector.reads_in_pieces)
+                            in_pieces=connector.reads_in_pieces, views=connector.block_views)
         header = {"num_blocks": len(block_ids), "num_tokens": lease.num_tokens,
                   "checksum_span_bytes": source.span_bytes}
         side = connector.side_channel if request.accept_side_channel and block_ids else None
         if side is not None:  # the bytes over the side channel, the control here
-            ticket, transfer = side.offer(source)
+            ticket, transfer = side.offer(source.pieces())
             try:
                 yield pb.KvBlocksChunk(side_port=side.port, side_ticket=ticket, **header)
                 if not await asyncio.to_thread(transfer.done.wait, connector.config.kv_pull_timeout_s):

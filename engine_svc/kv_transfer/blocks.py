@@ -6,11 +6,13 @@ holds it (`cache[:, block]`: key and value, in the attention backend's layout). 
 is its layers in order. Both sides of a transfer hold the same layout (`CacheLayout`, checked when the
 pull starts), so bytes written are bytes read; a rank writes its own shard (`ShardSlice`) of each block.
 A read to host memory (`read_blocks`) is, on CUDA, the staging copy through host memory (RDMA is out of
-scope).
+scope). A cache in host memory whose layer tensors are contiguous can instead be sent as it lies
+(`cache_views`): one view per layer, cache part and block, in wire order, with no copy at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +99,45 @@ def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], out: memory
         data = host[:shard.numel()]
         data.copy_(shard)
     return out[:data.numel()]
+
+
+# The wire bytes of these blocks as views of the cache's own memory, in wire order (cache_views)
+BlockViews = Callable[[list[int]], list[memoryview]]
+
+
+def cache_views(kv_caches: list[torch.Tensor]) -> BlockViews | None:
+    """Views of a one-rank cache's blocks in wire order, or None when its layout forces the staging copy
+    (`read_blocks`): a cache on a device (its bytes must be copied to host memory first), or a layer
+    tensor that is not contiguous or not shaped like the first (a block's part would not be one run of
+    bytes). The views read the cache itself: they hold the blocks' bytes only while the blocks are held
+    (a lease), and the caller must not write through them. Each is one layer's cache part (key, value) of
+    one block - `cache[part, block]`, one contiguous run; consecutive block ids do not make longer runs,
+    since the wire is block-major and the cache layer-major."""
+    if not kv_caches:
+        return None
+    first = kv_caches[0]
+    if any(c.device.type != "cpu" or not c.is_contiguous() or c.shape != first.shape or c.dtype != first.dtype
+           for c in kv_caches):
+        return None
+    parts, num_blocks = int(first.shape[0]), int(first.shape[1])
+    run = first[0, 0].nbytes  # one part of one block of one layer
+    # numpy's array keeps its tensor alive, the memoryview its array
+    flats = [c.view(-1).view(torch.uint8).numpy().data for c in kv_caches]
+    part_starts = [part * num_blocks * run for part in range(parts)]
+
+    def views(block_ids: list[int]) -> list[memoryview]:
+        out: list[memoryview] = []
+        append = out.append
+        for block in block_ids:
+            if not 0 <= block < num_blocks:
+                raise IndexError(f"block {block} is not in a cache of {num_blocks} blocks")
+            offset = block * run
+            for flat in flats:
+                for start in part_starts:
+                    append(flat[start + offset:start + offset + run])
+        return out
+
+    return views
 
 
 def host_bytes(data: torch.Tensor) -> bytes:

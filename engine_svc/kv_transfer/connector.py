@@ -29,7 +29,7 @@ from engine_svc.request import Request, RequestStatus
 from shared_runtime.contract import KvTransferParams
 
 if TYPE_CHECKING:
-    from engine_svc.kv_transfer.blocks import CacheLayout
+    from engine_svc.kv_transfer.blocks import BlockViews, CacheLayout
     from engine_svc.kv_transfer.side_channel import SideChannelServer
 
 
@@ -83,6 +83,9 @@ class KVConnector:
         # when there is one and the cache is in this process; setup.py)
         self.read_blocks: ReadBlocks = _no_cache
         self.reads_in_pieces = True  # whether a pull reads its blocks span by span (False: all at once)
+        # Views of the cache's own memory for given blocks, in wire order, when the side channel can send
+        # them as they lie (a one-rank cache in host memory: blocks.cache_views); None: the staging copy
+        self.block_views: BlockViews | None = None
         self.layout: CacheLayout | None = None
         self.side_channel: SideChannelServer | None = None  # a producer's, when configured (setup.advertise)
 

@@ -9,7 +9,7 @@ import grpc
 from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.executor.base import Executor
 from engine_svc.executor.uniproc import UniprocExecutor
-from engine_svc.kv_transfer.blocks import read_blocks
+from engine_svc.kv_transfer.blocks import BlockViews, cache_views, read_blocks
 from engine_svc.kv_transfer.connector import KVConnector
 from engine_svc.kv_transfer.leases import LeaseTable
 from engine_svc.kv_transfer.puller import KVPuller
@@ -33,11 +33,13 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
     """The connector of an engine started with --kv-transfer-config. Its engine id, address and pull
     credentials are set by the server once it listens.
 
-    One device: the cache lives in this process, and a pull reads it directly. Several ranks (TP/PP, the
+    One device: the cache lives in this process, and a pull reads it directly (over the side channel,
+    from host memory, without a copy: blocks.cache_views). Several ranks (TP/PP, the
     multiprocessing or the Ray executor): the ranks learn every rank's shard now (KV_DESCRIBE), and a pull
     asks them for the blocks (KV_READ, gathered to the answer rank: shards.py), in step order."""
     kv_config = config.kv_transfer_config
     assert kv_config is not None
+    views: BlockViews | None = None
     if isinstance(executor, UniprocExecutor):
         worker = executor.worker
         assert worker.runner is not None
@@ -47,6 +49,8 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
 
         def read(block_ids: list[int], out: memoryview | None) -> bytes | memoryview:
             return read_blocks(kv_caches, block_ids, out)
+
+        views = cache_views(kv_caches)  # None on a device: the side channel sends staged copies
     elif isinstance(executor, ShardedKVExecutor):
         shards = decode_shards(executor.describe_kv())
 
@@ -62,6 +66,7 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
         puller=KVPuller(layout, timeout_s=kv_config.kv_pull_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES))
     connector.read_blocks, connector.layout = read, layout
     connector.reads_in_pieces = isinstance(executor, UniprocExecutor)  # a read of ranks is a command to them
+    connector.block_views = views
     return connector
 
 

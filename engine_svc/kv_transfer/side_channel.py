@@ -3,10 +3,11 @@
 A consumer that pulls in plaintext offers it (`PullKvBlocksRequest.accept_side_channel`); a producer with
 a side channel (`kv_side_channel_port` >= 0) takes the offer: the stream's first chunk names the port and a
 one-time ticket (32 random bytes) instead of carrying data; the consumer connects to the producer's host
-on that port, sends the ticket, and receives exactly the pull's bytes, sent span by span from the host
-buffers the producer gathers them into (source.py: no per-chunk messages, no copies into protobufs) and
-received straight into the consumer's buffer; the stream's last chunk then carries the spans' CRC-32 sums
-as on the gRPC path (checksum.py). The ticket travels over the authenticated gRPC stream and is good
+on that port, sends the ticket, and receives exactly the pull's bytes, sent span by span (source.py: no
+per-chunk messages, no copies into protobufs) - a span that is a list of buffers (the cache's own memory,
+block part by block part) goes out in `sendmsg` calls of up to IOV_MAX buffers each, with no copy on the
+producer's side - and received straight into the consumer's buffer; the stream's last chunk then carries
+the spans' CRC-32 sums as on the gRPC path (checksum.py). The ticket travels over the authenticated gRPC stream and is good
 for one connection, only while that stream is open (`withdraw` ends it, closing a transfer in progress);
 a connection without a live ticket is closed unread. Plaintext only: an engine serving TLS may not run one
 (refused at start), and a consumer pulling over TLS never offers it.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import os
 import secrets
 import socket
 import threading
@@ -29,12 +31,24 @@ _HANDSHAKE_TIMEOUT_S = 10.0
 _RECV_STEP = 4 << 20  # the most one recv_into asks for
 
 
+def _iov_max() -> int:
+    try:
+        return max(1, min(int(os.sysconf("SC_IOV_MAX")), 1024))
+    except (AttributeError, ValueError, OSError):
+        return 16  # POSIX's least IOV_MAX
+
+
+IOV_MAX = _iov_max()  # the most buffers one sendmsg takes
+
+Buffer = bytes | bytearray | memoryview
+
+
 @dataclass
 class Transfer:
-    """One offered pull: its bytes, piece by piece (read when sent), and when its connection finished
-    (`done`; `error` says if it failed)."""
+    """One offered pull: its bytes, piece by piece (read when sent; a piece is one buffer or a list of
+    buffers sent in order), and when its connection finished (`done`; `error` says if it failed)."""
 
-    pieces: Iterable[bytes | bytearray | memoryview]
+    pieces: Iterable[Buffer | list[memoryview]]
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     conn: socket.socket | None = None
@@ -59,7 +73,7 @@ class SideChannelServer:
         self.num_sent = 0  # transfers sent whole (cumulative)
         threading.Thread(target=self._accept, daemon=True, name="kv-side-channel").start()
 
-    def offer(self, pieces: Iterable[bytes | bytearray | memoryview]) -> tuple[bytes, Transfer]:
+    def offer(self, pieces: Iterable[Buffer | list[memoryview]]) -> tuple[bytes, Transfer]:
         """A ticket for the bytes of `pieces`, iterated once when the consumer connects (good for one
         connection until `withdraw`)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
@@ -102,7 +116,10 @@ class SideChannelServer:
                     transfer.conn = conn
                 conn.settimeout(None)
                 for piece in transfer.pieces:
-                    conn.sendall(piece)
+                    if isinstance(piece, list):
+                        send_views(conn, piece)
+                    else:
+                        conn.sendall(piece)
                 conn.shutdown(socket.SHUT_WR)
                 with self._lock:
                     self.num_sent += 1
@@ -111,7 +128,27 @@ class SideChannelServer:
                     transfer.error = f"{type(exc).__name__}: {exc}"
             finally:
                 if transfer is not None:
+                    close = getattr(transfer.pieces, "close", None)
+                    if close is not None:  # a generator left mid-way ends here, not on whatever thread drops it
+                        close()
                     transfer.done.set()
+
+
+def send_views(conn: socket.socket, views: list[memoryview], iov_max: int = IOV_MAX) -> None:
+    """Send every byte of `views` in order, with no copy in this process: `sendmsg` over up to `iov_max`
+    buffers at a time, going on from where a short write stopped (inside a buffer too)."""
+    index, offset, count = 0, 0, len(views)
+    while index < count:
+        batch = views[index:index + iov_max]
+        if offset:
+            batch[0] = batch[0][offset:]
+        sent = conn.sendmsg(batch)
+        if sent <= 0 and any(len(view) for view in batch):
+            raise ConnectionError("the side channel took no bytes")
+        while index < count and sent >= len(views[index]) - offset:  # whole buffers sent (empty ones too)
+            sent -= len(views[index]) - offset
+            index, offset = index + 1, 0
+        offset += sent
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:

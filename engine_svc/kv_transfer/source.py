@@ -9,15 +9,22 @@ is split over worker processes (`in_pieces=False`: each read is a command throug
 order), all blocks are read at once and then cut into spans. Every span holds `blocks_per_span` whole
 blocks (the last may hold fewer); after a whole iteration `crcs` holds one sum per span. `stop()` makes
 an iteration in progress end before its next span (the pull was withdrawn).
+
+`pieces()` is the side channel's iteration: each span as a list of buffers to send in order. With `views`
+(a cache in this process that can be sent as it lies: blocks.cache_views) they are views of the cache's
+own memory - no gather, no staging copy; the span's CRC-32 is chained over the same views, so it sums
+exactly the bytes sent (the blocks are held under the pull's lease and nothing writes them meanwhile).
+Without `views` each span is the staging span alone, as `__iter__` yields it.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import numpy
 
+from engine_svc.kv_transfer.blocks import BlockViews
 from engine_svc.kv_transfer.checksum import blocks_per_span
 
 # The wire bytes of these blocks, gathered into the given buffer when there is one (the result views it)
@@ -25,8 +32,10 @@ ReadBlocks = Callable[[list[int], memoryview | None], bytes | memoryview]
 
 
 class PullSource:
-    def __init__(self, read: ReadBlocks, block_ids: list[int], block_bytes: int, *, in_pieces: bool = True) -> None:
+    def __init__(self, read: ReadBlocks, block_ids: list[int], block_bytes: int, *, in_pieces: bool = True,
+                 views: BlockViews | None = None) -> None:
         self.read = read
+        self.views = views
         self.block_ids = block_ids
         self.block_bytes = block_bytes
         self.in_pieces = in_pieces
@@ -51,6 +60,29 @@ class PullSource:
             span = self._read(self.block_ids[first:first + step], staging)
             self.crcs.append(zlib.crc32(span))
             yield span
+
+    def pieces(self) -> Generator[list[memoryview], None, None]:
+        """Each span as the buffers that make it, in wire order (module docstring), summed before it is
+        yielded."""
+        if self.views is None or not self.in_pieces:
+            for span in self:
+                yield [span]
+            return
+        step = self.span_blocks
+        for first in range(0, len(self.block_ids), step):
+            if self._stopped:
+                return
+            block_ids = self.block_ids[first:first + step]
+            views = self.views(block_ids)
+            crc = size = 0
+            for view in views:
+                crc = zlib.crc32(view, crc)
+                size += len(view)
+            if size != len(block_ids) * self.block_bytes:
+                raise RuntimeError(f"the cache's views hold {size} bytes for {len(block_ids)} blocks of "
+                                   f"{self.block_bytes}")
+            self.crcs.append(crc)
+            yield views
 
     def _cut(self, whole: memoryview) -> Iterator[memoryview]:
         for start in range(0, len(whole), self.span_bytes):

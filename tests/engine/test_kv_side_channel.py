@@ -68,6 +68,8 @@ def test_the_bytes_take_the_side_channel_and_the_output_is_exact(side_producer: 
         request_id="u-side", prompt_token_ids=PROMPT, sampling_params=EngineSamplingParams(**GREEDY)))
     side = _side(side_producer)
     sent_before = side.num_sent  # type: ignore[attr-defined]
+    # a one-rank cache in host memory: sent from the cache itself (the staging copy is tests/engine/test_kv_transfer.py's)
+    assert side_producer.server.servicer.core.kv_connector.block_views is not None  # type: ignore[union-attr]
     first = _prefill(side_producer, "p-side", PROMPT, GREEDY)
     consumer = _consumer(llama_dir)
     try:

@@ -362,7 +362,7 @@ def check_corrupted_pull_is_recomputed(producer: ServerThread, unified: EngineCo
     CRC-32 check and the request is recomputed, exactly; the producer's lease ends."""
     from engine_svc.kv_transfer.source import PullSource
 
-    real = PullSource.__iter__
+    real, real_pieces = PullSource.__iter__, PullSource.pieces
 
     def corrupted(self: PullSource) -> Iterator[bytes | memoryview]:
         for index, span in enumerate(real(self)):
@@ -373,7 +373,19 @@ def check_corrupted_pull_is_recomputed(producer: ServerThread, unified: EngineCo
             else:
                 yield span
 
+    def corrupted_pieces(self: PullSource) -> Iterator[list[memoryview]]:
+        """The side channel's spans, views of the cache when it sends from there: a copy of the first span's
+        middle buffer goes out flipped (the cache itself, and what the producer sums, stay as they are)."""
+        for index, views in enumerate(real_pieces(self)):
+            if index == 0:
+                views = list(views)
+                flipped = bytearray(views[len(views) // 2])
+                flipped[len(flipped) // 2] ^= 0x01
+                views[len(views) // 2] = memoryview(flipped)
+            yield views
+
     monkeypatch.setattr(PullSource, "__iter__", corrupted)
+    monkeypatch.setattr(PullSource, "pieces", corrupted_pieces)
     want, _, _ = _run(unified, EngineCoreRequest(request_id=f"u-{tag}", prompt_token_ids=PROMPT,
                                                  sampling_params=EngineSamplingParams(**GREEDY)))
     first = _prefill(producer, f"p-{tag}", PROMPT, GREEDY)
