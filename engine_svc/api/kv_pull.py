@@ -50,7 +50,8 @@ async def stream_kv_blocks(connector: KVConnector | None, request: pb.PullKvBloc
         num_blocks = -(-lease.num_tokens // connector.block_size)
         block_ids = lease.block_ids[request.first_block:num_blocks]
         source = PullSource(connector.read_blocks, block_ids, connector.layout.block_bytes,
-                            in_pieces=connector.reads_in_pieces, views=connector.block_views)
+                            in_pieces=connector.reads_in_pieces, views=connector.block_views,
+                            host_buffer=connector.host_buffer)
         header = {"num_blocks": len(block_ids), "num_tokens": lease.num_tokens,
                   "checksum_span_bytes": source.span_bytes}
         side = connector.side_channel if request.accept_side_channel and block_ids else None

@@ -140,6 +140,13 @@ def cache_views(kv_caches: list[torch.Tensor]) -> BlockViews | None:
     return views
 
 
+def staging_buffer(nbytes: int, device: torch.device) -> memoryview:
+    """Host memory for the spans a pull reads from a cache on `device` (source.py reuses it span after
+    span): page-locked (pinned) for a CUDA cache, so each device-to-host copy is one DMA at the link's
+    speed rather than a copy through a driver bounce buffer; plain memory for a CPU cache."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda").numpy().data
+
+
 def host_bytes(data: torch.Tensor) -> bytes:
     """A uint8 tensor's bytes, copied to host memory first if it lives on a device."""
     return bytes(data.cpu().contiguous().view(-1).numpy().data)

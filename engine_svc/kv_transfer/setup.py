@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, runtime_checkable
 
 import grpc
@@ -9,12 +10,13 @@ import grpc
 from engine_svc.config import ConfigError, EngineConfig
 from engine_svc.executor.base import Executor
 from engine_svc.executor.uniproc import UniprocExecutor
-from engine_svc.kv_transfer.blocks import BlockViews, cache_views, read_blocks
+from engine_svc.kv_transfer.blocks import BlockViews, cache_views, read_blocks, staging_buffer
 from engine_svc.kv_transfer.connector import KVConnector
 from engine_svc.kv_transfer.leases import LeaseTable
 from engine_svc.kv_transfer.puller import KVPuller
 from engine_svc.kv_transfer.shards import decode_shards, describe, layout_of
 from engine_svc.kv_transfer.side_channel import SideChannelServer
+from engine_svc.kv_transfer.source import HostBuffer, pageable_buffer
 from shared_runtime.link import MAX_MESSAGE_BYTES
 from shared_runtime.security.auth import BearerToken
 from shared_runtime.security.tls import TlsFiles
@@ -40,6 +42,7 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
     kv_config = config.kv_transfer_config
     assert kv_config is not None
     views: BlockViews | None = None
+    host_buffer: HostBuffer = pageable_buffer  # a span's staging memory, on the producer
     if isinstance(executor, UniprocExecutor):
         worker = executor.worker
         assert worker.runner is not None
@@ -51,6 +54,7 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
             return read_blocks(kv_caches, block_ids, out)
 
         views = cache_views(kv_caches)  # None on a device: the side channel sends staged copies
+        host_buffer = functools.partial(staging_buffer, device=kv_caches[0].device)  # pinned on CUDA
     elif isinstance(executor, ShardedKVExecutor):
         shards = decode_shards(executor.describe_kv())
 
@@ -66,7 +70,7 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
         puller=KVPuller(layout, timeout_s=kv_config.kv_pull_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES))
     connector.read_blocks, connector.layout = read, layout
     connector.reads_in_pieces = isinstance(executor, UniprocExecutor)  # a read of ranks is a command to them
-    connector.block_views = views
+    connector.block_views, connector.host_buffer = views, host_buffer
     return connector
 
 

@@ -3,7 +3,8 @@
 Iterating a `PullSource` reads each span's blocks from the cache only when the sender asks for it, so the
 gather of span i+1 overlaps the consumer's receive of span i, and sums each span (CRC-32) right after
 reading it, while its bytes are still in the CPU's cache. Every span is gathered into the same staging
-buffer of one span's size (fresh host memory costs a page fault per page, more than the copy itself), so
+buffer of one span's size (fresh host memory costs a page fault per page, more than the copy itself;
+`host_buffer` makes it, pinned for a CUDA cache: blocks.staging_buffer), so
 a span is valid only until the next one is asked for: the sender sends or copies it first. When the cache
 is split over worker processes (`in_pieces=False`: each read is a command through the workers, in step
 order), all blocks are read at once and then cut into spans. Every span holds `blocks_per_span` whole
@@ -29,12 +30,19 @@ from engine_svc.kv_transfer.checksum import blocks_per_span
 
 # The wire bytes of these blocks, gathered into the given buffer when there is one (the result views it)
 ReadBlocks = Callable[[list[int], memoryview | None], bytes | memoryview]
+# Host memory of the given size for the staging span (blocks.staging_buffer: pinned for a CUDA cache)
+HostBuffer = Callable[[int], memoryview]
+
+
+def pageable_buffer(nbytes: int) -> memoryview:
+    return numpy.empty(nbytes, dtype=numpy.uint8).data
 
 
 class PullSource:
     def __init__(self, read: ReadBlocks, block_ids: list[int], block_bytes: int, *, in_pieces: bool = True,
-                 views: BlockViews | None = None) -> None:
+                 views: BlockViews | None = None, host_buffer: HostBuffer = pageable_buffer) -> None:
         self.read = read
+        self.host_buffer = host_buffer
         self.views = views
         self.block_ids = block_ids
         self.block_bytes = block_bytes
@@ -53,7 +61,7 @@ class PullSource:
             yield from self._cut(self._read(self.block_ids, None) if self.block_ids else memoryview(b""))
             return
         step = self.span_blocks
-        staging = numpy.empty(self.span_bytes if self.block_ids else 0, dtype=numpy.uint8).data
+        staging = self.host_buffer(self.span_bytes if self.block_ids else 0)
         for first in range(0, len(self.block_ids), step):
             if self._stopped:
                 return

@@ -171,3 +171,26 @@ def test_a_failed_send_closes_the_source_on_the_sending_thread() -> None:
         assert inspect.getgeneratorstate(pieces) == inspect.GEN_CLOSED
     finally:
         server.close()
+
+
+def test_the_staging_read_uses_the_connectors_host_buffer_once_per_pull() -> None:
+    """The staging path (a device cache: no views) gathers every span into one buffer from `host_buffer`
+    (blocks.staging_buffer: pinned for a CUDA cache, tests/gpu/test_kv_transfer_gpu.py), reused span after
+    span; on a CPU cache that buffer is plain host memory."""
+    from engine_svc.kv_transfer.blocks import staging_buffer
+
+    caches = _caches()
+    block_ids = [7, 2, 19, 3, 4, 11, 0, 5]
+    block_bytes = len(read_blocks(caches, [0]))
+    asked: list[memoryview] = []
+
+    def host_buffer(nbytes: int) -> memoryview:
+        asked.append(staging_buffer(nbytes, torch.device("cpu")))
+        return asked[-1]
+
+    source = PullSource(lambda ids, out: read_blocks(caches, ids, out), block_ids, block_bytes,
+                        host_buffer=host_buffer)
+    spans = [bytes(span) for span in source]
+    assert b"".join(spans) == bytes(read_blocks(caches, block_ids))
+    assert len(asked) == 1 and len(asked[0]) == source.span_bytes
+    assert not torch.frombuffer(asked[0], dtype=torch.uint8).is_pinned()

@@ -33,6 +33,14 @@ def test_blocks_round_trip_through_host_memory_bit_exact() -> None:
         assert not t[:, 3:].any()
 
 
+def test_a_cuda_caches_staging_buffer_is_pinned() -> None:
+    """A pull from a CUDA cache stages each span through page-locked host memory (blocks.staging_buffer)."""
+    from engine_svc.kv_transfer.blocks import staging_buffer
+
+    buffer = staging_buffer(1 << 20, torch.device("cuda"))
+    assert len(buffer) == 1 << 20 and torch.frombuffer(buffer, dtype=torch.uint8).is_pinned()
+
+
 def test_a_read_into_a_host_staging_buffer_equals_a_fresh_read() -> None:
     """The producer's span reads (source.py) gather on the device and copy into a reused host buffer."""
     import numpy
