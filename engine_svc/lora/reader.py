@@ -95,7 +95,7 @@ class AdapterReader:
         stream = None
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            stream = torch.cuda.Stream(device)
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         while True:
             load = self._todo.get()
             if load is None or self._closed.is_set():
