@@ -4,8 +4,9 @@ In process (the offline engine core, CPU, float32): a base-model victim decodes 
 times, a random PEFT adapter of `--rank` on all seven projections is loaded (`LoRARegistry.add`, what
 `/v1/load_lora_adapter` does after its checks) and a one-token request names it; the window runs from the
 load to that request's token. Printed per tree: the median and the spread (min-max) over loads of the
-window's longest step (the victim's longest gap between two tokens), of the median step outside the
-windows (the victim's usual gap), and of the load-to-token time.
+window's longest step (the victim's longest gap between two tokens), of the longest of as many steps
+right after it without a load (the control: what a shared machine's noise alone gives), of the median
+step before each load (the victim's usual gap), and of the load-to-token time.
 
 With `--baseline-tree DIR` (another checkout, e.g. the main branch before the reads went off the step
 loop), each round runs this script once in DIR's code and once in this tree's, alternating, each in its
@@ -44,7 +45,7 @@ def measure(model: str, rank: int, reps: int) -> dict[str, list[float]]:
                                  sampling_params=EngineSamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                       ignore_eos=True))
 
-    longest, usual, to_token = [], [], []
+    longest, usual, to_token, control = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         adapter = str(make_demo_lora(model, Path(tmp) / "adapter", rank=rank, targets=MODULES))
         llm = LLM(model, dtype="float32", enable_lora=True, max_lora_rank=max(16, rank), max_cpu_loras=2)
@@ -74,8 +75,14 @@ def measure(model: str, rank: int, reps: int) -> dict[str, list[float]]:
             registry.remove(f"a{i}")
             for _ in range(2):  # carry the drop
                 core.step()
+            steps = []
+            for _ in range(len(window)):  # the control: as many steps, no load
+                start = time.perf_counter()
+                core.step()
+                steps.append(time.perf_counter() - start)
+            control.append(max(steps))
         core.shutdown()
-    return {"longest": longest, "usual": usual, "to_token": to_token}
+    return {"longest": longest, "control": control, "usual": usual, "to_token": to_token}
 
 
 def _summary(values: list[float]) -> str:
@@ -118,6 +125,7 @@ def main() -> None:
     for label, figures in results.items():
         print(f"{label}:")
         print(f"  longest step while loading (the victim's longest gap): {_summary(figures['longest'])}")
+        print(f"  longest step of as many steps without a load (control): {_summary(figures['control'])}")
         print(f"  usual step (median of {BASE_STEPS} before each load): {_summary(figures['usual'])}")
         print(f"  load -> the adapter's first token: {_summary(figures['to_token'])}")
 

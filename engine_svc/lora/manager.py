@@ -107,7 +107,14 @@ class LoRAManager:
         return layout
 
     def install(self, lora_id: int, layout: HostLayout) -> None:
-        """Keep a `lay_out` result under `lora_id` (>= 1); on the step's thread, between two steps."""
+        """Keep a `lay_out` result under `lora_id` (>= 1); on the step's thread, between two steps. On CUDA
+        a layout made on another stream (the reader's) is marked as used by this one, so its memory is not
+        handed back to that stream while a copy into a slot may still read it."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for pair in layout:
+                for t in pair or ():
+                    t.record_stream(stream)
         self.host[lora_id] = layout
         if lora_id >= len(self._slot_table):
             table = np.full(lora_id + 1, -1, dtype=np.int64)
