@@ -59,7 +59,7 @@ class RuntimeLoads:
             self.reader.submit(load)
         if not self.pending:
             return LoRANews()
-        if idle and not self._all_local_done():
+        if idle and self.reading:
             self.reader.wait(IDLE_WAIT_S)
         for result in self.reader.take():
             if result.lora_id not in self.pending:
@@ -81,8 +81,10 @@ class RuntimeLoads:
                 news.failed[lora_id] = self._failed.pop(lora_id, "") or "the read failed on another rank"
         return news
 
-    def _all_local_done(self) -> bool:
-        return all(i in self._failed or i in self.manager.host for i in self.pending)
+    @property
+    def reading(self) -> bool:
+        """Whether this rank's reader still has a pending id to finish (as of the last `step`)."""
+        return not all(i in self._failed or i in self.manager.host for i in self.pending)
 
     def close(self) -> None:
         self.reader.close()

@@ -273,8 +273,8 @@ class Worker:
         if loads is None or not (so.lora_loads or so.lora_drops or loads.pending):
             return self.runner.execute_model(so)
         news = loads.step(so.lora_loads, so.lora_drops, idle=so.total_num_scheduled_tokens == 0)
-        if self.device.type == "cpu" and self._reading != bool(loads.pending):
-            self._reading = bool(loads.pending)  # the reader's thread gets a core while it reads
+        if self.device.type == "cpu" and self._reading != loads.reading:
+            self._reading = loads.reading  # the reader's thread gets a core while it reads
             self._apply_threads()
         return _with_news(self.runner.execute_model(so), news)
 

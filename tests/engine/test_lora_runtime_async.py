@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_svc.lora.reader import GATE_ENV
 from entrypoints import LLM
@@ -96,7 +97,8 @@ class Run:
 
 
 def _hold_while_victim_runs(run: Run, gate: Gate, lora_id: int) -> None:
-    """HELD_STEPS steps in which the victim gets a token each and the held adapter stays not ready."""
+    """HELD_STEPS steps in which the victim gets a token each and the held adapter stays not ready (the
+    step's thread team lends the reader a core meanwhile)."""
     gate.arm()
     for _ in range(HELD_STEPS):
         assert "victim" in run.step()
@@ -122,9 +124,13 @@ def test_the_step_loop_runs_the_victim_while_a_read_is_held_then_the_new_adapter
     lora_id = registry.add("x", str(dirs["x"])).lora_id
     run.core.add_request(_request("new", prompt, "x"))
     _hold_while_victim_runs(run, gate, lora_id)
-    assert "new" not in run.tokens and lora_id not in run.core.executor.worker.runner.lora.host
+    worker = run.core.executor.worker
+    assert "new" not in run.tokens and lora_id not in worker.runner.lora.host
+    full = worker.cpu_threads
+    assert worker._reading and (worker.governor is not None or torch.get_num_threads() == max(1, full - 1))
     gate.open()
     run.drain()
+    assert not worker._reading and (worker.governor is not None or torch.get_num_threads() == full)
     assert run.ends == {"victim": "", "new": ""}
     assert run.tokens["new"] == peft_greedy(model_dir, dirs["x"], prompt, MAX_TOKENS)[0]
     assert run.tokens["victim"] == peft_greedy(model_dir, None, victim, HELD_STEPS + MAX_TOKENS + 4)[0]
