@@ -139,12 +139,13 @@ class LoRAManager:
         finally:
             torch.set_num_threads(threads)
 
-    def load(self, name: str, path: str) -> PeftAdapter:
+    def load(self, name: str, path: str, pause: Callable[[], None] | None = None) -> PeftAdapter:
         """The adapter at `path` read and validated against this model (no state touched: any thread).
         Raises LoRAAdapterError."""
         from engine_svc.lora.peft_dir import load_peft_adapter
 
-        return load_peft_adapter(name, path, max_rank=self.rank, num_layers=self.num_layers, shapes=self.shapes)
+        return load_peft_adapter(name, path, max_rank=self.rank, num_layers=self.num_layers, shapes=self.shapes,
+                                 pause=pause)
 
     def _lay_out(self, target: _Target, adapter: PeftAdapter) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's (a [W, in], b [W, out]) of the adapter for one fused layer, or None if untouched."""

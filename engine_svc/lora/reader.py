@@ -8,8 +8,8 @@ step's thread installs what it takes (engine_svc/lora/runtime_loads.py).
 What it costs the step beside it is kept small:
 - its thread runs torch ops with one intra-op thread (under OpenMP the count is per OS thread: the step's
   team keeps its size; hundreds of tiny tensors gain nothing from a team);
-- between two layers' targets it lets the GIL go (`time.sleep(0)`), so the step's thread, which takes the
-  GIL back after every torch op, waits for at most one target's few small ops, not for the whole read;
+- between two tensors it validates and two targets it lays out it lets the GIL go (`time.sleep(0)`), so
+  the step's thread, which takes the GIL back after every torch op, waits for a few small ops at most;
 - on CUDA it copies on its own stream and waits for that stream before handing the layout over, so the
   step's stream reads finished tensors when it copies them into a slot.
 
@@ -113,7 +113,7 @@ class AdapterReader:
 
     def _read(self, load: LoRALoad, stream: torch.cuda.Stream | None) -> ReadResult:
         try:
-            adapter = self._manager.load(load.name, load.path)
+            adapter = self._manager.load(load.name, load.path, pause=_yield_gil)
             if stream is None:
                 return ReadResult(load.lora_id, self._manager.lay_out(adapter, pause=_yield_gil))
             with torch.cuda.stream(stream):
