@@ -64,6 +64,7 @@ class LoRARegistry:
         self.max_cpu_loras = max_cpu_loras
         self._ids_in_use = ids_in_use
         self._not_ready = not_ready if not_ready is not None else set()
+        self.on_change: Callable[[], None] | None = None  # called when a failed read takes a name away
         self._next_id = max(lora_ids.values(), default=0) + 1
         self._held: set[int] = set(lora_ids.values())  # on the workers' host now or after the next step
         self._retired: set[int] = set()  # held, no longer named, maybe still used by a request
@@ -121,10 +122,12 @@ class LoRARegistry:
         """The workers could not read `lora_id`: its name (if it still names it) is no longer served; the
         workers forget whatever they hold of it once no request uses it (the scheduler ends those)."""
         self._not_ready.discard(lora_id)
-        for name, i in list(self._ids.items()):
-            if i == lora_id:
-                self._retire(name)
+        names = [name for name, i in self._ids.items() if i == lora_id]
+        for name in names:
+            self._retire(name)
         self._release_unused()
+        if names and self.on_change is not None:
+            self.on_change()
 
     def attach(self, so: SchedulerOutput) -> None:
         """Put the pending loads and the drops now due on `so`, which is about to be submitted."""

@@ -6,7 +6,8 @@ being unloaded ends exactly; vLLM gRPC's LoadLora / UnloadLora; an engine that j
 loaded adapters before it is routed to, and a load one engine refuses is taken back on the others; the
 Responses and Messages APIs select an adapter by `model` and answer what chat completions answer; while the
 engine's workers' read of a loaded adapter is held (the reader's test gate), a victim stream keeps flowing
-and the new adapter's request waits, then answers PEFT's tokens."""
+and the new adapter's request waits, then answers PEFT's tokens; a read that fails (files changed after the
+check) ends its waiting request with an error and the frontend's lists drop the name."""
 
 from __future__ import annotations
 
@@ -217,6 +218,37 @@ def test_victim_stream_flows_while_the_workers_read_is_held_and_the_new_adapters
     _assert_peft(stack, stack.dirs["dyn"], prompt, answers["held"])
     assert victim_tokens == peft_greedy(stack.model, stack.dirs["sql"], victim_prompt, victim_max)[0]
     assert stack.unload("held").status_code == 200
+
+
+def test_a_read_that_fails_after_the_check_ends_its_request_with_an_error_and_every_list_drops_it(
+        stack: Stack, tmp_path: Path) -> None:
+    """The weights change between the engine's check and its workers' read: the request waiting on the
+    adapter ends with an error naming it, and the engine's WatchLoraAdapters tells the frontend, whose
+    /v1/models drops it."""
+    import shutil
+
+    copy = tmp_path / "broken"
+    shutil.copytree(stack.dirs["dyn"], copy)
+    answers: dict[str, httpx2.Response] = {}
+    stack.gate.unlink()
+    try:
+        assert stack.load("broken", copy).status_code == 200
+        wait_until(lambda: "broken" in stack.models(), timeout=10)
+        waiting = threading.Thread(target=lambda: answers.update(broken=_complete(stack.url, "broken", [5, 6, 7])))
+        waiting.start()
+        (copy / "adapter_model.safetensors").write_bytes(b"changed after the check")
+        wait_until(lambda: _num_waiting(stack.engine_address) == 1, timeout=30, what="the request waits")
+    finally:
+        stack.gate.touch()
+    waiting.join(60)
+    assert answers["broken"].status_code == 400, answers["broken"].text
+    assert "could not read LoRA adapter 'broken'" in answers["broken"].json()["error"]["message"]
+    wait_until(lambda: "broken" not in stack.models(), timeout=10, what="the frontend hears of the failed read")
+
+
+def _num_waiting(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return epb_grpc.EngineCoreServiceStub(channel).GetLoad(epb.GetLoadRequest(), timeout=10).num_waiting
 
 
 def test_responses_and_messages_select_the_adapter_as_chat_does(stack: Stack) -> None:

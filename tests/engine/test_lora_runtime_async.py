@@ -199,6 +199,8 @@ def test_a_read_that_fails_ends_its_requests_with_an_error_and_unserves_the_name
     copy = tmp_path / "x"
     shutil.copytree(dirs["x"], copy)
     lora_id = registry.add("x", str(copy)).lora_id
+    changes: list[list[str]] = []  # what the engine server's WatchLoraAdapters would send (api/server.py)
+    registry.on_change = lambda: changes.append([a.name for a in registry.served()])
     run.core.add_request(_request("doomed", prompt, "x"))
     run.step()
     (copy / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
@@ -207,7 +209,7 @@ def test_a_read_that_fails_ends_its_requests_with_an_error_and_unserves_the_name
     assert run.ends["victim"] == ""
     assert run.ends["doomed"].startswith("lora_name: the engine's workers could not read LoRA adapter 'x'")
     assert "not a readable safetensors file" in run.ends["doomed"]
-    assert "doomed" not in run.tokens and [a.name for a in registry.served()] == []
+    assert "doomed" not in run.tokens and [a.name for a in registry.served()] == [] and changes == [[]]
     assert run.tokens["victim"] == peft_greedy(model_dir, None, victim, HELD_STEPS + MAX_TOKENS)[0]
     assert lora_id not in run.core.executor.worker.runner.lora.host
     registry.add("x", str(dirs["x"]))  # the name can be loaded again
