@@ -105,7 +105,7 @@ class EngineCore:
                 self.scheduler.lora_ids, config.lora_modules,
                 resolved_max_cpu_loras(config.max_loras, config.max_cpu_loras, len(config.lora_modules)),
                 lambda: {r.lora_id for r in self.scheduler.requests.values() if r.lora_id},
-                self.scheduler.lora_fingerprints)
+                self.scheduler.lora_fingerprints, self.scheduler.lora_not_ready)
         # Batches in flight, newest first: (future of its output, what was scheduled).
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
@@ -134,7 +134,7 @@ class EngineCore:
         """One turn of the batch queue (see the module docstring)."""
         queue = self._batch_queue
         so = self.scheduler.schedule()
-        if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
+        if not so.is_empty or so.finished_req_ids or so.preempted_req_ids or self._lora_poll():
             if self.loras is not None:
                 self.loras.attach(so)  # adapters loaded or dropped since the last step, before they are used
             self.executor.lend_core(self.grammars.num_waiting() > 0)
@@ -147,7 +147,25 @@ class EngineCore:
         future, oldest = queue.pop()
         return self._update(oldest, future.result())
 
+    def _lora_poll(self) -> bool:
+        """Whether to submit a step even with nothing to run: requests wait for an adapter the workers are
+        still reading, and only a step brings the news that they finished (engine_svc/lora/runtime_loads.py;
+        such a step waits a little for the read, so this is no busy spin)."""
+        return bool(self.scheduler.lora_not_ready) and len(self.scheduler.waiting) > 0
+
+    def _lora_news(self, runner_output: ModelRunnerOutput) -> None:
+        """Adapters every worker now holds (their requests may run from the next schedule on), or could not
+        read (their requests end with an error, the name is no longer served)."""
+        self.scheduler.lora_not_ready.difference_update(runner_output.lora_ready)
+        for lora_id, why in runner_output.lora_failed.items():
+            logger.warning("LoRA adapter id %d: the workers could not read it: %s", lora_id, why)
+            self.scheduler.fail_lora(lora_id, why)
+            if self.loras is not None:
+                self.loras.failed(lora_id)
+
     def _update(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        if runner_output.lora_ready or runner_output.lora_failed:
+            self._lora_news(runner_output)
         outputs = self.scheduler.update_from_output(so, runner_output)
         outputs.timestamp = time.time()
         return outputs

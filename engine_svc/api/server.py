@@ -243,6 +243,9 @@ class EngineServer:
 
     def _on_ready(self, core: EngineCore) -> None:
         self.servicer.core = core
+        if core.loras is not None:  # a load whose workers' read failed leaves the set on the busy loop's thread
+            servicer = self.servicer
+            core.loras.on_change = lambda: servicer.loop.call_soon_threadsafe(servicer.lora_announcer.changed)
         if core.kv_connector is not None and self.telemetry.metrics is not None:
             self.telemetry.metrics.registry.register(
                 KvTransferCollector(self.config.model_name, core.kv_connector))

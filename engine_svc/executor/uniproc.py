@@ -77,6 +77,8 @@ class UniprocExecutor(Executor):
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
+        if getattr(self, "worker", None) is not None:
+            self.worker.shutdown()
         self.worker = None  # type: ignore[assignment]
 
     @property

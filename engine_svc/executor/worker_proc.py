@@ -121,6 +121,9 @@ def _run(args: WorkerArgs) -> int:
     try:
         _busy_loop(worker, args, commands, args.responses, parent_alive)
     finally:
+        close = getattr(worker, "shutdown", None)  # its background threads (the run-time LoRA reader)
+        if close is not None:
+            close()
         commands.close()
         destroy_tp_group()
     return 0

@@ -12,7 +12,7 @@ choices from the same inputs.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,6 @@ from engine_svc.model.layers.linear import (
     RowParallelLinear,
     _TPLinear,
 )
-from engine_svc.sched.output import LoRALoad
 
 # fused layer attribute path -> the PEFT modules in it and each one's shard id for the layer's weight_loader
 _TARGETS: dict[tuple[str, str], tuple[tuple[str, Any], ...]] = {
@@ -94,7 +93,29 @@ class LoRAManager:
     # ---- host side ----------------------------------------------------------------------------------
     def add(self, lora_id: int, adapter: PeftAdapter) -> None:
         """Keep `adapter` (validated against this model) on the host under `lora_id` (>= 1)."""
-        self.host[lora_id] = [self._lay_out(t, adapter) for t in self.targets]
+        self.install(lora_id, self.lay_out(adapter))
+
+    def lay_out(self, adapter: PeftAdapter, pause: Callable[[], None] | None = None) -> HostLayout:
+        """This rank's layout of `adapter` for every target (what `install` keeps), calling `pause` after
+        each target. Touches no state of the manager: the run-time reader (engine_svc/lora/reader.py)
+        calls it on its own thread."""
+        layout = []
+        for target in self.targets:
+            layout.append(self._lay_out(target, adapter))
+            if pause is not None:
+                pause()
+        return layout
+
+    def install(self, lora_id: int, layout: HostLayout) -> None:
+        """Keep a `lay_out` result under `lora_id` (>= 1); on the step's thread, between two steps. On CUDA
+        a layout made on another stream (the reader's) is marked as used by this one, so its memory is not
+        handed back to that stream while a copy into a slot may still read it."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for pair in layout:
+                for t in pair or ():
+                    t.record_stream(stream)
+        self.host[lora_id] = layout
         if lora_id >= len(self._slot_table):
             table = np.full(lora_id + 1, -1, dtype=np.int64)
             table[: len(self._slot_table)] = self._slot_table
@@ -108,23 +129,23 @@ class LoRAManager:
             self._slot_table[lora_id] = -1
 
     def read(self, lora_id: int, name: str, path: str) -> None:
-        """Read, validate and add the adapter at `path` under `lora_id`. Raises LoRAAdapterError."""
-        from engine_svc.lora.peft_dir import load_peft_adapter
-
+        """Read, validate and add the adapter at `path` under `lora_id`, on the calling thread (at start:
+        --lora-modules; a run-time load is read off the step loop, engine_svc/lora/reader.py). Raises
+        LoRAAdapterError."""
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # hundreds of tiny host tensors: a thread team would only wait at barriers
         try:
-            self.add(lora_id, load_peft_adapter(name, path, max_rank=self.rank, num_layers=self.num_layers,
-                                                shapes=self.shapes))
+            self.add(lora_id, self.load(name, path))
         finally:
             torch.set_num_threads(threads)
 
-    def apply(self, loads: Sequence[LoRALoad], drops: Sequence[int]) -> None:
-        """A step's run-time changes (engine_svc/lora/registry.py), before it runs: drops, then loads."""
-        for lora_id in drops:
-            self.remove(lora_id)
-        for load in loads:
-            self.read(load.lora_id, load.name, load.path)
+    def load(self, name: str, path: str, pause: Callable[[], None] | None = None) -> PeftAdapter:
+        """The adapter at `path` read and validated against this model (no state touched: any thread).
+        Raises LoRAAdapterError."""
+        from engine_svc.lora.peft_dir import load_peft_adapter
+
+        return load_peft_adapter(name, path, max_rank=self.rank, num_layers=self.num_layers, shapes=self.shapes,
+                                 pause=pause)
 
     def _lay_out(self, target: _Target, adapter: PeftAdapter) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's (a [W, in], b [W, out]) of the adapter for one fused layer, or None if untouched."""

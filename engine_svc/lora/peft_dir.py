@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -60,7 +61,7 @@ def module_shapes(hf_config: Any, with_mlp: bool = True) -> dict[str, tuple[int,
 
 
 def load_peft_adapter(name: str, path: str, *, max_rank: int, num_layers: int,
-                      shapes: dict[str, tuple[int, int]]) -> PeftAdapter:
+                      shapes: dict[str, tuple[int, int]], pause: Callable[[], None] | None = None) -> PeftAdapter:
     """The adapter at `path`, validated against the model (`num_layers`, `shapes` of the targetable
     projections it has) and `max_rank`. Raises LoRAAdapterError."""
     directory = Path(path)
@@ -69,6 +70,8 @@ def load_peft_adapter(name: str, path: str, *, max_rank: int, num_layers: int,
     raw = _read_weights(name, directory, max_weights_bytes(rank, num_layers, shapes))
     weights: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in raw.items():
+        if pause is not None:
+            pause()
         match = _KEY.match(key)
         if match is None:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds {key!r}, which tandem cannot "

@@ -2,8 +2,11 @@
 
 `LoRARegistry` owns the scheduler's name -> id map (it edits it in place) and tells the workers what
 changed through the steps themselves: `attach(so)` puts the loads not sent yet and the drops due on the
-SchedulerOutput about to be submitted, so every rank applies them in step order, before the first step
-that can use a new id (a request is admitted in the same step at the earliest).
+SchedulerOutput about to be submitted, so every rank sees them in step order. A worker reads a load in
+the background (engine_svc/lora/runtime_loads.py); until every rank holds it, its id is in the
+scheduler's `lora_not_ready` (added here, taken out by the step outputs that say it is ready), and its
+requests wait there without holding up others. A read that fails (`failed(id)`) takes the name away as
+an unload does; the scheduler ends the requests that named it.
 
 Invariants:
 - Ids: 1..n for --lora-modules in order, then n+1, n+2, ... for each later load; never reused. A request
@@ -47,10 +50,12 @@ class LoRARegistryError(ValueError):
 
 class LoRARegistry:
     def __init__(self, lora_ids: dict[str, int], modules: Iterable[tuple[str, str]], max_cpu_loras: int,
-                 ids_in_use: Callable[[], set[int]], fingerprints: dict[str, str] | None = None) -> None:
+                 ids_in_use: Callable[[], set[int]], fingerprints: dict[str, str] | None = None,
+                 not_ready: set[int] | None = None) -> None:
         """`lora_ids`: the scheduler's name -> id map, already holding `modules` (--lora-modules, ids
         1, 2, ...); `ids_in_use()`: the adapter ids of the requests the scheduler holds now;
-        `fingerprints`: the scheduler's name -> fingerprint map, filled here for `modules` (read at start)."""
+        `fingerprints`: the scheduler's name -> fingerprint map, filled here for `modules` (read at start);
+        `not_ready`: the scheduler's ids not every worker holds yet (edited in place)."""
         self._ids = lora_ids
         self._paths = {name: path for name, path in modules}
         self._fingerprints = fingerprints if fingerprints is not None else {}
@@ -58,6 +63,8 @@ class LoRARegistry:
             self._fingerprints[name] = adapter_fingerprint(path)
         self.max_cpu_loras = max_cpu_loras
         self._ids_in_use = ids_in_use
+        self._not_ready = not_ready if not_ready is not None else set()
+        self.on_change: Callable[[], None] | None = None  # called when a failed read takes a name away
         self._next_id = max(lora_ids.values(), default=0) + 1
         self._held: set[int] = set(lora_ids.values())  # on the workers' host now or after the next step
         self._retired: set[int] = set()  # held, no longer named, maybe still used by a request
@@ -97,6 +104,7 @@ class LoRARegistry:
         self._paths[name] = path
         self._fingerprints[name] = fingerprint if fingerprint is not None else adapter_fingerprint(path)
         self._held.add(lora_id)
+        self._not_ready.add(lora_id)
         self._loads.append(LoRALoad(lora_id, name, path))
         return ServedAdapter(name, lora_id, path, self._fingerprints[name])
 
@@ -109,6 +117,17 @@ class LoRARegistry:
         self._retire(name)
         self._release_unused()
         return served
+
+    def failed(self, lora_id: int) -> None:
+        """The workers could not read `lora_id`: its name (if it still names it) is no longer served; the
+        workers forget whatever they hold of it once no request uses it (the scheduler ends those)."""
+        self._not_ready.discard(lora_id)
+        names = [name for name, i in self._ids.items() if i == lora_id]
+        for name in names:
+            self._retire(name)
+        self._release_unused()
+        if names and self.on_change is not None:
+            self.on_change()
 
     def attach(self, so: SchedulerOutput) -> None:
         """Put the pending loads and the drops now due on `so`, which is about to be submitted."""
@@ -131,6 +150,7 @@ class LoRARegistry:
         for lora_id in unused:
             self._retired.discard(lora_id)
             self._held.discard(lora_id)
+            self._not_ready.discard(lora_id)
             pending = [load for load in self._loads if load.lora_id != lora_id]
             if len(pending) == len(self._loads):
                 self._drops.append(lora_id)

@@ -75,8 +75,9 @@ class KVBlockLoad(msgspec.Struct, array_like=True, gc=False):
 
 
 class LoRALoad(msgspec.Struct, array_like=True, gc=False):
-    """An adapter loaded at run time (engine_svc/lora/registry.py): every worker reads and keeps it under
-    `lora_id` before the step that carries it runs (the engine validated `path` already)."""
+    """An adapter loaded at run time (engine_svc/lora/registry.py): every worker starts reading it under
+    `lora_id` in the background when the step that carries it begins (the engine validated `path`
+    already); the step outputs say when every rank holds it (ModelRunnerOutput.lora_ready)."""
 
     lora_id: int
     name: str
@@ -110,8 +111,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # Pulled blocks of the requests this step admits (written before the step runs); usually empty.
     kv_loads: list[KVBlockLoad] = msgspec.field(default_factory=list)
-    # LoRA adapters loaded / dropped at run time, applied by every worker before the step runs (drops
-    # first); usually empty. A drop names an id no request uses any more.
+    # LoRA adapters loaded / dropped at run time, taken by every worker before the step runs (drops
+    # first; a load is read in the background); usually empty. A drop names an id no request uses any more.
     lora_loads: list[LoRALoad] = msgspec.field(default_factory=list)
     lora_drops: list[int] = msgspec.field(default_factory=list)
 
@@ -153,3 +154,7 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True, array_like=True, gc=False)
     # Verified requests whose workers proposed fewer drafts than the step's places (async scheduling with
     # prompt lookup): the drafts proposed, for the acceptance counters. Absent: as many as places.
     spec_num_drafts: dict[str, int] = msgspec.field(default_factory=dict)
+    # LoRA adapters loaded at run time whose read every rank finished by this step (engine_svc/lora/
+    # runtime_loads.py): ids now held by every worker, and ids whose read failed (the error); usually empty.
+    lora_ready: list[int] = msgspec.field(default_factory=list)
+    lora_failed: dict[int, str] = msgspec.field(default_factory=dict)

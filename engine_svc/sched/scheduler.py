@@ -191,6 +191,9 @@ class Scheduler:
         # LoRA (--enable-lora): adapter name -> id, and the per-step adapter budget; None when LoRA is off.
         self.lora_ids = dict(lora_ids) if lora_ids is not None else None
         self.lora_fingerprints: dict[str, str] = {}  # name -> content fingerprint (the registry keeps it)
+        # Ids loaded at run time that not every worker holds yet (the registry adds, the workers' step outputs
+        # remove): their requests wait, in their place in line, without holding up the requests behind them.
+        self.lora_not_ready: set[int] = set()
         self.lora_budget = LoRABudget(max_loras) if lora_ids is not None else None
         # P/D disaggregation: the connector (None: no K/V moves between engines), requests pulling K/V,
         # and the pulled blocks the next SchedulerOutput carries.
@@ -234,10 +237,11 @@ class Scheduler:
         self.waiting.add(request)
 
     def finish_requests(
-        self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+        self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+        error: EngineError | None = None,
     ) -> None:
         """End waiting or running requests (abort); unknown ids are ignored. Each gets a terminal output
-        with the next `update_from_output`."""
+        (carrying `error`, if given) with the next `update_from_output`."""
         if not status.is_finished:
             raise ValueError(f"{status.name} is not a finished status")
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -258,7 +262,7 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._release(request)
-            self._emit_terminal(request)
+            self._emit_terminal(request, error)
 
     # ---- scheduling ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -313,6 +317,15 @@ class Scheduler:
             request.grammar_ticket = None
             request.status = RequestStatus.WAITING
             self._enqueue(request)
+
+    def fail_lora(self, lora_id: int, why: str) -> None:
+        """The workers could not read adapter `lora_id` (loaded at run time): its requests, which never ran
+        (it was not ready), end with an error naming the adapter."""
+        self.lora_not_ready.discard(lora_id)
+        for request in [r for r in self.requests.values() if r.lora_id == lora_id]:
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR, EngineError(
+                code=ErrorCode.INVALID_ARGUMENT,
+                message=f"lora_name: the engine's workers could not read LoRA adapter {request.lora_name!r}: {why}"))
 
     def _kv_transfer_turn(self, connector: KVConnector) -> None:
         """Free the blocks of leases that ended; move requests whose pull ended into `waiting` (a failed
@@ -405,7 +418,7 @@ class Scheduler:
             request = self.waiting.peek()
             if request.last_scheduled_step > self._last_updated_step:
                 break  # preempted while a step that holds it is in flight: its output comes first
-            if loras is not None and not loras.admits(request):
+            if request.lora_id in self.lora_not_ready or (loras is not None and not loras.admits(request)):
                 skipped.append(self.waiting.pop())
                 continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)

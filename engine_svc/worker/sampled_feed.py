@@ -75,6 +75,8 @@ class PendingOutput:
         self.sample_idx = sample_idx  # the sampling requests' indices into req_ids; None: every one
         self.step = step
         self.prompt_logprobs = prompt_logprobs
+        self.lora_ready: list[int] = []  # set by the worker: ModelRunnerOutput's fields of the same names
+        self.lora_failed: dict[int, str] = {}
 
     def ready(self) -> bool:
         """Whether `get()` would return without waiting for the device."""
@@ -94,7 +96,8 @@ class PendingOutput:
                     full[i] = logprobs[j]
             logprobs = full
         return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=self.prompt_logprobs)
+                                 prompt_logprobs=self.prompt_logprobs, lora_ready=self.lora_ready,
+                                 lora_failed=self.lora_failed)
 
 
 def as_runner_output(out: ModelRunnerOutput | PendingOutput) -> ModelRunnerOutput:

@@ -16,6 +16,7 @@ from engine_svc.kv.groups import KVGroups
 from engine_svc.kv_transfer.blocks import ShardSlice, apply_loads
 from engine_svc.kv_transfer.shards import RankShard
 from engine_svc.lora.manager import LoRAManager
+from engine_svc.lora.runtime_loads import LoRANews, RuntimeLoads
 from engine_svc.model.layers.cpu_gemm import prepack_linears, prepack_wanted
 from engine_svc.model.registry import resolve_dtype
 from engine_svc.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -51,6 +52,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.kv_shard: ShardSlice | None = None  # P/D: this rank's part of a pulled block (kv_transfer/shards.py)
         self.kv_shards: list[RankShard] = []
+        self.lora_loads: RuntimeLoads | None = None
+        self._reading = False  # a run-time LoRA read is in flight beside the steps (a core lent to it)
 
     def _init_device(self) -> torch.device:
         if self.config.device == "cuda":
@@ -94,6 +97,7 @@ class Worker:
             kv_num_groups=self.kv_groups.num_groups if self.kv_groups is not None else 1,
         )
         self.runner.lora = lora
+        self.lora_loads = RuntimeLoads(lora) if lora is not None else None  # run-time loads, read off the step
         if lora is not None and lora.step.kernels:  # the kernels' token mapping goes up with the step's inputs
             lora.step.use_staging(self.runner.staging)
         spec = self.config.speculative
@@ -249,10 +253,11 @@ class Worker:
         """The team size the governor (or the static count) and a lent core ask for, set if it differs."""
         if self.device.type != "cpu":
             return
+        lend = self._lending or self._reading
         if self.governor is not None:
-            want = self.governor.threads(self._lending)
+            want = self.governor.threads(lend)
         else:
-            want = max(1, self.cpu_threads - 1) if self._lending else self.cpu_threads
+            want = max(1, self.cpu_threads - 1) if lend else self.cpu_threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
@@ -264,7 +269,23 @@ class Worker:
         if so.kv_loads:  # P/D disaggregation: pulled K/V of the requests this step admits, before they run
             apply_loads(self.runner.kv_caches, so.kv_loads, self.kv_shard)
         self.runner.pulled_blocks = {b for load in so.kv_loads for b in load.block_ids} if so.kv_loads else set()
-        if so.lora_loads or so.lora_drops:  # adapters loaded / unloaded at run time (lora/registry.py)
-            assert self.runner.lora is not None
-            self.runner.lora.apply(so.lora_loads, so.lora_drops)
-        return self.runner.execute_model(so)
+        loads = self.lora_loads
+        if loads is None or not (so.lora_loads or so.lora_drops or loads.pending):
+            return self.runner.execute_model(so)
+        news = loads.step(so.lora_loads, so.lora_drops, idle=so.total_num_scheduled_tokens == 0)
+        if self.device.type == "cpu" and self._reading != loads.reading:
+            self._reading = loads.reading  # the reader's thread gets a core while it reads
+            self._apply_threads()
+        return _with_news(self.runner.execute_model(so), news)
+
+    def shutdown(self) -> None:
+        """Stop the background LoRA reader (the executors call it when the engine stops)."""
+        if self.lora_loads is not None:
+            self.lora_loads.close()
+
+
+def _with_news(out: ModelRunnerOutput | PendingOutput, news: LoRANews) -> ModelRunnerOutput | PendingOutput:
+    """`out` carrying the step's LoRA readiness (ModelRunnerOutput.lora_ready / lora_failed)."""
+    if news.ready or news.failed:
+        out.lora_ready, out.lora_failed = news.ready, news.failed
+    return out

@@ -121,8 +121,16 @@ class LoraAdmin:
             await self._replay(stub, info)
 
     async def _replay(self, stub: Any, info: epb.EngineInfo) -> None:
+        """Loads what this frontend loaded and `info`'s engine lacks; a load that every ready engine has
+        dropped since (its workers could not read it, or another frontend unloaded it) is forgotten, not
+        replayed (with no engine ready, as when the only one restarts, everything is replayed)."""
+        served = self.served()
+        others = any(c.info is not None for c in self._engines.ready_engines())
         for name, path in list(self._loaded.items()):
             if name in info.lora_adapters:
+                continue
+            if others and name not in served:
+                del self._loaded[name]
                 continue
             answer = await stub.LoadLoraAdapter(epb.LoadLoraAdapterRequest(lora_name=name, lora_path=path),
                                                 timeout=RPC_TIMEOUT_S)

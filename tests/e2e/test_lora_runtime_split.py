@@ -4,7 +4,10 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING set on the frontend: load -> use (PEFT's tokens
 while adapters load and unload (its longest gap printed and bounded); a request in flight on an adapter
 being unloaded ends exactly; vLLM gRPC's LoadLora / UnloadLora; an engine that joins later learns the
 loaded adapters before it is routed to, and a load one engine refuses is taken back on the others; the
-Responses and Messages APIs select an adapter by `model` and answer what chat completions answer."""
+Responses and Messages APIs select an adapter by `model` and answer what chat completions answer; while the
+engine's workers' read of a loaded adapter is held (the reader's test gate), a victim stream keeps flowing
+and the new adapter's request waits, then answers PEFT's tokens; a read that fails (files changed after the
+check) ends its waiting request with an error and the frontend's lists drop the name."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from tandem.engine.v1 import engine_core_pb2_grpc as epb_grpc
 from tandem.vendor.vllm import control_pb2 as cpb
 from tandem.vendor.vllm import control_pb2_grpc as cpb_grpc
 
+from engine_svc.lora.reader import GATE_ENV
 from tests.e2e.conftest import engine_service, free_port, frontend_service, serving_over_http, wait_until
 from tests.engine.lora_support import ALL_MODULES, make_adapter, make_prompts, peft_greedy
 from tests.support import rpc_error
@@ -34,8 +38,8 @@ MAX_GAP_S = 3.0  # the victim's longest pause between tokens (a shared 2-core ma
 
 class Stack:
     def __init__(self, url: str, model: Path, dirs: dict[str, Path], frontend_address: str, engine_address: str,
-                 engine_port_2: int, logs: Path) -> None:
-        self.url, self.model, self.dirs = url, model, dirs
+                 engine_port_2: int, logs: Path, gate: Path) -> None:
+        self.url, self.model, self.dirs, self.gate = url, model, dirs, gate
         self.frontend_address, self.engine_address = frontend_address, engine_address
         self.engine_port_2, self.logs = engine_port_2, logs
 
@@ -64,10 +68,13 @@ def stack(make_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stac
     engine_port_2 = free_port()  # a second engine the frontend knows of, started by a test
     http_port = free_port()
     frontend = frontend_service(model, [engine.port, engine_port_2], free_port(), logs, "--http-port", str(http_port))
-    with pytest.MonkeyPatch.context() as env:  # the frontend's environment (its process copies it at start)
+    gate = root / "read-gate"  # the engine workers' reads start only while it exists (a test removes it)
+    gate.touch()
+    with pytest.MonkeyPatch.context() as env:  # the processes' environment (each copies it at start)
         env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+        env.setenv(GATE_ENV, str(gate))
         with serving_over_http(engine, frontend, http_port) as url:
-            yield Stack(url, model, dirs, frontend.address, engine.address, engine_port_2, logs)
+            yield Stack(url, model, dirs, frontend.address, engine.address, engine_port_2, logs, gate)
 
 
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> httpx2.Response:
@@ -173,6 +180,75 @@ def test_victim_stream_flows_while_adapters_load_and_unload_and_an_unloaded_ones
     assert results["alt"][0] == peft_greedy(stack.model, stack.dirs["alt"], prompts[1], long_tokens)[0]
     assert results["sql"][1] < MAX_GAP_S
     assert _complete(stack.url, "alt", prompts[1]).status_code == 404
+
+
+def test_victim_stream_flows_while_the_workers_read_is_held_and_the_new_adapters_request_waits(
+        stack: Stack) -> None:
+    """The gate closed: `held` loads (200 at once) and a request on it waits while the victim on `sql` gets
+    token after token; the gate open: that request answers PEFT's tokens."""
+    victim_prompt, prompt = make_prompts(63, 2, 500, lo=10, hi=10)
+    victim_max = 64
+    victim_tokens: list[int] = []
+    answers: dict[str, httpx2.Response] = {}
+
+    def victim() -> None:
+        body = {"model": "sql", "prompt": victim_prompt, "max_tokens": victim_max, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        with httpx2.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    victim_tokens.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+
+    stack.gate.unlink()
+    try:
+        streaming = threading.Thread(target=victim)
+        streaming.start()
+        wait_until(lambda: len(victim_tokens) >= 3, timeout=60)
+        assert stack.load("held", stack.dirs["dyn"]).status_code == 200
+        waiting = threading.Thread(target=lambda: answers.update(held=_complete(stack.url, "held", prompt)))
+        waiting.start()
+        seen = len(victim_tokens)
+        wait_until(lambda: len(victim_tokens) >= seen + 12 or not streaming.is_alive(), timeout=30)
+        assert len(victim_tokens) >= seen + 12, "the victim stalled while the read was held"
+        assert waiting.is_alive() and "held" not in answers
+    finally:
+        stack.gate.touch()
+    waiting.join(60)
+    streaming.join(120)
+    _assert_peft(stack, stack.dirs["dyn"], prompt, answers["held"])
+    assert victim_tokens == peft_greedy(stack.model, stack.dirs["sql"], victim_prompt, victim_max)[0]
+    assert stack.unload("held").status_code == 200
+
+
+def test_a_read_that_fails_after_the_check_ends_its_request_with_an_error_and_every_list_drops_it(
+        stack: Stack, tmp_path: Path) -> None:
+    """The weights change between the engine's check and its workers' read: the request waiting on the
+    adapter ends with an error naming it, and the engine's WatchLoraAdapters tells the frontend, whose
+    /v1/models drops it."""
+    import shutil
+
+    copy = tmp_path / "broken"
+    shutil.copytree(stack.dirs["dyn"], copy)
+    answers: dict[str, httpx2.Response] = {}
+    stack.gate.unlink()
+    try:
+        assert stack.load("broken", copy).status_code == 200
+        wait_until(lambda: "broken" in stack.models(), timeout=10)
+        waiting = threading.Thread(target=lambda: answers.update(broken=_complete(stack.url, "broken", [5, 6, 7])))
+        waiting.start()
+        (copy / "adapter_model.safetensors").write_bytes(b"changed after the check")
+        wait_until(lambda: _num_waiting(stack.engine_address) == 1, timeout=30, what="the request waits")
+    finally:
+        stack.gate.touch()
+    waiting.join(60)
+    assert answers["broken"].status_code == 400, answers["broken"].text
+    assert "could not read LoRA adapter 'broken'" in answers["broken"].json()["error"]["message"]
+    wait_until(lambda: "broken" not in stack.models(), timeout=10, what="the frontend hears of the failed read")
+
+
+def _num_waiting(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return epb_grpc.EngineCoreServiceStub(channel).GetLoad(epb.GetLoadRequest(), timeout=10).num_waiting
 
 
 def test_responses_and_messages_select_the_adapter_as_chat_does(stack: Stack) -> None:

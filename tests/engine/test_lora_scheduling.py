@@ -107,3 +107,33 @@ def test_unknown_or_unserved_adapters_are_refused_naming_the_field() -> None:
         assert o.error is not None and o.error.code == ErrorCode.INVALID_ARGUMENT
         assert "lora_name" in o.error.message and "'nope'" in o.error.message and want in o.error.message
         drain(s)
+
+
+def test_a_not_ready_adapters_requests_wait_in_line_without_holding_up_the_others() -> None:
+    """An adapter loaded at run time that the workers are still reading (`lora_not_ready`): its request
+    waits in its place; the base request and another adapter's behind it run; once ready, it runs."""
+    s = sched()
+    s.lora_not_ready.add(LORAS["a"])
+    for rid, lora in (("slow", "a"), ("base", ""), ("other", "b")):
+        add(s, rid, lora)
+    assert sorted(step(s)) == ["base", "other"]
+    assert [r.request_id for r in s.waiting] == ["slow"]
+    s.lora_not_ready.clear()
+    assert "slow" in step(s)
+    drain(s)
+
+
+def test_a_failed_read_ends_the_adapters_waiting_requests_once_with_an_error() -> None:
+    s = sched()
+    s.lora_not_ready.add(LORAS["a"])
+    add(s, "doomed", "a")
+    add(s, "base", "")
+    so = s.schedule()
+    s.fail_lora(LORAS["a"], "the file changed")
+    outputs = s.update_from_output(so, run_model(s, so)).outputs
+    ended = [o for o in outputs if o.request_id == "doomed"]
+    assert len(ended) == 1 and ended[0].error.code == ErrorCode.INVALID_ARGUMENT
+    assert ended[0].error.message == ("lora_name: the engine's workers could not read LoRA adapter 'a': "
+                                      "the file changed")
+    assert "doomed" not in s.requests and s.lora_not_ready == set()
+    drain(s)
