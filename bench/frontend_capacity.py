@@ -72,7 +72,7 @@ measurement and prints them per response message (gRPC) or SSE event: sendmsg = 
 write = mostly grpc's eventfd wake-ups of the event loop, epoll_wait = poller wake-ups. perf adds little
 cost, but do not mix its figures with an unprofiled run's.
 
-`--profile DIR` (`pip install py-spy` first) runs `py-spy record` on the frontend during each measurement and writes its samples per
+`--profile DIR` (`pip install py-spy` first, or PY_SPY=/path/to/py-spy) runs `py-spy record` on the frontend during each measurement and writes its samples per
 API and case there (collapsed stacks: `flamegraph.pl` or speedscope draw them; PYSPY_NATIVE=1 adds native
 frames; PYSPY_RATE sets the samples per second, default 200). py-spy's sampling costs the frontend CPU: do not
 report the numbers of a profiled run.
@@ -512,7 +512,8 @@ class Bench:
 
     def _spy(self, out: Path, pid: int) -> subprocess.Popen[bytes]:
         mode = ["--native"] if os.environ.get("PYSPY_NATIVE") else ["--nonblocking"]
-        argv = [str(Path(sys.executable).parent / "py-spy"), "record", "-r", os.environ.get("PYSPY_RATE", "200"), *mode, "--format", "raw",
+        spy_bin = os.environ.get("PY_SPY") or str(Path(sys.executable).parent / "py-spy")
+        argv = [spy_bin, "record", "-r", os.environ.get("PYSPY_RATE", "200"), *mode, "--format", "raw",
                 "-o", str(out), "--pid", str(pid)]
         spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # attached
