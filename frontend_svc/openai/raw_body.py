@@ -42,7 +42,7 @@ class RawBody:
     """The body of one request's response (one uvicorn h11 `RequestResponseCycle`); `start()` once the
     response has started, then `write()` per chunk."""
 
-    __slots__ = ("_cycle", "_transport", "_flow", "_chunked")
+    __slots__ = ("_chunked", "_cycle", "_flow", "_transport")
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle

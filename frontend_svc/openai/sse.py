@@ -82,7 +82,8 @@ class EventStream(StreamingResponse):
         write = raw.write
         charset = self.charset
         async for chunk in self.body_iterator:
-            if not await write(chunk if isinstance(chunk, bytes) else chunk.encode(charset)):
+            data = chunk.encode(charset) if isinstance(chunk, str) else bytes(chunk)
+            if not await write(data):
                 return  # the client is gone: the watch ends the response
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -21,10 +21,9 @@ from typing import Any
 
 import h11
 import pytest
-
-from frontend_svc.openai import raw_body, sse
 from h11._writers import ChunkedWriter
 
+from frontend_svc.openai import raw_body, sse
 from frontend_svc.openai.edge import GuardedH11Protocol
 from tests.openai_api.conftest import HttpStack
 from tests.support import LoopThread, wait_until
@@ -206,7 +205,7 @@ def test_a_client_that_leaves_while_no_token_flows_aborts_the_request(loop: Loop
         conn = type("Conn", (), {"_writer": ChunkedWriter()})()
         flow = type("Flow", (), {"write_paused": False})()
 
-        class transport:  # noqa: N801 - stands in for an asyncio transport
+        class transport:  # stands in for an asyncio transport
             @staticmethod
             def write(data: bytes) -> None:
                 writes.append(data)
