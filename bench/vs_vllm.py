@@ -30,7 +30,9 @@ Two comparisons (each system runs in its own process; every round runs both, in 
 Shared cores (`--neighbour quiet spin`): each run happens once on a quiet machine and once beside a
 neighbour that keeps one core busy (a process spinning in a loop, started before the system and stopped
 after it), alternating; the tables get a `neighbour` column and the summary each system's spin/quiet
-ratio per round. `--systems tandem-static` is tandem with its thread governor off
+ratio per round. `--systems tandem-base --baseline-tree DIR` is another tandem tree (e.g. `git -C <main> archive
+HEAD | tar -x -C DIR`) run beside this one, alternating, e.g. the frontend's CPU per token before and after a
+change: `served --systems tandem tandem-base --baseline-tree /tmp/base --concurrency 16`. `--systems tandem-static` is tandem with its thread governor off
 (TANDEM_CPU_THREAD_GOVERNOR=0: the OpenMP team stays one thread per core whoever else runs).
 
       python bench/vs_vllm.py offline --model .tiny-models/SmolLM2-135M-Instruct --dtype bfloat16 \
@@ -222,7 +224,7 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
     port, name = _free_port(), Path(args.model).name
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(_server_command(system, args, dtype, port, name), stdout=log, stderr=log,
-                                  start_new_session=True, env={**os.environ, "PYTHONPATH": str(args.tandem_tree),
+                                  start_new_session=True, env={**os.environ, "PYTHONPATH": str(_tree(system, args)),
                                                                **_system_env(system)})
         try:
             # /health, not /v1/models: tandem's frontend lists the model before its engine has loaded
@@ -302,6 +304,15 @@ class _neighbour:
             self.proc.wait()
 
 
+def _tree(system: str, args: argparse.Namespace) -> Path:
+    """The tandem source tree `system` runs: --baseline-tree for tandem-base, else --tandem-tree."""
+    if system == "tandem-base":
+        if args.baseline_tree is None:
+            raise SystemExit("--systems tandem-base needs --baseline-tree DIR")
+        return Path(args.baseline_tree)
+    return Path(args.tandem_tree)
+
+
 def _system_env(system: str) -> dict[str, str]:
     return {"TANDEM_CPU_THREAD_GOVERNOR": "0"} if system == "tandem-static" else {}
 
@@ -368,12 +379,14 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16, help="served: the client's --max-concurrency")
     ap.add_argument("--served-prompts", type=int, default=64, help="served: the client's --num-prompts")
-    ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "tandem-static", "vllm"))
+    ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "tandem-static", "tandem-base", "vllm"))
     ap.add_argument("--neighbour", nargs="+", default=["quiet"], choices=("quiet", "spin"),
                     help="run each system on a quiet machine and/or beside a process spinning on one core")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--tandem-tree", type=Path, default=ROOT,
                     help="the tandem source tree to run (default: this one; e.g. a `git archive` of main)")
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="served: the tree `--systems tandem-base` runs (e.g. a `git archive` of main), beside this one")
     ap.add_argument("--tandem-args", default="",
                     help="extra `tandem serve` flags for the served runs, e.g. \"--long-prefill-token-threshold 64\"")
     args = ap.parse_args()
