@@ -38,7 +38,7 @@ so that drift on a noisy machine does not favour one; the summary is the median 
     python bench/frontend_capacity.py [--regime capacity|kept-up] [--step-ms MS] [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
         [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--stream-interval N [N ...]]
         [--pin] [--baseline DIR [--baseline-stream-interval N]] [--profile DIR] [--variant LABEL:NAME=VALUE[;NAME=VALUE...] ...]
-        [--calls N] [--threads]
+        [--calls N] [--threads] [--idle S]
 
 `--calls N`: each stream makes N calls one after another (gRPC and SSE clients), so a run of short streams
 (`--tokens 2`: what a request costs apart from its tokens) lasts long enough for /proc's 10 ms CPU clock.
@@ -67,12 +67,15 @@ engine, the clients and this process on CPU 0, as one frontend core per pod woul
 shares both cores with the clients (whose CPU per token is of the frontend's order), so how far it falls
 behind at capacity, and how much it merges, depends on how the scheduler shares them.
 
+`--idle S` first measures each frontend's CPU over S seconds with no stream running (ms per second, by thread):
+its timers and pollers, which a kept-up stream pays per token as (ms per s) / (tokens per s).
+
 `--syscalls` counts the frontend's system calls (all its threads) with `perf stat` tracepoints during each
 measurement and prints them per response message (gRPC) or SSE event: sendmsg = wire writes,
 write = mostly grpc's eventfd wake-ups of the event loop, epoll_wait = poller wake-ups. perf adds little
 cost, but do not mix its figures with an unprofiled run's.
 
-`--profile DIR` (`pip install py-spy` first) runs `py-spy record` on the frontend during each measurement and writes its samples per
+`--profile DIR` (`pip install py-spy` first, or PY_SPY=/path/to/py-spy) runs `py-spy record` on the frontend during each measurement and writes its samples per
 API and case there (collapsed stacks: `flamegraph.pl` or speedscope draw them; PYSPY_NATIVE=1 adds native
 frames; PYSPY_RATE sets the samples per second, default 200). py-spy's sampling costs the frontend CPU: do not
 report the numbers of a profiled run.
@@ -512,7 +515,8 @@ class Bench:
 
     def _spy(self, out: Path, pid: int) -> subprocess.Popen[bytes]:
         mode = ["--native"] if os.environ.get("PYSPY_NATIVE") else ["--nonblocking"]
-        argv = [str(Path(sys.executable).parent / "py-spy"), "record", "-r", os.environ.get("PYSPY_RATE", "200"), *mode, "--format", "raw",
+        spy_bin = os.environ.get("PY_SPY") or str(Path(sys.executable).parent / "py-spy")
+        argv = [spy_bin, "record", "-r", os.environ.get("PYSPY_RATE", "200"), *mode, "--format", "raw",
                 "-o", str(out), "--pid", str(pid)]
         spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # attached
@@ -560,6 +564,8 @@ def main() -> None:
                         help="the frontend alone on CPU 1, the engine, clients and this process on CPU 0")
     parser.add_argument("--threads", action="store_true",
                         help="print the frontend's CPU per call by thread name (/proc/PID/task)")
+    parser.add_argument("--idle", type=float, default=0.0, metavar="S",
+                        help="first measure each frontend's CPU while nothing runs, over S seconds (ms per s)")
     parser.add_argument("--syscalls", action="store_true",
                         help="count the frontend's system calls per message (perf stat tracepoints)")
     parser.add_argument("--variant", type=variant, action="append", default=None,
@@ -576,6 +582,8 @@ def main() -> None:
         for frontend in bench.frontends:
             for api in args.apis:  # warm-up: connections, caches, the chat template
                 bench.measure(frontend, api, "stop+logprobs", min(args.streams, 16), 32)
+        if args.idle > 0:
+            idle_cpu(bench.frontends, args.idle)
         runs: dict[tuple[str, str, str], list[dict[str, float]]] = {}
         print(f"{args.regime} (engine step {args.step_ms:g} ms): {args.streams} streams x {args.calls} calls x {args.tokens} tokens, {args.clients} client processes, "
               f"{os.cpu_count()} CPUs; per round:")
@@ -605,6 +613,18 @@ def main() -> None:
         report(runs, args)
     finally:
         bench.stop()
+
+
+def idle_cpu(frontends: list[Frontend], seconds: float) -> None:
+    """Print each frontend's CPU (ms per second, by thread) while no stream runs: the cost of its timers and
+    pollers, which a kept-up stream pays per token as (ms per s) / (tokens per s)."""
+    before = {f.label: thread_cpu_seconds(f.process.pid) for f in frontends}
+    time.sleep(seconds)
+    for f in frontends:
+        after = thread_cpu_seconds(f.process.pid)
+        per_thread = {k: 1e3 * (v - before[f.label].get(k, 0.0)) / seconds for k, v in after.items()}
+        busy = "  ".join(f"{k} {v:.1f}" for k, v in sorted(per_thread.items(), key=lambda kv: -kv[1]) if v > 0)
+        print(f"idle {f.label:11} frontend {sum(per_thread.values()):6.1f} ms of CPU per s   ({busy})", flush=True)
 
 
 def _median_ms(seconds: list[float]) -> float:

@@ -20,7 +20,7 @@ Two comparisons (each system runs in its own process; every round runs both, in 
 
 - served: `tandem serve` vs vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), both
   loaded by vLLM's own client (`vllm bench serve --backend openai --dataset-name random`, 256 in / 128
-  out, 64 prompts, concurrency 16, ignore_eos); output throughput, median ITL / TTFT / TPOT. The client
+  out, 64 prompts (`--served-prompts`), concurrency 16 (`--concurrency`), ignore_eos); output throughput, median ITL / TTFT / TPOT. The client
   sends no temperature, so both servers sample at 1.0 (unlike the offline run, which is greedy). Also the
   CPU time the process that speaks HTTP spent per output token during the client's run (tandem's
   frontend; vLLM's API server process, whose engine core is another process).
@@ -30,7 +30,9 @@ Two comparisons (each system runs in its own process; every round runs both, in 
 Shared cores (`--neighbour quiet spin`): each run happens once on a quiet machine and once beside a
 neighbour that keeps one core busy (a process spinning in a loop, started before the system and stopped
 after it), alternating; the tables get a `neighbour` column and the summary each system's spin/quiet
-ratio per round. `--systems tandem-static` is tandem with its thread governor off
+ratio per round. `--systems tandem-base --baseline-tree DIR` is another tandem tree (e.g. `git -C <main> archive
+HEAD | tar -x -C DIR`) run beside this one, alternating, e.g. the frontend's CPU per token before and after a
+change: `served --systems tandem tandem-base --baseline-tree /tmp/base --concurrency 16`. `--systems tandem-static` is tandem with its thread governor off
 (TANDEM_CPU_THREAD_GOVERNOR=0: the OpenMP team stays one thread per core whoever else runs).
 
       python bench/vs_vllm.py offline --model .tiny-models/SmolLM2-135M-Instruct --dtype bfloat16 \
@@ -62,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KV_CACHE_BYTES = 1 << 30
 DECODE_PROMPT, DECODE_SHORT, DECODE_LONG = 64, 16, 144
 SERVE_ARGS = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
-              "--num-prompts", "64", "--max-concurrency", "16", "--ignore-eos", "--seed", "0"]
+              "--ignore-eos", "--seed", "0"]  # + --num-prompts (--served-prompts) and --max-concurrency (--concurrency)
 
 
 # ---- offline: one system in this process ---------------------------------------------------------
@@ -222,7 +224,7 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
     port, name = _free_port(), Path(args.model).name
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(_server_command(system, args, dtype, port, name), stdout=log, stderr=log,
-                                  start_new_session=True, env={**os.environ, "PYTHONPATH": str(args.tandem_tree),
+                                  start_new_session=True, env={**os.environ, "PYTHONPATH": str(_tree(system, args)),
                                                                **_system_env(system)})
         try:
             # /health, not /v1/models: tandem's frontend lists the model before its engine has loaded
@@ -234,7 +236,8 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
             client = subprocess.run(
                 [args.vllm_python, "-c", _BENCH_CLIENT, "--backend", "openai", "--base-url",
                  f"http://127.0.0.1:{port}", "--model", args.model, "--served-model-name", name,
-                 "--disable-tqdm", *SERVE_ARGS], capture_output=True, text=True, timeout=900)
+                 "--disable-tqdm", *SERVE_ARGS, "--num-prompts", str(args.served_prompts),
+                 "--max-concurrency", str(args.concurrency)], capture_output=True, text=True, timeout=900)
             if client.returncode != 0:
                 raise RuntimeError(f"vllm bench serve failed against {system}:\n{client.stderr[-4000:]}")
             result = _result(client.stdout)
@@ -252,8 +255,8 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
-    if result["completed"] != 64:
-        raise RuntimeError(f"{system}: only {result['completed']} of 64 requests completed")
+    if result["completed"] != args.served_prompts:
+        raise RuntimeError(f"{system}: only {result['completed']} of {args.served_prompts} requests completed")
     return result
 
 
@@ -299,6 +302,15 @@ class _neighbour:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+
+
+def _tree(system: str, args: argparse.Namespace) -> Path:
+    """The tandem source tree `system` runs: --baseline-tree for tandem-base, else --tandem-tree."""
+    if system == "tandem-base":
+        if args.baseline_tree is None:
+            raise SystemExit("--systems tandem-base needs --baseline-tree DIR")
+        return Path(args.baseline_tree)
+    return Path(args.tandem_tree)
 
 
 def _system_env(system: str) -> dict[str, str]:
@@ -365,12 +377,16 @@ def main() -> int:
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "tandem-static", "vllm"))
+    ap.add_argument("--concurrency", type=int, default=16, help="served: the client's --max-concurrency")
+    ap.add_argument("--served-prompts", type=int, default=64, help="served: the client's --num-prompts")
+    ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "tandem-static", "tandem-base", "vllm"))
     ap.add_argument("--neighbour", nargs="+", default=["quiet"], choices=("quiet", "spin"),
                     help="run each system on a quiet machine and/or beside a process spinning on one core")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--tandem-tree", type=Path, default=ROOT,
                     help="the tandem source tree to run (default: this one; e.g. a `git archive` of main)")
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="served: the tree `--systems tandem-base` runs (e.g. a `git archive` of main), beside this one")
     ap.add_argument("--tandem-args", default="",
                     help="extra `tandem serve` flags for the served runs, e.g. \"--long-prefill-token-threshold 64\"")
     args = ap.parse_args()

@@ -8,6 +8,8 @@ served by the frontend beside the gRPC API, on the same generation path (docs/op
   tool calls out of the text, streamed as OpenAI's deltas).
 - `errors.py`: validation and service errors -> OpenAI's JSON error shape and HTTP status.
 - `sse.py`: Server-Sent Events framing and a streaming response that always closes its generation.
+- `raw_body.py`: a streamed body's chunks written straight to the connection (below Starlette's and
+  uvicorn's `send`), with uvicorn's flow control; offered by `edge.py` to every request's scope.
 - `app.py`: the Starlette routes (auth, body limit, admission, streaming).
 - `serve.py`: uvicorn on the frontend's event loop, started and stopped with the gRPC server.
 """

@@ -14,6 +14,9 @@ past it) and the idle keep-alive timeout after a response. `GuardedH11Protocol` 
 - 431 (not uvicorn's 400) for a header block over the byte limit or with more than `max_header_count`
   fields, from h11's own error hint; the header is never parsed past the limit.
 
+Streamed bodies (SSE) skip the per-chunk ASGI `send` chain: every request's scope carries a `RawBody`
+(raw_body.py) that writes chunk-framed bytes straight to the transport, with uvicorn's flow control.
+
 The HTTP parsing itself stays h11's. Invariants: every admitted connection is released from the guard
 exactly once (when it closes, or when its handshake fails); a connection holds no timer after it closes.
 """
@@ -32,6 +35,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from frontend_svc.openai.raw_body import WithRawBody
 from shared_runtime.security.http_limits import ConnectionGuard, HttpLimits
 
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -95,10 +99,13 @@ class GuardedH11Protocol(H11Protocol):
     """One HTTP connection: uvicorn's h11 protocol inside the limits of `EdgeConfig` (module docstring)."""
 
     conn: LimitedH11Connection
+    raw_body = True  # offer streamed responses a `RawBody` (raw_body.py); False: every chunk through `send`
 
     def __init__(self, config: EdgeConfig, server_state: Any, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        if self.raw_body:
+            self.app = WithRawBody(self.app)
         self.limits = config.limits
         self.guard = config.guard
         self.tls_context = config.tls_context
