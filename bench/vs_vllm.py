@@ -20,7 +20,9 @@ Two comparisons (each system runs in its own process; every round runs both, in 
 
 - served: `tandem serve` vs vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`), both
   loaded by vLLM's own client (`vllm bench serve --backend openai --dataset-name random`, 256 in / 128
-  out, 64 prompts (`--served-prompts`), concurrency 16 (`--concurrency`), ignore_eos); output throughput, median ITL / TTFT / TPOT. The client
+  out, or with `--served-workload mix` prompt and output lengths uniform in [16, 255]; 64 prompts
+  (`--served-prompts`), concurrency 16 (`--concurrency`), ignore_eos); output throughput, median ITL /
+  TTFT / TPOT. The client
   sends no temperature, so both servers sample at 1.0 (unlike the offline run, which is greedy). Also the
   CPU time the process that speaks HTTP spent per output token during the client's run (tandem's
   frontend; vLLM's API server process, whose engine core is another process).
@@ -63,8 +65,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 KV_CACHE_BYTES = 1 << 30
 DECODE_PROMPT, DECODE_SHORT, DECODE_LONG = 64, 16, 144
-SERVE_ARGS = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
-              "--ignore-eos", "--seed", "0"]  # + --num-prompts (--served-prompts) and --max-concurrency (--concurrency)
+SERVE_ARGS = ["--dataset-name", "random", "--ignore-eos", "--seed", "0"]  # + the workload's lengths, --num-prompts
+# (--served-prompts) and --max-concurrency (--concurrency)
+# --served-workload: `bench` 256 in / 128 out; `mix` prompt and output lengths each uniform in [16, 255]
+# (vLLM's random dataset: 136 * (1 -/+ 0.88)), the offline comparison's mix served
+SERVED_WORKLOADS = {
+    "bench": ["--random-input-len", "256", "--random-output-len", "128"],
+    "mix": ["--random-input-len", "136", "--random-output-len", "136", "--random-range-ratio", "0.88"],
+}
 
 
 # ---- offline: one system in this process ---------------------------------------------------------
@@ -236,7 +244,8 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
             client = subprocess.run(
                 [args.vllm_python, "-c", _BENCH_CLIENT, "--backend", "openai", "--base-url",
                  f"http://127.0.0.1:{port}", "--model", args.model, "--served-model-name", name,
-                 "--disable-tqdm", *SERVE_ARGS, "--num-prompts", str(args.served_prompts),
+                 "--disable-tqdm", *SERVE_ARGS, *SERVED_WORKLOADS[args.served_workload],
+                 "--num-prompts", str(args.served_prompts),
                  "--max-concurrency", str(args.concurrency)], capture_output=True, text=True, timeout=900)
             if client.returncode != 0:
                 raise RuntimeError(f"vllm bench serve failed against {system}:\n{client.stderr[-4000:]}")
@@ -379,6 +388,8 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16, help="served: the client's --max-concurrency")
     ap.add_argument("--served-prompts", type=int, default=64, help="served: the client's --num-prompts")
+    ap.add_argument("--served-workload", choices=sorted(SERVED_WORKLOADS), default="bench",
+                    help="served: bench = 256 in / 128 out; mix = prompt and output lengths uniform in [16, 255]")
     ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "tandem-static", "tandem-base", "vllm"))
     ap.add_argument("--neighbour", nargs="+", default=["quiet"], choices=("quiet", "spin"),
                     help="run each system on a quiet machine and/or beside a process spinning on one core")
