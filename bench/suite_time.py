@@ -1,7 +1,7 @@
 """Wall time of chosen test files at two commits, run side by side: the suite's cost before and after a change.
 
 The tree of `--base` (default: main) is exported once with `git archive` into a temporary directory (nothing
-else is checked out); this checkout is the other side. Each round runs pytest on the same test paths in both
+else is checked out); this checkout is the other side, or the tree of `--after` exported the same way. Each round runs pytest on the same test paths in both
 trees, one after the other, the order alternating round by round (base first in odd rounds), each run in a
 fresh interpreter with the tree first on PYTHONPATH, in file order (`-p no:randomly`) with every test
 selected by `-m`. Reports each run's wall time and pass count, the medians, the spread and
@@ -38,6 +38,7 @@ DEFAULT_TESTS = (
 
 def export(rev: str, into: Path) -> Path:
     """`rev`'s tree under `into` (git archive | tar): its tests and the code they import."""
+    into.mkdir()
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
@@ -65,14 +66,16 @@ def passed(line: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tests", nargs="*", default=list(DEFAULT_TESTS), help="test paths or ids (both trees)")
-    parser.add_argument("--base", default="main", help="the commit to compare this checkout against")
+    parser.add_argument("--base", default="main", help="the commit to compare against")
+    parser.add_argument("--after", default=None, help="a commit to export as the other side (default: this checkout)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("-m", dest="marks", default="slow or not slow", help="pytest's -m (default: every test)")
     parser.add_argument("--pytest-arg", action="append", default=[], help="one more pytest argument (repeatable)")
     args = parser.parse_args()
     times: dict[str, list[float]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="suite-time-") as tmp:
-        trees = {"before": export(args.base, Path(tmp)), "after": ROOT}
+        trees = {"before": export(args.base, Path(tmp) / "before"),
+                 "after": export(args.after, Path(tmp) / "after") if args.after else ROOT}
         for round_ in range(args.rounds):
             order = ("before", "after") if round_ % 2 == 0 else ("after", "before")
             for side in order:
