@@ -15,6 +15,7 @@ previous step is in flight (a `StepSpy` on the scheduler counts them).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,23 @@ class OverlapSpy:
         scheduler.schedule = spy  # type: ignore[method-assign]
 
 
+OPEN: list[LLM] = []  # the engines `run` built during the current test
+
+
+@pytest.fixture(autouse=True)
+def shut_down_engines() -> Iterator[None]:
+    """Every engine `run` built during a test is shut down after it: an async-scheduling engine's step
+    thread keeps it, and its KV cache (1 GiB by default on CPU), alive after the test drops it."""
+    yield
+    while OPEN:
+        OPEN.pop().engine.shutdown()
+
+
 def run(model_dir: Path, prompts: list[list[int]], params: Any, spec: dict[str, Any] | None, async_: bool,
         **engine_args: Any) -> tuple[list, LLM, OverlapSpy]:
     llm = LLM(str(model_dir), dtype="float32", device="cpu", speculative_config=spec, async_scheduling=async_,
               **engine_args)
+    OPEN.append(llm)
     spy = OverlapSpy(llm.engine.scheduler)
     return llm.generate(prompts, params, use_tqdm=False), llm, spy
 
