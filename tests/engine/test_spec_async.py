@@ -15,6 +15,7 @@ previous step is in flight (a `StepSpy` on the scheduler counts them).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,56 @@ class OverlapSpy:
         scheduler.schedule = spy  # type: ignore[method-assign]
 
 
+OPEN: list[LLM] = []  # the engines `run` built during the current test
+
+
+@pytest.fixture(autouse=True)
+def shut_down_engines() -> Iterator[None]:
+    """Every engine `run` built during a test is shut down after it: an async-scheduling engine's step
+    thread keeps it, and its KV cache (1 GiB by default on CPU), alive after the test drops it."""
+    yield
+    while OPEN:
+        OPEN.pop().engine.shutdown()
+
+
 def run(model_dir: Path, prompts: list[list[int]], params: Any, spec: dict[str, Any] | None, async_: bool,
         **engine_args: Any) -> tuple[list, LLM, OverlapSpy]:
     llm = LLM(str(model_dir), dtype="float32", device="cpu", speculative_config=spec, async_scheduling=async_,
               **engine_args)
+    OPEN.append(llm)
     spy = OverlapSpy(llm.engine.scheduler)
     return llm.generate(prompts, params, use_tqdm=False), llm, spy
+
+
+@pytest.fixture(scope="module")
+def oracles() -> dict[str, Any]:
+    """The module's plain-decoding references by their inputs (see `plain`)."""
+    return {}
+
+
+def plain(oracles: dict[str, Any], model_dir: Path, prompts: list[list[int]], params: Any,
+          **engine_args: Any) -> list:
+    """Plain synchronous decoding's outputs (speculation and async scheduling off): the oracle. Its greedy
+    and seeded outputs are a function of the inputs, so tests with the same inputs share one run."""
+    key = repr(("plain", str(model_dir), prompts, params, sorted(engine_args.items())))
+    if key not in oracles:
+        got, llm, _ = run(model_dir, prompts, params, None, False, **engine_args)
+        llm.engine.shutdown()
+        oracles[key] = got
+    return oracles[key]
+
+
+def plain_core(oracles: dict[str, Any], model_dir: Path, prompts: list[list[int]], **params: Any
+               ) -> dict[str, tuple[list[int], int]]:
+    """`plain` through an EngineCore stepped to the end (SMALL_STEPS): each request's tokens and finish."""
+    key = repr(("core", str(model_dir), prompts, sorted(params.items())))
+    if key not in oracles:
+        reference = make_core(model_dir, False, **SMALL_STEPS)
+        for req in core_requests(prompts, **params):
+            reference.add_request(req)
+        oracles[key] = summary(step_all(reference))
+        reference.shutdown()
+    return oracles[key]
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +135,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprob
                                                ("draft_model", "looping"), ("eagle3", "looping")])
 def test_greedy_async_speculation_equals_plain_sync_decoding(method: str, model: str, llama_dir: Path,
                                                              looping_dir: Path, draft_dir: Path,  # noqa: F811
-                                                             heads: dict[str, Path]) -> None:  # noqa: F811
+                                                             heads: dict[str, Path],  # noqa: F811
+                                                             oracles: dict[str, Any]) -> None:
     """Chunked prefill, prefix caching (the prompts share prefixes), blocks that drafts cross. The random
     llama and the random EAGLE-3 head reject most drafts (the correction path), the others accept most."""
     model_dir = llama_dir if model == "random" else looping_dir
     prompts = repetitive_prompts(5, 5)
     prompts += [prompts[0] + [7, 8, 9]]  # a prefix-cache hit on the first prompt's blocks
-    plain, _, _ = run(model_dir, prompts, GREEDY, None, False, **SMALL_STEPS)
+    plain_out = plain(oracles, model_dir, prompts, GREEDY, **SMALL_STEPS)
     spec = spec_of(method, draft_dir, heads, 3)
     got, llm, spy = run(model_dir, prompts, GREEDY, spec, True, **SMALL_STEPS)
-    assert completions(got) == completions(plain)
-    assert_same_logprobs(plain, got)
+    assert completions(got) == completions(plain_out)
+    assert_same_logprobs(plain_out, got)
     stats = llm.engine.get_stats()
     assert stats.spec_decode_num_drafts > 0 and spy.overlapped > 0
     if model == "looping" and method != "eagle3":
@@ -110,15 +156,18 @@ def test_greedy_async_speculation_equals_plain_sync_decoding(method: str, model:
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_stops_and_max_tokens_inside_accepted_runs(method: str, looping_dir: Path, draft_dir: Path,  # noqa: F811
-                                                   heads: dict[str, Path]) -> None:  # noqa: F811
+                                                   heads: dict[str, Path],  # noqa: F811
+                                                   oracles: dict[str, Any]) -> None:
     """A stop id deep in the cycle, a stop string and max_tokens 23 end each request where plain
     synchronous decoding ends it, with drafts being accepted around them."""
-    prompts, params, cycle_token, stop_string = stops_inside_runs(looping_dir)
-    plain, _, _ = run(looping_dir, prompts, params, None, False)
+    if "stops_inside_runs" not in oracles:  # its own reference run: once per module
+        oracles["stops_inside_runs"] = stops_inside_runs(looping_dir)
+    prompts, params, cycle_token, stop_string = oracles["stops_inside_runs"]
+    plain_out = plain(oracles, looping_dir, prompts, params)
     got, llm, spy = run(looping_dir, prompts, params, spec_of(method, draft_dir, heads, 4, "constant"), True)
-    assert completions(got) == completions(plain)
-    assert plain[0].outputs[0].stop_reason == cycle_token and len(plain[2].outputs[0].token_ids) == 23
-    assert plain[1].outputs[0].stop_reason == stop_string
+    assert completions(got) == completions(plain_out)
+    assert plain_out[0].outputs[0].stop_reason == cycle_token and len(plain_out[2].outputs[0].token_ids) == 23
+    assert plain_out[1].outputs[0].stop_reason == stop_string
     stats = llm.engine.get_stats()
     assert stats.spec_decode_num_accepted_tokens > 0 and spy.overlapped > 0
     assert_no_block_leaks(llm)
@@ -126,7 +175,8 @@ def test_stops_and_max_tokens_inside_accepted_runs(method: str, looping_dir: Pat
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_seeded_sampling_gives_the_tokens_of_plain_and_sync_speculative_decoding(
-        method: str, looping_dir: Path, draft_dir: Path, heads: dict[str, Path]) -> None:  # noqa: F811
+        method: str, looping_dir: Path, draft_dir: Path, heads: dict[str, Path],  # noqa: F811
+        oracles: dict[str, Any]) -> None:
     """Seeded requests beside unseeded and penalised ones: their tokens are plain decoding's and
     synchronous speculation's."""
     prompts = repetitive_prompts(2, 4)
@@ -134,14 +184,14 @@ def test_seeded_sampling_gives_the_tokens_of_plain_and_sync_speculative_decoding
               for i in range(2)]
     others = [SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.2)]
-    plain, _, _ = run(looping_dir, prompts[:2], seeded, None, False)
+    plain_out = plain(oracles, looping_dir, prompts[:2], seeded)
     batch = [prompts[2], prompts[0], prompts[3], prompts[1]]
     params = [others[0], seeded[0], others[1], seeded[1]]
     spec = spec_of(method, draft_dir, heads, 3)
     sync_spec, _, _ = run(looping_dir, batch, params, spec, False, **SMALL_STEPS)
     got, llm, spy = run(looping_dir, batch, params, spec, True, **SMALL_STEPS)
-    assert completions([got[1], got[3]]) == completions([sync_spec[1], sync_spec[3]]) == completions(plain)
-    assert_same_logprobs(plain, [got[1], got[3]])
+    assert completions([got[1], got[3]]) == completions([sync_spec[1], sync_spec[3]]) == completions(plain_out)
+    assert_same_logprobs(plain_out, [got[1], got[3]])
     assert completions([got[2]]) == completions([sync_spec[2]])  # greedy with a penalty
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0 and spy.overlapped > 0
     assert_no_block_leaks(llm)
@@ -162,16 +212,13 @@ def step_with_aborts(core: EngineCore, abort_at: dict[str, int]) -> dict[str, li
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_eos_aborts_and_preemptions_with_verifications_in_flight_free_every_block(
-        method: str, looping_dir: Path, draft_dir: Path, heads: dict[str, Path]) -> None:  # noqa: F811
+        method: str, looping_dir: Path, draft_dir: Path, heads: dict[str, Path],  # noqa: F811
+        oracles: dict[str, Any]) -> None:
     """16 blocks of 4 tokens for 6 requests: verifying requests are preempted with a verification in
     flight; an EOS inside an accepted run, aborts right after a run; the others' tokens are plain
     decoding's, and every block is back at the end."""
     prompts = repetitive_prompts(9, 6)
-    reference = make_core(looping_dir, False, **SMALL_STEPS)
-    for req in core_requests(prompts, temperature=0.0, max_tokens=30, ignore_eos=True):
-        reference.add_request(req)
-    greedy = summary(step_all(reference))
-    reference.shutdown()
+    greedy = plain_core(oracles, looping_dir, prompts, temperature=0.0, max_tokens=30, ignore_eos=True)
     eos = greedy["r0"][0][12]  # deep in r0's cycle
     core = make_core(looping_dir, True, speculative_config=spec_of(method, draft_dir, heads, 3),
                      num_gpu_blocks_override=16, **SMALL_STEPS)

@@ -2,20 +2,25 @@
 
 One converted Hugging Face directory per session (`smollm2_dir`, what `tandem make-demo-model` writes),
 the transformers oracle on it in float32 (`hf`), and greedy references computed once and shared by the
-offline and the split tests (`hf_greedy`). The oracle is transformers' own LlamaForCausalLM on the
+offline and the split tests (`hf_greedy`). One engine + HTTP frontend on that directory for the session
+(`smollm2_pair`), shared by the modules that replay vLLM's recorded answers and the served-tokenizer test. The oracle is transformers' own LlamaForCausalLM on the
 converted safetensors, chat prompts rendered by the model's template through transformers' tokenizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.realmodel.support import MAX_TOKENS, chat, greedy
+from tests.realmodel.support import MAX_TOKENS, Fleet, SharedPair, chat, greedy
+from tests.support import free_port, wait_until
+
+# The directory vLLM served when the answers under data/ were recorded, with vLLM's max_model_len.
+RECORDED_MAX_MODEL_LEN, RECORDED_BLOCK_SIZE = 2048, 16
 
 
 @pytest.fixture(scope="session")
@@ -83,3 +88,26 @@ def hf_logprobs(hf: Any) -> Callable[[list[int]], torch.Tensor]:
             return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def smollm2_pair(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedPair]:
+    """One engine + frontend pair serving `smollm2_dir` as vLLM served it for the recorded answers
+    (max_model_len 2048, `--tool-call-parser hermes`), for the session: started once, not once per module.
+    Its users (the OpenAI, Responses and Messages replays; the served-tokenizer test, which puts frontends
+    of its own on the engine) send only requests that leave it as it was: no adapters, no flags changed,
+    nothing stopped. The tool call parser acts only on requests with tools (frontend_svc/openai/tools.py)."""
+    import httpx2
+
+    http_port = free_port()
+    url = f"http://127.0.0.1:{http_port}"
+    with Fleet(tmp_path_factory.mktemp("smollm2-pair")) as fleet:
+        blocks = RECORDED_MAX_MODEL_LEN // RECORDED_BLOCK_SIZE + 8
+        engine = fleet.engine(smollm2_dir, "--block-size", str(RECORDED_BLOCK_SIZE), "--max-model-len",
+                              str(RECORDED_MAX_MODEL_LEN), "--num-gpu-blocks-override", str(blocks))
+        fleet.frontend(engine, "--model", str(smollm2_dir), "--http-port", str(http_port),
+                       "--tool-call-parser", "hermes")
+        fleet.wait_serving()
+        wait_until(lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, 60, "/health 200",
+                   retry_on=(httpx2.HTTPError,))
+        yield SharedPair(engine, url)

@@ -4,6 +4,7 @@ and frontend processes a module's fixture starts, as tests/support.py `Service`s
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -36,6 +37,14 @@ def greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              do_sample=False, max_new_tokens=max_tokens, pad_token_id=model.config.eos_token_id)
     return [int(t) for t in out[0, len(prompt):]]
+
+
+@dataclass(frozen=True)
+class SharedPair:
+    """The session's SmolLM2 engine and the base URL of the HTTP frontend in front of it."""
+
+    engine: Service
+    url: str
 
 
 class Fleet:

@@ -1,6 +1,7 @@
 """A frontend started with only --engine serves SmolLM2-135M-Instruct exactly as one started with --model.
 
-One engine on the converted Hugging Face directory (`smollm2_dir`), two frontends in front of it: one
+The session's engine on the converted Hugging Face directory (`smollm2_dir`; conftest.py `smollm2_pair`),
+two frontends of this module's in front of it: one
 with --model on the same directory, one without (it fetches tokenizer.json, tokenizer_config.json with
 the chat template, generation_config.json and config.json from the engine's GetTokenizer). Both must
 render chats, tokenize, stream text and describe the model identically. (An engine serving the .gguf file
@@ -17,7 +18,7 @@ import pytest
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, MULTIBYTE_QUESTION, Fleet
+from tests.realmodel.support import CHAT_QUESTIONS, MAX_TOKENS, MULTIBYTE_QUESTION, Fleet, SharedPair
 from tests.support import Service
 
 pytestmark = pytest.mark.slow
@@ -45,12 +46,13 @@ class Api:
 
 
 @pytest.fixture(scope="module")
-def pair(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Api, Api]]:
+def pair(smollm2_pair: SharedPair, smollm2_dir: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Api, Api]]:
+    """Two frontends of this module's own on the session's serving engine (conftest.py `smollm2_pair`)."""
     with Fleet(tmp_path_factory.mktemp("served-tokenizer")) as fleet:
-        engine = fleet.engine(smollm2_dir, "--num-gpu-blocks-override", "32")
-        fleet.wait_serving()  # the frontend without --model fetches the tokenizer from a serving engine
-        with_model = fleet.frontend(engine, "--model", str(smollm2_dir))
-        without = fleet.frontend(engine)
+        # the frontend without --model fetches the tokenizer from the engine, which serves already
+        with_model = fleet.frontend(smollm2_pair.engine, "--model", str(smollm2_dir))
+        without = fleet.frontend(smollm2_pair.engine)
         fleet.wait_serving()
         yield Api(with_model), Api(without)
 

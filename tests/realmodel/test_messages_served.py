@@ -3,10 +3,10 @@
 tests/realmodel/data/vllm_messages.json holds Messages requests (greedy, SmolLM2-135M-Instruct in float32,
 max_model_len 2048) and vLLM 0.32's answers — whole bodies, every SSE event, refusals' statuses — recorded by
 scripts/record_vllm_messages.py against `vllm serve --enable-auto-tool-choice --tool-call-parser hermes`.
-One tandem engine + frontend pair (`--tool-call-parser hermes`) on the directory vLLM served answers each
-one; the answers must be the same field for field (ids and the model's path normalised the recorder's
-way; the text pieces of consecutive text_delta events may be cut differently, their order and text may
-not). The official `anthropic` client reads both forms.
+The session's tandem engine + frontend pair (`--tool-call-parser hermes`; conftest.py `smollm2_pair`) on the
+directory vLLM served answers each one; the answers must be the same field for field (ids and the model's
+path normalised the recorder's way; the text pieces of consecutive text_delta events may be cut
+differently, their order and text may not). The official `anthropic` client reads both forms.
 
 A forced call (tool_choice `tool` or `any`) is where tandem and vLLM 0.32 differ (docs/anthropic.md): vLLM
 forces the hermes wrapper through a structural tag, and on this model its recorded answers are a truncated
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,7 @@ import jsonschema
 import pytest
 
 from frontend_svc.anthropic.errors import error_type
-from tests.realmodel.support import Fleet
-from tests.support import free_port, wait_until
+from tests.realmodel.support import SharedPair
 
 pytestmark = pytest.mark.slow
 
@@ -43,22 +41,12 @@ _spec.loader.exec_module(recorder)
 CASES = {c["name"]: c for c in RECORDED["cases"]}
 RECORDED_MODEL = RECORDED["cases"][0]["body"]["model"]
 FORCED = ("tool_choice tool", "tool_choice tool streamed", "tool_choice any")
-MAX_MODEL_LEN, BLOCK_SIZE = 2048, 16
 
 
 @pytest.fixture(scope="module")
-def api(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    http_port = free_port()
-    url = f"http://127.0.0.1:{http_port}"
-    with Fleet(tmp_path_factory.mktemp("vllm-messages")) as fleet:
-        engine = fleet.engine(smollm2_dir, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-                              "--num-gpu-blocks-override", str(MAX_MODEL_LEN // BLOCK_SIZE + 8))
-        fleet.frontend(engine, "--model", str(smollm2_dir), "--http-port", str(http_port),
-                       "--tool-call-parser", "hermes")
-        fleet.wait_serving()
-        wait_until(lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, 60, "/health 200",
-                   retry_on=(httpx2.HTTPError,))
-        yield url
+def api(smollm2_pair: SharedPair) -> str:
+    """The session's SmolLM2 pair served as vLLM served it when the answers were recorded (conftest.py)."""
+    return smollm2_pair.url
 
 
 def served_model(url: str) -> str:

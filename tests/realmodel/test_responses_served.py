@@ -19,7 +19,7 @@ import httpx2
 import openai
 import pytest
 
-from tests.realmodel.test_vllm_conformance import api  # noqa: F401  (the engine + frontend pair fixture)
+from tests.realmodel.support import SharedPair
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +63,12 @@ def _usages(value: Any) -> list[dict[str, Any]]:
     return []
 
 
+@pytest.fixture(scope="module")
+def api(smollm2_pair: SharedPair) -> str:
+    """The session's SmolLM2 pair served as vLLM served it when the answers were recorded (conftest.py)."""
+    return smollm2_pair.url
+
+
 RECORDED_MODEL = CASES["string input"]["vllm"]["body"]["model"]
 SERVED_MODEL: list[str] = [""]
 
@@ -77,7 +83,7 @@ def answer_of(url: str, case: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("chat twin")])
-def test_the_same_answer_as_vllm(api: str, name: str) -> None:  # noqa: F811
+def test_the_same_answer_as_vllm(api: str, name: str) -> None:
     SERVED_MODEL[0] = httpx2.get(f"{api}/v1/models", timeout=10).json()["data"][0]["id"]
     case = CASES[name]
     got, expected = comparable(answer_of(api, case)), comparable(case["vllm"])
@@ -93,7 +99,7 @@ def test_the_same_answer_as_vllm(api: str, name: str) -> None:  # noqa: F811
 @pytest.mark.parametrize(("responses_case", "chat_case"), [("string input", "chat twin of string input"),
                                                            ("instructions and messages",
                                                             "chat twin of instructions and messages")])
-def test_greedy_text_equals_the_chat_completion_of_the_same_messages(api: str, responses_case: str,  # noqa: F811
+def test_greedy_text_equals_the_chat_completion_of_the_same_messages(api: str, responses_case: str,
                                                                      chat_case: str) -> None:
     vllm_text = CASES[responses_case]["vllm"]["body"]["output"][0]["content"][0]["text"]
     assert CASES[chat_case]["vllm"]["body"]["choices"][0]["message"]["content"] == vllm_text
@@ -102,7 +108,7 @@ def test_greedy_text_equals_the_chat_completion_of_the_same_messages(api: str, r
     assert chat["choices"][0]["message"]["content"] == answer["output"][0]["content"][0]["text"] == vllm_text
 
 
-def test_the_openai_client_reads_both_forms(api: str) -> None:  # noqa: F811
+def test_the_openai_client_reads_both_forms(api: str) -> None:
     c = openai.OpenAI(base_url=f"{api}/v1", api_key="none", max_retries=0, timeout=300)
     expected = CASES["string input"]["vllm"]["body"]["output"][0]["content"][0]["text"]
     request = CASES["string input"]["request"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from entrypoints import LLM, SamplingParams
+from frontend_svc.outputs import RequestOutput
 from tests.realmodel.support import chat
 
 pytestmark = pytest.mark.slow  # a 135M model and its transformers oracle: `make test`, not `make test-fast`
@@ -20,18 +21,27 @@ GROUNDED = (
     "Rewrite this code with the variable x renamed to y: def f(x):\n    return x * x + x",
 )
 OPEN = ("Write a haiku about the sea.",)
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
 
 
-def test_greedy_speculation_equals_transformers_and_plain(smollm2_dir: Path, chat_ids, hf_greedy) -> None:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
+@pytest.fixture(scope="module")
+def plain(smollm2_dir: Path) -> dict[str, RequestOutput]:
+    """Plain float32 greedy decoding of every question here (both tests' oracle besides transformers), one
+    batch, by question: one engine for the module."""
+    llm = LLM(str(smollm2_dir), dtype="float32")
+    outs = llm.chat([chat(q) for q in GROUNDED + OPEN], PARAMS, use_tqdm=False)
+    llm.engine.shutdown()
+    return dict(zip(GROUNDED + OPEN, outs, strict=True))
+
+
+def test_greedy_speculation_equals_transformers_and_plain(smollm2_dir: Path, chat_ids, hf_greedy,
+                                                          plain: dict[str, RequestOutput]) -> None:
     questions = GROUNDED + OPEN
     conversations = [chat(q) for q in questions]
-    plain = LLM(str(smollm2_dir), dtype="float32")
-    plain_outs = plain.chat(conversations, params, use_tqdm=False)
-    plain.engine.shutdown()
+    plain_outs = [plain[q] for q in questions]
     spec = LLM(str(smollm2_dir), dtype="float32", speculative_config={
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
-    spec_outs = spec.chat(conversations, params, use_tqdm=False)
+    spec_outs = spec.chat(conversations, PARAMS, use_tqdm=False)
     for question, a, b in zip(questions, plain_outs, spec_outs):
         assert b.outputs[0].token_ids == hf_greedy(chat_ids(question), MAX_TOKENS)[: len(b.outputs[0].token_ids)]
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, question
@@ -45,21 +55,18 @@ def test_greedy_speculation_equals_transformers_and_plain(smollm2_dir: Path, cha
 
 
 def test_greedy_draft_model_equals_transformers_and_plain(smollm2_dir: Path, chat_ids, hf_greedy,
-                                                          tmp_path: Path) -> None:
+                                                          plain: dict[str, RequestOutput], tmp_path: Path) -> None:
     """A draft cut from SmolLM2's first 8 layers (entrypoints/layer_draft.py): the same tokens and
     logprobs as plain decoding and transformers; some drafts accepted; every block back."""
     from entrypoints.layer_draft import make_layer_draft
 
     draft = make_layer_draft(smollm2_dir, tmp_path / "draft", 8)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
     questions = GROUNDED[:2] + OPEN
     conversations = [chat(q) for q in questions]
-    plain = LLM(str(smollm2_dir), dtype="float32")
-    plain_outs = plain.chat(conversations, params, use_tqdm=False)
-    plain.engine.shutdown()
+    plain_outs = [plain[q] for q in questions]
     spec = LLM(str(smollm2_dir), dtype="float32", speculative_config={
         "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
-    spec_outs = spec.chat(conversations, params, use_tqdm=False)
+    spec_outs = spec.chat(conversations, PARAMS, use_tqdm=False)
     for question, a, b in zip(questions, plain_outs, spec_outs):
         assert b.outputs[0].token_ids == hf_greedy(chat_ids(question), MAX_TOKENS)[: len(b.outputs[0].token_ids)]
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, question

@@ -3,8 +3,9 @@
 tests/realmodel/data/vllm_conformance.json holds OpenAI requests (greedy, SmolLM2-135M-Instruct in
 float32, max_model_len 2048) and what vLLM answered (status; for a success each choice's text and finish
 reason, and the usage), recorded by scripts/record_vllm_conformance.py against a vLLM server (its
-docstring has the command). One tandem engine + frontend pair on the converted model directory (the
-directory vLLM served) answers every request here; the answers must be the same: texts, finish and stop
+docstring has the command). The session's tandem engine + frontend pair (conftest.py `smollm2_pair`, shared
+with the Responses and Messages replays) on the converted model directory (the directory vLLM served)
+answers every request here; the answers must be the same: texts, finish and stop
 reasons, token ids and logprob tokens exactly, logprob values within `LOGPROB_TOL` (two float32 CPU
 implementations of the same model), and a system_fingerprint sent where vLLM sends one.
 """
@@ -14,20 +15,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
 
-from tests.realmodel.support import Fleet
-from tests.support import free_port, wait_until
+from tests.realmodel.support import SharedPair
 
 pytestmark = pytest.mark.slow
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "vllm_conformance.json").read_text())
-MAX_MODEL_LEN, BLOCK_SIZE = 2048, 16
 LOGPROB_TOL = 2e-3
 _spec = importlib.util.spec_from_file_location(
     "record_vllm_conformance", Path(__file__).resolve().parents[2] / "scripts" / "record_vllm_conformance.py")
@@ -37,17 +35,9 @@ _spec.loader.exec_module(RECORDER)
 
 
 @pytest.fixture(scope="module")
-def api(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    http_port = free_port()
-    url = f"http://127.0.0.1:{http_port}"
-    with Fleet(tmp_path_factory.mktemp("vllm-conformance")) as fleet:
-        engine = fleet.engine(smollm2_dir, "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-                              "--num-gpu-blocks-override", str(MAX_MODEL_LEN // BLOCK_SIZE + 8))
-        fleet.frontend(engine, "--model", str(smollm2_dir), "--http-port", str(http_port))
-        fleet.wait_serving()
-        wait_until(lambda: httpx2.get(f"{url}/health", timeout=2).status_code == 200, 60, "/health 200",
-                   retry_on=(httpx2.HTTPError,))
-        yield url
+def api(smollm2_pair: SharedPair) -> str:
+    """The session's SmolLM2 pair served as vLLM served it when the answers were recorded (conftest.py)."""
+    return smollm2_pair.url
 
 
 def summary(response: httpx2.Response) -> dict[str, Any]:
