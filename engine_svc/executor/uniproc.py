@@ -50,12 +50,11 @@ class UniprocExecutor(Executor):
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.worker.initialize_cache(num_blocks, max_model_len)
         if self.max_concurrent_batches > 1:
+            # The initializer gets the device, not this executor: the pool's thread keeps its initializer
+            # for life, and a reference to the executor there would keep an engine that was dropped without
+            # shutdown() alive (its worker, model and KV cache) as long as the process.
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-worker",
-                                              initializer=self._init_thread)
-
-    def _init_thread(self) -> None:
-        if self.worker.device.type == "cuda":
-            torch.cuda.set_device(self.worker.device)
+                                              initializer=_init_thread, initargs=(self.worker.device,))
 
     def submit(self, scheduler_output: SchedulerOutput) -> StepFuture:
         if self._thread is None:
@@ -88,3 +87,8 @@ class UniprocExecutor(Executor):
     @property
     def kv_block_bytes(self) -> int:
         return self.worker.kv_block_bytes
+
+
+def _init_thread(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

@@ -459,3 +459,24 @@ def test_tp2_ranks_feed_rank0s_sampled_ids(make_model, tp_prompts, tp1_reference
         core.shutdown()
     expected = [out.outputs[0].token_ids for out in tp1_reference]
     assert got["r0"][0] == expected[0] and got["r3"][0] == expected[3]
+
+
+def test_an_async_llm_dropped_without_shutdown_is_freed_with_its_worker_thread(make_model) -> None:
+    """The worker thread of async scheduling must not keep a dropped engine (its model and KV cache) alive:
+    after `del` and a collection the executor is gone and its thread has ended."""
+    import gc
+    import threading
+    import weakref
+
+    before = set(threading.enumerate())
+    llm = LLM(str(make_model("llama")), async_scheduling=True, num_gpu_blocks_override=16, block_size=4)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))  # the worker thread has run
+    executor = weakref.ref(llm.engine.executor)
+    workers = [t for t in threading.enumerate() if t not in before and t.name.startswith("tandem-worker")]
+    assert workers
+    del llm
+    gc.collect()
+    assert executor() is None
+    for thread in workers:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
