@@ -26,7 +26,7 @@ def test_on_ready_settles_the_heap_only_when_asked(monkeypatch, llama_dir, when_
     server = engine_svc.api.server.EngineServer(config, host="127.0.0.1", port=0, settle_heap_when_ready=when_ready)
     server.servicer = SimpleNamespace(core=None)  # type: ignore[assignment]
     monkeypatch.setattr(server, "_set_serving", lambda on: calls.append(("serving", on)))
-    server._on_ready(SimpleNamespace(num_blocks=4, kv_connector=None))  # type: ignore[arg-type]
+    server._on_ready(SimpleNamespace(num_blocks=4, kv_connector=None, loras=None))  # type: ignore[arg-type]
     assert calls == (["settle", ("serving", True)] if when_ready else [("serving", True)])
 
 
