@@ -140,7 +140,10 @@ def cache_views(kv_caches: list[torch.Tensor]) -> BlockViews | None:
     return views
 
 
-def staging_buffer(nbytes: int, device: torch.device) -> memoryview:
+_CPU = torch.device("cpu")
+
+
+def staging_buffer(nbytes: int, device: torch.device = _CPU) -> memoryview:
     """Host memory for the spans a pull reads from a cache on `device` (source.py reuses it span after
     span): page-locked (pinned) for a CUDA cache, so each device-to-host copy is one DMA at the link's
     speed rather than a copy through a driver bounce buffer; plain memory for a CPU cache."""

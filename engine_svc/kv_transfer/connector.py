@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_svc.kv_transfer.blocks import staging_buffer
 from engine_svc.kv_transfer.config import KVTransferConfig
 from engine_svc.kv_transfer.leases import LeaseTable
 from engine_svc.kv_transfer.puller import KVPuller, PullResult
-from engine_svc.kv_transfer.source import HostBuffer, ReadBlocks, pageable_buffer
+from engine_svc.kv_transfer.source import HostBuffer, ReadBlocks
 from engine_svc.request import Request, RequestStatus
 from shared_runtime.contract import KvTransferParams
 
@@ -83,7 +84,7 @@ class KVConnector:
         # when there is one and the cache is in this process; setup.py)
         self.read_blocks: ReadBlocks = _no_cache
         self.reads_in_pieces = True  # whether a pull reads its blocks span by span (False: all at once)
-        self.host_buffer: HostBuffer = pageable_buffer  # a span's staging memory (pinned for a CUDA cache)
+        self.host_buffer: HostBuffer = staging_buffer  # a span's staging memory (pinned for a CUDA cache)
         # Views of the cache's own memory for given blocks, in wire order, when the side channel can send
         # them as they lie (a one-rank cache in host memory: blocks.cache_views); None: the staging copy
         self.block_views: BlockViews | None = None

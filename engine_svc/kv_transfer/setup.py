@@ -16,7 +16,7 @@ from engine_svc.kv_transfer.leases import LeaseTable
 from engine_svc.kv_transfer.puller import KVPuller
 from engine_svc.kv_transfer.shards import decode_shards, describe, layout_of
 from engine_svc.kv_transfer.side_channel import SideChannelServer
-from engine_svc.kv_transfer.source import HostBuffer, pageable_buffer
+from engine_svc.kv_transfer.source import HostBuffer
 from shared_runtime.link import MAX_MESSAGE_BYTES
 from shared_runtime.security.auth import BearerToken
 from shared_runtime.security.tls import TlsFiles
@@ -42,7 +42,7 @@ def make_connector(config: EngineConfig, executor: Executor) -> KVConnector:
     kv_config = config.kv_transfer_config
     assert kv_config is not None
     views: BlockViews | None = None
-    host_buffer: HostBuffer = pageable_buffer  # a span's staging memory, on the producer
+    host_buffer: HostBuffer = staging_buffer  # a span's staging memory, on the producer
     if isinstance(executor, UniprocExecutor):
         worker = executor.worker
         assert worker.runner is not None

@@ -23,9 +23,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Generator, Iterator
 
-import numpy
-
-from engine_svc.kv_transfer.blocks import BlockViews
+from engine_svc.kv_transfer.blocks import BlockViews, staging_buffer
 from engine_svc.kv_transfer.checksum import blocks_per_span
 
 # The wire bytes of these blocks, gathered into the given buffer when there is one (the result views it)
@@ -34,13 +32,9 @@ ReadBlocks = Callable[[list[int], memoryview | None], bytes | memoryview]
 HostBuffer = Callable[[int], memoryview]
 
 
-def pageable_buffer(nbytes: int) -> memoryview:
-    return numpy.empty(nbytes, dtype=numpy.uint8).data
-
-
 class PullSource:
     def __init__(self, read: ReadBlocks, block_ids: list[int], block_bytes: int, *, in_pieces: bool = True,
-                 views: BlockViews | None = None, host_buffer: HostBuffer = pageable_buffer) -> None:
+                 views: BlockViews | None = None, host_buffer: HostBuffer = staging_buffer) -> None:
         self.read = read
         self.host_buffer = host_buffer
         self.views = views
