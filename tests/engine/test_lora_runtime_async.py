@@ -106,6 +106,27 @@ def _hold_while_victim_runs(run: Run, gate: Gate, lora_id: int) -> None:
     assert not gate.opened_by_watchdog, "the step loop waited for the held read"
 
 
+def _victim_beside_a_held_load(llm: LLM, adapter: Path, gate: Gate,
+                               seed: int) -> tuple[Run, list[int], list[int], int]:
+    """A base-model victim decoding, adapter "x" loaded at run time with its read held on `gate`, and a
+    request "new" on it waiting while the victim runs HELD_STEPS steps."""
+    run, registry = Run(llm), llm.engine.loras
+    victim, prompt = make_prompts(seed, 2, 500, lo=10, hi=10)
+    run.core.add_request(_request("victim", victim, "", max_tokens=HELD_STEPS + MAX_TOKENS + 4))
+    run.step()
+    lora_id = registry.add("x", str(adapter)).lora_id
+    run.core.add_request(_request("new", prompt, "x"))
+    _hold_while_victim_runs(run, gate, lora_id)
+    return run, victim, prompt, lora_id
+
+
+def _assert_both_exact(run: Run, model_dir: Path, adapter: Path, victim: list[int], prompt: list[int]) -> None:
+    """Both ended normally, the victim with the base model's tokens and "new" with PEFT's under the adapter."""
+    assert run.ends == {"victim": "", "new": ""}
+    assert run.tokens["new"] == peft_greedy(model_dir, adapter, prompt, MAX_TOKENS)[0]
+    assert run.tokens["victim"] == peft_greedy(model_dir, None, victim, HELD_STEPS + MAX_TOKENS + 4)[0]
+
+
 def _all_back(llm: LLM, worker_ids: set[int]) -> None:
     stats = llm.engine.get_stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == llm.engine.num_blocks
@@ -117,13 +138,7 @@ def _all_back(llm: LLM, worker_ids: set[int]) -> None:
 def test_the_step_loop_runs_the_victim_while_a_read_is_held_then_the_new_adapter_runs_exactly(adapters, gate) -> None:
     model_dir, dirs = adapters
     llm = _llm(model_dir)
-    run, registry = Run(llm), llm.engine.loras
-    victim, prompt = make_prompts(71, 2, 500, lo=10, hi=10)
-    run.core.add_request(_request("victim", victim, "", max_tokens=HELD_STEPS + MAX_TOKENS + 4))
-    run.step()
-    lora_id = registry.add("x", str(dirs["x"])).lora_id
-    run.core.add_request(_request("new", prompt, "x"))
-    _hold_while_victim_runs(run, gate, lora_id)
+    run, victim, prompt, lora_id = _victim_beside_a_held_load(llm, dirs["x"], gate, seed=71)
     worker = run.core.executor.worker
     assert "new" not in run.tokens and lora_id not in worker.runner.lora.host
     full = worker.cpu_threads
@@ -131,9 +146,7 @@ def test_the_step_loop_runs_the_victim_while_a_read_is_held_then_the_new_adapter
     gate.open()
     run.drain()
     assert not worker._reading and (worker.governor is not None or torch.get_num_threads() == full)
-    assert run.ends == {"victim": "", "new": ""}
-    assert run.tokens["new"] == peft_greedy(model_dir, dirs["x"], prompt, MAX_TOKENS)[0]
-    assert run.tokens["victim"] == peft_greedy(model_dir, None, victim, HELD_STEPS + MAX_TOKENS + 4)[0]
+    _assert_both_exact(run, model_dir, dirs["x"], victim, prompt)
     _all_back(llm, {lora_id})
     run.core.shutdown()
 
@@ -248,17 +261,9 @@ def test_tensor_parallel_a_request_waits_until_every_rank_holds_the_adapter(adap
     (tmp_path / "gate-0").touch()
     gate = Gate(tmp_path / "gate-1")
     llm = _llm(model_dir, tensor_parallel_size=2, device="cpu")
-    run, registry = Run(llm), llm.engine.loras
-    victim, prompt = make_prompts(76, 2, 500, lo=10, hi=10)
-    run.core.add_request(_request("victim", victim, "", max_tokens=HELD_STEPS + MAX_TOKENS + 4))
-    run.step()
-    lora_id = registry.add("x", str(dirs["x"])).lora_id
-    run.core.add_request(_request("new", prompt, "x"))
-    _hold_while_victim_runs(run, gate, lora_id)
+    run, victim, prompt, _ = _victim_beside_a_held_load(llm, dirs["x"], gate, seed=76)
     assert "new" not in run.tokens
     gate.open()
     run.drain()
-    assert run.ends == {"victim": "", "new": ""}
-    assert run.tokens["new"] == peft_greedy(model_dir, dirs["x"], prompt, MAX_TOKENS)[0]
-    assert run.tokens["victim"] == peft_greedy(model_dir, None, victim, HELD_STEPS + MAX_TOKENS + 4)[0]
+    _assert_both_exact(run, model_dir, dirs["x"], victim, prompt)
     run.core.shutdown()
