@@ -1,7 +1,7 @@
 """Helpers every test package shares. Import them from here rather than writing another:
 
 - `wait_until(predicate, timeout, what)`: poll until the predicate holds, or fail naming what never came.
-- `free_port()`, `health_status(address, service)`, `is_serving(address)`.
+- `free_port(span=1)` (below the ephemeral range, never the same twice), `health_status(address, service)`, `is_serving(address)`.
 - `max_gap(arrivals, start, end)`: the longest silence of a stream within [start, end] (stall tests).
 - `rpc_error(call)`: the grpc.RpcError a call raises (fails the test if it raises none);
   `bad_fields(error)`: the field paths of its `google.rpc.BadRequest` details.
@@ -63,10 +63,48 @@ def wait_until(predicate: Callable[[], object], timeout: float = 15.0, what: str
         time.sleep(interval)
 
 
-def free_port() -> int:
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take their local port from it)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORT_FLOOR = 15000
+_ports_given: set[int] = set()
+_port_lock = threading.Lock()
+# A per-process start (pids differ between two suites run side by side); never pytest-randomly's seeded `random`.
+_port_cursor = itertools.count(os.getpid() * 211 % max(1, _ephemeral_low() - _PORT_FLOOR - 64))
+
+
+def free_port(span: int = 1) -> int:
+    """The first of `span` consecutive loopback ports that are free now, below the ephemeral range and never
+    handed out before in this process.
+
+    A port the OS picks for `bind(0)` is an ephemeral one: between our close and the server's bind, any
+    outgoing connection (a frontend dialling an engine, another test's client) may take it as its local
+    port, and the server then fails with "address in use". Ports below the range are never given to
+    outgoing connections; the set keeps two servers of one test from getting the same port."""
+    high = _ephemeral_low() - span
+    with _port_lock:
+        for _ in range(high - _PORT_FLOOR):
+            first = _PORT_FLOOR + next(_port_cursor) % (high - _PORT_FLOOR)
+            ports = range(first, first + span)
+            if any(p in _ports_given for p in ports) or not all(_bindable(p) for p in ports):
+                continue
+            _ports_given.update(ports)
+            return first
+    raise RuntimeError(f"no {span} free loopback port(s) in [{_PORT_FLOOR}, {high})")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def health_status(address: str, service: str = "", timeout: float = 2.0) -> int:

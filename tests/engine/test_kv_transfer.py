@@ -34,7 +34,7 @@ from shared_runtime.contract import EngineCoreRequest, EngineSamplingParams, KvT
 from shared_runtime.from_pb import kv_transfer_params_from_pb
 from tests.engine.test_engine_server import ServerThread
 from tests.engine_stream import EngineStream, engine_idle, engine_load
-from tests.support import wait_until
+from tests.support import free_port, wait_until
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 PROMPT = [5, 9, 14, 22, 31, 40, 47, 51, 60, 66, 71, 80, 85, 90, 97, 101, 3, 7]  # 18 tokens: 4 full blocks + 2
@@ -227,7 +227,7 @@ def test_a_failed_pull_is_recomputed_exactly(producer: ServerThread, unified: En
     if failure == "nothing_kept":
         remote = {"remote_request_id": "never-kept"}
     elif failure == "dead_producer":
-        remote = {"remote_port": _unused_port()}
+        remote = {"remote_port": free_port()}
     else:
         consumer.shutdown()
         consumer = EngineCore(_config(llama_dir, KVTransferConfig(kv_role="kv_consumer"), block_size=8))
@@ -339,14 +339,6 @@ def _pull(producer: ServerThread, request_id: str, layout: epb.KvCacheLayout | N
         chunks = epb_grpc.EngineCoreServiceStub(channel).PullKvBlocks(
             epb.PullKvBlocksRequest(request_id=request_id, layout=layout), timeout=10)
         return sum(len(c.data) for c in chunks)
-
-
-def _unused_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_corrupted_transfer_is_refused_and_recomputed(producer: ServerThread, unified: EngineCore,

@@ -24,6 +24,7 @@ from engine_svc.executor.multiproc import WorkerDiedError
 from engine_svc.executor.nodes import JOIN_TIMEOUT_ENV
 from entrypoints import LLM, SamplingParams
 from tests.engine.test_hf_exact import MAX_TOKENS, assert_no_block_leaks, hf_greedy, make_prompts
+from tests.support import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ENGINE_ARGS: dict[str, Any] = dict(
@@ -35,17 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def two_free_ports() -> int:
     """A port p such that p and p + 1 are free on loopback (torch.distributed, the node link)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return int(port)
-    raise RuntimeError("no two adjacent free ports")
+    return free_port(span=2)
 
 
 def start_headless(model: Path, port: int, *flags: str) -> subprocess.Popen:
