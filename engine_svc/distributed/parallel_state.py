@@ -10,11 +10,15 @@ and every collective is the identity, so single-process code never touches torch
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from engine_svc.distributed.pipeline import StageLinks, stage_layer_range
 
+STORE_TIMEOUT_S = 600  # how long a rank waits for the others at the rendezvous
 _TP_RANK = 0
 _TP_SIZE = 1
 _TP_GROUP: dist.ProcessGroup | None = None
@@ -36,7 +40,7 @@ def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str 
         raise ValueError(f"rank {rank} is outside [0, {world})")
     stage, tp_rank = divmod(rank, size)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+        _init_world(backend, init_method, rank, world)
     if size > 1:
         if pipeline_stages == 1:
             _TP_GROUP = dist.group.WORLD
@@ -49,6 +53,29 @@ def init_tp_group(rank: int, size: int, backend: str = "gloo", init_method: str 
     _PP_RANK, _PP_SIZE, _PARTITION = stage, pipeline_stages, layer_partition
     _LINKS = StageLinks(prev_rank=rank - size if stage > 0 else None,
                         next_rank=rank + size if stage < pipeline_stages - 1 else None)
+
+
+STORE_SCHEME = "store://"
+
+
+def _init_world(backend: str, init_method: str | None, rank: int, world: int) -> None:
+    """torch.distributed's default group. `store://HOST:PORT` joins a TCPStore a parent process already
+    serves (it bound the port, so no other socket can take it between picking and binding);
+    any other `init_method` goes to torch as is (tcp://, env://: rank 0 serves the store)."""
+    if init_method is None or not init_method.startswith(STORE_SCHEME):
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+        return
+    host, _, port = init_method.removeprefix(STORE_SCHEME).rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+
+def serve_store(host: str = "127.0.0.1") -> tuple[Any, str]:
+    """A TCPStore served by this process on a port the OS picks, and the `init_method` its children join
+    it with. The store lives as long as the returned object is referenced."""
+    store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=STORE_TIMEOUT_S))
+    return store, f"{STORE_SCHEME}{host}:{store.port}"
 
 
 def destroy_tp_group() -> None:

@@ -38,7 +38,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 import weakref
@@ -83,13 +82,6 @@ class WorkerDiedError(RuntimeError):
     """A TP worker process died or failed; the executor is shut down and cannot be used again."""
 
 
-def free_tcp_port() -> int:
-    """A port on 127.0.0.1 that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class AnswerFuture:
     """The answer rank's answer to one command (EXECUTE: a `ModelRunnerOutput`), read from the answer pipe
     when asked for, by whichever thread asks first (answers come in command order)."""
@@ -118,6 +110,7 @@ class MultiprocExecutor(WorkerInfoExecutor):
         super().__init__(config)
         self.world_size = config.world_size
         self.ranks = local_ranks(config)  # the ranks on this node (all of them on one node)
+        self._store: Any = None  # the rendezvous store the workers join (one node)
         self._nodes: list[RemoteNode] = []  # node 0 of several: the headless nodes' links
         _check_devices(config)
         self._info: WorkerInfo | None = None
@@ -158,7 +151,12 @@ class MultiprocExecutor(WorkerInfoExecutor):
     def _spawn(self, worker_cls: str) -> None:
         ctx = mp.get_context("spawn")
         multinode = self.config.nnodes > 1
-        init_method = dist_init_method(self.config) if multinode else f"tcp://127.0.0.1:{free_tcp_port()}"
+        if multinode:
+            init_method = dist_init_method(self.config)
+        else:  # served from here from before the spawn: no window in which another socket takes the port
+            from engine_svc.distributed.parallel_state import serve_store
+
+            self._store, init_method = serve_store()
         answering = answer_rank(self.config)
         answer_send: Connection | None = None
         self._answers: Connection | None = None  # None: the answer rank is on another node
