@@ -10,11 +10,22 @@ has their owner `settle()` them before handing the delta out. The collector neve
 
 With a `DrainGate` (engines/drain_gate.py) the collector tells the engine stream that fed it when its reader came
 back for more. Everything here runs on one asyncio loop.
+
+A `sink` (set by the reader's owner, `Generation.write_directly`) lets the task that processes an engine step
+hand a delta straight to the wire, without waking the reader's task: while the reader is *parked* in `get`
+(it has sent everything it took, nothing is pending, the request has not failed), `put` offers the delta to
+the sink first, and a sink that accepts it has written it (it is never pending). A sink refuses a delta it
+cannot write at once (a finish or an error, which the reader's task handles; a connection over its
+high-water mark or gone), which then waits for the reader as usual, and the reader is unparked. So the
+reader sees every delta the sink did not take, in order after those it took, and a slow reader still
+gets merged deltas (the sink is off until it parks again). An exception from the sink turns it off and is
+raised by the reader's next `get`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 from frontend_svc.engines.drain_gate import DrainGate
@@ -29,6 +40,9 @@ class Settles(Protocol):
         """Give the unread delta the text of its undecoded ids."""
 
 
+Sink = Callable[[CompletionDelta], bool]  # True: the delta was written (see the module docstring)
+
+
 class DeltaCollector:
     """Deltas waiting for one reader, merged per completion index; then, possibly, one failure.
 
@@ -36,7 +50,8 @@ class DeltaCollector:
     collector counts as handed to the reader until it comes back for more (`get`) or stops reading
     (`release`)."""
 
-    __slots__ = ("_failure", "_handed", "_pending", "_ready", "_unsettled", "gate")
+    __slots__ = ("_failure", "_handed", "_parked", "_pending", "_ready", "_sink_error", "_unsettled", "gate",
+                 "sink")
 
     def __init__(self) -> None:
         self._pending: dict[int, CompletionDelta] = {}  # completion index -> unread (merged) delta
@@ -45,9 +60,21 @@ class DeltaCollector:
         self.gate: DrainGate | None = None
         self._handed = -1  # the gate's epoch when output was handed and not yet taken (-1: none)
         self._unsettled: list[Settles] = []  # owners of unread deltas whose text is still to be decoded
+        self.sink: Sink | None = None
+        self._parked = False  # the reader waits in `get` with nothing pending: the sink may take a delta
+        self._sink_error: Exception | None = None
 
     def put(self, delta: CompletionDelta) -> CompletionDelta:
-        """Add `delta` for the reader; return the unread delta of its index it is now part of."""
+        """Add `delta` for the reader (or write it through the sink); return the unread delta of its index
+        it is now part of (`delta` itself when the sink took it: nothing of its index is unread)."""
+        if self._parked and self.sink is not None:
+            try:
+                if self.sink(delta):
+                    return delta
+            except Exception as exc:  # the reader raises it; what follows waits for it, unwritten
+                self.sink = None
+                self._sink_error = exc
+        self._parked = False
         unread = self._pending.get(delta.index)
         if unread is None:
             self._pending[delta.index] = unread = delta
@@ -76,6 +103,7 @@ class DeltaCollector:
         """End the request with `error` (the first failure wins)."""
         if self._failure is None:
             self._failure = error
+        self._parked = False
         self._ready.set()
 
     @property
@@ -87,7 +115,18 @@ class DeltaCollector:
         nothing is pending and the request failed, raise its `ServiceError`. Calling it again means the
         previous output was sent (`release`)."""
         self.release()
-        await self._ready.wait()
+        if not self._ready.is_set():
+            self._parked = self._failure is None and self._sink_error is None
+            try:
+                await self._ready.wait()
+            finally:
+                self._parked = False
+        if self._sink_error is not None:
+            error, self._sink_error = self._sink_error, None
+            try:
+                raise error
+            finally:
+                del error  # no cycle through this frame
         if self._unsettled:
             for owner in self._unsettled:
                 owner.settle()
