@@ -19,6 +19,8 @@ Invariants:
   slots back, later calls do nothing.
 - `batches()` ends after every completion's finished delta; an engine error or a lost engine ends it
   with a `ServiceError` carrying the engine's code.
+- With `write_directly`, the deltas its writer took never reach `batches()`; every finish and error
+  still does, after them, and `close()` turns the writer off.
 
 `GenerationBackend` is everything an API layer may use of the frontend (as vLLM's API server sees only
 an `EngineClient`): `FrontendServer` implements it, the OpenAI layer takes nothing else.
