@@ -220,8 +220,9 @@ class Generation:
         self._collector.release()
 
     def write_directly(self, write: Callable[[CompletionDelta], bool]) -> None:
-        """Let the engine step's processing write this generation's deltas itself while `batches()`'s
-        reader waits for output (delta_collector.py, the sink): `write(delta)` writes the delta's output
+        """Let the processing of engine output write this generation's deltas itself (merged per completion
+        over each processed slice) while `batches()`'s reader waits for output (delta_collector.py, the
+        sink): `write(delta)` writes the delta's output
         and returns True, or writes nothing and returns False (the reader then gets the delta). It is
         offered only deltas that neither finish nor fail a completion (those end `batches()`); the deltas
         it writes count in the call's telemetry as the reader's do. Call it before `batches()` runs."""

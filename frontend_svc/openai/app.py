@@ -349,7 +349,7 @@ async def _stream(run: Run, builder: Builder, include_usage: bool) -> AsyncItera
 
 def _direct_writer(run: Run, builder: Builder, include_usage: bool) -> Callable[[RawBody], None]:
     """Once the stream's body is a `RawBody`: the run's deltas that `_stream` would write one event each
-    are written from the engine step's processing instead (`Run.write_directly`), the same event bytes
+    are written by the processing of engine output instead (`Run.write_directly`), the same event bytes
     and in the same order, while the body's task waits (finishes, errors and everything before the first
     token still go through `_stream`)."""
     def attach(raw: RawBody) -> None:
