@@ -110,16 +110,15 @@ class DeltaCollector:
             return  # the reader was woken meanwhile: it takes them
         sink = self.sink
         if sink is not None:
-            self._settle()
-            for index, delta in list(self._pending.items()):
-                try:
+            try:
+                self._settle()
+                for index, delta in list(self._pending.items()):
                     if not sink(delta):
                         break
-                except Exception as exc:  # the reader raises it; what is pending waits for it, unwritten
-                    self.sink = None
-                    self._sink_error = exc
-                    break
-                del self._pending[index]
+                    del self._pending[index]
+            except Exception as exc:  # the reader raises it (what is pending waits for it, unwritten)
+                self.sink = None
+                self._sink_error = exc
         if self._pending or self._sink_error is not None:
             self._wake()
 
