@@ -165,7 +165,7 @@ class DeltaCollector:
         previous output was sent (`release`)."""
         self.release()
         if not self._ready.is_set():
-            self._parked = self._failure is None and self._sink_error is None and not self._pending
+            self._parked = self.sink is not None and self._failure is None and not self._pending
             try:
                 await self._ready.wait()
             finally:
