@@ -9,9 +9,11 @@ per message delivered, for:
   per-message cost when the server is busy, completions queue up);
 - `aio-tick`: grpc.aio, each stream writes one message per tick (`--tick-ms`, one shared ticker sets an
   event all streams wait on: one engine step reaching every stream, as in the frontend);
+- `aio-tick-gen`: `aio-tick` with the handler an async generator yielding each message (grpc.aio's other
+  way to stream a response) instead of awaiting `context.write`;
 - `sync`: grpc's thread-pool server, the handler yielding messages (a burst).
 
-    python bench/grpc_floor.py [--modes aio aio-tick sync] [--messages 256] [--tick-ms 40] [--rounds 2]
+    python bench/grpc_floor.py [--modes aio aio-tick aio-tick-gen sync] [--messages 256] [--tick-ms 40] [--rounds 2]
 
 Run it under `/work/bin/quiet` on the shared box. Nothing of tandem is imported: it is grpcio alone.
 """
@@ -49,15 +51,26 @@ def handler_for(mode: str, messages: int, tick_s: float) -> Any:
             tick["event"], event = asyncio.Event(), tick["event"]
             event.set()
 
+    def start_ticker() -> None:
+        if not tick:
+            tick["event"] = asyncio.Event()
+            tick["task"] = asyncio.get_running_loop().create_task(ticker())
+
+    if mode == "aio-tick-gen":
+        async def aio_generator(request: bytes, context: Any) -> Any:
+            start_ticker()
+            for _ in range(messages):
+                await tick["event"].wait()
+                yield MESSAGE
+        return grpc.unary_stream_rpc_method_handler(aio_generator)
+
     async def aio_stream(request: bytes, context: Any) -> None:
         write = context.write
         if mode == "aio":
             for _ in range(messages):
                 await write(MESSAGE)
             return
-        if not tick:
-            tick["event"] = asyncio.Event()
-            tick["task"] = asyncio.get_running_loop().create_task(ticker())
+        start_ticker()
         for _ in range(messages):
             await tick["event"].wait()
             await write(MESSAGE)
@@ -128,7 +141,7 @@ def measure(mode: str, port: int, args: argparse.Namespace) -> tuple[float, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", nargs="+", default=["aio", "aio-tick", "sync"], choices=["aio", "aio-tick", "sync"])
+    parser.add_argument("--modes", nargs="+", default=["aio", "aio-tick", "sync"], choices=["aio", "aio-tick", "aio-tick-gen", "sync"])
     parser.add_argument("--streams", type=int, default=128)
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--messages", type=int, default=256, help="messages per stream")
@@ -147,7 +160,7 @@ def main() -> None:
     for mode in args.modes:
         runs = [measure(mode, base_port + r * len(args.modes) + args.modes.index(mode), args)
                 for r in range(args.rounds)]
-        label = f"{mode} ({args.tick_ms:g} ms)" if mode == "aio-tick" else mode
+        label = f"{mode} ({args.tick_ms:g} ms)" if mode.startswith("aio-tick") else mode
         per_message = statistics.median(r[0] for r in runs)
         rounds = ", ".join(f"{r[0]:.1f}" for r in runs)
         print(f"  {label:16s} {per_message:6.1f} us/msg  (rounds: {rounds}; busy {statistics.median(r[1] for r in runs):.2f})",

@@ -40,6 +40,9 @@ change: `served --systems tandem tandem-base --baseline-tree /tmp/base --concurr
       python bench/vs_vllm.py offline --model .tiny-models/SmolLM2-135M-Instruct --dtype bfloat16 \
           --systems tandem tandem-static vllm --neighbour quiet spin
 
+`served --profile DIR` records the API process with py-spy during each run (PY_SPY=/path/to/py-spy; its
+figures are not for comparison: sampling costs the process CPU).
+
 Both systems get the same 1 GiB KV cache and their default scheduling limits (`--tandem-args` adds
 `tandem serve` flags, e.g. other step sizes: `--systems tandem` compares settings without vLLM). `--vllm-python` names
 the interpreter of vLLM's environment (default /work/vllm-venv/bin/python).
@@ -227,6 +230,17 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _spy(out: Path, system: str, pid: int) -> subprocess.Popen[bytes]:
+    """`py-spy record` (PY_SPY=/path/to/py-spy, PYSPY_RATE samples a second) on the API process, writing
+    collapsed stacks to OUT/served-SYSTEM-<pid>.txt until it is sent SIGINT."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [os.environ.get("PY_SPY", "py-spy"), "record", "-r", os.environ.get("PYSPY_RATE", "200"),
+            "--nonblocking", "--format", "raw", "-o", str(out / f"served-{system}-{pid}.txt"), "--pid", str(pid)]
+    spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached
+    return spy
+
+
 def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     """Start `system`'s server, run vLLM's benchmark client against it, stop the server."""
     port, name = _free_port(), Path(args.model).name
@@ -240,6 +254,7 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
             # an engine serves; vLLM's answers 200 once it is up.
             _wait_http(f"http://127.0.0.1:{port}/health", server, timeout=600)
             api = _api_process(system, server.pid)
+            spy = _spy(args.profile, system, api) if args.profile is not None else None
             api_cpu = _cpu_seconds(api)
             client = subprocess.run(
                 [args.vllm_python, "-c", _BENCH_CLIENT, "--backend", "openai", "--base-url",
@@ -253,6 +268,9 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
             # Output tokens = throughput x duration (ignore_eos: every request makes its 128).
             tokens = result["output_throughput"] * result["duration"]
             result["api_us_per_token"] = 1e6 * (_cpu_seconds(api) - api_cpu) / tokens
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
         except Exception:
             log.seek(0)
             sys.stderr.write(log.read()[-4000:].decode(errors="replace"))
@@ -398,6 +416,8 @@ def main() -> int:
                     help="the tandem source tree to run (default: this one; e.g. a `git archive` of main)")
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="served: the tree `--systems tandem-base` runs (e.g. a `git archive` of main), beside this one")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="served: py-spy samples of the API process per run here (not for figures: it costs CPU)")
     ap.add_argument("--tandem-args", default="",
                     help="extra `tandem serve` flags for the served runs, e.g. \"--long-prefill-token-threshold 64\"")
     args = ap.parse_args()

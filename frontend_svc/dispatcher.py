@@ -38,6 +38,8 @@ Invariants:
 - The outputs of several engine messages processed together are grouped by request (a request's outputs
   in engine order, requests in the order they first appear), so a request with outputs of several steps
   gets one merged delta and its reader sends them in one wire message.
+- A stream whose reader waits for output with a sink (delta_collector.py) gets its deltas of a slice
+  written, merged per completion, once the slice is processed (`SinkBatch.flush`), as a woken reader would.
 - A large engine step is processed in slices of about `OUTPUT_SLICE` outputs (a request's never split)
   with the event loop free between them, so a step of hundreds of requests never holds it for all of
   them at once (the streams whose deltas are ready get written meanwhile).
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 import msgspec
 from tandem.engine.v1 import engine_core_pb2 as epb
 
-from frontend_svc.delta_collector import DeltaCollector
+from frontend_svc.delta_collector import DeltaCollector, SinkBatch
 from frontend_svc.engines.client import EngineClient, EngineConnection, EngineUnavailable
 from frontend_svc.output_processor import OutputProcessor, ProcessedOutputs, RequestState
 from frontend_svc.pd_flow import (
@@ -124,6 +126,7 @@ class Dispatcher:
         # P/D: requests on their prefill engine, and the kept blocks of each completion as they come.
         self._prefilling: dict[RequestState, dict[str, KvTransferParams | None]] = {}
         self._prefill_of: dict[str, RequestState] = {}  # engine id of a prefill -> its request
+        self._sinks = SinkBatch()  # collectors whose sinks write once the slice being processed ends
         engines.listener = self
 
     def submit(self, prepared: PreparedRequest, engine_requests: Sequence[EngineCoreRequest],
@@ -135,6 +138,7 @@ class Dispatcher:
         to_send = [prefill_request(r) for r in engine_requests] if prefill_on else engine_requests
         messages = [add_to_pb(request) for request in to_send]  # may raise: before any state
         request = self.output_processor.add_request(prepared, collector)
+        collector.batch = self._sinks
         self._sent[request] = {r.request_id: r for r in engine_requests}
         if prefill_on is not None:
             self._prefilling[request] = {r.request_id: None for r in engine_requests}
@@ -175,7 +179,9 @@ class Dispatcher:
             if not first:
                 await asyncio.sleep(0)
             first = False
-            self._deliver(connection, process(outputs))
+            processed = process(outputs)
+            self._sinks.flush()
+            self._deliver(connection, processed)
         for request in prefilled:
             self._after_prefill(request, connection)
 

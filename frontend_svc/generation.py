@@ -19,6 +19,8 @@ Invariants:
   slots back, later calls do nothing.
 - `batches()` ends after every completion's finished delta; an engine error or a lost engine ends it
   with a `ServiceError` carrying the engine's code.
+- With `write_directly`, the deltas its writer took never reach `batches()`; every finish and error
+  still does, after them, and `close()` turns the writer off.
 
 `GenerationBackend` is everything an API layer may use of the frontend (as vLLM's API server sees only
 an `EngineClient`): `FrontendServer` implements it, the OpenAI layer takes nothing else.
@@ -217,6 +219,22 @@ class Generation:
             yield deltas
         self._collector.release()
 
+    def write_directly(self, write: Callable[[CompletionDelta], bool]) -> None:
+        """Let the processing of engine output write this generation's deltas itself (merged per completion
+        over each processed slice) while `batches()`'s reader waits for output (delta_collector.py, the
+        sink): `write(delta)` writes the delta's output
+        and returns True, or writes nothing and returns False (the reader then gets the delta). It is
+        offered only deltas that neither finish nor fail a completion (those end `batches()`); the deltas
+        it writes count in the call's telemetry as the reader's do. Call it before `batches()` runs."""
+        on_delta = self.call.on_delta
+
+        def sink(delta: CompletionDelta) -> bool:
+            if delta.finish_reason is not None or not write(delta):
+                return False
+            on_delta(delta)
+            return True
+        self._collector.sink = sink
+
     def abort(self) -> None:
         """End the unfinished completions now (an abort asked for by the client, vLLM's Control.Abort):
         they stop in the engine, and `batches()` hands out one final delta for each, finish_reason
@@ -237,6 +255,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self._collector.sink = None
         self._collector.release()
         if self._request is not None:
             self._dispatcher.abort(self._request)  # a no-op once the request is done

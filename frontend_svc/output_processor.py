@@ -43,7 +43,7 @@ in one of two moments. Normally when the engine output is processed. But a serve
 1 on the common path whose previous delta is still unread in its `DeltaCollector` (its reader is behind)
 does not decode each step: the step's ids join the unread delta (`Completion.undecoded`), and the text of
 all of them is decoded in one tokenizer call (`Completion.settle`) just before the reader takes the delta
-(the collector's `get` calls `settle`), when a later output needs the text in order (a finish, a stop
+(the collector's `get` calls `settle`, or its `flush` before a sink writes it), when a later output needs the text in order (a finish, a stop
 string, an error), or every `SETTLE_AT` ids for a reader that stays away. A step whose completion has
 nothing unread is decoded at once, as before. Either way the concatenated text is the same; only the
 number of tokenizer calls differs (BENCHMARKS.md, "the deferred decode").

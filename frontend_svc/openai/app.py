@@ -73,6 +73,8 @@ from frontend_svc.openai.http_io import (
     read_json_body,
     unless_disconnected,
 )
+from frontend_svc.openai.raw_body import RawBody
+from frontend_svc.outputs import CompletionDelta
 from frontend_svc.processor import PreparedRequest
 from frontend_svc.service_error import ServiceError
 from shared_runtime.contract import SamplingParams
@@ -311,7 +313,8 @@ class OpenAIApi:
         builder.prompts = [self._prompt_info(prepared, builder.extras.echo) for prepared in run.prepared]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse.EventStream(_stream(run, builder, include_usage), on_close=run.close, headers=headers)
+            return sse.EventStream(_stream(run, builder, include_usage), on_close=run.close, headers=headers,
+                                   on_raw=_direct_writer(run, builder, include_usage))
         return await collected_answer(request, _collect(run, builder), run.close, headers)
 
     def _prompt_info(self, prepared: PreparedRequest, echo: bool) -> bodies.PromptInfo:
@@ -342,6 +345,25 @@ async def _stream(run: Run, builder: Builder, include_usage: bool) -> AsyncItera
         run.fail(code_name(exc.code), exc.message)
         yield sse.event(from_service(exc).body().model_dump_json())
     yield sse.DONE
+
+
+def _direct_writer(run: Run, builder: Builder, include_usage: bool) -> Callable[[RawBody], None]:
+    """Once the stream's body is a `RawBody`: the run's deltas that `_stream` would write one event each
+    are written by the processing of engine output instead (`Run.write_directly`), the same event bytes
+    and in the same order, while the body's task waits (finishes, errors and everything before the first
+    token still go through `_stream`)."""
+    def attach(raw: RawBody) -> None:
+        chunk, write_now = builder.chunk, raw.write_now
+
+        def write(delta: CompletionDelta) -> bool:
+            if not raw.writable:
+                return False
+            data = chunk(0, delta, include_usage)
+            if data is not None:
+                write_now(f"data: {data}\n\n".encode())
+            return True
+        run.write_directly(write)
+    return attach
 
 
 def system_fingerprint(model_name: str) -> str:

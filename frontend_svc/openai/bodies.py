@@ -10,8 +10,9 @@ that carries something) or fold them into the final response, and sum usage over
 counted once, every completion's tokens counted). `TokenTexts` decodes logprob tokens, cached per id.
 A delta's chunk is built as plain dicts and serialised by `dump` (the hot path: no pydantic model per
 chunk, token or top-logprob entry); a chat chunk's logprobs are spliced in as text joined from JSON
-fragments cached per token (`TokenPieces.json`) and one `dump` of their floats; the bytes are exactly
-the response models' (protocol.py; tests/openai_api/test_chunk_bytes.py).
+fragments cached per token (`TokenPieces.json`) and one `dump` of their floats; a chunk that carries text
+only (the usual token) is its choice's template, dumped once, with the dumped text spliced in; the bytes
+are exactly the response models' (protocol.py; tests/openai_api/test_chunk_bytes.py).
 
 Invariants:
 - Concatenating a choice's chunk texts gives the non-streaming text (both come from the same deltas).
@@ -498,6 +499,7 @@ class _Builder:
         self.usage = _Usage()
         self.tool_calls: list[tools.ToolCalls] = []  # chat: one per choice while tool calls are parsed
         self.kv_transfer_params: dict[str, Any] | None = None  # the engine's kept K/V (openai/kv_transfer.py)
+        self._templates: dict[tuple[int, bool], tuple[str, str]] = {}  # (choice, with_usage) -> text chunk's JSON
 
     def index(self, prompt_index: int, delta: CompletionDelta) -> int:
         return prompt_index * self.n + delta.index
@@ -550,6 +552,22 @@ class _Builder:
     def _ids(self, ids: list[int]) -> list[int] | None:
         return list(ids) if self.extras.token_ids else None
 
+    def _text_chunk(self, index: int, text: str, with_usage: bool) -> str:
+        """The chunk of a text-only delta of choice `index` (no finish, logprobs or ids): its JSON around the
+        text is the same for every such delta, so it is dumped once (`_text_body`, with an empty text) and
+        the text, dumped alone (the same escaping as inside the body), goes between."""
+        template = self._templates.get((index, with_usage))
+        if template is None:
+            key = f'"{self._TEXT_KEY}":'
+            head, _, tail = dump(self._text_body(index, with_usage)).partition(key + '""')
+            template = self._templates[(index, with_usage)] = (head + key, tail)
+        return template[0] + pydantic_core.to_json(text).decode() + template[1]
+
+    _TEXT_KEY = ""  # the key whose value is the text in `_text_body` (the first such key in its JSON)
+
+    def _text_body(self, index: int, with_usage: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
 
 def dump(body: Any) -> str:
     """A stream chunk built as plain dicts (keys in the response model's field order, exactly the
@@ -580,8 +598,15 @@ class CompletionBuilder(_Builder):
             return None
         return first, text, logprobs
 
+    _TEXT_KEY = "text"
+
     def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
         """One stream chunk for `delta`, or None when it carries nothing."""
+        if delta.text and delta.finish_reason is None and delta.prompt_logprobs is None and self.top_n is None \
+                and not self.extras.echo and not self.extras.token_ids:
+            index = prompt_index * self.n + delta.index
+            self.choices[index].started = True
+            return self._text_chunk(index, delta.text, with_usage)  # the chunk below, from its template
         shown = self.shown(prompt_index, delta)
         if shown is None:
             return None
@@ -598,6 +623,14 @@ class CompletionBuilder(_Builder):
         if with_usage:
             body["usage"] = None
         return dump(body)
+
+    def _text_body(self, index: int, with_usage: bool) -> dict[str, Any]:
+        out = {"index": index, "text": "", "logprobs": None, "finish_reason": None, "stop_reason": None}
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [out]}
+        if with_usage:
+            body["usage"] = None
+        return body
 
     def add(self, prompt_index: int, delta: CompletionDelta) -> None:
         """Fold `delta` into the final response."""
@@ -734,6 +767,9 @@ class ChatBuilder(_Builder):
         """One stream chunk for `delta`, or None when it carries nothing. Its logprobs are JSON text
         (`_logprobs_json`), put in the place of the `"logprobs":null` the rest is dumped with: a JSON
         string escapes its quotes, so that text only occurs as the choice's key and its null value."""
+        if delta.text and delta.finish_reason is None and delta.prompt_logprobs is None and self.top_n is None \
+                and not self.tool_calls and not self.extras.token_ids:
+            return self._text_chunk(prompt_index * self.n + delta.index, delta.text, with_usage)  # as below
         self._record(prompt_index, delta)
         shown = self._shown(prompt_index, delta, self._logprobs_json(delta))
         if shown is None:
@@ -756,6 +792,16 @@ class ChatBuilder(_Builder):
         if logprobs is None:
             return dump(body)
         return dump(body).replace('"logprobs":null', '"logprobs":' + logprobs, 1)
+
+    _TEXT_KEY = "content"
+
+    def _text_body(self, index: int, with_usage: bool) -> dict[str, Any]:
+        out = {"index": index, "delta": {"content": ""}, "logprobs": None, "finish_reason": None}
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [out]}
+        if with_usage:
+            body["usage"] = None
+        return body
 
     def _chunk(self, choices: list[p.ChatChunkChoice], with_usage: bool) -> str:
         body = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices)

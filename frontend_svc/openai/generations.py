@@ -137,6 +137,15 @@ class Run:
                 task.cancel()
             await asyncio.wait(tasks)  # their ends, without their exceptions
 
+    def write_directly(self, write: Callable[[CompletionDelta], bool]) -> bool:
+        """A single prompt's deltas may be written by `write` while `batches()`'s reader waits
+        (`Generation.write_directly`); False (nothing changed) with several prompts, whose deltas are
+        merged through tasks of their own."""
+        if len(self._generations) != 1:
+            return False
+        self._generations[0].write_directly(write)
+        return True
+
     async def collect(self, add: Callable[[int, CompletionDelta], object]) -> None:
         """Every delta, in order, into `add(prompt_index, delta)`; the run then succeeds. An engine failure
         fails the run and is raised as the API's error (`from_service`)."""

@@ -17,6 +17,9 @@ Invariants:
   sees `pause_writing`), `write` returns only once it has drained, so a reader that does not read holds
   at most the high-water mark plus one chunk in the frontend; the generation behind it merges its deltas
   meanwhile (frontend_svc/delta_collector.py).
+- `write_now` is `write` for a caller that is not a task of its own (the engine step's processing, through
+  the generation's sink, delta_collector.py): it writes only while `writable` (under the high-water mark),
+  and otherwise leaves the chunk to the response's task, whose `write` waits.
 - Nothing is written once the client is gone (`write` returns False); the disconnect itself is noticed
   by the response's own watch on `receive` (sse.EventStream), as with Starlette.
 """
@@ -58,17 +61,26 @@ class RawBody:
 
     async def write(self, data: bytes) -> bool:
         """Write `data` as the next part of the body; False (nothing written) once the client is gone."""
-        cycle = self._cycle
-        if cycle.disconnected:
+        if self._cycle.disconnected:
             return False
+        self.write_now(data)
+        if self._flow.write_paused:
+            await self._flow.drain()  # uvicorn's connection_lost resumes it too, so this always returns
+        return not self._cycle.disconnected
+
+    @property
+    def writable(self) -> bool:
+        """`write_now` may be called: the client is there and the transport is under its high-water mark."""
+        return not self._flow.write_paused and not self._cycle.disconnected
+
+    def write_now(self, data: bytes) -> None:
+        """Write `data` as the next part of the body without waiting (only while `writable`, or from
+        `write`: what keeps the buffer bounded is that nobody writes past the high-water mark)."""
         if data:
             if self._chunked:
                 self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
             else:  # a close-delimited HTTP/1.0 body, or whatever else h11 chose: h11 frames it
-                self._transport.write(cycle.conn.send(h11.Data(data=data)))
-        if self._flow.write_paused:
-            await self._flow.drain()  # uvicorn's connection_lost resumes it too, so this always returns
-        return not cycle.disconnected
+                self._transport.write(self._cycle.conn.send(h11.Data(data=data)))
 
 
 class WithRawBody:

@@ -43,10 +43,12 @@ class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, on_raw: Callable[[RawBody], None] | None = None) -> None:
+        """`on_raw` is given the `RawBody` once the response started on it (not on Starlette's path)."""
         super().__init__(content, headers={**HEADERS, **(headers or {})})
         self._content = content
         self._on_close = on_close
+        self._on_raw = on_raw
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -67,6 +69,8 @@ class EventStream(StreamingResponse):
         spec < 2.4: whichever ends first cancels the other); an error of the body is raised."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         raw.start()
+        if self._on_raw is not None:
+            self._on_raw(raw)
         body = asyncio.ensure_future(self._write_body(raw, send))
         watch = asyncio.ensure_future(_until_disconnect(receive))
         try:

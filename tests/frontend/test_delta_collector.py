@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from frontend_svc.delta_collector import DeltaCollector
+from frontend_svc.delta_collector import DeltaCollector, SinkBatch
 from frontend_svc.engines.drain_gate import DrainGate
 from frontend_svc.outputs import CompletionDelta, TokenLogprob, Usage
 from frontend_svc.service_error import UNAVAILABLE, ServiceError
@@ -146,3 +146,84 @@ def test_a_stalled_reader_holds_back_one_batch_at_most_the_wait_once() -> None:
     held, second = asyncio.run(scenario())
     assert 0.04 <= held < 1.0
     assert second < 0.04
+
+
+def test_a_parked_reader_is_not_woken_for_what_its_sink_writes() -> None:
+    """The sink takes deltas only while the reader waits, once per batch (a batch's deltas of a completion
+    merged): those never wake it; a delta it refuses does, and the deltas after it (the reader not yet
+    back) wait, merged, unoffered; a finish wakes the reader at once, with what is pending."""
+    async def scenario() -> tuple[list[str], list[list[str]], int]:
+        collector, batch = DeltaCollector(), SinkBatch()
+        collector.batch = batch
+        written: list[str] = []
+        accept = [True]
+
+        def sink(d: CompletionDelta) -> bool:  # as Generation's: a finish goes to the reader
+            assert d.finish_reason is None
+            if not accept[0]:
+                return False
+            written.append(d.text)
+            return True
+        collector.sink = sink
+        wakeups = 0
+        got: list[list[str]] = []
+
+        async def reader() -> None:
+            nonlocal wakeups
+            while True:
+                deltas = await collector.get()
+                wakeups += 1
+                got.append([d.text for d in deltas])
+                if any(d.finish_reason for d in deltas):
+                    return
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)  # the reader parks
+        for step in range(0, 50, 2):  # 25 batches of two steps each
+            collector.put(delta(0, step))
+            collector.put(delta(0, step + 1))
+            assert not written or written[-1] == f"<0.{step - 2}><0.{step - 1}>"  # nothing before the flush
+            batch.flush()
+            await asyncio.sleep(0)
+        accept[0] = False  # e.g. the connection is over its high-water mark
+        collector.put(delta(0, 50))
+        batch.flush()
+        collector.put(delta(0, 51))  # the reader has not run yet: merged, not offered
+        accept[0] = True
+        collector.put(delta(0, 52))
+        batch.flush()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the reader took them and parked again
+        collector.put(delta(0, 53))
+        batch.flush()
+        collector.put(delta(0, 54))
+        collector.put(delta(0, 55, finish="stop"))  # no flush: a finish wakes the reader itself
+        await asyncio.wait_for(task, 5)
+        batch.flush()  # finds the reader gone from the sink's reach: nothing written
+        return written, got, wakeups
+
+    written, got, wakeups = asyncio.run(scenario())
+    assert written == [f"<0.{i}><0.{i + 1}>" for i in range(0, 50, 2)] + ["<0.53>"]
+    assert got == [["<0.50><0.51><0.52>"], ["<0.54><0.55>"]]
+    assert wakeups == 2
+
+
+def test_a_sink_that_raises_is_turned_off_and_its_error_raised_by_the_reader() -> None:
+    async def scenario() -> tuple[BaseException, list[str]]:
+        collector, batch = DeltaCollector(), SinkBatch()
+        collector.batch = batch
+
+        def sink(d: CompletionDelta) -> bool:
+            raise ValueError("bad chunk")
+        collector.sink = sink
+        task = asyncio.ensure_future(collector.get())
+        await asyncio.sleep(0)
+        collector.put(delta(0, 0))
+        batch.flush()
+        with pytest.raises(ValueError) as info:
+            await asyncio.wait_for(task, 5)
+        collector.put(delta(0, 1))  # the sink is off: the delta waits for the reader
+        return info.value, [d.text for d in await collector.get()]
+
+    error, after = asyncio.run(scenario())
+    assert str(error) == "bad chunk"
+    assert after == ["<0.0><0.1>"]

@@ -18,7 +18,7 @@ import random
 
 import pytest
 
-from frontend_svc.delta_collector import DeltaCollector
+from frontend_svc.delta_collector import DeltaCollector, SinkBatch
 from frontend_svc.output_processor import SETTLE_AT, OutputProcessor, partial_token_text
 from frontend_svc.processor import Processor
 from shared_runtime import contract as p
@@ -144,6 +144,42 @@ def test_a_reader_that_is_behind_gets_what_the_general_path_gives(tokenizer, pro
     last["new_token_ids"] = ids[-1:] + ([EOS] if ending == "eos" else [])
     steps.append(last)
     got, _ = asyncio.run(_read_behind(tokenizer, processor, steps, seed))
+    assert _merged(got) == _merged(_deltas(tokenizer, processor, [NEVER], steps))
+
+
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_a_sink_writes_a_batchs_steps_decoded_and_merged(tokenizer, processor, encode, ending):
+    """A reader parked with a sink (the SSE writer): the steps of one engine batch (1-3 per message) join
+    one delta whose ids are decoded before the sink writes it (`flush` settles), one write per batch; the
+    sink's deltas and the reader's finish concatenate to the general path's text, ids and finish."""
+    ids = encode(" the boats rocked € against their ropes, naïve 🌊 café")
+    steps = [{"new_token_ids": ids[i:i + 1]} for i in range(len(ids) - 1)]
+    last = dict(ENDINGS[ending])
+    last["new_token_ids"] = ids[-1:] + ([EOS] if ending == "eos" else [])
+    steps.append(last)
+
+    async def run():
+        op, collector, batch = OutputProcessor(tokenizer), DeltaCollector(), SinkBatch()
+        collector.batch = batch
+        written = []
+        collector.sink = lambda d: d.finish_reason is None and (written.append(d) or True)
+        state = op.add_request(processor.process("Mara walked", SamplingParams(max_tokens=400)), collector)
+        rid = state.prepared.engine_request_ids[0]
+        reader = asyncio.ensure_future(collector.get())
+        await asyncio.sleep(0)  # parked
+        rng, i, batches = random.Random(ending), 0, 0
+        while i < len(steps):
+            size = rng.choice([1, 2, 3])
+            outputs = [p.EngineCoreOutput(request_id=rid, **kwargs) for kwargs in steps[i:i + size]]
+            assert not op.process_outputs(outputs_to_pb(p.EngineCoreOutputs(outputs=outputs))).deltas
+            batch.flush()
+            i, batches = i + size, batches + 1
+        got = await asyncio.wait_for(reader, 5)
+        assert state.done and len(written) == batches - 1  # one write per batch; the last holds the finish
+        assert len(written) < len(steps) - 1  # batches of several steps were written as one
+        return [(d.text, d.token_ids, d.finish_reason, d.stop_reason, d.usage, d.error) for d in written + got]
+
+    got = asyncio.run(run())
     assert _merged(got) == _merged(_deltas(tokenizer, processor, [NEVER], steps))
 
 

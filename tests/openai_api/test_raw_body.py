@@ -23,6 +23,7 @@ import h11
 import pytest
 from h11._writers import ChunkedWriter
 
+from frontend_svc.delta_collector import DeltaCollector
 from frontend_svc.openai import raw_body, sse
 from frontend_svc.openai.edge import GuardedH11Protocol
 from tests.openai_api.conftest import HttpStack
@@ -135,6 +136,38 @@ def test_raw_streams_are_the_bytes_of_the_send_path(stack: HttpStack, counted_wr
     stack.wait_engine_idle(timeout=5)
 
 
+def test_a_kept_up_stream_wakes_its_task_for_its_end_not_per_token(
+        stack: HttpStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each token of a stream whose client keeps up is written by the engine step's processing (the
+    generation's sink): the stream's own task takes output from its collector once (the finish), where
+    the `send` path (the oracle, same request) takes it once per step; the bodies are the same."""
+    taken: list[int] = []
+    original = DeltaCollector.get
+
+    async def get(self: DeltaCollector) -> list[Any]:
+        deltas = await original(self)
+        taken.append(len(deltas))
+        return deltas
+
+    monkeypatch.setattr(DeltaCollector, "get", get)
+    max_tokens = 40
+    request = request_bytes(stack, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+        "stream_options": {"include_usage": True}}, "wakeups")
+    port = stack.frontend.http.bound_port
+    [(status, _, body)] = exchange(port, [request])
+    direct = len(taken)
+    monkeypatch.setattr(GuardedH11Protocol, "raw_body", False)
+    taken.clear()
+    [(ref_status, _, ref_body)] = exchange(port, [request])
+    assert status == ref_status == 200
+    assert normalized(body) == normalized(ref_body)
+    assert json.loads(body.split(b"data: ")[-2])["usage"]["completion_tokens"] == max_tokens
+    assert direct == 1, f"the stream's task took output {direct} times for {max_tokens} tokens"
+    assert len(taken) > max_tokens // 4  # the oracle's task wakes per step (merged only when it lags)
+    stack.wait_engine_idle(timeout=5)
+
+
 def test_a_reader_that_stops_reading_holds_the_buffer_at_the_high_water_mark(
         stack: HttpStack, loop: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """Big events (n=8, top-20 logprobs) into a socket nobody reads for 1.2 s: without backpressure the
@@ -239,3 +272,19 @@ def test_a_client_that_leaves_while_no_token_flows_aborts_the_request(loop: Loop
 
     loop.run(run())
     assert closed == ["iterator", "on_close"]
+
+
+def test_a_client_that_leaves_while_tokens_flow_aborts_the_request(stack: HttpStack) -> None:
+    """The chunks of a kept-up stream are written by the engine step's processing, not the response's task:
+    a client that closes its connection mid-stream still ends the request in the engine at once (the
+    response's disconnect watch), and nothing is left admitted."""
+    request, data = request_bytes(stack, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 20_000}, "leaves")
+    conn = h11.Connection(h11.CLIENT)
+    received = bytearray()
+    with socket.create_connection(("127.0.0.1", stack.frontend.http.bound_port), timeout=30) as sock:
+        sock.sendall(conn.send(request) + conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
+        while received.count(b"data: ") < 30:
+            received += sock.recv(65536)
+        assert stack.fake.running
+    stack.wait_engine_idle(timeout=5)  # 20,000 tokens at 2 ms a step would take 40 s
