@@ -240,7 +240,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
       }
       T* dst = out_base + (req * num_heads + kv_head * group) * head_dim;
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d) dst[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv_sum[g]);
+        for (int64_t d = 0; d < head_dim; ++d) dst[g * head_dim + d] = tandem::from_float<T>(acc[g * head_dim + d] * inv_sum[g]);
     }
   });
 }
