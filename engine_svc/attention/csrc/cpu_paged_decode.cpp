@@ -200,6 +200,20 @@ inline void weighted_values_64(const float* scores, int64_t padded, int64_t base
 }
 #endif
 
+// max(init, s[0, n)) in 16 independent lanes (the compiler makes them one vector; a plain running
+// std::max stays one scalar dependency chain). Exact in any order for the finite scores it is given.
+inline float row_max(const float* s, int64_t n, float init) {
+  float lanes[16];
+  for (int l = 0; l < 16; ++l) lanes[l] = init;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] = s[i + l] > lanes[l] ? s[i + l] : lanes[l];
+  for (; i < n; ++i) lanes[0] = s[i] > lanes[0] ? s[i] : lanes[0];
+  float mx = lanes[0];
+  for (int l = 1; l < 16; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+  return mx;
+}
+
 // Whether this build scores bfloat16 blocks with AVX512-BF16 (block size 16, even head_dim) unless
 // `portable` asks for the compiler-vectorised float32 path every CPU runs.
 template <typename T>
@@ -279,8 +293,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
         const int64_t n = seq_len - lo;
         const float sink = sinks != nullptr ? sinks[kv_head * group + g] : 0.f;
         float mx = sinks != nullptr ? sink : -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);  // exact in any order: one vector chain
+        mx = row_max(s, n, mx);
         float sum = sinks != nullptr ? tandem::exp_clamped(sink - mx) : 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) {
