@@ -207,3 +207,26 @@ def test_native_bfloat16_rounding_is_torchs_bit_for_bit_at_ties_overflow_and_nan
     assert torch.equal(residual[finite].view(torch.int16), want[finite].view(torch.int16))
     assert residual[0, 4].item() == float("inf") and residual[0, 5].isnan()
     assert residual[0, 0].item() == 1.0 and residual[0, 1].item() == 1.0 + 2 * ulp  # ties to even
+
+
+def test_native_bfloat16_ops_run_vectorised_like_their_float32_twins():
+    """A guard on the bfloat16 stores' vectorisation: with c10's scalar conversion per element the bf16
+    SiLU-and-mul took ~11x the float32 one (BENCHMARKS.md, "The CPU engine's step outside the GEMMs");
+    vectorised it takes ~2x. Timed alternating in one process (median of 9), so a busy machine slows both."""
+    import statistics
+    import time
+
+    native_op_expected()
+    ops = cpu_paged.load()
+    x32 = torch.randn(64, 2 * 1536, generator=torch.Generator().manual_seed(1))
+    x16 = x32.bfloat16()
+
+    def timed(x: torch.Tensor) -> float:
+        start = time.perf_counter()
+        for _ in range(20):
+            ops.silu_and_mul(x)
+        return time.perf_counter() - start
+
+    timed(x16), timed(x32)
+    ratios = [timed(x16) / timed(x32) for _ in range(9)]
+    assert statistics.median(ratios) < 5, ratios
