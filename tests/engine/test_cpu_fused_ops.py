@@ -189,3 +189,21 @@ def test_without_the_native_ops_a_cpu_forward_still_equals_transformers(make_mod
 
     _without_native(monkeypatch)
     run_and_compare(make_model("qwen3"), make_prompts(13, 3, 500))
+
+
+def test_native_bfloat16_rounding_is_torchs_bit_for_bit_at_ties_overflow_and_nan():
+    """The ops round float32 to bfloat16 in integer arithmetic (cpu_math.h `from_float` / `round_to`):
+    ties go to even, a finite sum past bfloat16's largest rounds to inf, NaN stays NaN, as torch rounds."""
+    native_op_expected()
+    ulp = 2.0**-7  # bfloat16's spacing in [1, 2)
+    bf16_max = torch.finfo(torch.bfloat16).max  # + half its ulp: a finite float32 tie that rounds to inf
+    residual = torch.tensor([[1.0, 1.0, 1.0 + ulp, -1.0, bf16_max, float("inf"), 0.5, 1.0]]).bfloat16()
+    x = torch.tensor([[ulp / 2, 3 * ulp / 2, ulp / 2, -ulp / 2, 2.0**119, float("-inf"), 2.0**-30,
+                       ulp / 4]]).bfloat16()
+    want = (x.float() + residual.float()).bfloat16()  # torch's float32 -> bfloat16 rounding
+    weight = torch.ones(8, dtype=torch.bfloat16)
+    cpu_paged.load().add_rms_norm_(x, residual, weight, EPS)
+    finite = want.isfinite()
+    assert torch.equal(residual[finite].view(torch.int16), want[finite].view(torch.int16))
+    assert residual[0, 4].item() == float("inf") and residual[0, 5].isnan()
+    assert residual[0, 0].item() == 1.0 and residual[0, 1].item() == 1.0 + 2 * ulp  # ties to even

@@ -166,13 +166,14 @@ def test_one_metadata_serves_every_layer(decode_path, monkeypatch):
     torch.testing.assert_close(out, layer1.expected(), atol=1e-5, rtol=1e-5)
 
 
-def _model_sized_decodes(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+def _model_sized_decodes(dtype: torch.dtype, seed: int, heads: int = 9, kv_heads: int = 3,
+                         head_dim: int = 64) -> tuple[torch.Tensor, ...]:
     """Decodes at a real model's shape (SmolLM2: 9 query / 3 KV heads, head_dim 64, 16-token blocks):
     mixed context lengths (one block, a partial last block, several hundred tokens), random block
     tables, the cache outside every context filled with large values. Returns (query, cache,
     block_table, seq_lens, expected) with `expected` computed in float64 from the same rounded inputs."""
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, head_dim, block, num_blocks = 9, 3, 64, 16, 160
+    block, num_blocks = 16, 160
     lens = [1, 16, 17, 300, 255, 64, 129, 2]
     width = max(-(-n // block) for n in lens)
     cache = (1e3 * torch.randn(2, num_blocks, kv_heads, block, head_dim, generator=gen)).to(dtype)
@@ -212,6 +213,21 @@ def test_native_decode_reads_blocks_in_place_at_model_shapes(dtype, entry):
     # (one bf16 ulp of values ~1), which a bf16 accumulation over hundreds of positions would exceed.
     tol = 1e-5 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(5, 1, 32), (10, 2, 48), (8, 1, 128), (4, 2, 96)])
+def test_native_bfloat16_decode_at_other_groups_and_head_dims(heads, kv_heads, head_dim):
+    """The AVX512-BF16 path's other shapes: query groups of 5 and 8 (passes of up to 4 rows), 2 and 1;
+    head dims whose key pairs come from a register transpose (32, 96, 128: multiples of 32) and from a
+    gather (48); head_dim 64 alone sums values in registers. Each equals the float64 reference and the
+    portable kernel."""
+    native_op_expected()
+    op = cpu_paged.load()
+    query, cache, table, lens, expected = _model_sized_decodes(torch.bfloat16, 11, heads, kv_heads, head_dim)
+    out = op.paged_decode(query, cache, table, lens, head_dim**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=8e-3, rtol=8e-3)
+    portable = op.paged_decode_portable(query, cache, table, lens, head_dim**-0.5)
+    torch.testing.assert_close(out, portable, atol=8e-3, rtol=8e-3)
 
 
 def test_native_decode_uses_avx512_bf16_where_the_cpu_has_it():

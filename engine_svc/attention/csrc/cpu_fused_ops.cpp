@@ -28,15 +28,14 @@ void add_rms_norm_kernel(at::Tensor& x, at::Tensor& residual, const at::Tensor& 
       // statistics are taken over the rounded values
 #pragma omp simd reduction(+ : ss)
       for (int64_t d = 0; d < dim; ++d) {
-        const T sum = static_cast<T>(tandem::as_float(xr[d]) + tandem::as_float(rr[d]));
-        rr[d] = sum;
-        const float f = tandem::as_float(sum);
-        ss += f * f;
+        const float sum = tandem::round_to<T>(tandem::as_float(xr[d]) + tandem::as_float(rr[d]));
+        rr[d] = tandem::from_float<T>(sum);  // exact: `sum` is already a T value
+        ss += sum * sum;
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + feps);
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d)
-        xr[d] = static_cast<T>(tandem::as_float(rr[d]) * inv * tandem::as_float(w[d]));
+        xr[d] = tandem::from_float<T>(tandem::as_float(rr[d]) * inv * tandem::as_float(w[d]));
     }
   });
 }
@@ -54,7 +53,7 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float g = tandem::as_float(gate[i]);
-        o[i] = static_cast<T>(g / (1.f + tandem::exp_clamped(-g)) * tandem::as_float(up[i]));
+        o[i] = tandem::from_float<T>(g / (1.f + tandem::exp_clamped(-g)) * tandem::as_float(up[i]));
       }
     }
   });
@@ -70,21 +69,21 @@ void rotary_kernel(at::Tensor& x, const at::Tensor& positions, const at::Tensor&
   const int64_t* pos = positions.data_ptr<int64_t>();
   const T* cs = cache.data_ptr<T>();
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> lo(half), hi(half);
+    std::vector<float> cos_sin(2 * dim);  // the token's cache row in float32: cos [0, D), signed sin [D, 2D)
+    const float* cos = cos_sin.data();
+    const float* sin = cos + dim;
     for (int64_t t = begin; t < end; ++t) {
-      const T* cos = cs + pos[t] * 2 * dim;
-      const T* sin = cos + dim;
+      const T* src = cs + pos[t] * 2 * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < 2 * dim; ++d) cos_sin[d] = tandem::as_float(src[d]);
       for (int64_t h = 0; h < heads; ++h) {
         T* row = xs + t * token_stride + h * head_stride;
-        for (int64_t d = 0; d < half; ++d) {
-          lo[d] = tandem::as_float(row[d]);
-          hi[d] = tandem::as_float(row[d + half]);
-        }
+        // iteration d reads and writes only row[d] and row[d + half]: no dependence between iterations
 #pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
-          row[d] = static_cast<T>(lo[d] * tandem::as_float(cos[d]) + hi[d] * tandem::as_float(sin[d]));
-          row[d + half] =
-              static_cast<T>(hi[d] * tandem::as_float(cos[d + half]) + lo[d] * tandem::as_float(sin[d + half]));
+          const float lo = tandem::as_float(row[d]), hi = tandem::as_float(row[d + half]);
+          row[d] = tandem::from_float<T>(lo * cos[d] + hi * sin[d]);
+          row[d + half] = tandem::from_float<T>(hi * cos[d + half] + lo * sin[d + half]);
         }
       }
     }

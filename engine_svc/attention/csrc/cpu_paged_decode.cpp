@@ -73,31 +73,83 @@ inline void axpy(float alpha, const T* x, float* y, int64_t n) {
 }
 
 #ifdef TANDEM_AVX512_BF16
+// r[p] lane t <- r[t] lane p: a 16 x 16 transpose of 32-bit elements in registers (interleave 32- and
+// 64-bit elements within 128-bit lanes, then move 128-bit lanes).
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 2; ++j) {
+    for (int k = 0; k < 4; ++k) {
+      t[8 * j + k] = _mm512_shuffle_i32x4(r[8 * j + k], r[8 * j + 4 + k], 0x88);
+      t[8 * j + 4 + k] = _mm512_shuffle_i32x4(r[8 * j + k], r[8 * j + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+  }
+}
+
 // AVX512-BF16 scores of one 16-key block: s[t] = scale * sum_d q_g[d] k_t[d] for the group's query rows,
-// straight from the bfloat16 cache. Per pair of head dims p, one gather takes the 16 keys' (2p, 2p+1)
+// straight from the bfloat16 cache. Per pair of head dims p, one register holds the 16 keys' (2p, 2p+1)
 // pairs (a 32-bit lane each) and vdpbf16ps adds q[2p] k[2p] + q[2p+1] k[2p+1] to each key's lane: the
 // 16 scores stay in one register, products are exact and sums are float32 (as the portable kernel).
+// Those registers come from a register transpose of 16 pairs of all 16 keys at a time where head_dim is a
+// multiple of 32 (a gather per pair otherwise: the same lanes, many times slower on CPUs whose gathers
+// are microcoded); both add the pairs in the same order, so both give the same bits.
 // head_dim even; q rows dense bfloat16, not scaled.
+// NG query rows (a compile-time count, so that the accumulators stay in registers) against one block.
+template <int NG>
+inline void block_scores_bf16_rows(const at::BFloat16* const* q_rows, const int32_t* k32, int32_t pairs,
+                                   bool transposed, __m512i rows, float scale, float* const* s) {
+  __m512 acc[NG];
+  __m512i k_pairs[16];
+  for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
+  for (int32_t p = 0; p < pairs; ++p) {
+    __m512i k;
+    if (transposed) {
+      if (p % 16 == 0) {  // pairs [p, p + 16) of the 16 keys, one key per register, then transposed
+        for (int t = 0; t < 16; ++t) k_pairs[t] = _mm512_loadu_si512(k32 + t * pairs + p);
+        transpose_16x16(k_pairs);
+      }
+      k = k_pairs[p % 16];
+    } else {
+      k = _mm512_i32gather_epi32(rows, k32 + p, 4);
+    }
+    for (int g = 0; g < NG; ++g) {
+      int32_t qp;
+      std::memcpy(&qp, q_rows[g] + 2 * p, sizeof(qp));
+      acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)k, (__m512bh)_mm512_set1_epi32(qp));
+    }
+  }
+  for (int g = 0; g < NG; ++g) _mm512_storeu_ps(s[g], _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+}
+
 inline void block_scores_bf16(const at::BFloat16* const* q_rows, const at::BFloat16* keys, int64_t group,
                               int64_t head_dim, float scale, float* const* s) {
   const int32_t* k32 = reinterpret_cast<const int32_t*>(keys);
   const int32_t pairs = static_cast<int32_t>(head_dim / 2);
+  const bool transposed = pairs % 16 == 0;
   const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(pairs));
-  constexpr int64_t kMaxGroup = 8;
-  for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-    const int64_t ng = std::min(kMaxGroup, group - g0);
-    __m512 acc[kMaxGroup];
-    for (int64_t g = 0; g < ng; ++g) acc[g] = _mm512_setzero_ps();
-    for (int32_t p = 0; p < pairs; ++p) {
-      const __m512bh k = (__m512bh)_mm512_i32gather_epi32(rows, k32 + p, 4);
-      for (int64_t g = 0; g < ng; ++g) {
-        int32_t qp;
-        std::memcpy(&qp, q_rows[g0 + g] + 2 * p, sizeof(qp));
-        acc[g] = _mm512_dpbf16_ps(acc[g], k, (__m512bh)_mm512_set1_epi32(qp));
-      }
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {  // up to 4 query rows a pass
+    const at::BFloat16* const* q = q_rows + g0;
+    float* const* out = s + g0;
+    switch (std::min<int64_t>(4, group - g0)) {
+      case 1: block_scores_bf16_rows<1>(q, k32, pairs, transposed, rows, scale, out); break;
+      case 2: block_scores_bf16_rows<2>(q, k32, pairs, transposed, rows, scale, out); break;
+      case 3: block_scores_bf16_rows<3>(q, k32, pairs, transposed, rows, scale, out); break;
+      default: block_scores_bf16_rows<4>(q, k32, pairs, transposed, rows, scale, out); break;
     }
-    for (int64_t g = 0; g < ng; ++g) _mm512_storeu_ps(s[g0 + g], _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
   }
 }
 #endif
@@ -106,31 +158,61 @@ inline void block_scores_bf16(const at::BFloat16* const* q_rows, const at::BFloa
 // acc[g, 0:64] = sum_pos scores[g, pos] * v_pos for head_dim 64: each value row converted once (4 float32
 // vectors) and the group's accumulators held in registers, 4 query heads a pass.
 // Positions [lo, seq_len); scores[g * padded + pos - base] holds position pos's score.
-inline void weighted_values_64(const float* scores, int64_t padded, int64_t base, int64_t lo, int64_t seq_len,
-                               const at::BFloat16* v_base, const int32_t* blocks, int64_t num_kv_heads,
-                               int64_t kv_head, int64_t run, int64_t block_size, int64_t group, float* acc_out) {
-  constexpr int64_t kG = 4;
-  for (int64_t g0 = 0; g0 < group; g0 += kG) {
-    const int64_t ng = std::min(kG, group - g0);
-    __m512 acc[kG][4];
-    for (int64_t g = 0; g < kG; ++g)
-      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t pos = lo; pos < seq_len; ++pos) {
-      const at::BFloat16* v = v_base + (blocks[pos / block_size] * num_kv_heads + kv_head) * run + (pos % block_size) * 64;
+template <int NG>
+inline void weighted_values_64_rows(const float* scores, int64_t padded, int64_t base, int64_t lo, int64_t seq_len,
+                                    const at::BFloat16* v_base, const int32_t* blocks, int64_t num_kv_heads,
+                                    int64_t kv_head, int64_t run, int64_t block_size, float* acc_out) {
+  __m512 acc[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t pos0 = base; pos0 < seq_len; pos0 += block_size) {  // block by block: no division per row
+    const at::BFloat16* block_v = v_base + (blocks[pos0 / block_size] * num_kv_heads + kv_head) * run;
+    const int64_t first = std::max(lo, pos0), last = std::min(seq_len, pos0 + block_size);
+    for (int64_t pos = first; pos < last; ++pos) {
+      const at::BFloat16* v = block_v + (pos - pos0) * 64;
       __m512 x[4];
       for (int c = 0; c < 4; ++c)
         x[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c))), 16));
-      for (int64_t g = 0; g < ng; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * padded + pos - base]);
+      for (int g = 0; g < NG; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * padded + pos - base]);
         for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, x[c], acc[g][c]);
       }
     }
-    for (int64_t g = 0; g < ng; ++g)
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc_out + (g0 + g) * 64 + 16 * c, acc[g][c]);
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc_out + g * 64 + 16 * c, acc[g][c]);
+}
+
+inline void weighted_values_64(const float* scores, int64_t padded, int64_t base, int64_t lo, int64_t seq_len,
+                               const at::BFloat16* v_base, const int32_t* blocks, int64_t num_kv_heads,
+                               int64_t kv_head, int64_t run, int64_t block_size, int64_t group, float* acc_out) {
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {  // up to 4 query heads a pass
+    const float* sc = scores + g0 * padded;
+    float* out = acc_out + g0 * 64;
+    switch (std::min<int64_t>(4, group - g0)) {
+      case 1: weighted_values_64_rows<1>(sc, padded, base, lo, seq_len, v_base, blocks, num_kv_heads, kv_head, run, block_size, out); break;
+      case 2: weighted_values_64_rows<2>(sc, padded, base, lo, seq_len, v_base, blocks, num_kv_heads, kv_head, run, block_size, out); break;
+      case 3: weighted_values_64_rows<3>(sc, padded, base, lo, seq_len, v_base, blocks, num_kv_heads, kv_head, run, block_size, out); break;
+      default: weighted_values_64_rows<4>(sc, padded, base, lo, seq_len, v_base, blocks, num_kv_heads, kv_head, run, block_size, out); break;
+    }
   }
 }
 #endif
+
+// max(init, s[0, n)) in 16 independent lanes (the compiler makes them one vector; a plain running
+// std::max stays one scalar dependency chain). Exact in any order for the finite scores it is given.
+inline float row_max(const float* s, int64_t n, float init) {
+  float lanes[16];
+  for (int l = 0; l < 16; ++l) lanes[l] = init;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] = s[i + l] > lanes[l] ? s[i + l] : lanes[l];
+  for (; i < n; ++i) lanes[0] = s[i] > lanes[0] ? s[i] : lanes[0];
+  float mx = lanes[0];
+  for (int l = 1; l < 16; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+  return mx;
+}
 
 // Whether this build scores bfloat16 blocks with AVX512-BF16 (block size 16, even head_dim) unless
 // `portable` asks for the compiler-vectorised float32 path every CPU runs.
@@ -211,7 +293,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
         const int64_t n = seq_len - lo;
         const float sink = sinks != nullptr ? sinks[kv_head * group + g] : 0.f;
         float mx = sinks != nullptr ? sink : -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+        mx = row_max(s, n, mx);
         float sum = sinks != nullptr ? tandem::exp_clamped(sink - mx) : 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) {
@@ -240,7 +322,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
       }
       T* dst = out_base + (req * num_heads + kv_head * group) * head_dim;
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d) dst[g * head_dim + d] = static_cast<T>(acc[g * head_dim + d] * inv_sum[g]);
+        for (int64_t d = 0; d < head_dim; ++d) dst[g * head_dim + d] = tandem::from_float<T>(acc[g * head_dim + d] * inv_sum[g]);
     }
   });
 }
