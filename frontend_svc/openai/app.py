@@ -360,7 +360,7 @@ def _direct_writer(run: Run, builder: Builder, include_usage: bool) -> Callable[
                 return False
             data = chunk(0, delta, include_usage)
             if data is not None:
-                write_now(f"data: {data}\n\n".encode())
+                write_now(sse.event(data).encode())
             return True
         run.write_directly(write)
     return attach

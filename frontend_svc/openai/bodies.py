@@ -563,6 +563,12 @@ class _Builder:
             template = self._templates[(index, with_usage)] = (head + key, tail)
         return template[0] + pydantic_core.to_json(text).decode() + template[1]
 
+    def _text_only(self, delta: CompletionDelta) -> bool:
+        """Whether `delta`'s chunk carries its text alone (no finish, logprobs or token ids): a
+        `_text_chunk` unless the API adds more (echo, tool calls)."""
+        return bool(delta.text) and delta.finish_reason is None and delta.prompt_logprobs is None \
+            and self.top_n is None and not self.extras.token_ids
+
     _TEXT_KEY = ""  # the key whose value is the text in `_text_body` (the first such key in its JSON)
 
     def _text_body(self, index: int, with_usage: bool) -> dict[str, Any]:
@@ -602,8 +608,7 @@ class CompletionBuilder(_Builder):
 
     def chunk(self, prompt_index: int, delta: CompletionDelta, with_usage: bool) -> str | None:
         """One stream chunk for `delta`, or None when it carries nothing."""
-        if delta.text and delta.finish_reason is None and delta.prompt_logprobs is None and self.top_n is None \
-                and not self.extras.echo and not self.extras.token_ids:
+        if self._text_only(delta) and not self.extras.echo:
             index = prompt_index * self.n + delta.index
             self.choices[index].started = True
             return self._text_chunk(index, delta.text, with_usage)  # the chunk below, from its template
@@ -767,8 +772,7 @@ class ChatBuilder(_Builder):
         """One stream chunk for `delta`, or None when it carries nothing. Its logprobs are JSON text
         (`_logprobs_json`), put in the place of the `"logprobs":null` the rest is dumped with: a JSON
         string escapes its quotes, so that text only occurs as the choice's key and its null value."""
-        if delta.text and delta.finish_reason is None and delta.prompt_logprobs is None and self.top_n is None \
-                and not self.tool_calls and not self.extras.token_ids:
+        if self._text_only(delta) and not self.tool_calls:
             return self._text_chunk(prompt_index * self.n + delta.index, delta.text, with_usage)  # as below
         self._record(prompt_index, delta)
         shown = self._shown(prompt_index, delta, self._logprobs_json(delta))

@@ -137,14 +137,12 @@ class Run:
                 task.cancel()
             await asyncio.wait(tasks)  # their ends, without their exceptions
 
-    def write_directly(self, write: Callable[[CompletionDelta], bool]) -> bool:
+    def write_directly(self, write: Callable[[CompletionDelta], bool]) -> None:
         """A single prompt's deltas may be written by `write` while `batches()`'s reader waits
-        (`Generation.write_directly`); False (nothing changed) with several prompts, whose deltas are
-        merged through tasks of their own."""
-        if len(self._generations) != 1:
-            return False
-        self._generations[0].write_directly(write)
-        return True
+        (`Generation.write_directly`); with several prompts nothing changes (their deltas are merged
+        through tasks of their own)."""
+        if len(self._generations) == 1:
+            self._generations[0].write_directly(write)
 
     async def collect(self, add: Callable[[int, CompletionDelta], object]) -> None:
         """Every delta, in order, into `add(prompt_index, delta)`; the run then succeeds. An engine failure

@@ -41,10 +41,18 @@ inline float as_float(at::BFloat16 x) {  // exact: a bfloat16 is the top half of
   return f;
 }
 
-// x rounded to T (round to nearest even; a NaN becomes bfloat16's canonical 0x7FC0), bit for bit what
-// c10::BFloat16(float) gives, in integer arithmetic the compiler vectorises: c10's constructor stays a
-// scalar call per element inside `omp simd` loops, which made the bfloat16 ops many times slower than
-// their float32 twins.
+// x rounded to bfloat16 (round to nearest even; a NaN becomes bfloat16's canonical 0x7FC0) as float32
+// bits: the bfloat16 in the top half, zeros below. Bit for bit what c10::BFloat16(float) gives, in integer
+// arithmetic the compiler vectorises: c10's constructor stays a scalar call per element inside `omp simd`
+// loops, which made the bfloat16 ops many times slower than their float32 twins.
+inline uint32_t bf16_rounded_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(float));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : rounded;
+}
+
+// x rounded to T (bf16_rounded_bits for bfloat16).
 template <typename T>
 inline T from_float(float x);
 
@@ -53,11 +61,7 @@ inline float from_float<float>(float x) { return x; }
 
 template <>
 inline at::BFloat16 from_float<at::BFloat16>(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(float));
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return at::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), at::BFloat16::from_bits());
+  return at::BFloat16(static_cast<uint16_t>(bf16_rounded_bits(x) >> 16), at::BFloat16::from_bits());
 }
 
 // x rounded to T and widened back to float32 (as_float(from_float<T>(x)), without leaving float lanes).
@@ -66,10 +70,7 @@ inline float round_to(float x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof(float));
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    const uint32_t bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : rounded;
+    const uint32_t bits = bf16_rounded_bits(x);
     float f;
     std::memcpy(&f, &bits, sizeof(float));
     return f;
