@@ -32,7 +32,9 @@ Two comparisons (each system runs in its own process; every round runs both, in 
 Shared cores (`--neighbour quiet spin`): each run happens once on a quiet machine and once beside a
 neighbour that keeps one core busy (a process spinning in a loop, started before the system and stopped
 after it), alternating; the tables get a `neighbour` column and the summary each system's spin/quiet
-ratio per round. `--systems tandem-base --baseline-tree DIR` is another tandem tree (e.g. `git -C <main> archive
+ratio per round. `--neighbour quota` runs each system inside a fresh cgroup whose CPU quota is
+`--quota-cpus` (default 1: one core of two taken, as a Kubernetes CPU limit takes it; needs root and a
+cgroup cpu controller, v2 or v1), the benchmark's client outside it. `--systems tandem-base --baseline-tree DIR` is another tandem tree (e.g. `git -C <main> archive
 HEAD | tar -x -C DIR`) run beside this one, alternating, e.g. the frontend's CPU per token before and after a
 change: `served --systems tandem tandem-base --baseline-tree /tmp/base --concurrency 16`. `--systems tandem-static` is tandem with its thread governor off
 (TANDEM_CPU_THREAD_GOVERNOR=0: the OpenMP team stays one thread per core whoever else runs).
@@ -144,7 +146,7 @@ def _child(python: str, argv: list[str], timeout: float, tree: Path, env_extra: 
            ) -> dict[str, Any]:
     env = {**os.environ, "TANDEM_TREE": str(tree), **(env_extra or {})}
     proc = subprocess.run([python, str(Path(__file__).resolve()), *argv], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, preexec_fn=_in_quota)
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:3]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return _result(proc.stdout)
@@ -246,7 +248,7 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
     port, name = _free_port(), Path(args.model).name
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(_server_command(system, args, dtype, port, name), stdout=log, stderr=log,
-                                  start_new_session=True, env={**os.environ, "PYTHONPATH": str(_tree(system, args)),
+                                  start_new_session=True, preexec_fn=_in_quota, env={**os.environ, "PYTHONPATH": str(_tree(system, args)),
                                                                **_system_env(system)})
         try:
             # /health, not /v1/models: tandem's frontend lists the model before its engine has loaded
@@ -298,7 +300,7 @@ Results = dict[tuple[str, str], list[dict[str, Any]]]  # (dtype, system) -> one 
 def _rounds(args: argparse.Namespace, columns: list[str], run: Any, cells: Any) -> Results:
     """Every round runs every system in every dtype, under every neighbour condition (alternating, so
     drift hits all alike); a table row per run: `run(system, dtype)` gives the result, `cells(result)` its
-    columns. Results are keyed (dtype, system) on a quiet machine, (dtype, system + "@spin") beside one."""
+    columns. Results are keyed (dtype, system) on a quiet machine, (dtype, system + "@" + condition) otherwise."""
     results: Results = {}
     print("| round | dtype | system | neighbour | " + " | ".join(columns) + " |")
     print("|---" * (4 + len(columns)) + "|")
@@ -306,7 +308,7 @@ def _rounds(args: argparse.Namespace, columns: list[str], run: Any, cells: Any) 
         for dtype in args.dtype:
             for system in args.systems:
                 for condition in args.neighbour:
-                    with _neighbour(condition):
+                    with _neighbour(condition, args.quota_cpus):
                         r = run(system, dtype)
                     key = system if condition == "quiet" else f"{system}@{condition}"
                     results.setdefault((dtype, key), []).append(r)
@@ -315,20 +317,63 @@ def _rounds(args: argparse.Namespace, columns: list[str], run: Any, cells: Any) 
 
 
 class _neighbour:
-    """`spin`: a process keeping one core busy for the duration; `quiet`: nothing."""
+    """`spin`: a process keeping one core busy for the duration; `quota`: the system's processes in a
+    cgroup limited to `quota_cpus` CPUs (`_in_quota` puts a child there); `quiet`: nothing."""
 
-    def __init__(self, condition: str) -> None:
+    cgroup: Path | None = None  # the cgroup a system's process joins while a `quota` condition runs
+
+    def __init__(self, condition: str, quota_cpus: float = 1.0) -> None:
         self.condition = condition
+        self.quota_cpus = quota_cpus
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> None:
         if self.condition == "spin":
             self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        elif self.condition == "quota":
+            _neighbour.cgroup = _quota_cgroup(self.quota_cpus)
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+        if _neighbour.cgroup is not None:
+            cgroup, _neighbour.cgroup = _neighbour.cgroup, None
+            for _ in range(100):  # the system's last processes may still be exiting
+                try:
+                    cgroup.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def _quota_cgroup(cpus: float) -> Path:
+    """A fresh cgroup whose CPU quota is `cpus` CPUs: v2 (`cpu.max`) where the unified hierarchy has the cpu
+    controller, else v1's cpu controller (`cpu.cfs_quota_us`)."""
+    name, period = f"tandem-bench-{os.getpid()}", 100_000
+    unified = Path("/sys/fs/cgroup")
+    try:
+        controllers = unified / "cgroup.controllers"
+        if controllers.exists() and "cpu" in controllers.read_text().split():
+            cgroup = unified / name
+            cgroup.mkdir()
+            (cgroup / "cpu.max").write_text(f"{round(cpus * period)} {period}\n")
+        else:
+            cgroup = Path("/sys/fs/cgroup/cpu") / name
+            cgroup.mkdir()
+            (cgroup / "cpu.cfs_period_us").write_text(f"{period}\n")
+            (cgroup / "cpu.cfs_quota_us").write_text(f"{round(cpus * period)}\n")
+    except OSError as exc:
+        raise SystemExit(f"--neighbour quota: cannot make a cgroup with a CPU quota here ({exc}); "
+                         "it needs root and a cgroup cpu controller") from exc
+    return cgroup
+
+
+def _in_quota() -> None:
+    """preexec_fn of a system's process: join the quota's cgroup (when one is set) before exec, so every
+    process it starts is limited too."""
+    if _neighbour.cgroup is not None:
+        (_neighbour.cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
 
 
 def _tree(system: str, args: argparse.Namespace) -> Path:
@@ -376,16 +421,18 @@ def served(args: argparse.Namespace) -> None:
 
 def _print_ratios(args: argparse.Namespace, results: Results, metrics: tuple[tuple[str, str], ...]) -> None:
     """Per dtype, tandem / vLLM of each (key, label) metric, round by round (when both systems ran); with a
-    neighbour, each system's spin / quiet ratio of the first metric, round by round."""
+    neighbour or a quota, each system's loaded / quiet ratio of the first metric, round by round."""
     print()
     key, label = metrics[0]
+    shared = {"spin": "beside a spinning neighbour", "quota": f"under a {args.quota_cpus:g}-CPU quota"}
     for dtype in args.dtype:
         for system in args.systems:
-            quiet, spun = results.get((dtype, system)), results.get((dtype, f"{system}@spin"))
-            if quiet and spun:
-                ratios = [s[key] / q[key] for q, s in zip(quiet, spun)]
-                print(f"{dtype}: {system} beside a spinning neighbour / quiet, {label}: "
-                      f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
+            for condition, words in shared.items():
+                quiet, loaded = results.get((dtype, system)), results.get((dtype, f"{system}@{condition}"))
+                if quiet and loaded:
+                    ratios = [s[key] / q[key] for q, s in zip(quiet, loaded)]
+                    print(f"{dtype}: {system} {words} / quiet, {label}: "
+                          f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
     for dtype in args.dtype if {"tandem", "vllm"} <= set(args.systems) else []:
         t, v = results[(dtype, "tandem")], results[(dtype, "vllm")]
         parts = [f"{label} {', '.join(f'{a[key] / b[key]:.2f}' for a, b in zip(t, v))}" for key, label in metrics]
@@ -409,8 +456,10 @@ def main() -> int:
     ap.add_argument("--served-workload", choices=sorted(SERVED_WORKLOADS), default="bench",
                     help="served: bench = 256 in / 128 out; mix = prompt and output lengths uniform in [16, 255]")
     ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "tandem-static", "tandem-base", "vllm"))
-    ap.add_argument("--neighbour", nargs="+", default=["quiet"], choices=("quiet", "spin"),
-                    help="run each system on a quiet machine and/or beside a process spinning on one core")
+    ap.add_argument("--neighbour", nargs="+", default=["quiet"], choices=("quiet", "spin", "quota"),
+                    help="run each system on a quiet machine, beside a process spinning on one core, and/or "
+                         "in a cgroup with a CPU quota (--quota-cpus)")
+    ap.add_argument("--quota-cpus", type=float, default=1.0, help="--neighbour quota: the cgroup's CPUs")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--tandem-tree", type=Path, default=ROOT,
                     help="the tandem source tree to run (default: this one; e.g. a `git archive` of main)")

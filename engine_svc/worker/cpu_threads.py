@@ -2,8 +2,9 @@
 while other processes hold some of those cores (`ThreadGovernor`).
 
 "Cores it may use" is the process's CPU affinity mask (taskset, cpusets, NUMA binding), capped by a
-cgroup CPU quota when there is one (a Kubernetes CPU limit: a pod limited to 4 CPUs on a 64-core node
-would otherwise start 64 threads, and every parallel op would wait on threads the quota has descheduled).
+cgroup CPU quota when there is one (cgroup_quota.py: a Kubernetes CPU limit: a pod limited to 4 CPUs on a
+64-core node would otherwise start 64 threads, and every parallel op would wait on threads the quota has
+descheduled).
 An explicit OMP_NUM_THREADS wins. Ranks of one engine divide the cores, so TP ranks on one host never
 oversubscribe them.
 
@@ -34,8 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-_CGROUP_V2_MAX = Path("/sys/fs/cgroup/cpu.max")
-_CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
+from engine_svc.worker.cgroup_quota import cgroup_cpu_quota
 
 
 def _affinity_cpus() -> int:
@@ -43,21 +43,6 @@ def _affinity_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def cgroup_cpu_quota(v2_max: Path = _CGROUP_V2_MAX, v1_dir: Path = _CGROUP_V1) -> float | None:
-    """The CPUs a cgroup quota allows (quota / period, e.g. 2.5), or None without a quota."""
-    try:
-        quota, period = v2_max.read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota_us = int((v1_dir / "cpu.cfs_quota_us").read_text())
-        period_us = int((v1_dir / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
-        return None
-    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
 def available_cpus() -> int:

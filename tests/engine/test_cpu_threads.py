@@ -14,21 +14,6 @@ from engine_svc.worker import cpu_threads
 from engine_svc.worker.worker import Worker
 
 
-def test_cgroup_quota_v2_v1_and_none(tmp_path) -> None:
-    v2, v1 = tmp_path / "cpu.max", tmp_path / "v1"
-    v1.mkdir()
-    v2.write_text("250000 100000\n")
-    assert cpu_threads.cgroup_cpu_quota(v2, v1) == 2.5
-    v2.write_text("max 100000\n")
-    assert cpu_threads.cgroup_cpu_quota(v2, v1) is None
-    v2.unlink()
-    (v1 / "cpu.cfs_quota_us").write_text("400000\n")
-    (v1 / "cpu.cfs_period_us").write_text("100000\n")
-    assert cpu_threads.cgroup_cpu_quota(v2, v1) == 4.0
-    (v1 / "cpu.cfs_quota_us").write_text("-1\n")  # v1's "no quota"
-    assert cpu_threads.cgroup_cpu_quota(v2, v1) is None
-
-
 def test_threads_follow_affinity_quota_and_ranks(monkeypatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpu_threads, "_affinity_cpus", lambda: 64)
