@@ -34,7 +34,8 @@ neighbour that keeps one core busy (a process spinning in a loop, started before
 after it), alternating; the tables get a `neighbour` column and the summary each system's spin/quiet
 ratio per round. `--neighbour quota` runs each system inside a fresh cgroup whose CPU quota is
 `--quota-cpus` (default 1: one core of two taken, as a Kubernetes CPU limit takes it; needs root and a
-cgroup cpu controller, v2 or v1), the benchmark's client outside it. `--systems tandem-base --baseline-tree DIR` is another tandem tree (e.g. `git -C <main> archive
+cgroup cpu controller, v2 or v1), the benchmark's client outside it; `--neighbour one-core` runs it on CPU 0 alone: what
+a neighbour on the other core must cost, at least. `--systems tandem-base --baseline-tree DIR` is another tandem tree (e.g. `git -C <main> archive
 HEAD | tar -x -C DIR`) run beside this one, alternating, e.g. the frontend's CPU per token before and after a
 change: `served --systems tandem tandem-base --baseline-tree /tmp/base --concurrency 16`. `--systems tandem-static` is tandem with its thread governor off
 (TANDEM_CPU_THREAD_GOVERNOR=0: the OpenMP team stays one thread per core whoever else runs).
@@ -146,7 +147,7 @@ def _child(python: str, argv: list[str], timeout: float, tree: Path, env_extra: 
            ) -> dict[str, Any]:
     env = {**os.environ, "TANDEM_TREE": str(tree), **(env_extra or {})}
     proc = subprocess.run([python, str(Path(__file__).resolve()), *argv], capture_output=True, text=True,
-                          timeout=timeout, env=env, preexec_fn=_in_quota)
+                          timeout=timeout, env=env, preexec_fn=_in_condition)
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:3]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return _result(proc.stdout)
@@ -248,7 +249,7 @@ def run_served(system: str, args: argparse.Namespace, dtype: str) -> dict[str, A
     port, name = _free_port(), Path(args.model).name
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(_server_command(system, args, dtype, port, name), stdout=log, stderr=log,
-                                  start_new_session=True, preexec_fn=_in_quota, env={**os.environ, "PYTHONPATH": str(_tree(system, args)),
+                                  start_new_session=True, preexec_fn=_in_condition, env={**os.environ, "PYTHONPATH": str(_tree(system, args)),
                                                                **_system_env(system)})
         try:
             # /health, not /v1/models: tandem's frontend lists the model before its engine has loaded
@@ -318,9 +319,12 @@ def _rounds(args: argparse.Namespace, columns: list[str], run: Any, cells: Any) 
 
 class _neighbour:
     """`spin`: a process keeping one core busy for the duration; `quota`: the system's processes in a
-    cgroup limited to `quota_cpus` CPUs (`_in_quota` puts a child there); `quiet`: nothing."""
+    cgroup limited to `quota_cpus` CPUs; `one-core`: the system's processes on CPU 0 alone (the reference
+    for what a neighbour on the other core must cost); `quiet`: nothing. `_in_condition` puts a system's
+    process under the condition."""
 
     cgroup: Path | None = None  # the cgroup a system's process joins while a `quota` condition runs
+    cpus: set[int] | None = None  # the affinity a system's process takes while `one-core` runs
 
     def __init__(self, condition: str, quota_cpus: float = 1.0) -> None:
         self.condition = condition
@@ -332,11 +336,14 @@ class _neighbour:
             self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         elif self.condition == "quota":
             _neighbour.cgroup = _quota_cgroup(self.quota_cpus)
+        elif self.condition == "one-core":
+            _neighbour.cpus = {0}
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
+        _neighbour.cpus = None
         if _neighbour.cgroup is not None:
             cgroup, _neighbour.cgroup = _neighbour.cgroup, None
             for _ in range(100):  # the system's last processes may still be exiting
@@ -369,11 +376,13 @@ def _quota_cgroup(cpus: float) -> Path:
     return cgroup
 
 
-def _in_quota() -> None:
-    """preexec_fn of a system's process: join the quota's cgroup (when one is set) before exec, so every
-    process it starts is limited too."""
+def _in_condition() -> None:
+    """preexec_fn of a system's process: join the quota's cgroup, or take the one core, when the condition
+    says so, before exec, so every process it starts is held to it too."""
     if _neighbour.cgroup is not None:
         (_neighbour.cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    if _neighbour.cpus is not None:
+        os.sched_setaffinity(0, _neighbour.cpus)
 
 
 def _tree(system: str, args: argparse.Namespace) -> Path:
@@ -424,7 +433,8 @@ def _print_ratios(args: argparse.Namespace, results: Results, metrics: tuple[tup
     neighbour or a quota, each system's loaded / quiet ratio of the first metric, round by round."""
     print()
     key, label = metrics[0]
-    shared = {"spin": "beside a spinning neighbour", "quota": f"under a {args.quota_cpus:g}-CPU quota"}
+    shared = {"spin": "beside a spinning neighbour", "quota": f"under a {args.quota_cpus:g}-CPU quota",
+              "one-core": "on one core alone"}
     for dtype in args.dtype:
         for system in args.systems:
             for condition, words in shared.items():
@@ -456,9 +466,9 @@ def main() -> int:
     ap.add_argument("--served-workload", choices=sorted(SERVED_WORKLOADS), default="bench",
                     help="served: bench = 256 in / 128 out; mix = prompt and output lengths uniform in [16, 255]")
     ap.add_argument("--systems", nargs="+", default=["tandem", "vllm"], choices=("tandem", "tandem-static", "tandem-base", "vllm"))
-    ap.add_argument("--neighbour", nargs="+", default=["quiet"], choices=("quiet", "spin", "quota"),
-                    help="run each system on a quiet machine, beside a process spinning on one core, and/or "
-                         "in a cgroup with a CPU quota (--quota-cpus)")
+    ap.add_argument("--neighbour", nargs="+", default=["quiet"], choices=("quiet", "spin", "quota", "one-core"),
+                    help="run each system on a quiet machine, beside a process spinning on one core, "
+                         "in a cgroup with a CPU quota (--quota-cpus), and/or on CPU 0 alone")
     ap.add_argument("--quota-cpus", type=float, default=1.0, help="--neighbour quota: the cgroup's CPUs")
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--tandem-tree", type=Path, default=ROOT,
