@@ -45,7 +45,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_svc.anthropic import routes as messages_routes
 from frontend_svc.anthropic.errors import error_response as anthropic_error
-from frontend_svc.generation import GenerationBackend
+from frontend_svc.generation import GenerationBackend, prepares_inline
 from frontend_svc.openai import bodies, kv_transfer, sse, tools
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import (
@@ -62,6 +62,7 @@ from frontend_svc.openai.http_io import (
     DISCONNECTED,
     JSON,
     BodyLimits,
+    body_size,
     collected_answer,
     error_response,
     guarded,
@@ -257,7 +258,8 @@ class OpenAIApi:
                                             len(prompts), self.texts, params.logprobs,
                                             bodies.extras(body, self.fingerprint))
         run = Run(self.frontend, header_pairs(request), "/v1/completions", prompts, params, request_id,
-                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv)
+                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv,
+                  inline=prepares_inline(body_size(request)))
         return await self._respond(request, run, builder, body, request_id)
 
     async def _chat(self, request: Request) -> Response:
@@ -278,7 +280,8 @@ class OpenAIApi:
                                       extras=bodies.extras(body, self.fingerprint))
         builder.with_tool_calls(tools.tool_calls_factory(body, self.tool_call_parser))
         run = Run(self.frontend, header_pairs(request), "/v1/chat/completions", [prompt], params, request_id,
-                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv)
+                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv,
+                  inline=prepares_inline(body_size(request), body.chat_template))
         return await self._respond(request, run, builder, body, request_id)
 
     def _check_chat_template(self, template: str | None) -> None:

@@ -45,8 +45,10 @@ class Run:
     def __init__(self, frontend: GenerationBackend, headers: Sequence[tuple[str, str]], route: str,
                  prompts: Sequence[Prompt], params: SamplingParams, request_id: str, priority: int,
                  names: FieldNames, options: PromptOptions | None = None, lora_name: str = "",
-                 kv_transfer_params: KvTransferParams | None = None) -> None:
+                 kv_transfer_params: KvTransferParams | None = None, inline: bool = False) -> None:
+        """`inline`: prepare the prompts on the event loop (a small request: `prepares_inline`)."""
         self._frontend = frontend
+        self._inline = inline
         self._lora_name = lora_name  # the LoRA adapter every prompt runs under ("" = the base model)
         self._kv_transfer_params = kv_transfer_params  # P/D driven by the client (openai/kv_transfer.py)
         self._headers = list(headers)
@@ -70,7 +72,7 @@ class Run:
                                     {"http.request.method": "POST", "http.route": self._route})
                 self._calls.append(call)
                 self._generations.append(f.open_generation(self._params.n, call))
-            self.prepared = list(await asyncio.gather(*(g.start(self._prepare(prompt))
+            self.prepared = list(await asyncio.gather(*(g.start(self._prepare(prompt), self._inline)
                                                         for g, prompt in zip(self._generations, self._prompts))))
         except (ValidationError, ServiceError) as exc:
             error = api_error(exc, self._names)
