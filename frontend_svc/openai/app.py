@@ -333,21 +333,30 @@ async def _collect(run: Run, builder: Builder) -> str:
 
 
 async def _stream(run: Run, builder: Builder, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: chunks per batch, the usage chunk if asked, `[DONE]`; an engine error as an event."""
+    """The SSE body: chunks per batch, the usage chunk if asked, `[DONE]`; an engine error as an event.
+
+    The batch that finishes the last completion is not written alone: its events, the usage chunk and
+    `[DONE]` leave in one write (one socket write and one HTTP chunk at the end of a stream, not three);
+    every earlier batch is written as it comes."""
+    tail, unfinished = "", run.num_completions
     try:
         if isinstance(builder, bodies.ChatBuilder):
             yield sse.events(builder.role_chunks(include_usage))
         async for prompt_index, batch in run.batches():
             chunks = [c for c in (builder.chunk(prompt_index, d, include_usage) for d in batch) if c is not None]
+            unfinished -= sum(d.finish_reason is not None for d in batch)
             if chunks:
-                yield sse.events(chunks)
+                if unfinished > 0:
+                    yield sse.events(chunks)
+                else:
+                    tail += sse.events(chunks)
         if include_usage:
-            yield sse.event(builder.usage_chunk())
+            tail += sse.event(builder.usage_chunk())
         run.succeed()
     except ServiceError as exc:
         run.fail(code_name(exc.code), exc.message)
-        yield sse.event(from_service(exc).body().model_dump_json())
-    yield sse.DONE
+        tail += sse.event(from_service(exc).body().model_dump_json())
+    yield tail + sse.DONE
 
 
 def _direct_writer(run: Run, builder: Builder, include_usage: bool) -> Callable[[RawBody], None]:

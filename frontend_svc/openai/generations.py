@@ -103,6 +103,11 @@ class Run:
             return prepared
         return prepare
 
+    @property
+    def num_completions(self) -> int:
+        """Completions the request runs: n for each prompt."""
+        return len(self._prompts) * self._params.n
+
     async def batches(self) -> AsyncIterator[tuple[int, list[CompletionDelta]]]:
         """(prompt index, deltas) until every completion finished; raises ServiceError from the engine."""
         if len(self._generations) == 1:
