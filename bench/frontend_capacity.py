@@ -260,7 +260,7 @@ async def _sse_streams(job: Job, timing: Result) -> tuple[int, int]:
             start = time.perf_counter()
             reader, writer = connection or await asyncio.open_connection(host, int(port))
             writer.write(job.payload)
-            parts = []
+            parts: list[bytes] = []
             if job.keep_alive:  # read up to the chunked body's last chunk; the connection stays open
                 connection, tail = (reader, writer), b""
                 while not tail.endswith(LAST_CHUNK):

@@ -37,7 +37,8 @@ def http_chunks(stack: HttpStack, path: str, body: dict[str, Any]) -> list[bytes
             raw += part
     head, _, rest = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower(), raw[:300]
-    chunks, pos = [], 0
+    chunks: list[bytes] = []
+    pos = 0
     while True:
         end = rest.index(b"\r\n", pos)
         size = int(rest[pos:end], 16)
