@@ -311,7 +311,9 @@ class OpenAIApi:
     async def _respond(self, request: Request, run: Run, builder: Builder,
                        body: p.CompletionRequest | p.ChatCompletionRequest, request_id: str) -> Response:
         headers = {"X-Request-Id": request_id}
-        if await unless_disconnected(request, run.start()) is DISCONNECTED:
+        if run.starts_at_once:  # nothing to race the client's disconnect against (the stream watches it)
+            await run.start()
+        elif await unless_disconnected(request, run.start()) is DISCONNECTED:
             return Response(status_code=499)
         builder.prompts = [self._prompt_info(prepared, builder.extras.echo) for prepared in run.prepared]
         if body.stream:

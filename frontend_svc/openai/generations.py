@@ -72,8 +72,11 @@ class Run:
                                     {"http.request.method": "POST", "http.route": self._route})
                 self._calls.append(call)
                 self._generations.append(f.open_generation(self._params.n, call))
-            self.prepared = list(await asyncio.gather(*(g.start(self._prepare(prompt), self._inline)
-                                                        for g, prompt in zip(self._generations, self._prompts))))
+            if len(self._generations) == 1:  # no task for one prompt (prepared inline, it never suspends)
+                self.prepared = [await self._generations[0].start(self._prepare(self._prompts[0]), self._inline)]
+            else:
+                self.prepared = list(await asyncio.gather(*(g.start(self._prepare(prompt), self._inline)
+                                                            for g, prompt in zip(self._generations, self._prompts))))
         except (ValidationError, ServiceError) as exc:
             error = api_error(exc, self._names)
             self.fail(code_name(exc.code) if isinstance(exc, ServiceError) else "INVALID_ARGUMENT", error.message)
@@ -102,6 +105,12 @@ class Run:
             prepared.kv_transfer_params = kv_transfer_params
             return prepared
         return prepare
+
+    @property
+    def starts_at_once(self) -> bool:
+        """`start()` completes without suspending: one prompt, prepared on the loop (so there is no wait
+        during which the client could go away)."""
+        return self._inline and len(self._prompts) == 1
 
     @property
     def num_completions(self) -> int:

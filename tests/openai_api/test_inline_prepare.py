@@ -118,3 +118,25 @@ def test_grpc_generate_small_on_the_loop_large_on_the_pool(stack: HttpStack, whe
             responses = list(client.generate(prompt, max_tokens=3, timeout=30))
             assert sum(len(r.token_ids) for r in responses) == 3
     assert where.take() == ["loop", "pool"]
+
+
+def test_a_small_request_starts_without_racing_a_disconnect_watch(stack: HttpStack, where: Where,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prepared on the loop, a one-prompt request's start never waits, so no watch task is set up for it
+    (`unless_disconnected`); a request prepared on the pool, or with several prompts, still gets one."""
+    from frontend_svc.openai import app
+
+    raced: list[str] = []
+    real = app.unless_disconnected
+
+    async def counting(request: Any, work: Any) -> Any:
+        raced.append(request.url.path)
+        return await real(request, work)
+
+    monkeypatch.setattr(app, "unless_disconnected", counting)
+    assert completion(stack, SMALL, stream=True).status_code == 200
+    assert raced == []
+    assert completion(stack, LARGE, stream=True).status_code == 200
+    assert completion(stack, [SMALL, SMALL]).status_code == 200
+    assert raced == ["/v1/completions", "/v1/completions"]
+    assert where.take() == ["loop", "pool", "loop", "loop"]
