@@ -124,16 +124,15 @@ def test_a_small_request_starts_without_racing_a_disconnect_watch(stack: HttpSta
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Prepared on the loop, a one-prompt request's start never waits, so no watch task is set up for it
     (`unless_disconnected`); a request prepared on the pool, or with several prompts, still gets one."""
-    from frontend_svc.openai import app
+    from frontend_svc.openai.http_io import unless_disconnected as real
 
     raced: list[str] = []
-    real = app.unless_disconnected
 
     async def counting(request: Any, work: Any) -> Any:
         raced.append(request.url.path)
         return await real(request, work)
 
-    monkeypatch.setattr(app, "unless_disconnected", counting)
+    monkeypatch.setattr("frontend_svc.openai.app.unless_disconnected", counting)
     assert completion(stack, SMALL, stream=True).status_code == 200
     assert raced == []
     assert completion(stack, LARGE, stream=True).status_code == 200
