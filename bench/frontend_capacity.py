@@ -38,13 +38,10 @@ so that drift on a noisy machine does not favour one; the summary is the median 
     python bench/frontend_capacity.py [--regime capacity|kept-up] [--step-ms MS] [--streams 128] [--tokens 256] [--clients 4] [--rounds 3]
         [--apis grpc openai] [--cases plain stop logprobs stop+logprobs] [--stream-interval N [N ...]]
         [--pin] [--baseline DIR [--baseline-stream-interval N]] [--profile DIR] [--variant LABEL:NAME=VALUE[;NAME=VALUE...] ...]
-        [--calls N] [--sse-route chat|completions] [--keep-alive] [--threads] [--idle S]
+        [--calls N] [--threads] [--idle S]
 
 `--calls N`: each stream makes N calls one after another (gRPC and SSE clients), so a run of short streams
 (`--tokens 2`: what a request costs apart from its tokens) lasts long enough for /proc's 10 ms CPU clock.
-`--sse-route completions` sends SSE calls as vLLM's benchmark client does (`/v1/completions` with QUESTION as
-the prompt, stream, usage) instead of chat completions; `--keep-alive` makes a stream's SSE calls share one
-HTTP/1.1 connection (as that client's aiohttp session does) instead of opening one per call.
 `--threads` prints the frontend's CPU per call by thread ("main" is the event loop; the tokenizer pool's and
 grpc's aio poller are Python threads under the process's name, grpc's C threads are "event_engine").
 
@@ -117,7 +114,6 @@ STOP_STRINGS = ["\nUser:", "<|im_end|>", "THE END", "###"]  # none occurs in the
 TOP_LOGPROBS = 5
 QUESTION = "Tell me a long story about a lighthouse keeper."
 GENERATE = "/tandem.v1.GenerationService/Generate"
-LAST_CHUNK = b"\r\n0\r\n\r\n"  # a chunked HTTP/1.1 body's end (after an SSE event's own chunk)
 START_TIMEOUT_S = 120.0
 PASSAGE = (
     "The lighthouse stood at the edge of the world, or so it seemed to Mara on the night she arrived. "
@@ -162,8 +158,6 @@ class Job:
     payload: bytes  # a serialized GenerateRequest, or an HTTP request
     address: str
     calls: int = 1  # calls each stream makes one after another (gRPC and SSE clients)
-    keep_alive: bool = False  # SSE: a stream's calls share one HTTP/1.1 connection
-    role_chunk: bool = True  # SSE: the response starts with a role chunk (chat completions)
 
 
 @dataclass
@@ -255,44 +249,31 @@ async def _sse_streams(job: Job, timing: Result) -> tuple[int, int]:
 
     async def one() -> tuple[int, int]:
         tokens = events = 0
-        connection = None
         for _ in range(job.calls):
             start = time.perf_counter()
-            reader, writer = connection or await asyncio.open_connection(host, int(port))
+            reader, writer = await asyncio.open_connection(host, int(port))
             writer.write(job.payload)
-            parts: list[bytes] = []
-            if job.keep_alive:  # read up to the chunked body's last chunk; the connection stays open
-                connection, tail = (reader, writer), b""
-                while not tail.endswith(LAST_CHUNK):
-                    data = await reader.read(1 << 16)
-                    if not data:
-                        raise RuntimeError(f"the connection closed mid-response: {b''.join(parts)[:300]!r}")
-                    parts.append(data)
-                    tail = (tail + data)[-len(LAST_CHUNK):]
-            else:
-                while data := await reader.read(1 << 16):
-                    parts.append(data)
-                writer.close()
+            parts = []
+            while data := await reader.read(1 << 16):
+                parts.append(data)
+            writer.close()
             timing.stream_s.append(time.perf_counter() - start)
-            got = _sse_usage(b"".join(parts), job.role_chunk)
+            got = _sse_usage(b"".join(parts))
             tokens, events = tokens + got[0], events + got[1]
-        if connection is not None:
-            connection[1].close()
         return tokens, events
 
     done = await asyncio.gather(*(one() for _ in range(job.streams)))
     return sum(t for t, _ in done), sum(m for _, m in done)
 
 
-def _sse_usage(raw: bytes, role_chunk: bool = True) -> tuple[int, int]:
-    """(completion tokens from the usage chunk, events that carried output) of one raw HTTP response
-    (`role_chunk`: a chat completion's, whose first event carries no output)."""
+def _sse_usage(raw: bytes) -> tuple[int, int]:
+    """(completion tokens from the usage chunk, events that carried output) of one raw HTTP response."""
     head, _, body = raw.partition(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(f"HTTP error: {raw[:300]!r}")
     events = [e for e in _dechunk(body).split(b"\n\n") if e.startswith(b"data: ")]
     usage = json.loads(events[-2][len(b"data: "):])["usage"]  # the last before [DONE]
-    return int(usage["completion_tokens"]), len(events) - 2 - role_chunk  # not the role chunk, usage and [DONE]
+    return int(usage["completion_tokens"]), len(events) - 3  # not the role chunk, usage and [DONE]
 
 
 def _dechunk(body: bytes) -> bytes:
@@ -360,25 +341,18 @@ def grpc_payload(case: str, tokens: int) -> bytes:
     return request.SerializeToString()
 
 
-def http_payload(case: str, tokens: int, address: str, route: str = "chat", keep_alive: bool = False) -> bytes:
-    """The HTTP request of one SSE call: a chat completion of QUESTION, or (`route` "completions", what
-    vLLM's benchmark client sends) a completion of it as a prompt."""
+def http_payload(case: str, tokens: int, address: str) -> bytes:
     stops, logprobs = case_params(case)
-    body: dict[str, Any] = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": tokens,
+                            "temperature": 0.0, "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}}
-    if route == "chat":
-        body["messages"] = [{"role": "user", "content": QUESTION}]
-    else:
-        body["prompt"] = QUESTION
     if stops:
         body["stop"] = stops
     if logprobs:
-        body["logprobs"], body["top_logprobs"] = (True, TOP_LOGPROBS) if route == "chat" else (TOP_LOGPROBS, None)
-        body = {k: v for k, v in body.items() if v is not None}
+        body["logprobs"], body["top_logprobs"] = True, TOP_LOGPROBS
     data = json.dumps(body).encode()
-    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    head = (f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n{'' if keep_alive else 'Connection: close' + chr(13) + chr(10)}\r\n")
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n")
     return head.encode() + data
 
 
@@ -488,7 +462,7 @@ class Bench:
             address, payload = f"127.0.0.1:{frontend.grpc_port}", grpc_payload(case, tokens)
         else:
             address = f"127.0.0.1:{frontend.http_port}"
-            payload = http_payload(case, tokens, address, self.args.sse_route, self.args.keep_alive)
+            payload = http_payload(case, tokens, address)
         shares = [streams // len(self.jobs) + (i < streams % len(self.jobs)) for i in range(len(self.jobs))]
         pid = frontend.process.pid
         spy = self._spy(profile, pid) if profile is not None else None
@@ -497,7 +471,7 @@ class Bench:
         threads0 = thread_cpu_seconds(pid) if self.args.threads else {}
         start = time.perf_counter()
         for queue, share in zip(self.jobs, shares):
-            queue.put(Job(api, share, payload, address, calls, self.args.keep_alive, self.args.sse_route == "chat"))
+            queue.put(Job(api, share, payload, address, calls))
         results = [self.results.get() for _ in self.jobs]
         wall = time.perf_counter() - start
         frontend_s, engine_s = cpu_seconds(pid) - frontend0, cpu_seconds(self.engine_pid) - engine0
@@ -570,12 +544,6 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1,
                         help="calls each stream makes one after another (gRPC and SSE; per-request cost at few tokens)")
     parser.add_argument("--clients", type=int, default=4, help="client processes sharing the streams")
-    parser.add_argument("--sse-route", choices=("chat", "completions"), default="chat",
-                        help="SSE calls: chat completions of a question, or completions of it as a prompt (vLLM's "
-                             "benchmark client's request)")
-    parser.add_argument("--keep-alive", action="store_true",
-                        help="SSE: a stream's calls reuse one HTTP/1.1 connection (vLLM's benchmark client's "
-                             "aiohttp session does); default: a connection per call")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--apis", nargs="+", choices=APIS, default=["grpc", "openai"],
                         help="grpc-node: gRPC from Node clients (@grpc/grpc-js, `make install`'s node_modules)")

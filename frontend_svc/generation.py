@@ -4,7 +4,7 @@ The gRPC servicer (grpc_api/servicer.py) and the OpenAI-compatible HTTP API both
 
     generation = frontend.open_generation(n, call)   # admission: ValidationError / ServiceError
     try:
-        await generation.start(prepare, inline)      # tokenize (off the loop unless small), route, submit
+        await generation.start(prepare)              # tokenize off the loop, route, submit
         async for deltas in generation.batches():    # merged per completion for a slow reader
             ...send them...
     finally:
@@ -21,10 +21,6 @@ Invariants:
   with a `ServiceError` carrying the engine's code.
 - With `write_directly`, the deltas its writer took never reach `batches()`; every finish and error
   still does, after them, and `close()` turns the writer off.
-- A prompt is prepared on the tokenizer pool unless its request is small (`prepares_inline`: a body or
-  message of at most `INLINE_PREPARE_BYTES`, no per-request chat template): then on the event loop, where
-  validating and tokenizing it costs less than the hand-off to a pool thread and back (a wake-up each
-  way), and blocks the loop no longer than a few hundred microseconds.
 
 `GenerationBackend` is everything an API layer may use of the frontend (as vLLM's API server sees only
 an `EngineClient`): `FrontendServer` implements it, the OpenAI layer takes nothing else.
@@ -54,14 +50,6 @@ from shared_runtime.security.auth import KeySet
 from shared_runtime.violations import ValidationError
 
 T = TypeVar("T")
-INLINE_PREPARE_BYTES = 4096  # requests (an HTTP body, a gRPC message) at most this large are prepared inline
-
-
-def prepares_inline(request_bytes: int | None, chat_template: str | None = None) -> bool:
-    """Whether a request of `request_bytes` (None: unknown, e.g. a chunked HTTP body) is prepared on the
-    event loop: small, and rendered by the model's chat template if by any (a per-request template is
-    arbitrary work)."""
-    return request_bytes is not None and request_bytes <= INLINE_PREPARE_BYTES and chat_template is None
 
 
 class GenerationBackend(Protocol):
@@ -192,25 +180,9 @@ class Generation:
         self._request: RequestState | None = None
         self._closed = False
 
-    async def start(self, prepare: Callable[[], PreparedRequest], inline: bool = False) -> PreparedRequest:
-        """Tokenize and validate with `prepare` on the tokenizer pool (`inline`: here, on the event loop; for
-        small requests only, `prepares_inline`), then send the request to an engine.
+    async def start(self, prepare: Callable[[], PreparedRequest]) -> PreparedRequest:
+        """Tokenize and validate with `prepare` on the tokenizer pool, then send the request to an engine.
         Raises ValidationError for bad input, ServiceError UNAVAILABLE when no engine is ready."""
-        if inline:
-            prepared = self.call.prepare(prepare)
-        else:
-            prepared = await self._prepare_on_pool(prepare)
-        engine_requests = self._processor.engine_requests(prepared, self.call.trace_headers())
-        try:
-            self._request = self._dispatcher.submit(prepared, engine_requests, self._collector,
-                                                    on_migration=self.call.migrated)
-        except EngineUnavailable as exc:
-            raise ServiceError(UNAVAILABLE, str(exc), "NO_READY_ENGINE") from None
-        connection = self._dispatcher.engine_of(self._request)
-        self.call.routed(connection.address if connection is not None else "", len(engine_requests))
-        return prepared
-
-    async def _prepare_on_pool(self, prepare: Callable[[], PreparedRequest]) -> PreparedRequest:
         self._preparing = self._pool.submit(self.call.prepare, prepare)
         try:
             prepared = await asyncio.wrap_future(self._preparing)
@@ -219,6 +191,14 @@ class Generation:
                 self._preparing = None  # (kept only while the pool still runs it: close() waits for it)
         if self._closed:  # the client left while the prompt was being tokenized
             raise asyncio.CancelledError
+        engine_requests = self._processor.engine_requests(prepared, self.call.trace_headers())
+        try:
+            self._request = self._dispatcher.submit(prepared, engine_requests, self._collector,
+                                                    on_migration=self.call.migrated)
+        except EngineUnavailable as exc:
+            raise ServiceError(UNAVAILABLE, str(exc), "NO_READY_ENGINE") from None
+        connection = self._dispatcher.engine_of(self._request)
+        self.call.routed(connection.address if connection is not None else "", len(engine_requests))
         return prepared
 
     async def batches(self) -> AsyncIterator[list[CompletionDelta]]:

@@ -22,7 +22,7 @@ import grpc
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-from frontend_svc.generation import GenerationBackend, prepares_inline
+from frontend_svc.generation import GenerationBackend
 from frontend_svc.grpc_api import status
 from frontend_svc.grpc_api.wire import (
     chat_from_pb,
@@ -72,7 +72,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         # garbage collection (a cancel or deadline during a write): the engine must not wait for that.
         context.add_done_callback(lambda _: generation.close())
         try:
-            await generation.start(lambda: prepare(f, request), prepares_inline(request.ByteSize()))
+            await generation.start(lambda: prepare(f, request))
             write = context.write
             async for deltas in generation.batches():
                 for delta in deltas:

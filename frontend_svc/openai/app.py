@@ -45,7 +45,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_svc.anthropic import routes as messages_routes
 from frontend_svc.anthropic.errors import error_response as anthropic_error
-from frontend_svc.generation import GenerationBackend, prepares_inline
+from frontend_svc.generation import GenerationBackend
 from frontend_svc.openai import bodies, kv_transfer, sse, tools
 from frontend_svc.openai import protocol as p
 from frontend_svc.openai.errors import (
@@ -62,7 +62,6 @@ from frontend_svc.openai.http_io import (
     DISCONNECTED,
     JSON,
     BodyLimits,
-    body_size,
     collected_answer,
     error_response,
     guarded,
@@ -258,8 +257,7 @@ class OpenAIApi:
                                             len(prompts), self.texts, params.logprobs,
                                             bodies.extras(body, self.fingerprint))
         run = Run(self.frontend, header_pairs(request), "/v1/completions", prompts, params, request_id,
-                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv,
-                  inline=prepares_inline(body_size(request)))
+                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv)
         return await self._respond(request, run, builder, body, request_id)
 
     async def _chat(self, request: Request) -> Response:
@@ -280,8 +278,7 @@ class OpenAIApi:
                                       extras=bodies.extras(body, self.fingerprint))
         builder.with_tool_calls(tools.tool_calls_factory(body, self.tool_call_parser))
         run = Run(self.frontend, header_pairs(request), "/v1/chat/completions", [prompt], params, request_id,
-                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv,
-                  inline=prepares_inline(body_size(request), body.chat_template))
+                  body.priority, names, bodies.prompt_options(body), lora_name=lora, kv_transfer_params=kv)
         return await self._respond(request, run, builder, body, request_id)
 
     def _check_chat_template(self, template: str | None) -> None:
@@ -311,9 +308,7 @@ class OpenAIApi:
     async def _respond(self, request: Request, run: Run, builder: Builder,
                        body: p.CompletionRequest | p.ChatCompletionRequest, request_id: str) -> Response:
         headers = {"X-Request-Id": request_id}
-        if run.starts_at_once:  # nothing to race the client's disconnect against (the stream watches it)
-            await run.start()
-        elif await unless_disconnected(request, run.start()) is DISCONNECTED:
+        if await unless_disconnected(request, run.start()) is DISCONNECTED:
             return Response(status_code=499)
         builder.prompts = [self._prompt_info(prepared, builder.extras.echo) for prepared in run.prepared]
         if body.stream:
@@ -335,30 +330,21 @@ async def _collect(run: Run, builder: Builder) -> str:
 
 
 async def _stream(run: Run, builder: Builder, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: chunks per batch, the usage chunk if asked, `[DONE]`; an engine error as an event.
-
-    The batch that finishes the last completion is not written alone: its events, the usage chunk and
-    `[DONE]` leave in one write (one socket write and one HTTP chunk at the end of a stream, not three);
-    every earlier batch is written as it comes."""
-    tail, unfinished = "", run.num_completions
+    """The SSE body: chunks per batch, the usage chunk if asked, `[DONE]`; an engine error as an event."""
     try:
         if isinstance(builder, bodies.ChatBuilder):
             yield sse.events(builder.role_chunks(include_usage))
         async for prompt_index, batch in run.batches():
             chunks = [c for c in (builder.chunk(prompt_index, d, include_usage) for d in batch) if c is not None]
-            unfinished -= sum(d.finish_reason is not None for d in batch)
             if chunks:
-                if unfinished > 0:
-                    yield sse.events(chunks)
-                else:
-                    tail += sse.events(chunks)
+                yield sse.events(chunks)
         if include_usage:
-            tail += sse.event(builder.usage_chunk())
+            yield sse.event(builder.usage_chunk())
         run.succeed()
     except ServiceError as exc:
         run.fail(code_name(exc.code), exc.message)
-        tail += sse.event(from_service(exc).body().model_dump_json())
-    yield tail + sse.DONE
+        yield sse.event(from_service(exc).body().model_dump_json())
+    yield sse.DONE
 
 
 def _direct_writer(run: Run, builder: Builder, include_usage: bool) -> Callable[[RawBody], None]:

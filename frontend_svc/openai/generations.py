@@ -45,10 +45,8 @@ class Run:
     def __init__(self, frontend: GenerationBackend, headers: Sequence[tuple[str, str]], route: str,
                  prompts: Sequence[Prompt], params: SamplingParams, request_id: str, priority: int,
                  names: FieldNames, options: PromptOptions | None = None, lora_name: str = "",
-                 kv_transfer_params: KvTransferParams | None = None, inline: bool = False) -> None:
-        """`inline`: prepare the prompts on the event loop (a small request: `prepares_inline`)."""
+                 kv_transfer_params: KvTransferParams | None = None) -> None:
         self._frontend = frontend
-        self._inline = inline
         self._lora_name = lora_name  # the LoRA adapter every prompt runs under ("" = the base model)
         self._kv_transfer_params = kv_transfer_params  # P/D driven by the client (openai/kv_transfer.py)
         self._headers = list(headers)
@@ -72,11 +70,8 @@ class Run:
                                     {"http.request.method": "POST", "http.route": self._route})
                 self._calls.append(call)
                 self._generations.append(f.open_generation(self._params.n, call))
-            if len(self._generations) == 1:  # no task for one prompt (prepared inline, it never suspends)
-                self.prepared = [await self._generations[0].start(self._prepare(self._prompts[0]), self._inline)]
-            else:
-                self.prepared = list(await asyncio.gather(*(g.start(self._prepare(prompt), self._inline)
-                                                            for g, prompt in zip(self._generations, self._prompts))))
+            self.prepared = list(await asyncio.gather(*(g.start(self._prepare(prompt))
+                                                        for g, prompt in zip(self._generations, self._prompts))))
         except (ValidationError, ServiceError) as exc:
             error = api_error(exc, self._names)
             self.fail(code_name(exc.code) if isinstance(exc, ServiceError) else "INVALID_ARGUMENT", error.message)
@@ -105,17 +100,6 @@ class Run:
             prepared.kv_transfer_params = kv_transfer_params
             return prepared
         return prepare
-
-    @property
-    def starts_at_once(self) -> bool:
-        """`start()` completes without suspending: one prompt, prepared on the loop (so there is no wait
-        during which the client could go away)."""
-        return self._inline and len(self._prompts) == 1
-
-    @property
-    def num_completions(self) -> int:
-        """Completions the request runs: n for each prompt."""
-        return len(self._prompts) * self._params.n
 
     async def batches(self) -> AsyncIterator[tuple[int, list[CompletionDelta]]]:
         """(prompt index, deltas) until every completion finished; raises ServiceError from the engine."""

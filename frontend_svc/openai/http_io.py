@@ -203,12 +203,5 @@ def pick_request_id(request: Request, in_body: str | None = None) -> str:
     return given
 
 
-def body_size(request: Request) -> int | None:
-    """The body's size in bytes from its Content-Length (None for a chunked body; `read_body` has checked
-    the header, and h11 that the body had that many bytes)."""
-    length = request.headers.get("content-length")
-    return int(length) if length is not None and length.isdigit() else None
-
-
 def header_pairs(request: Request) -> list[tuple[str, str]]:
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
