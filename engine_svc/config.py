@@ -37,15 +37,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # rank (engine_svc/executor/multiproc.py), "ray" one Ray actor per rank (engine_svc/executor/ray_executor.py).
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
-# CPU step sizes: a CPU step's cost grows with its tokens, so the step that carries the decodes must stay
-# short for their streams, yet a prompt that arrives while others decode should be prefilled in one step,
-# not several (its TTFT). So a step takes at most 512 tokens, and a prompt at most 256 of them while others
-# decode: a typical prompt (<= 256 tokens) goes whole into the step beside up to 256 decodes, a long one
-# goes 256 tokens a step, and the decodes are in every step. vLLM's CPU API server takes 2048-token steps
-# with no per-prompt cap; tandem's bound keeps a long prompt (or a burst of them) from stalling every
-# stream for seconds (BENCHMARKS.md, "Served on CPU: the step policy against vLLM").
-CPU_MAX_NUM_BATCHED_TOKENS = 512
-CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
+# CPU step sizes: a CPU step's cost grows with its tokens, so a 256-token step is already as efficient per
+# token as any larger one, and a 64-token prefill chunk beside decodes keeps their step, and a streaming
+# victim's gap, short however long the prompt (larger steps stalled every stream for seconds). Served,
+# the chunks do not set the median inter-token latency, the decode step does; larger chunks only trade
+# the victim's gap for the prompt's TTFT, so these stay (BENCHMARKS.md, "Served: step sizes and threads").
+CPU_MAX_NUM_BATCHED_TOKENS = 256
+CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
 # `--async-scheduling` when not given, by device (EngineConfig.resolved_async_scheduling; figures in
 # BENCHMARKS.md, "Async scheduling").
 ASYNC_SCHEDULING_DEFAULT = {"cpu": False, "cuda": False}
@@ -181,7 +179,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of sharded ones
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: GPU max(8192, min(max_model_len, 16384)), CPU 512
+    max_num_batched_tokens: int | None = None  # default: GPU max(8192, min(max_model_len, 16384)), CPU 256
     long_prefill_token_threshold: int | None = None  # per-request prefill chunk while others decode; 0 = off
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
@@ -412,9 +410,8 @@ class EngineConfig:
 
 def _fill_step_defaults(kwargs: dict[str, Any], max_model_len: int) -> None:
     """The step-size defaults, by device. On CUDA vLLM's: a large token budget, no per-request prefill
-    cap. On CPU, where a step is far slower, small ones (see CPU_MAX_NUM_BATCHED_TOKENS): while other
-    requests decode a prompt gets at most CPU_LONG_PREFILL_TOKEN_THRESHOLD tokens a step, so a long one
-    cannot stall their streams and a short one is prefilled in one step.
+    cap. On CPU, where a step is far slower, small ones (see CPU_MAX_NUM_BATCHED_TOKENS): a long
+    prompt is prefilled 64 tokens per step while other requests decode, so their streams keep flowing.
     The budget is never below max_num_seqs (a decode needs one token: fewer would starve some)."""
     cpu = kwargs.get("device") == "cpu"
     if kwargs.get("max_num_batched_tokens") is None:
@@ -540,11 +537,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     a("--block-size", type=int, default=16)
     a("--max-num-seqs", type=int, default=256)
     a("--max-num-batched-tokens", type=int, default=None,
-      help="tokens per engine step (default: CUDA max(8192, min(max_model_len, 16384)); CPU max(512, "
-           "--max-num-seqs): a CPU step's time grows with its tokens, and every decoding stream waits for it)")
+      help="tokens per engine step (default: CUDA max(8192, min(max_model_len, 16384)); CPU max(256, "
+           "--max-num-seqs), where a step of 256 tokens already takes ~0.4 s)")
     a("--long-prefill-token-threshold", type=int, default=None,
       help="while other requests decode, prefill a prompt at most this many tokens per step, so one long "
-           "prompt cannot stall their streams (vLLM's option; 0: off; default: CPU 256, CUDA 0)")
+           "prompt cannot stall their streams (vLLM's option; 0: off; default: CPU 64, CUDA 0)")
     a("--max-model-len", type=int, default=None)
     a("--gpu-memory-utilization", type=float, default=0.9)
     a("--kv-cache-memory-bytes", type=int, default=None)

@@ -47,9 +47,9 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path) -> None:
 def test_defaults_follow_the_model_and_device(llama_dir) -> None:
     cfg = EngineConfig.create(model=str(llama_dir), device="cpu")
     assert cfg.max_model_len == 2048  # the tiny model's max_position_embeddings
-    # CPU: short steps, long prompts prefilled 256 tokens a step beside decodes; CUDA: vLLM's defaults
-    assert (cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold) == (512, 256)
-    assert EngineConfig.create(model=str(llama_dir), device="cpu", max_num_seqs=1024).max_num_batched_tokens == 1024
+    # CPU: short steps, long prompts prefilled 64 tokens a step beside decodes; CUDA: vLLM's defaults
+    assert (cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold) == (256, 64)
+    assert EngineConfig.create(model=str(llama_dir), device="cpu", max_num_seqs=512).max_num_batched_tokens == 512
     gpu = EngineConfig.create(model=str(llama_dir), device="cuda")
     assert (gpu.max_num_batched_tokens, gpu.long_prefill_token_threshold) == (8192, 0)
     from engine_svc.config import cpu_bf16_is_faster
