@@ -86,10 +86,7 @@ def _levels(mount_point: Path, mount_root: str, path: str) -> list[Path]:
     if cgroup != root and root not in cgroup.parents:
         return [mount_point]
     relative = cgroup.relative_to(root)
-    levels = [mount_point / relative]
-    for parent in relative.parents:
-        levels.append(mount_point / parent)
-    return levels
+    return [mount_point / level for level in (relative, *relative.parents)]
 
 
 def _quota_v2(directory: Path) -> float | None:

@@ -2,9 +2,8 @@
 while other processes hold some of those cores (`ThreadGovernor`).
 
 "Cores it may use" is the process's CPU affinity mask (taskset, cpusets, NUMA binding), capped by a
-cgroup CPU quota when there is one (cgroup_quota.py: a Kubernetes CPU limit: a pod limited to 4 CPUs on a
-64-core node would otherwise start 64 threads, and every parallel op would wait on threads the quota has
-descheduled).
+cgroup CPU quota when there is one (read by cgroup_quota.py). A pod limited to 4 CPUs on a 64-core node
+would otherwise start 64 threads, and every parallel op would wait on threads the quota has descheduled.
 An explicit OMP_NUM_THREADS wins. Ranks of one engine divide the cores, so TP ranks on one host never
 oversubscribe them.
 
